@@ -1,0 +1,1 @@
+"""Pure per-capability policies: pod + container + config in, desired settings out."""

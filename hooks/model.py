@@ -1,0 +1,63 @@
+"""What the policies see: plain, immutable views of a pod, a container and the runtime.
+
+The NRI path builds these from protobuf messages (:mod:`nri_plugin.convert`), the reconciler from
+its node state; policies never see protobuf or the filesystem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+EMPTY_MAP: Mapping[str, str] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class PodInfo:
+    id: str
+    uid: str
+    name: str
+    namespace: str
+    labels: Mapping[str, str] = EMPTY_MAP
+    annotations: Mapping[str, str] = EMPTY_MAP
+    # CRI cgroup parent, e.g. /kubepods/besteffort/pod<uid> or kubepods-besteffort-pod<uid>.slice
+    cgroup_parent: str = ""
+    cgroups_path: str = ""
+    # Known only through the Kubernetes API (None without it).
+    priority: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerInfo:
+    id: str
+    pod_sandbox_id: str
+    name: str
+    labels: Mapping[str, str] = EMPTY_MAP
+    annotations: Mapping[str, str] = EMPTY_MAP
+    # OCI cgroupsPath: /kubepods/burstable/pod<uid>/<id> or
+    # kubepods-burstable-pod<uid>.slice:cri-containerd:<id>
+    cgroups_path: str = ""
+    pid: int = 0
+    # bytes; None means no limit
+    memory_limit: int | None = None
+    # bytes; known from the Kubernetes API, kubelet's memory.min or the spec's reservation
+    memory_request: int | None = None
+    # kubelet's value in the OCI spec
+    oom_score_adj: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeInfo:
+    """The connected runtime, as far as adjustments depend on it."""
+
+    name: str = ""
+    version: str = ""
+    # (major, minor, patch) of the runtime's NRI, None when unknown
+    nri_version: tuple[int, int, int] | None = None
+    # cgroup v2 host (unified keys apply) or v1
+    cgroup_v2: bool = False
+    extra: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
+
+    def nri_at_least(self, major: int, minor: int, patch: int = 0) -> bool:
+        return self.nri_version is not None and self.nri_version >= (major, minor, patch)

@@ -1,0 +1,1 @@
+"""nri-qos: containerd NRI plugin for colocating online and offline workloads."""

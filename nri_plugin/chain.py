@@ -1,0 +1,54 @@
+"""The hook chain: capabilities plugged into the NRI path, called in order for each event.
+
+A :class:`Hook` declares the events it needs (the plugin's subscription mask is derived from the
+hooks actually enabled) and overrides the matching methods. Hooks are synchronous: the stub runs
+the chain in a worker thread under the handler deadline, so a hook that blocks on a slow kernel
+file cannot hold up the event loop, and a deadline can still answer with what is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from nri_plugin.events import Event
+
+
+@dataclass(frozen=True, slots=True)
+class PodEvent:
+    pod: PodInfo
+    level: str
+    runtime: RuntimeInfo
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerEvent:
+    pod: PodInfo
+    container: ContainerInfo
+    level: str
+    runtime: RuntimeInfo
+
+
+class Hook:
+    """Base class of a capability; every method defaults to doing nothing."""
+
+    name: str = "hook"
+    events: frozenset[Event] = frozenset()
+
+    def run_pod_sandbox(self, event: PodEvent) -> None:
+        """Called at RunPodSandbox. Raising fails open (or the pod, in strict mode)."""
+
+    def remove_pod_sandbox(self, event: PodEvent) -> None:
+        """Called at RemovePodSandbox."""
+
+    def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        """Return this capability's part of the container's settings."""
+        return EMPTY_SETTINGS
+
+    def observe(self, event: Event, pod: PodInfo, container: ContainerInfo | None) -> None:
+        """Any other subscribed event (start, stop, remove, update ...): bookkeeping only."""
+
+    def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
+        """The runtime's complete view after (re)connecting."""

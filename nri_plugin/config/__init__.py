@@ -1,0 +1,1 @@
+"""Node configuration: frozen dataclasses with documented defaults, loaded from one TOML file."""

@@ -1,0 +1,287 @@
+"""Turn a parsed TOML document into the frozen config dataclasses, or say exactly what is wrong.
+
+The loader is generic: it walks the dataclass tree of :class:`nri_plugin.config.schema.Config` and
+checks every value against its type annotation and its :class:`SettingMeta`. Every problem is
+reported with the full key path (``memory.levels.reclaimed_cores.high_ratio: must be 0..100, got
+140``), and all problems of a file are reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nri_plugin.config.fields import SettingMeta, frozen_map, meta_of
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_FACTORS = {
+    "": 1, "B": 1,
+    "K": 1000, "KB": 1000, "KI": 1 << 10, "KIB": 1 << 10,
+    "M": 1000**2, "MB": 1000**2, "MI": 1 << 20, "MIB": 1 << 20,
+    "G": 1000**3, "GB": 1000**3, "GI": 1 << 30, "GIB": 1 << 30,
+    "T": 1000**4, "TB": 1000**4, "TI": 1 << 40, "TIB": 1 << 40,
+}
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; ``errors`` holds one line per problem, with its key path."""
+
+    def __init__(self, errors: list[str], source: str = "") -> None:
+        self.errors = tuple(errors)
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(where + "; ".join(self.errors))
+
+
+def parse_size(text: str) -> int:
+    """Parse ``"4Gi"``, ``"512MiB"``, ``"100M"`` or ``"4096"`` into bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a byte size: {text!r} (use e.g. 4Gi, 512Mi, 100M or a number)")
+    suffix = (m.group(2) or "").upper()
+    return int(float(m.group(1)) * _SIZE_FACTORS[suffix])
+
+
+def _type_name(tp: Any) -> str:
+    if tp is bool:
+        return "a boolean"
+    if tp is int:
+        return "an integer"
+    if tp is float:
+        return "a number"
+    if tp is str:
+        return "a string"
+    if dataclasses.is_dataclass(tp):
+        return "a table"
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        return "an array"
+    if origin in (Mapping, dict):
+        return "a table"
+    return str(tp)
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "table"
+    return type(value).__name__
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def error(self, path: str, text: str) -> None:
+        self.errors.append(f"{path}: {text}" if path else text)
+
+    def build(self, cls: type[Any], data: Mapping[str, Any], path: str, base: Any = None) -> Any:
+        """Build ``cls`` from ``data``; unset keys keep ``base``'s values (or the defaults)."""
+        if base is None:
+            base = cls()
+        hints = typing.get_type_hints(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in fields:
+                known = ", ".join(sorted(fields))
+                self.error(_join(path, key), f"unknown key (known keys: {known})")
+        changes: dict[str, Any] = {}
+        for name, f in fields.items():
+            if name not in data:
+                continue
+            value = self.value(hints[name], data[name], _join(path, name), meta_of(f),
+                               getattr(base, name))
+            if value is not _INVALID:
+                changes[name] = value
+        built = dataclasses.replace(base, **changes)
+        validate = getattr(built, "validate", None)
+        if callable(validate):
+            for key, text in validate():
+                self.error(_join(path, key), text)
+        return built
+
+    def value(self, tp: Any, raw: Any, path: str, meta: SettingMeta, base: Any) -> Any:
+        origin = typing.get_origin(tp)
+        if origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+            return self.value(args[0], raw, path, meta, base)
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(raw, dict):
+                self.error(path, f"must be a table, got {_toml_type(raw)}")
+                return _INVALID
+            return self.build(typing.cast(type[Any], tp), raw, path, base)
+        if origin is tuple:
+            return self.sequence(tp, raw, path, meta)
+        if origin in (Mapping, dict):
+            return self.mapping(tp, raw, path, meta, base)
+        return self.scalar(tp, raw, path, meta)
+
+    def sequence(self, tp: Any, raw: Any, path: str, meta: SettingMeta) -> Any:
+        if not isinstance(raw, list):
+            self.error(path, f"must be an array, got {_toml_type(raw)}")
+            return _INVALID
+        args = typing.get_args(tp)
+        item_tp = args[0]
+        if (len(args) == 2 and args[1] is not Ellipsis) or len(args) > 2:
+            if len(raw) != len(args):
+                self.error(path, f"must be an array of {len(args)} items, got {len(raw)}")
+                return _INVALID
+            items = [self.value(a, r, f"{path}[{i}]", meta, None)
+                     for i, (a, r) in enumerate(zip(args, raw, strict=True))]
+        else:
+            items = []
+            for i, r in enumerate(raw):
+                item_base = None
+                if dataclasses.is_dataclass(item_tp):
+                    item_base = typing.cast(Any, item_tp)()
+                items.append(self.value(item_tp, r, f"{path}[{i}]", meta, item_base))
+        if any(v is _INVALID for v in items):
+            return _INVALID
+        result = tuple(items)
+        return self.checked(result, path, meta)
+
+    def mapping(self, tp: Any, raw: Any, path: str, meta: SettingMeta, base: Any) -> Any:
+        if not isinstance(raw, dict):
+            self.error(path, f"must be a table, got {_toml_type(raw)}")
+            return _INVALID
+        _key_tp, item_tp = typing.get_args(tp)
+        merged: dict[str, Any] = dict(base) if isinstance(base, Mapping) else {}
+        ok = True
+        for key, item in raw.items():
+            item_path = _join(path, key)
+            if meta.keys is not None and key not in meta.keys:
+                self.error(item_path, f"unknown key (allowed: {', '.join(meta.keys)})")
+                ok = False
+                continue
+            if meta.keys is None and not _KEY_RE.match(key):
+                self.error(item_path, "invalid key: use letters, digits and _ . + -")
+                ok = False
+                continue
+            item_base = merged.get(key)
+            if item_base is None and dataclasses.is_dataclass(item_tp):
+                item_base = typing.cast(type[Any], item_tp)()
+            value = self.value(item_tp, item, item_path, meta, item_base)
+            if value is _INVALID:
+                ok = False
+            else:
+                merged[key] = value
+        if not ok:
+            return _INVALID
+        return self.checked(frozen_map(merged), path, meta)
+
+    def scalar(self, tp: Any, raw: Any, path: str, meta: SettingMeta) -> Any:
+        value: Any
+        if tp is bool:
+            if not isinstance(raw, bool):
+                self.error(path, f"must be a boolean, got {_toml_type(raw)}")
+                return _INVALID
+            value = raw
+        elif tp is int:
+            if isinstance(raw, str) and meta.unit == "bytes":
+                try:
+                    value = parse_size(raw)
+                except ValueError as exc:
+                    self.error(path, str(exc))
+                    return _INVALID
+            elif isinstance(raw, int) and not isinstance(raw, bool):
+                value = raw
+            else:
+                self.error(path, f"must be {_type_name(tp)}, got {_toml_type(raw)}")
+                return _INVALID
+        elif tp is float:
+            if isinstance(raw, int | float) and not isinstance(raw, bool):
+                value = float(raw)
+            else:
+                self.error(path, f"must be a number, got {_toml_type(raw)}")
+                return _INVALID
+        elif tp is str:
+            if not isinstance(raw, str):
+                self.error(path, f"must be a string, got {_toml_type(raw)}")
+                return _INVALID
+            value = raw
+        else:
+            raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+        return self.checked(value, path, meta)
+
+    def checked(self, value: Any, path: str, meta: SettingMeta) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            low, high = meta.minimum, meta.maximum
+            if (low is not None and value < low) or (high is not None and value > high):
+                self.error(path, f"must be {_range_text(low, high)}, got {_num(value)}")
+                return _INVALID
+        if meta.choices is not None:
+            values = value if isinstance(value, tuple) else (value,)
+            for v in values:
+                if v not in meta.choices:
+                    self.error(path, f"must be one of {', '.join(meta.choices)}, got {v!r}")
+                    return _INVALID
+        if meta.check is not None:
+            problem = meta.check(value)
+            if problem:
+                self.error(path, problem)
+                return _INVALID
+        return value
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _range_text(low: float | None, high: float | None) -> str:
+    if low is not None and high is not None:
+        return f"{_num(low)}..{_num(high)}"
+    if low is not None:
+        return f">= {_num(low)}"
+    return f"<= {_num(high)}" if high is not None else "valid"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+_INVALID: Any = object()
+
+
+def build_config(cls: type[Any], data: Mapping[str, Any], source: str = "") -> Any:
+    """Build ``cls`` (the root config dataclass) from a parsed TOML mapping."""
+    builder = _Builder()
+    result = builder.build(cls, data, "")
+    if builder.errors:
+        raise ConfigError(builder.errors, source)
+    return result
+
+
+def parse_toml(cls: type[Any], text: str, source: str = "") -> Any:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"invalid TOML: {exc}"], source) from exc
+    return build_config(cls, data, source)
+
+
+def load_file(cls: type[Any], path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(path)) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"not UTF-8 text: {exc}"], str(path)) from exc
+    return parse_toml(cls, text, str(path))

@@ -19,8 +19,8 @@ class PodInfo:
     uid: str
     name: str
     namespace: str
-    labels: Mapping[str, str] = EMPTY_MAP
-    annotations: Mapping[str, str] = EMPTY_MAP
+    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
+    annotations: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
     # CRI cgroup parent, e.g. /kubepods/besteffort/pod<uid> or kubepods-besteffort-pod<uid>.slice
     cgroup_parent: str = ""
     cgroups_path: str = ""
@@ -33,8 +33,8 @@ class ContainerInfo:
     id: str
     pod_sandbox_id: str
     name: str
-    labels: Mapping[str, str] = EMPTY_MAP
-    annotations: Mapping[str, str] = EMPTY_MAP
+    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
+    annotations: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
     # OCI cgroupsPath: /kubepods/burstable/pod<uid>/<id> or
     # kubepods-burstable-pod<uid>.slice:cri-containerd:<id>
     cgroups_path: str = ""

@@ -1,0 +1,1 @@
+"""Protocol schemas (.proto sources) and the Python modules generated from them."""

@@ -31,6 +31,11 @@ class ReconcilerConfig:
         3, "Attempts for a write that fails with EBUSY/EINVAL before it is audited as failed.",
         minimum=1, maximum=20,
     )
+    full_scan_every: int = setting(
+        10, "The task-id loop reads every managed container's thread list once per this many "
+        "cycles; in between it examines only tasks that newly appeared outside their group.",
+        minimum=1, maximum=3600,
+    )
     backoff_max_s: float = setting(
         60.0, "Cap of the backoff of a loop that keeps failing.", unit="seconds",
         minimum=0.1, maximum=3600,
@@ -65,6 +70,10 @@ class NumaConfig:
                                 minimum=0.1, maximum=3600)
     migrate_memory: bool = setting(
         True, "cgroup v1: set cpuset.memory_migrate so pages follow a new binding."
+    )
+    max_nodes: int = setting(
+        0, "Bind reclaimed pods to at most this many NUMA nodes, those with most headroom "
+        "(0: every node with free memory above its watermark).", minimum=0, maximum=1024,
     )
 
 

@@ -1,0 +1,1 @@
+"""The reconciler's periodic loops; :mod:`.base` runs them, one module per loop."""

@@ -1,0 +1,114 @@
+"""Drift repair: keep running containers' memcg and oom_score_adj at what the policies want.
+
+The desired settings come from the same pure policies as the CreateContainer answer
+(:func:`hooks.memory_qos.memory_settings`, :func:`hooks.oom_score.oom_score`), fed with the merged
+node state, so a pod that predates the plugin, an annotation changed through the API server, a
+runtime that ignored an adjustment field and a value someone overwrote all converge to the one
+answer. Nothing is written where the kernel already holds that value, so containers whose runtime
+applied the adjustment cost only reads.
+
+Files: cgroup v2 ``memory.min``/``memory.low``/``memory.high`` (the ``memory.*`` keys of the unified
+settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes``; and
+``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from hooks.memory_qos import memory_settings
+from hooks.oom_score import oom_score
+from hooks.settings import ContainerSettings, merge
+from nri_plugin.config.schema import Config
+from nri_plugin.events import Event
+from reconciler.cgroups import CgroupLayout
+from reconciler.loops.base import Loop
+from reconciler.loops.common import Managed, ManagedCache
+from reconciler.numa import MEMINFO, parse_meminfo
+from reconciler.state import NodeState
+from reconciler.sysfs import SysFs, same_bytes
+
+log = structlog.get_logger("nri_qos.reconciler")
+
+_V1_FILES = (("memory_limit", "memory.limit_in_bytes"),
+             ("memory_reservation", "memory.soft_limit_in_bytes"))
+
+
+class DriftLoop(Loop):
+    name = "drift"
+    wake_events = frozenset({Event.START_CONTAINER, Event.UPDATE_CONTAINER})
+    wake_on_meta = True
+
+    def __init__(self, config: Callable[[], Config], state: NodeState, sysfs: SysFs,
+                 layout: CgroupLayout) -> None:
+        self._config = config
+        self._state = state
+        self._sysfs = sysfs
+        self._layout = layout
+        self._managed = ManagedCache()
+        self._desired_key: tuple[tuple[Managed, ...], Config] | None = None
+        self._desired: list[tuple[Managed, ContainerSettings]] = []
+        self._allocatable: int | None = None
+
+    def interval(self) -> float:
+        return self._config().reconciler.drift_interval_s
+
+    def cycle(self, now: float) -> None:
+        cfg = self._config()
+        if not cfg.reconciler.enabled or not (cfg.memory.enabled or cfg.oom.enabled):
+            return
+        managed = self._managed.get(self._state.snapshot(), cfg.qos)
+        for item, settings in self._desired_for(managed, cfg):
+            self._apply(item, settings)
+
+    def _node_allocatable(self, cfg: Config) -> int:
+        if cfg.memory.node_allocatable_bytes:
+            return cfg.memory.node_allocatable_bytes
+        if self._allocatable is None:
+            text = self._sysfs.read(MEMINFO)
+            self._allocatable = parse_meminfo(text).get("MemTotal", 0) if text else 0
+        return self._allocatable
+
+    def _desired_for(self, managed: tuple[Managed, ...],
+                     cfg: Config) -> list[tuple[Managed, ContainerSettings]]:
+        if self._desired_key is not None and self._desired_key[0] is managed \
+                and self._desired_key[1] is cfg:
+            return self._desired
+        allocatable = self._node_allocatable(cfg)
+        desired = []
+        for item in managed:
+            pod, container = item.view.pod.info, item.view.info
+            parts: list[tuple[str, ContainerSettings]] = []
+            if cfg.memory.enabled:
+                parts.append(("memory", memory_settings(
+                    pod, container, item.level, cfg.memory, cgroup_v2=self._layout.v2,
+                    node_allocatable=allocatable).settings))
+            if cfg.oom.enabled:
+                parts.append(("oom", oom_score(pod, container, item.level, cfg.oom).settings))
+            settings = merge(parts).settings
+            if not settings.is_empty():
+                desired.append((item, settings))
+        self._desired_key, self._desired = (managed, cfg), desired
+        return desired
+
+    def _apply(self, item: Managed, settings: ContainerSettings) -> None:
+        sysfs = self._sysfs
+        cgroup = self._layout.dir("memory", item.ref.rel)
+        reason = f"drift: {item.level} policy for {item.view.pod.info.namespace}/" \
+                 f"{item.view.pod.info.name} {item.view.info.name}"
+        if self._layout.v2:
+            for key, value in settings.unified.items():
+                if key.startswith("memory."):
+                    sysfs.write_if_changed(f"{cgroup}/{key}", value, reason, same=same_bytes)
+        else:
+            for attr, filename in _V1_FILES:
+                value = getattr(settings, attr)
+                if value is not None:
+                    sysfs.write_if_changed(f"{cgroup}/{filename}", str(value), reason,
+                                           same=same_bytes)
+        if settings.oom_score_adj is not None:
+            score = str(settings.oom_score_adj)
+            for pid in sysfs.read_ids(f"{cgroup}/cgroup.procs") or ():
+                sysfs.write_if_changed(f"/proc/{pid}/oom_score_adj", score, reason)

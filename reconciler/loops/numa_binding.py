@@ -1,0 +1,99 @@
+"""NUMA binding: keep reclaimed pods' memory on the NUMA nodes that have room for it.
+
+Each cycle ranks the nodes by headroom (free memory above the memory guard's watermark,
+``max(floor, low watermark x factor)``) and binds every container of a ``reclaimed_cores`` pod to
+the nodes with positive headroom (the ``max_nodes`` best of them when that is set, keeping the
+current choice while it still has headroom) through ``cpuset.mems``. A node whose free memory
+falls under its watermark therefore drops out of the binding and the reclaimed pods move off it:
+cgroup v2 migrates a cgroup's pages when ``cpuset.mems`` changes; on v1 that needs
+``cpuset.memory_migrate = 1``, set first.
+
+When no node has headroom, bindings stay as they are (moving memory between full nodes helps
+nobody; the memory guard and the mitigations deal with that). A single-node host is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import structlog
+
+from hooks.levels import QosLevel
+from nri_plugin.audit import AuditLog
+from nri_plugin.config.schema import Config
+from nri_plugin.events import Event
+from reconciler.cgroups import CgroupLayout
+from reconciler.loops.base import Loop
+from reconciler.loops.common import ManagedCache
+from reconciler.numa import NumaNode, read_nodes
+from reconciler.state import NodeState
+from reconciler.sysfs import Outcome, SysFs, format_id_list, same_id_list
+
+log = structlog.get_logger("nri_qos.reconciler")
+
+
+def choose_nodes(nodes: list[NumaNode], floor_bytes: int, scale_factor: float,
+                 max_nodes: int, keep: frozenset[int] = frozenset()) -> list[int]:
+    """Nodes with headroom, most headroom first; at most ``max_nodes`` (0: no limit).
+
+    Nodes in ``keep`` (the current choice) come first while they still have headroom, so two
+    nodes with similar headroom do not trade places every cycle and migrate memory back and
+    forth."""
+    ranked = sorted(((n.headroom(floor_bytes, scale_factor), n.id) for n in nodes),
+                    key=lambda item: (item[1] not in keep, -item[0], item[1]))
+    chosen = [node for room, node in ranked if room > 0]
+    return sorted(chosen[:max_nodes]) if max_nodes else sorted(chosen)
+
+
+class NumaBindingLoop(Loop):
+    name = "numa_binding"
+    wake_events = frozenset({Event.START_CONTAINER})
+    wake_on_meta = True
+
+    def __init__(self, config: Callable[[], Config], state: NodeState, sysfs: SysFs,
+                 layout: CgroupLayout, audit: AuditLog) -> None:
+        self._config = config
+        self._state = state
+        self._sysfs = sysfs
+        self._layout = layout
+        self._audit = audit
+        self._managed = ManagedCache()
+        self._chosen: frozenset[int] = frozenset()
+
+    def interval(self) -> float:
+        return self._config().numa.interval_s
+
+    def cycle(self, now: float) -> None:
+        cfg = self._config()
+        if not (cfg.reconciler.enabled and cfg.numa.enabled):
+            return
+        nodes = read_nodes(self._sysfs, cfg.memory.page_size)
+        if len(nodes) < 2:
+            return
+        guard = cfg.memory_guard
+        chosen = choose_nodes(nodes, guard.watermark_floor_bytes, guard.watermark_scale_factor,
+                              cfg.numa.max_nodes, self._chosen)
+        if not chosen:
+            log.info("NUMA binding unchanged: no node has free memory above its watermark")
+            return
+        self._chosen = frozenset(chosen)
+        mems = format_id_list(chosen)
+        hot = sorted(n.id for n in nodes if n.id not in chosen)
+        reason = f"NUMA nodes with headroom: {mems}" + (
+            f"; nodes under watermark or not chosen: {format_id_list(hot)}" if hot else "")
+        migrate = not self._layout.v2 and cfg.numa.migrate_memory
+        for item in self._managed.get(self._state.snapshot(), cfg.qos):
+            if item.level != QosLevel.RECLAIMED_CORES:
+                continue
+            cgroup = self._layout.dir("cpuset", item.ref.rel)
+            current = self._sysfs.read(f"{cgroup}/cpuset.mems")
+            if current is None or same_id_list(current, mems):
+                continue
+            if migrate:
+                # Only needed when the binding changes, and it must be in place before.
+                self._sysfs.write_if_changed(f"{cgroup}/cpuset.memory_migrate", "1",
+                                             "pages follow the NUMA binding")
+            if self._sysfs.write(f"{cgroup}/cpuset.mems", mems, reason) == Outcome.WRITTEN:
+                info = item.view.info
+                self._audit.record("numa_binding", pod_uid=item.view.pod.info.uid,
+                                   container=info.name, mems=mems, reason=reason)

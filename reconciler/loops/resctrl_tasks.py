@@ -1,0 +1,315 @@
+"""resctrl task ids: every task of a managed container sits in its resctrl group.
+
+A container's group is its pod's group (``<prefix>pod-<uid>``, with its monitor group) when that
+exists, else its level's class group (``<prefix><level>``) when the level uses resctrl. The runtime
+puts a new container's first task there through the CLOS id of the adjustment; this loop covers
+what that misses: containers that predate the plugin, runtimes that ignore the field, tasks that
+join a container from outside (``exec``), groups someone removed, and level changes.
+
+Cost. Reading every container's thread list costs one open/read/close per container, which at
+thousands of containers is most of a cycle. It is not needed every second: a new thread inherits
+its parent's resctrl group, so a task can only be missing from its group if it entered the
+container from outside, and such a task sits in the root group (or, for monitor groups, in the
+control group but not its monitor group). So each cycle reads the task lists of the groups only,
+and examines just the task ids that are *new* there since the last cycle, finding their cgroup
+through ``/proc/<tid>/cgroup``. Every ``full_scan_every`` cycles, and for containers that are new
+or changed group, it reads the containers' own thread lists (``tasks`` on v1, ``cgroup.threads``
+on v2) as well. No written id is ever trusted from memory: ids are compared with the groups'
+``tasks`` as read in the same cycle, so a reused id is handled like any other.
+
+Task ids are written one per write (the kernel's rule); ids of tasks that exited meanwhile
+(``ESRCH``) are skipped. A monitor group accepts only tasks of its control group, so a task goes to
+the control group first.
+
+Garbage collection: a pod group whose pod is no longer known is removed once it has been orphaned
+for ``gc_grace_s`` (never before the first NRI state arrived). A class group that someone removed
+is created again with its configured schemata.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+
+from hooks.levels import LEVEL_NAMES
+from hooks.resctrl import class_group_name, class_schemata, parse_group_name, pod_group_name
+from nri_plugin.audit import AuditLog
+from nri_plugin.config.schema import Config
+from nri_plugin.events import Event
+from reconciler.cgroups import CgroupLayout
+from reconciler.loops.base import Loop
+from reconciler.loops.common import Managed, ManagedCache
+from reconciler.resctrlfs import GroupError, ResctrlFs
+from reconciler.state import NodeState
+from reconciler.sysfs import SysFs, read_file_bytes
+
+log = structlog.get_logger("nri_qos.reconciler")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one container's tasks belong."""
+
+    group: str
+    monitor: bool
+    # The container's thread-list file (system path).
+    threads_file: str
+
+
+class _Moves:
+    """Task ids to write in this cycle, per group, each id once."""
+
+    def __init__(self) -> None:
+        self.control: dict[str, list[int]] = {}
+        self.monitor: dict[str, list[int]] = {}
+        self._queued: set[tuple[str, bool, int]] = set()
+
+    def add(self, group: str, tid: int, *, monitor: bool) -> None:
+        key = (group, monitor, tid)
+        if key not in self._queued:
+            self._queued.add(key)
+            (self.monitor if monitor else self.control).setdefault(group, []).append(tid)
+
+
+class ResctrlTasksLoop(Loop):
+    name = "resctrl_tasks"
+    wake_events = frozenset({Event.START_CONTAINER, Event.RUN_POD_SANDBOX})
+    wake_on_meta = True
+
+    def __init__(self, config: Callable[[], Config], state: NodeState, sysfs: SysFs,
+                 layout: CgroupLayout, resctrl: ResctrlFs, audit: AuditLog) -> None:
+        self._config = config
+        self._state = state
+        self._sysfs = sysfs
+        self._layout = layout
+        self._resctrl = resctrl
+        self._audit = audit
+        self._managed = ManagedCache()
+        self._cycles = 0
+        # Cached per (managed containers, existing groups): container id -> target, cgroup -> id.
+        self._targets_key: tuple[tuple[Managed, ...], frozenset[str]] | None = None
+        self._targets: dict[str, Target] = {}
+        self._by_cgroup: dict[str, str] = {}
+        self._scanned: dict[str, Target] = {}
+        # Ids seen outside their place in the previous cycle: root group, and per monitored
+        # group the ids of the control group missing from its monitor group.
+        self._seen_root: frozenset[int] = frozenset()
+        self._seen_unmonitored: dict[str, frozenset[int]] = {}
+        # Task lists by real path: the bytes read last time and their parse. Only a parse cache:
+        # every list is read again each cycle, so a reused id is never trusted from memory.
+        self._id_cache: dict[str, tuple[bytes, frozenset[int]]] = {}
+        self._read_now: set[str] = set()
+        self._orphaned_since: dict[str, float] = {}
+
+    def interval(self) -> float:
+        return self._config().reconciler.resctrl_interval_s
+
+    # -- the cycle -------------------------------------------------------------------------------
+
+    def cycle(self, now: float) -> None:
+        cfg = self._config()
+        if not (cfg.reconciler.enabled and cfg.resctrl.enabled):
+            return
+        snapshot = self._state.snapshot()
+        existing = set(self._resctrl.control_groups())
+        recreated = self._recreate_class_groups(cfg, existing)
+        self._collect_garbage(existing, snapshot.pod_uids, now, synced=snapshot.version > 0)
+        managed = self._managed.get(snapshot, cfg.qos)
+        full = self._cycles % cfg.reconciler.full_scan_every == 0
+        self._cycles += 1
+        if full:
+            # Also refreshes which pod groups have a monitor group (made just after the group).
+            self._targets_key = None
+        targets = self._targets_for(managed, frozenset(existing), cfg)
+
+        in_use = {t.group for t in targets.values()}
+        monitored = {t.group for t in targets.values() if t.monitor}
+        control = {g: self._group_tasks(g, monitor=False) for g in in_use}
+        monitors = {g: self._group_tasks(g, monitor=True) for g in monitored}
+        root = self._ids(str(self._resctrl.root / "tasks"))
+        unmonitored = {g: control[g] - monitors[g] for g in monitored}
+        self._id_cache = {path: self._id_cache[path] for path in self._read_now}
+        self._read_now = set()
+
+        moves = _Moves()
+        if full:
+            scan: Iterable[str] = targets
+        else:
+            # New containers, containers whose group changed, and members of a recreated group.
+            scan = [] if targets is self._scanned and not recreated else [
+                cid for cid, t in targets.items()
+                if self._scanned.get(cid) != t or t.group in recreated]
+            fresh: set[int] = set() if root is self._seen_root else set(root - self._seen_root)
+            for group, tids in unmonitored.items():
+                seen = self._seen_unmonitored.get(group, frozenset())
+                if tids != seen:
+                    fresh |= tids - seen
+            self._classify(fresh, targets, control, monitors, moves)
+        for cid in scan:
+            self._scan_container(targets[cid], control, monitors, moves)
+        self._scanned = targets
+        self._seen_root = root
+        self._seen_unmonitored = unmonitored
+        self._apply(moves)
+
+    # -- targets ---------------------------------------------------------------------------------
+
+    def _targets_for(self, managed: tuple[Managed, ...], existing: frozenset[str],
+                     cfg: Config) -> dict[str, Target]:
+        key = (managed, existing)
+        if self._targets_key is not None and self._targets_key[0] is managed \
+                and self._targets_key[1] == existing:
+            return self._targets
+        prefix = self._resctrl.prefix
+        targets: dict[str, Target] = {}
+        by_cgroup: dict[str, str] = {}
+        monitor_cache: dict[str, bool] = {}
+        threads = self._layout.threads_file
+        controller = self._layout.task_controller
+        for item in managed:
+            pod_group = pod_group_name(prefix, item.view.pod.info.uid)
+            if pod_group is not None and pod_group in existing:
+                group = pod_group
+                if group not in monitor_cache:
+                    monitor_cache[group] = self._resctrl.has_monitor(group)
+                monitor = monitor_cache[group]
+            else:
+                level_cfg = cfg.resctrl.levels.get(item.level)
+                group = class_group_name(prefix, item.level)
+                if level_cfg is None or not level_cfg.enabled or group not in existing:
+                    continue
+                monitor = False
+            cgroup = self._layout.dir(controller, item.ref.rel)
+            targets[item.view.info.id] = Target(group, monitor, f"{cgroup}/{threads}")
+            by_cgroup["/" + item.ref.rel] = item.view.info.id
+        self._targets_key, self._targets, self._by_cgroup = key, targets, by_cgroup
+        return targets
+
+    def _group_tasks(self, group: str, *, monitor: bool) -> frozenset[int]:
+        base = self._resctrl.monitor_path(group) if monitor else self._resctrl.group_path(group)
+        return self._ids(str(base / "tasks"))
+
+    def _ids(self, real: str) -> frozenset[int]:
+        """A task list, read every cycle; parsed again only when its bytes changed."""
+        self._read_now.add(real)
+        data = read_file_bytes(real) or b""
+        cached = self._id_cache.get(real)
+        if cached is not None and cached[0] == data:
+            return cached[1]
+        ids = frozenset(map(int, data.split()))
+        self._id_cache[real] = (data, ids)
+        return ids
+
+    # -- finding missing ids ---------------------------------------------------------------------
+
+    def _scan_container(self, target: Target, control: dict[str, frozenset[int]],
+                        monitors: dict[str, frozenset[int]], moves: _Moves) -> None:
+        tids = self._sysfs.read_ids(target.threads_file)
+        if not tids:
+            return
+        in_group = control[target.group]
+        in_monitor = monitors.get(target.group)
+        for tid in tids:
+            if tid not in in_group:
+                moves.add(target.group, tid, monitor=False)
+            if in_monitor is not None and tid not in in_monitor:
+                moves.add(target.group, tid, monitor=True)
+
+    def _classify(self, fresh: set[int], targets: dict[str, Target],
+                  control: dict[str, frozenset[int]], monitors: dict[str, frozenset[int]],
+                  moves: _Moves) -> None:
+        """Place ids that newly appeared outside their group, by their cgroup."""
+        for tid in fresh:
+            cid = self._container_of(tid)
+            target = targets.get(cid) if cid is not None else None
+            if target is None:
+                continue
+            if tid not in control[target.group]:
+                moves.add(target.group, tid, monitor=False)
+            if target.monitor and tid not in monitors[target.group]:
+                moves.add(target.group, tid, monitor=True)
+
+    def _container_of(self, tid: int) -> str | None:
+        text = self._sysfs.read(f"/proc/{tid}/cgroup")
+        if text is None:
+            return None
+        path = _cgroup_of(text, self._layout.v2, self._layout.task_controller)
+        # A task in a cgroup nested inside a container's (VM runtimes, systemd in a container)
+        # belongs to that container: walk up until a known container cgroup is found.
+        while path and path != "/":
+            cid = self._by_cgroup.get(path)
+            if cid is not None:
+                return cid
+            path = path.rsplit("/", 1)[0]
+        return None
+
+    def _apply(self, moves: _Moves) -> None:
+        for group, tids in moves.control.items():
+            self._add(group, tids, monitor=False)
+        for group, tids in moves.monitor.items():
+            self._add(group, tids, monitor=True)
+
+    def _add(self, group: str, tids: list[int], *, monitor: bool) -> None:
+        try:
+            self._resctrl.add_tasks(group, tids, monitor=monitor)
+        except OSError as exc:
+            # The group vanished or refused (e.g. a monitor group whose RMID is gone); the next
+            # cycle sees the new state of the groups.
+            log.warning("resctrl task move failed", group=group, monitor=monitor,
+                        count=len(tids), error=str(exc))
+
+    # -- group maintenance -----------------------------------------------------------------------
+
+    def _recreate_class_groups(self, cfg: Config, existing: set[str]) -> set[str]:
+        prefix = self._resctrl.prefix
+        recreated: set[str] = set()
+        for level, level_cfg in cfg.resctrl.levels.items():
+            group = class_group_name(prefix, level)
+            if not level_cfg.enabled or group in existing:
+                continue
+            try:
+                self._resctrl.ensure_group(group, class_schemata(level_cfg, self._resctrl.info),
+                                           reason="class group was missing; recreated")
+            except GroupError as exc:
+                log.warning("resctrl class group could not be recreated", group=group,
+                            error=str(exc))
+                continue
+            existing.add(group)
+            recreated.add(group)
+        return recreated
+
+    def _collect_garbage(self, existing: set[str], live_uids: frozenset[str], now: float,
+                         *, synced: bool) -> None:
+        if not synced:
+            return
+        grace = self._config().reconciler.gc_grace_s
+        orphans: set[str] = set()
+        for group in sorted(existing):
+            ref = parse_group_name(self._resctrl.prefix, group, LEVEL_NAMES)
+            if ref is None or ref.kind != "pod" or ref.key in live_uids:
+                continue
+            orphans.add(group)
+            since = self._orphaned_since.setdefault(group, now)
+            if now - since < grace:
+                continue
+            if self._resctrl.remove_group(group, reason=f"pod {ref.key} is gone "
+                                          f"(orphaned for {now - since:.0f} s)"):
+                existing.discard(group)
+            orphans.discard(group)
+        self._orphaned_since = {g: t for g, t in self._orphaned_since.items() if g in orphans}
+
+
+def _cgroup_of(text: str, v2: bool, controller: str) -> str | None:
+    """The task's cgroup path from ``/proc/<tid>/cgroup`` (v2: the ``0::`` line; v1: the line of
+    the hierarchy holding ``controller``)."""
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if v2:
+            if hierarchy == "0" and controllers == "":
+                return path
+        elif controller in controllers.split(","):
+            return path
+    return None

@@ -1,0 +1,113 @@
+"""Per-NUMA-node free memory and low watermark, from sysfs node meminfo and /proc/zoneinfo.
+
+* ``/sys/devices/system/node/node<N>/meminfo``: lines ``Node <N> MemFree:   <n> kB``.
+* ``/proc/zoneinfo``: a block per zone, headed ``Node <N>, zone <Name>``, with lines
+  ``pages free <n>``, ``min <n>``, ``low <n>``, ``high <n>`` counted in pages. The kernel keeps
+  watermarks per zone; a node's low watermark is the sum over its zones.
+
+A kernel built without NUMA has no ``node*`` directories: the host is then one node 0 whose free
+memory comes from ``/proc/meminfo`` (``MemFree:``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from reconciler.sysfs import SysFs
+
+NODE_DIR = "/sys/devices/system/node"
+ZONEINFO = "/proc/zoneinfo"
+MEMINFO = "/proc/meminfo"
+
+_NODE_NAME = re.compile(r"node(\d+)")
+_ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+
+
+class NumaFormatError(ValueError):
+    """A meminfo or zoneinfo file that does not parse."""
+
+
+@dataclass(frozen=True, slots=True)
+class NumaNode:
+    id: int
+    free_bytes: int
+    total_bytes: int
+    low_watermark_bytes: int
+
+    def watermark(self, floor_bytes: int, scale_factor: float) -> int:
+        """Memory kept free on this node for online pods: max(floor, low watermark x factor)."""
+        return max(floor_bytes, int(self.low_watermark_bytes * scale_factor))
+
+    def headroom(self, floor_bytes: int, scale_factor: float) -> int:
+        """Free memory above the watermark; negative when the node is under it."""
+        return self.free_bytes - self.watermark(floor_bytes, scale_factor)
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """``MemFree`` etc. in bytes, from either /proc/meminfo or a node's meminfo."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "Node":  # "Node 0 MemFree: 123 kB"
+            words = words[2:]
+        if len(words) < 2 or not words[0].endswith(":"):
+            raise NumaFormatError(f"meminfo line not understood: {line!r}")
+        try:
+            number = int(words[1])
+        except ValueError as exc:
+            raise NumaFormatError(f"meminfo line not understood: {line!r}") from exc
+        scale = 1024 if len(words) > 2 and words[2] == "kB" else 1
+        values[words[0][:-1]] = number * scale
+    return values
+
+
+def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
+    """Low watermark per node in bytes: the sum of the ``low`` pages of the node's zones."""
+    lows: dict[int, int] = {}
+    node: int | None = None
+    for line in text.splitlines():
+        header = _ZONE_HEADER.match(line)
+        if header:
+            node = int(header.group(1))
+            lows.setdefault(node, 0)
+            continue
+        words = line.split()
+        if node is not None and len(words) == 2 and words[0] == "low":
+            try:
+                lows[node] += int(words[1]) * page_size
+            except ValueError as exc:
+                raise NumaFormatError(f"zoneinfo line not understood: {line!r}") from exc
+    return lows
+
+
+def node_ids(sysfs: SysFs) -> list[int]:
+    ids = [int(m.group(1)) for name in sysfs.list_dir(NODE_DIR)
+           if (m := _NODE_NAME.fullmatch(name))]
+    return sorted(ids)
+
+
+def read_nodes(sysfs: SysFs, page_size: int) -> list[NumaNode]:
+    """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable."""
+    zoneinfo = sysfs.read(ZONEINFO)
+    lows: Mapping[int, int] = parse_zoneinfo_low(zoneinfo, page_size) if zoneinfo else {}
+    ids = node_ids(sysfs)
+    nodes: list[NumaNode] = []
+    if not ids:
+        text = sysfs.read(MEMINFO)
+        if text is None:
+            return []
+        info = parse_meminfo(text)
+        return [NumaNode(0, info.get("MemFree", 0), info.get("MemTotal", 0),
+                         sum(lows.values()))]
+    for node in ids:
+        text = sysfs.read(f"{NODE_DIR}/node{node}/meminfo")
+        if text is None:
+            continue
+        info = parse_meminfo(text)
+        nodes.append(NumaNode(node, info.get("MemFree", 0), info.get("MemTotal", 0),
+                              lows.get(node, 0)))
+    return nodes

@@ -1,0 +1,272 @@
+"""The one layer that reads and writes ``/sys`` and ``/proc``, always below a root directory.
+
+Callers name files by their system path (``/sys/fs/cgroup/memory/kubepods/...``,
+``/proc/42/oom_score_adj``); :class:`SysFs` maps them below its root, so the same code runs on the
+host (root ``/``), in a container that mounts the host at ``/host``, and on a file tree built by a
+test under a temporary directory.
+
+Writes are idempotent and audited: :meth:`SysFs.write_if_changed` reads the file first and writes
+only when the value differs (one ``cgroup_write`` audit record per write actually done). Errors are
+classified once, here:
+
+* ``ENOENT`` (and ``ENODEV``): the container or process went away between listing and writing.
+  Expected during churn, so only a debug log; the outcome is :attr:`Outcome.GONE`.
+* ``ESRCH``: a task id that exited; tolerated the same way.
+* ``EBUSY`` / ``EINVAL``: the kernel refused for now (a memory limit below usage that reclaim has
+  not made room for yet, a cpuset that races a parent update). Retried with exponential backoff up
+  to ``retries`` attempts, then one ``cgroup_write_failed`` audit record.
+* anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Callable, Iterable
+from enum import Enum
+from pathlib import Path
+
+import structlog
+
+from nri_plugin.audit import AuditLog
+
+log = structlog.get_logger("nri_qos.sysfs")
+
+# Values cgroup v1 reports for "no limit" (PAGE_COUNTER_MAX rounded to pages), and anything above.
+UNLIMITED_THRESHOLD = 1 << 62
+PAGE_SIZE = 4096
+
+_GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV, errno.ESRCH})
+_RETRY_ERRNOS = frozenset({errno.EBUSY, errno.EINVAL})
+
+
+class Outcome(Enum):
+    UNCHANGED = "unchanged"
+    WRITTEN = "written"
+    GONE = "gone"
+    FAILED = "failed"
+
+
+class SysPathError(ValueError):
+    """A system path that is not absolute or tries to leave its tree."""
+
+
+Comparator = Callable[[str, str], bool]
+
+
+def same_text(current: str, desired: str) -> bool:
+    return current.strip() == desired.strip()
+
+
+def parse_bytes(text: str) -> int | None:
+    """A memory value as cgroup files show it; ``None`` means unlimited (``max``, ``-1``, huge)."""
+    value = text.strip()
+    if value in ("max", "-1", ""):
+        return None
+    number = int(value)
+    return None if number >= UNLIMITED_THRESHOLD else number
+
+
+def same_bytes(current: str, desired: str) -> bool:
+    """Equal as the kernel stores them: limits are kept in whole pages, unlimited has many names."""
+    try:
+        have, want = parse_bytes(current), parse_bytes(desired)
+    except ValueError:
+        return same_text(current, desired)
+    if have is None or want is None:
+        return have is None and want is None
+    return have // PAGE_SIZE == want // PAGE_SIZE
+
+
+def parse_id_list(text: str) -> frozenset[int]:
+    """A kernel list such as ``0-2,5`` (cpuset.mems); empty text is the empty set."""
+    ids: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        ids.update(range(int(low), int(high or low) + 1))
+    return frozenset(ids)
+
+
+def format_id_list(ids: Iterable[int]) -> str:
+    """The shortest kernel list form: ``{0, 1, 2, 5}`` -> ``0-2,5``."""
+    ordered = sorted(set(ids))
+    parts: list[str] = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def same_id_list(current: str, desired: str) -> bool:
+    try:
+        return parse_id_list(current) == parse_id_list(desired)
+    except ValueError:
+        return same_text(current, desired)
+
+
+def check_sys_path(path: str) -> str:
+    """Reject anything but a plain absolute path: no ``..`` or ``.`` parts (nor any part starting
+    with a dot: no kernel file does), no empty parts, no NUL. Substring tests only, as this runs
+    for every file the loops touch."""
+    if (not path.startswith("/") or "/." in path or "//" in path or "\0" in path
+            or (path.endswith("/") and path != "/")):
+        raise SysPathError(f"not a plain absolute path: {path!r}")
+    return path
+
+
+def read_file_bytes(real: str) -> bytes | None:
+    """A whole file through raw descriptors (cheaper than a text file object); None when gone."""
+    try:
+        fd = os.open(real, os.O_RDONLY)
+    except OSError as exc:
+        if exc.errno in _GONE_ERRNOS:
+            return None
+        raise
+    try:
+        data = os.read(fd, 1 << 16)
+        if len(data) < 1 << 16:
+            return data
+        chunks = [data]
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        if exc.errno in _GONE_ERRNOS:
+            return None
+        raise
+    finally:
+        os.close(fd)
+
+
+def read_id_file(real: str) -> list[int] | None:
+    """Integers, one per line, from a file given by its real path; ``None`` when it is gone."""
+    data = read_file_bytes(real)
+    if data is None:
+        return None
+    return [int(x) for x in data.split()]
+
+
+class SysFs:
+    """Reads and writes system files below ``root``; see the module doc for the error policy."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] = "/",
+        audit: AuditLog | None = None,
+        *,
+        retries: int = 3,
+        backoff_s: float = 0.01,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if retries < 1:
+            raise ValueError("retries must be at least 1")
+        self.root = Path(root)
+        self._prefix = str(self.root).rstrip("/")
+        self._audit = audit
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._sleep = sleep
+
+    def real(self, path: str) -> str:
+        """Where the system path ``path`` is below the root."""
+        return self._prefix + check_sys_path(path)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(self.real(path))
+
+    def is_dir(self, path: str) -> bool:
+        return os.path.isdir(self.real(path))
+
+    def read(self, path: str) -> str | None:
+        """The file's text, or ``None`` when it (or its process/cgroup) is gone."""
+        data = read_file_bytes(self.real(path))
+        return None if data is None else data.decode("ascii", errors="replace")
+
+    def read_int(self, path: str) -> int | None:
+        text = self.read(path)
+        if text is None:
+            return None
+        try:
+            return int(text.strip())
+        except ValueError:
+            return None
+
+    def read_ids(self, path: str) -> list[int] | None:
+        """A ``tasks`` / ``cgroup.procs`` / ``cgroup.threads`` file; ``None`` when gone.
+
+        The hot path of the task-id loop: ``path`` must come from already validated parts
+        (:mod:`reconciler.cgroups` checks every component), so it is not checked again here.
+        """
+        return read_id_file(self._prefix + path)
+
+    def list_dir(self, path: str) -> list[str]:
+        """Entry names of a directory; empty when it does not exist."""
+        try:
+            return os.listdir(self.real(path))
+        except OSError as exc:
+            if exc.errno in _GONE_ERRNOS or exc.errno == errno.ENOTDIR:
+                return []
+            raise
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def write_if_changed(
+        self, path: str, value: str, reason: str, *, same: Comparator = same_text
+    ) -> Outcome:
+        """Write ``value`` unless the file already holds an equal one (by ``same``)."""
+        current = self.read(path)
+        if current is None:
+            log.debug("write skipped, file gone", path=path)
+            return Outcome.GONE
+        if same(current, value):
+            return Outcome.UNCHANGED
+        return self.write(path, value, reason)
+
+    def write(self, path: str, value: str, reason: str) -> Outcome:
+        """Write unconditionally, with the retry policy; one audit record when it succeeds."""
+        real = self.real(path)
+        data = value.encode("ascii")
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._write_once(real, data)
+            except OSError as exc:
+                if exc.errno in _GONE_ERRNOS:
+                    log.debug("write skipped, target gone", path=path, error=exc.strerror)
+                    return Outcome.GONE
+                if exc.errno in _RETRY_ERRNOS and attempt < self._retries:
+                    self._sleep(self._backoff_s * (2 ** (attempt - 1)))
+                    continue
+                self._record("cgroup_write_failed", path=path, value=value.strip(), reason=reason,
+                             error=f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: "
+                                   f"{exc.strerror} (attempt {attempt})")
+                return Outcome.FAILED
+            self._record("cgroup_write", path=path, value=value.strip(), reason=reason)
+            return Outcome.WRITTEN
+
+    @staticmethod
+    def _write_once(real: str, data: bytes) -> None:
+        # Never O_CREAT: cgroup and proc files exist or their cgroup/process is gone, and a file
+        # tree built by a test must report that the same way (ENOENT). O_TRUNC is ignored by
+        # the kernel's files and makes a plain file hold exactly the value written.
+        fd = os.open(real, os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    def _record(self, event: str, **fields: object) -> None:
+        if event == "cgroup_write_failed":
+            log.warning("write failed", **fields)
+        if self._audit is not None:
+            self._audit.record(event, **fields)

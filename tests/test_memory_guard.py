@@ -1,0 +1,160 @@
+"""Memory guard: the Katalyst-style cap on the BestEffort tier, v1 and v2, step limits."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from nri_plugin.audit import AuditLog, MemoryAuditSink
+from nri_plugin.config.schema import Config
+from reconciler.cgroups import layout_for
+from reconciler.loops.memory_guard import (
+    MemoryGuardLoop,
+    bounded_cap,
+    parse_numa_stat,
+    target_cap,
+)
+from reconciler.numa import NumaNode
+from reconciler.sysfs import SysFs
+from tests.fakesys import GIB, FakeHost
+
+STEP = 1 * GIB
+
+
+def make(tmp_path: Path, version: int, driver: str, *, step: int = STEP,
+         factor: float = 1.0) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
+    host = FakeHost(tmp_path, version=version, driver=driver)
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(
+        cfg.memory_guard, max_step_bytes=step, watermark_scale_factor=factor))
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs(tmp_path, audit)
+    loop = MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), audit)
+    return host, loop, sink
+
+
+def limit_of(host: FakeHost) -> str:
+    d = host.tier_dir("besteffort")
+    return (d / ("memory.max" if host.version == 2 else "memory.limit_in_bytes")).read_text()
+
+
+def test_formula_sums_usage_and_headroom_over_nodes() -> None:
+    nodes = [NumaNode(0, 20 * GIB, 64 * GIB, 1 * GIB), NumaNode(1, 3 * GIB, 64 * GIB, 0),
+             NumaNode(2, 9 * GIB, 64 * GIB, 2 * GIB)]
+    # watermarks: max(4G, low x factor) -> 4G, 4G, 4G; node 1 is under it and adds nothing
+    assert target_cap(nodes, 5 * GIB, 4 * GIB, 1.0) == 5 * GIB + 16 * GIB + 5 * GIB
+    # a large scale factor lifts the watermark above the floor: 2G x 3 = 6G on node 2
+    assert target_cap(nodes, 0, 4 * GIB, 3.0) == (20 - 4) * GIB + (9 - 6) * GIB
+
+
+def test_bounded_cap() -> None:
+    assert bounded_cap(10 * GIB, None, 2 * GIB, STEP) == 10 * GIB
+    assert bounded_cap(10 * GIB, 30 * GIB, 2 * GIB, STEP) == 29 * GIB
+    assert bounded_cap(40 * GIB, 30 * GIB, 2 * GIB, STEP) == 40 * GIB
+    assert bounded_cap(1 * GIB, None, 10 * GIB, STEP) == 9 * GIB
+
+
+def test_numa_stat_formats() -> None:
+    v1 = "total=300 N0=100 N1=200\nfile=0 N0=0 N1=0\nhierarchical_total=3000 N0=1000 N1=2000\n"
+    assert parse_numa_stat(v1, False, 4096) == {0: 1000 * 4096, 1: 2000 * 4096}
+    assert parse_numa_stat("total=3 N0=1 N1=2\n", False, 4096) == {0: 4096, 1: 8192}
+    v2 = "anon N0=10 N1=20\nfile N0=1 N1=2\nkernel_stack N0=5 N1=5\n"
+    assert parse_numa_stat(v2, True, 4096) == {0: 11, 1: 22}
+
+
+def test_v1_two_numa_nodes(tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 1, "cgroupfs")
+    host.set_numa([(20 * GIB, 64 * GIB, 1000), (10 * GIB, 64 * GIB, 1000)])
+    host.set_tier_usage("besteffort", 5 * GIB, per_node=[3 * GIB, 1 * GIB])
+    loop.cycle(0.0)
+    cap = 4 * GIB + (20 - 4) * GIB + (10 - 4) * GIB
+    assert int(limit_of(host)) == cap
+    [record] = sink.named("memory_guard_cap")
+    assert record["cap_bytes"] == cap
+    assert record["previous_bytes"] is None
+    assert record["path"] == "/sys/fs/cgroup/memory/kubepods/besteffort/memory.limit_in_bytes"
+    # idle: nothing changed, nothing written
+    loop.cycle(5.0)
+    assert len(sink.named("cgroup_write")) == 1
+
+
+def test_v2_four_numa_nodes_writes_max_and_high(tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 2, "systemd")
+    host.set_numa([(8 * GIB, 32 * GIB, 0)] * 4)
+    host.set_tier_usage("besteffort", 2 * GIB, per_node=[GIB // 2] * 4)
+    loop.cycle(0.0)
+    cap = 2 * GIB + 4 * 4 * GIB
+    d = host.tier_dir("besteffort")
+    assert str(d).endswith("kubepods.slice/kubepods-besteffort.slice")
+    assert int((d / "memory.max").read_text()) == cap
+    assert int((d / "memory.high").read_text()) == int(cap * 0.95) // 4096 * 4096
+    paths = [r["path"] for r in sink.named("cgroup_write")]
+    # falling from "max": memory.high first
+    assert paths[0].endswith("memory.high")
+    assert paths[1].endswith("memory.max")
+
+
+def test_cap_falls_by_at_most_one_step_per_cycle(tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 2, "systemd")
+    host.set_numa([(30 * GIB, 64 * GIB, 0), (30 * GIB, 64 * GIB, 0)])
+    host.set_tier_usage("besteffort", 1 * GIB, per_node=[GIB // 2, GIB // 2])
+    loop.cycle(0.0)
+    assert int(limit_of(host)) == 1 * GIB + 52 * GIB
+    # the nodes fill up: the target drops to the usage, the cap follows one step per cycle
+    host.set_numa([(4 * GIB, 64 * GIB, 0), (4 * GIB, 64 * GIB, 0)])
+    caps = []
+    for i in range(3):
+        loop.cycle(5.0 * (i + 1))
+        caps.append(int(limit_of(host)))
+    assert caps == [52 * GIB, 51 * GIB, 50 * GIB]
+    # rising is not limited
+    host.set_numa([(40 * GIB, 64 * GIB, 0), (40 * GIB, 64 * GIB, 0)])
+    loop.cycle(20.0)
+    assert int(limit_of(host)) == 1 * GIB + 72 * GIB
+    high_first = [r["path"].rsplit("/", 1)[1] for r in sink.named("cgroup_write")[-2:]]
+    assert high_first == ["memory.max", "memory.high"]
+
+
+def test_cap_never_below_usage_minus_step(tmp_path: Path) -> None:
+    host, loop, _ = make(tmp_path, 1, "cgroupfs")
+    host.set_numa([(1 * GIB, 64 * GIB, 0), (1 * GIB, 64 * GIB, 0)])  # no headroom at all
+    # page cache counted in numa_stat is small; the charged usage is 10 GiB
+    host.set_tier_usage("besteffort", 10 * GIB, per_node=[GIB // 4, GIB // 4])
+    loop.cycle(0.0)
+    assert int(limit_of(host)) == 9 * GIB
+
+
+def test_without_numa_stat_the_whole_usage_counts(tmp_path: Path) -> None:
+    host, loop, _ = make(tmp_path, 1, "cgroupfs")
+    host.set_numa([(6 * GIB, 64 * GIB, 0)])
+    host.set_tier_usage("besteffort", 3 * GIB)
+    loop.cycle(0.0)
+    assert int(limit_of(host)) == 3 * GIB + 2 * GIB
+
+
+@pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
+def test_no_besteffort_cgroup_is_a_quiet_no_op(tmp_path: Path, version: int,
+                                                driver: str) -> None:
+    host, loop, sink = make(tmp_path, version, driver)
+    host.set_numa([(6 * GIB, 64 * GIB, 0)])
+    d = host.tier_dir("besteffort")
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+    loop.cycle(0.0)
+    assert sink.records == []
+
+
+def test_disabled_guard_writes_nothing(tmp_path: Path) -> None:
+    host, _loop, sink = make(tmp_path, 1, "cgroupfs")
+    host.set_numa([(60 * GIB, 64 * GIB, 0)])
+    host.set_tier_usage("besteffort", GIB)
+    cfg = Config()
+    off = dataclasses.replace(cfg, memory_guard=dataclasses.replace(cfg.memory_guard,
+                                                                    enabled=False))
+    sysfs = SysFs(tmp_path, AuditLog(sink))
+    MemoryGuardLoop(lambda: off, sysfs, layout_for(sysfs), AuditLog(sink)).cycle(0.0)
+    assert sink.records == []

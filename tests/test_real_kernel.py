@@ -1,0 +1,119 @@
+"""The guard and drift writes against this machine's kernel (cgroup v1 memory controller).
+
+Builds ``<test parent>/memory/kubepods/besteffort/pod<uid>/<id>`` under
+``/sys/fs/cgroup/memory``, runs ``sleep`` in the container memcg, and points the reconciler's
+cgroup layout at the test parent, so every write lands in that subtree and nowhere else.
+Skipped unless running as root on a host with the v1 memory controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+
+from hooks.model import ContainerInfo, PodInfo
+from nri_plugin.audit import AuditLog, MemoryAuditSink
+from nri_plugin.config.creation import MemoryLevel
+from nri_plugin.config.schema import Config
+from reconciler.cgroups import CgroupLayout
+from reconciler.loops.drift import DriftLoop
+from reconciler.loops.memory_guard import MemoryGuardLoop
+from reconciler.numa import read_nodes
+from reconciler.state import NodeState
+from reconciler.sysfs import Outcome, SysFs
+
+MEMORY_V1 = Path("/sys/fs/cgroup/memory")
+UID = "55555555-0000-4000-8000-000000000005"
+CID = "f" * 64
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file(),
+    reason="needs root and the cgroup v1 memory controller")
+
+
+@dataclasses.dataclass
+class Subtree:
+    parent: Path
+    tier: Path
+    container: Path
+    process: subprocess.Popen[bytes]
+
+
+@pytest.fixture
+def subtree() -> Iterator[Subtree]:
+    parent = MEMORY_V1 / f"nriqos-test-{os.getpid()}"
+    tier = parent / "memory/kubepods/besteffort"
+    container = tier / f"pod{UID}" / CID
+    container.mkdir(parents=True)
+    proc = subprocess.Popen(["sleep", "300"])
+    try:
+        (container / "cgroup.procs").write_text(str(proc.pid))
+        yield Subtree(parent, tier, container, proc)
+    finally:
+        proc.kill()
+        proc.wait()
+        for d in (container, container.parent, tier, tier.parent, tier.parent.parent, parent):
+            if d.is_dir():
+                d.rmdir()
+
+
+def config() -> Config:
+    base = Config()
+    levels = dict(base.memory.levels)
+    levels["reclaimed_cores"] = MemoryLevel(policy="ratios", high_ratio=95, low_ratio=50,
+                                            v1_reservation=True)
+    return dataclasses.replace(
+        base,
+        memory=dataclasses.replace(base.memory, levels=MappingProxyType(levels)),
+        # No floor: on a small test machine the 4 GiB default leaves no headroom at all.
+        memory_guard=dataclasses.replace(base.memory_guard, watermark_floor_bytes=0),
+    )
+
+
+def test_guard_and_drift_take_effect(subtree: Subtree) -> None:
+    cfg = config()
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs("/", audit)
+    layout = CgroupLayout(1, "cgroupfs", mount=str(subtree.parent))
+
+    MemoryGuardLoop(lambda: cfg, sysfs, layout, audit).cycle(0.0)
+    [record] = sink.named("memory_guard_cap")
+    limit = int((subtree.tier / "memory.limit_in_bytes").read_text())
+    assert limit == record["cap_bytes"]
+    total = sum(n.total_bytes for n in read_nodes(sysfs, 4096))
+    assert 0 < limit <= total
+
+    state = NodeState()
+    pod = PodInfo(id="sandbox", uid=UID, name="real", namespace="test",
+                  cgroup_parent=f"/kubepods/besteffort/pod{UID}")
+    state.replace_all([pod], [ContainerInfo(
+        id=CID, pod_sandbox_id="sandbox", name="sleeper",
+        cgroups_path=f"/kubepods/besteffort/pod{UID}/{CID}", memory_request=64 * MIB)])
+    drift = DriftLoop(lambda: cfg, state, sysfs, layout)
+    drift.cycle(0.0)
+    pid = subtree.process.pid
+    assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
+    assert int((subtree.container / "memory.soft_limit_in_bytes").read_text()) == 32 * MIB
+    written = len(sink.named("cgroup_write"))
+    drift.cycle(10.0)  # the kernel's values read back equal: no second write
+    assert len(sink.named("cgroup_write")) == written
+
+
+def test_kernel_errors_are_classified(subtree: Subtree) -> None:
+    sink = MemoryAuditSink()
+    sysfs = SysFs("/", AuditLog(sink), backoff_s=0.0)
+    procs = f"{subtree.container}/cgroup.procs"
+    # a task id that does not exist: ESRCH, tolerated
+    assert sysfs.write(procs, str(2**22 + 12345), "test") == Outcome.GONE
+    # garbage for a limit: EINVAL, retried then audited
+    limit = f"{subtree.container}/memory.limit_in_bytes"
+    assert sysfs.write(limit, "lots", "test") == Outcome.FAILED
+    assert sink.named("cgroup_write_failed")[0]["error"].startswith("EINVAL")

@@ -60,6 +60,12 @@ class MonitorHookConfig:
     timeout_s: int = setting(5, "OCI hook timeout.", unit="seconds", minimum=1, maximum=60)
     strict: bool = setting(False, "Make the hook fail (and so the container) on any error.")
 
+    def validate(self) -> list[tuple[str, str]]:
+        if not self.enabled:
+            return []
+        problem = check_hook_path(self.path)
+        return [("path", problem)] if problem else []
+
 
 @dataclass(frozen=True, slots=True)
 class ResctrlConfig:
@@ -76,6 +82,13 @@ class ResctrlConfig:
     )
     pod_groups: bool = setting(
         True, "Honour pod-level resctrl annotations by creating a group per pod."
+    )
+    annotation: str = setting(
+        "qos.nri-qos.io/resctrl",
+        "Pod annotation with a pod-level L3/MB request (JSON, same shape as Koordinator's).",
+    )
+    koordinator_annotation: bool = setting(
+        True, "Also honour Koordinator's node.koordinator.sh/resctrl pod annotation."
     )
     pod_l3_max_percent: int = percent(100, "Largest L3 share a pod annotation may ask for.")
     pod_mb_max_percent: int = percent(100, "Largest memory bandwidth a pod annotation may ask for.")
@@ -116,6 +129,16 @@ class MemoryLevel:
         "For containers without a memory limit: use node allocatable memory, or skip memory.high.",
         choices=("allocatable", "skip"),
     )
+    annotation_max_min_ratio: int = percent(
+        100, "Largest minRatio a volcano.sh/colocation-config annotation may ask for."
+    )
+    annotation_max_low_ratio: int = percent(
+        100, "Largest lowRatio a volcano.sh/colocation-config annotation may ask for."
+    )
+    v1_reservation: bool = setting(
+        False,
+        "On cgroup v1, set the memory reservation (soft limit) to the computed memory.low.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +160,10 @@ class MemoryConfig:
         frozen_map({
             "dedicated_cores": MemoryLevel(),
             "shared_cores": MemoryLevel(),
-            "reclaimed_cores": MemoryLevel(policy="ratios", high_ratio=95),
+            "reclaimed_cores": MemoryLevel(
+                policy="ratios", high_ratio=95,
+                annotation_max_min_ratio=0, annotation_max_low_ratio=0,
+            ),
             "system_cores": MemoryLevel(),
         }),
         "Memory policy per QoS level.",
@@ -159,7 +185,14 @@ class OomConfig:
     enabled: bool = setting(True, "Adjust oom_score_adj at container creation.")
     annotation: str = setting("qos.nri-qos.io/oom-score-adj", "Per-pod oom_score_adj annotation.")
     priority_ordering: bool = setting(
-        False, "Order scores by pod priority so offline pods are always OOM-killed first."
+        False,
+        "Tier ordering for tidal colocation: reclaimed_cores containers always score at least "
+        "offline_min_score, every other level strictly below it, so offline pods are "
+        "always OOM-killed first.",
+    )
+    offline_min_score: int = setting(
+        500, "Boundary between the offline and online tiers (priority_ordering).",
+        minimum=-999, maximum=1000,
     )
     levels: Mapping[str, OomLevel] = setting(
         frozen_map({

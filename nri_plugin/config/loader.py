@@ -144,7 +144,7 @@ class _Builder:
             if len(raw) != len(args):
                 self.error(path, f"must be an array of {len(args)} items, got {len(raw)}")
                 return _INVALID
-            items = [self.value(a, r, f"{path}[{i}]", meta, None)
+            items = [self.value(a, r, f"{path}[{i}]", _item_meta(meta), None)
                      for i, (a, r) in enumerate(zip(args, raw, strict=True))]
         else:
             items = []
@@ -152,7 +152,7 @@ class _Builder:
                 item_base = None
                 if dataclasses.is_dataclass(item_tp):
                     item_base = typing.cast(Any, item_tp)()
-                items.append(self.value(item_tp, r, f"{path}[{i}]", meta, item_base))
+                items.append(self.value(item_tp, r, f"{path}[{i}]", _item_meta(meta), item_base))
         if any(v is _INVALID for v in items):
             return _INVALID
         result = tuple(items)
@@ -178,7 +178,7 @@ class _Builder:
             item_base = merged.get(key)
             if item_base is None and dataclasses.is_dataclass(item_tp):
                 item_base = typing.cast(type[Any], item_tp)()
-            value = self.value(item_tp, item, item_path, meta, item_base)
+            value = self.value(item_tp, item, item_path, _item_meta(meta), item_base)
             if value is _INVALID:
                 ok = False
             else:
@@ -239,6 +239,12 @@ class _Builder:
                 self.error(path, problem)
                 return _INVALID
         return value
+
+
+def _item_meta(meta: SettingMeta) -> SettingMeta:
+    """What applies to each item of an array or table: unit, range and choices, not the check
+    (or allowed keys) of the collection as a whole."""
+    return dataclasses.replace(meta, check=None, keys=None)
 
 
 def _num(value: float) -> str:

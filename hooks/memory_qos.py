@@ -1,0 +1,162 @@
+"""Memory QoS policy: cgroup v2 ``memory.min`` / ``memory.low`` / ``memory.high`` per container.
+
+Per level (``memory.levels.<level>.policy``):
+
+``ratios`` (Volcano)
+    ``memory.min = request x min_ratio %``, ``memory.low = request x low_ratio %``,
+    ``memory.high = limit x high_ratio %``. min/low are set only for a ratio above 0, so
+    kubelet's own values stay untouched otherwise.
+``kubernetes`` (the kubelet MemoryQoS formula)
+    ``memory.high = floor((request + factor x (limit - request)) / page) x page``;
+    min/low as for ``ratios``.
+``none``
+    nothing, unless the pod carries the Volcano annotation.
+
+A container without a limit uses node allocatable memory in place of the limit, or gets no
+``memory.high`` (``no_limit``). Every value is rounded down to whole pages, and ``memory.high``
+is never set below ``memory.low``.
+
+The ``volcano.sh/colocation-config`` pod annotation holds a ColocationConfiguration spec
+(``{"memoryQos": {"highRatio": 80, "lowRatio": 50, "minRatio": 0}}``; missing ratios take
+Volcano's defaults 100/0/0). It sets all three values, with ``minRatio``/``lowRatio`` bounded by
+the level's ``annotation_max_*_ratio`` (a larger one is rejected and the level's value used). An
+annotation that is present but empty resets the values: ``memory.high=max``, ``memory.low=0``,
+``memory.min=0``, except keys the level's own policy sets.
+
+On cgroup v1 there are no unified keys; with ``v1_reservation`` the computed ``memory.low``
+becomes the container's memory reservation (soft limit).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from hooks.model import ContainerInfo, PodInfo
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from nri_plugin.config.creation import MemoryConfig, MemoryLevel
+
+VOLCANO_ANNOTATION = "volcano.sh/colocation-config"
+MAX_ANNOTATION_CHARS = 16384
+_VOLCANO_DEFAULTS = {"highratio": 100, "lowratio": 0, "minratio": 0}
+_RATIO_KEYS = {"highratio": "highRatio", "lowratio": "lowRatio", "minratio": "minRatio"}
+RESET = MappingProxyType({"memory.high": "max", "memory.low": "0", "memory.min": "0"})
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDecision:
+    settings: ContainerSettings
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ratios:
+    high: int
+    low: int
+    min: int
+
+
+def _pages(value: float, page: int) -> int:
+    return int(value // page) * page
+
+
+def parse_volcano(text: str) -> tuple[Ratios | None, tuple[str, ...]]:
+    """Ratios from a ColocationConfiguration spec; (None, ()) when it has no memoryQos."""
+    if len(text) > MAX_ANNOTATION_CHARS:
+        return None, (f"annotation longer than {MAX_ANNOTATION_CHARS} characters",)
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return None, (f"invalid JSON: {exc}",)
+    if not isinstance(doc, dict):
+        return None, (f"must be a JSON object, got {type(doc).__name__}",)
+    # Other spec sections (selector, other resources) are not ours to judge.
+    qos: Any = None
+    for key, value in doc.items():
+        if key.lower() == "memoryqos":
+            qos = value
+    if qos is None:
+        return None, ()
+    if not isinstance(qos, dict):
+        return None, (f"memoryQos: must be an object, got {type(qos).__name__}",)
+    values = dict(_VOLCANO_DEFAULTS)
+    for key, value in qos.items():
+        low = key.lower()
+        if low not in _VOLCANO_DEFAULTS:
+            return None, (f"memoryQos: unknown key {key!r}",)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return None, (f"memoryQos.{_RATIO_KEYS[low]}: must be an integer, "
+                          f"got {type(value).__name__}",)
+        if not 0 <= value <= 100:
+            return None, (f"memoryQos.{_RATIO_KEYS[low]}: must be 0..100, got {value}",)
+        values[low] = value
+    return Ratios(values["highratio"], values["lowratio"], values["minratio"]), ()
+
+
+def _level_values(level: MemoryLevel, request: int | None, limit: int | None,
+                  page: int) -> dict[str, int]:
+    """The level policy's values in bytes (no memory.high when ``limit`` is None)."""
+    out: dict[str, int] = {}
+    if level.policy == "none":
+        return out
+    if request is not None:
+        if level.min_ratio:
+            out["memory.min"] = _pages(request * level.min_ratio / 100, page)
+        if level.low_ratio:
+            out["memory.low"] = _pages(request * level.low_ratio / 100, page)
+    if limit is not None:
+        if level.policy == "ratios":
+            out["memory.high"] = _pages(limit * level.high_ratio / 100, page)
+        else:
+            req = min(request or 0, limit)
+            out["memory.high"] = _pages(req + level.throttling_factor * (limit - req), page)
+    return out
+
+
+def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg: MemoryConfig,
+                    *, cgroup_v2: bool, node_allocatable: int) -> MemoryDecision:
+    """The memory part of a container's settings."""
+    level = cfg.levels.get(level_name)
+    if level is None:
+        return MemoryDecision(EMPTY_SETTINGS)
+    page = cfg.page_size
+    limit = container.memory_limit
+    if limit is None and level.no_limit == "allocatable" and node_allocatable > 0:
+        limit = node_allocatable
+    request = container.memory_request
+    values: dict[str, int | str] = dict(_level_values(level, request, limit, page))
+    problems: list[str] = []
+
+    raw = pod.annotations.get(VOLCANO_ANNOTATION) if cfg.volcano_annotation else None
+    if raw is not None and not raw.strip():
+        for key, reset in RESET.items():
+            values.setdefault(key, reset)
+    elif raw is not None:
+        ratios, problems_ = parse_volcano(raw)
+        problems.extend(problems_)
+        if ratios is not None:
+            if limit is not None:
+                values["memory.high"] = _pages(limit * ratios.high / 100, page)
+            for key, label, ratio, cap in (
+                ("memory.min", "minRatio", ratios.min, level.annotation_max_min_ratio),
+                ("memory.low", "lowRatio", ratios.low, level.annotation_max_low_ratio),
+            ):
+                if ratio > cap:
+                    problems.append(f"memoryQos.{label} {ratio} is above the allowed {cap} "
+                                    f"for {level_name}")
+                elif request is not None:
+                    values[key] = _pages(request * ratio / 100, page)
+
+    high, low = values.get("memory.high"), values.get("memory.low")
+    if isinstance(high, int) and isinstance(low, int) and high < low:
+        values["memory.high"] = low
+
+    if not cgroup_v2:
+        low_v1 = values.get("memory.low")
+        if level.v1_reservation and isinstance(low_v1, int) and low_v1 > 0:
+            return MemoryDecision(ContainerSettings(memory_reservation=low_v1), tuple(problems))
+        return MemoryDecision(EMPTY_SETTINGS, tuple(problems))
+    unified = MappingProxyType({k: str(v) for k, v in sorted(values.items())})
+    return MemoryDecision(ContainerSettings(unified=unified), tuple(problems))

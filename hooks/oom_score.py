@@ -1,0 +1,58 @@
+"""oom_score_adj policy: per level, per pod annotation, optional offline-first tier ordering.
+
+* A level with ``set_score`` gets ``score``; other levels keep kubelet's value.
+* The pod annotation (``oom.annotation``, default ``qos.nri-qos.io/oom-score-adj``) holds a decimal
+  integer. It must lie between the level's ``floor`` and 1000; anything else is rejected (the
+  level's value stays) and reported, so a pod can make itself more killable but never less than
+  its level allows.
+* ``priority_ordering``: reclaimed_cores containers always score at least ``offline_min_score``
+  and every other level strictly below it, whatever the sources above said; the kernel's OOM
+  killer therefore always picks offline pods first.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from hooks.levels import QosLevel
+from hooks.model import ContainerInfo, PodInfo
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from nri_plugin.config.creation import OomConfig
+
+OOM_MAX = 1000
+_INT_RE = re.compile(r"[+-]?[0-9]{1,5}")
+
+
+@dataclass(frozen=True, slots=True)
+class OomDecision:
+    settings: ContainerSettings
+    problems: tuple[str, ...] = ()
+
+
+def oom_score(pod: PodInfo, container: ContainerInfo, level_name: str,
+              cfg: OomConfig) -> OomDecision:
+    level = cfg.levels.get(level_name)
+    if level is None:
+        return OomDecision(EMPTY_SETTINGS)
+    value: int | None = level.score if level.set_score else None
+    problems: list[str] = []
+    raw = pod.annotations.get(cfg.annotation)
+    if raw is not None:
+        text = raw.strip()
+        if not _INT_RE.fullmatch(text):
+            problems.append(f"{cfg.annotation}: not an integer: {raw[:40]!r}")
+        elif not level.floor <= int(text) <= OOM_MAX:
+            problems.append(f"{cfg.annotation}: {int(text)} is outside [{level.floor}, {OOM_MAX}] "
+                            f"allowed for {level_name}")
+        else:
+            value = int(text)
+    if cfg.priority_ordering:
+        current = value if value is not None else container.oom_score_adj
+        if level_name == QosLevel.RECLAIMED_CORES:
+            value = max(OOM_MAX if current is None else current, cfg.offline_min_score)
+        elif current is not None and current >= cfg.offline_min_score:
+            value = cfg.offline_min_score - 1
+    if value is None:
+        return OomDecision(EMPTY_SETTINGS, tuple(problems))
+    return OomDecision(ContainerSettings(oom_score_adj=value), tuple(problems))

@@ -1,0 +1,139 @@
+"""Which QoS level a pod runs at: the first configured source with a known value decides.
+
+Sources, tried in ``QosConfig.sources`` order:
+
+``annotation``
+    The project's own annotation (``QosConfig.annotation``), holding a level name.
+``katalyst``
+    ``katalyst.kubewharf.io/qos_level`` annotation, holding a level name.
+``koordinator``
+    ``koordinator.sh/qosClass``, the label first and then the annotation, mapped through
+    ``QosConfig.koordinator`` (LSE/LSR/LS/BE/SYSTEM by default).
+``volcano``
+    ``volcano.sh/qos-level`` annotation, mapped through ``QosConfig.volcano``.
+``kubernetes_qos``
+    The Kubernetes QoS class, read from the pod's cgroup parent, mapped through
+    ``QosConfig.kubernetes_qos``.
+
+Matching: surrounding whitespace is ignored everywhere (values often come from YAML block
+scalars). Level names must match exactly, case included, as Katalyst spells them. Koordinator and
+Volcano codes are matched case-insensitively, since both projects use upper-case codes and a
+lower-case ``be`` has only one possible meaning. A value that is present but unknown (an empty one
+included) does not stop the search: it is reported in :attr:`LevelDecision.rejected` so the caller
+can audit it, and the next source is tried. When no source decides, the pod gets
+``QosConfig.default_level``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from hooks.levels import LEVEL_NAMES
+from hooks.model import PodInfo
+from nri_plugin.config.schema import QosConfig
+
+KATALYST_ANNOTATION = "katalyst.kubewharf.io/qos_level"
+KOORDINATOR_KEY = "koordinator.sh/qosClass"
+VOLCANO_ANNOTATION = "volcano.sh/qos-level"
+DEFAULT_SOURCE = "default"
+
+GUARANTEED = "guaranteed"
+BURSTABLE = "burstable"
+BESTEFFORT = "besteffort"
+
+# systemd driver: kubepods-besteffort-pod<uid>.slice, kubepods-burstable-pod<uid>.slice,
+# kubepods-pod<uid>.slice (guaranteed). The uid has its dashes turned into underscores.
+_SYSTEMD_POD_SLICE = re.compile(r"kubepods(?:-(besteffort|burstable))?-pod[^/]+\.slice")
+# cgroupfs driver: the pod directory below kubepods[/besteffort|/burstable].
+_CGROUPFS_POD_DIR = re.compile(r"pod[^/]+")
+
+
+@dataclass(frozen=True, slots=True)
+class LevelDecision:
+    level: str
+    # The source that decided, or "default".
+    source: str
+    # (source, value) pairs that were present but not understood, in the order they were tried.
+    rejected: tuple[tuple[str, str], ...] = ()
+
+
+def kubernetes_qos_class(cgroup_parent: str) -> str | None:
+    """``guaranteed``, ``burstable`` or ``besteffort`` from a pod cgroup path, else None.
+
+    Accepts both drivers, with or without the parent path: ``/kubepods/burstable/pod<uid>``,
+    ``/kubepods/pod<uid>``, ``kubepods-besteffort-pod<uid>.slice``,
+    ``kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid>.slice``. A container's
+    systemd cgroups path (``<pod slice>:cri-containerd:<id>``) is read through its slice part.
+    """
+    parts = [p.split(":", 1)[0] for p in cgroup_parent.strip().split("/") if p]
+    for part in parts:
+        m = _SYSTEMD_POD_SLICE.fullmatch(part)
+        if m:
+            return m.group(1) or GUARANTEED
+    for i, part in enumerate(parts):
+        if part != "kubepods":
+            continue
+        rest = parts[i + 1:]
+        if len(rest) >= 2 and rest[0] in (BESTEFFORT, BURSTABLE) \
+                and _CGROUPFS_POD_DIR.fullmatch(rest[1]):
+            return rest[0]
+        if rest and _CGROUPFS_POD_DIR.fullmatch(rest[0]):
+            return GUARANTEED
+        return None
+    return None
+
+
+def _level_name(value: str) -> str | None:
+    return value if value in LEVEL_NAMES else None
+
+
+def _mapped(mapping: Mapping[str, str]) -> Callable[[str], str | None]:
+    folded = {code.upper(): level for code, level in mapping.items()}
+    return lambda value: folded.get(value.upper())
+
+
+def _candidates(source: str, pod: PodInfo, cfg: QosConfig) -> list[str]:
+    """The raw values a source offers for this pod, in the order they are tried."""
+    if source == "annotation":
+        values = [pod.annotations.get(cfg.annotation)]
+    elif source == "katalyst":
+        values = [pod.annotations.get(KATALYST_ANNOTATION)]
+    elif source == "koordinator":
+        values = [pod.labels.get(KOORDINATOR_KEY), pod.annotations.get(KOORDINATOR_KEY)]
+    elif source == "volcano":
+        values = [pod.annotations.get(VOLCANO_ANNOTATION)]
+    elif source == "kubernetes_qos":
+        if not pod.cgroup_parent.strip():
+            return []
+        values = [kubernetes_qos_class(pod.cgroup_parent) or pod.cgroup_parent]
+    else:
+        raise ValueError(f"unknown QoS level source {source!r}")
+    return [v.strip() for v in values if v is not None]
+
+
+def _interpreter(source: str, cfg: QosConfig) -> Callable[[str], str | None]:
+    if source == "koordinator":
+        return _mapped(cfg.koordinator)
+    if source == "volcano":
+        return _mapped(cfg.volcano)
+    if source == "kubernetes_qos":
+        return lambda value: cfg.kubernetes_qos.get(value)
+    return _level_name
+
+
+def resolve_level(pod: PodInfo, cfg: QosConfig) -> LevelDecision:
+    """The pod's QoS level, the source that decided it, and the values that were not understood."""
+    rejected: list[tuple[str, str]] = []
+    for source in cfg.sources:
+        values = _candidates(source, pod, cfg)
+        if not values:
+            continue
+        interpret = _interpreter(source, cfg)
+        for value in values:
+            level = interpret(value)
+            if level is not None and level in LEVEL_NAMES:
+                return LevelDecision(level, source, tuple(rejected))
+            rejected.append((source, value))
+    return LevelDecision(cfg.default_level, DEFAULT_SOURCE, tuple(rejected))

@@ -1,0 +1,92 @@
+"""The ``nri-qos`` command: run the plugin, simulate a runtime, check or print the configuration."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib import metadata
+
+from nri_plugin.config.loader import ConfigError
+from nri_plugin.config.render import render_toml
+from nri_plugin.config.schema import Config
+from nri_plugin.config.store import DEFAULT_CONFIG_PATH, EMBEDDED_DEFAULTS, load_config
+from nri_plugin.logs import LEVELS
+
+
+def _version() -> str:
+    try:
+        return metadata.version("nri-qos")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nri-qos",
+        description="containerd NRI plugin colocating online and offline workloads.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    config_help = f"configuration file (default {DEFAULT_CONFIG_PATH}; embedded defaults if absent)"
+    level_help = "log level, overriding [logging] level"
+
+    run = commands.add_parser("run", help="run the plugin (connects to the runtime's NRI socket)")
+    run.add_argument("--config", metavar="PATH", help=config_help)
+    run.add_argument("--socket", metavar="PATH", help="NRI socket, overriding [plugin] socket")
+    run.add_argument("--log-level", choices=tuple(LEVELS), help=level_help)
+
+    simulate = commands.add_parser(
+        "simulate", help="play a scenario against the plugin with a built-in runtime simulator"
+    )
+    simulate.add_argument("scenario", nargs="?", metavar="SCENARIO",
+                          help="scenario file (default: the bundled one)")
+    simulate.add_argument("--config", metavar="PATH", help=config_help)
+    simulate.add_argument("--log-level", choices=tuple(LEVELS), help=level_help)
+
+    check = commands.add_parser(
+        "check-config",
+        help="validate a configuration file; print the effective configuration or every error",
+    )
+    check.add_argument("path", nargs="?", metavar="PATH",
+                       help=f"file to check (default {DEFAULT_CONFIG_PATH})")
+
+    commands.add_parser("default-config", help="print the commented default configuration")
+    return parser
+
+
+def check_config(path: str | None) -> int:
+    try:
+        cfg, source = load_config(path)
+    except ConfigError as exc:
+        where = exc.source or path or DEFAULT_CONFIG_PATH
+        for error in exc.errors:
+            print(f"{where}: {error}", file=sys.stderr)
+        print(f"{where}: invalid configuration ({len(exc.errors)} "
+              f"error{'s' if len(exc.errors) != 1 else ''})", file=sys.stderr)
+        return 1
+    if source == EMBEDDED_DEFAULTS:
+        print(f"no file at {DEFAULT_CONFIG_PATH}: the embedded defaults apply", file=sys.stderr)
+    sys.stdout.write(render_toml(cfg, commented=False))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        from nri_plugin.daemon import main_run
+
+        return main_run(args.config, args.socket, args.log_level)
+    if args.command == "simulate":
+        from nri_plugin.simulator import main_simulate
+
+        return main_simulate(args.scenario, args.config, args.log_level)
+    if args.command == "check-config":
+        return check_config(args.path)
+    if args.command == "default-config":
+        sys.stdout.write(render_toml(Config(), commented=True))
+        return 0
+    parser.print_help(sys.stderr)
+    return 2

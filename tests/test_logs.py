@@ -1,0 +1,269 @@
+"""Logging setup: renderers, levels, bound context, the per-event line, audit lines and file."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+
+from hooks.model import ContainerInfo, PodInfo
+from nri_plugin.config.schema import LoggingConfig
+from nri_plugin.logs import LoggingSetup, configure_logging, event_context, timed_event
+
+ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
+POD = PodInfo(id="sb1", uid="uid-1", name="web-0", namespace="shop")
+CONTAINER = ContainerInfo(id="c1", pod_sandbox_id="sb1", name="nginx")
+
+
+@pytest.fixture
+def make_setup() -> Iterator[Callable[..., LoggingSetup]]:
+    made: list[LoggingSetup] = []
+
+    def make(cfg: LoggingConfig | None = None, **kwargs: Any) -> LoggingSetup:
+        setup = LoggingSetup(cfg, **kwargs)
+        made.append(setup)
+        return setup
+
+    yield make
+    for setup in made:
+        setup.close()
+    structlog.reset_defaults()
+    structlog.contextvars.clear_contextvars()
+
+
+def json_lines(stream: io.StringIO) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_json_when_the_stream_is_not_a_terminal(make_setup: Callable[..., LoggingSetup]) -> None:
+    out = io.StringIO()
+    make_setup(stream=out)
+    structlog.get_logger("nri_qos.test").info("hello", n=1)
+    (line,) = json_lines(out)
+    assert list(line)[:4] == ["timestamp", "level", "logger", "event"]
+    assert ISO_UTC.match(line["timestamp"])
+    assert line == {"timestamp": line["timestamp"], "level": "info", "logger": "nri_qos.test",
+                    "event": "hello", "n": 1}
+
+
+def test_console_on_a_terminal(make_setup: Callable[..., LoggingSetup]) -> None:
+    primary, secondary = os.openpty()
+    with open(secondary, "w", encoding="utf-8", closefd=True) as tty, \
+            open(primary, "rb", buffering=0, closefd=True) as reader:
+        make_setup(stream=tty)
+        structlog.get_logger("nri_qos.test").info("hello", n=1)
+        raw = reader.read(4096).decode()
+    text = re.sub(r"\x1b\[[0-9;]*m", "", raw)
+    assert raw != text  # coloured, for a terminal
+    assert "hello" in text
+    assert "n=1" in text
+    assert not text.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize(("fmt", "is_json"), [("json", True), ("console", False)])
+def test_format_setting_wins_over_detection(
+    make_setup: Callable[..., LoggingSetup], fmt: str, is_json: bool
+) -> None:
+    out = io.StringIO()
+    make_setup(LoggingConfig(format=fmt), stream=out)
+    structlog.get_logger().warning("x")
+    assert out.getvalue().startswith("{") is is_json
+
+
+def test_level_filtering_and_override(make_setup: Callable[..., LoggingSetup]) -> None:
+    out = io.StringIO()
+    setup = make_setup(LoggingConfig(level="warning"), stream=out)
+    log = structlog.get_logger("nri_qos.test")
+    log.info("hidden")
+    log.warning("shown")
+    setup.apply(LoggingConfig(level="debug"))
+    log.debug("now shown")
+    assert [r["event"] for r in json_lines(out)] == ["shown", "now shown"]
+
+    out2 = io.StringIO()
+    pinned = make_setup(LoggingConfig(level="debug"), level="error", stream=out2)
+    log.warning("hidden by the override")
+    pinned.apply(LoggingConfig(level="debug"))  # a reload does not undo --log-level
+    log.warning("still hidden")
+    log.error("shown")
+    assert pinned.level == "error"
+    assert [r["event"] for r in json_lines(out2)] == ["shown"]
+
+
+def test_unknown_level_override_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown log level 'loud'"):
+        LoggingSetup(level="loud", stream=io.StringIO())
+
+
+def test_event_context_binds_pod_and_container(make_setup: Callable[..., LoggingSetup]) -> None:
+    out = io.StringIO()
+    make_setup(stream=out)
+    log = structlog.get_logger()
+    with event_context("create_container", pod=POD, container=CONTAINER):
+        log.info("inside")
+    log.info("outside")
+    inside, outside = json_lines(out)
+    assert {k: inside[k] for k in ("nri_event", "pod_namespace", "pod_name", "pod_uid",
+                                   "container")} == {
+        "nri_event": "create_container", "pod_namespace": "shop", "pod_name": "web-0",
+        "pod_uid": "uid-1", "container": "nginx"}
+    assert "nri_event" not in outside
+
+
+class StepClock:
+    def __init__(self, *readings: float) -> None:
+        self.readings = list(readings)
+
+    def __call__(self) -> float:
+        return self.readings.pop(0)
+
+
+def test_timed_event_writes_one_line_with_duration(make_setup: Callable[..., LoggingSetup]) -> None:
+    out = io.StringIO()
+    make_setup(stream=out)
+    log = structlog.get_logger("nri_qos.nri")
+    with timed_event(log, "run_pod_sandbox", clock=StepClock(10.0, 10.25), pod=POD) as outcome:
+        outcome.fields["hooks"] = 3
+        log.debug("not at info")
+    (line,) = json_lines(out)
+    assert line["event"] == "nri_event"
+    assert line["duration_ms"] == 250.0
+    assert line["result"] == "ok"
+    assert line["hooks"] == 3
+    assert line["nri_event"] == "run_pod_sandbox"
+    assert line["pod_uid"] == "uid-1"
+
+
+def test_timed_event_reports_and_reraises_errors(make_setup: Callable[..., LoggingSetup]) -> None:
+    out = io.StringIO()
+    make_setup(stream=out)
+    log = structlog.get_logger("nri_qos.nri")
+    with pytest.raises(KeyError), timed_event(log, "stop_container",
+                                              clock=StepClock(1.0, 1.0005)):
+        raise KeyError("gone")
+    (line,) = json_lines(out)
+    assert line["result"] == "error"
+    assert line["error"] == "KeyError: 'gone'"
+    assert line["duration_ms"] == 0.5
+
+
+def test_audit_records_bypass_the_level_and_carry_the_context(
+    make_setup: Callable[..., LoggingSetup],
+) -> None:
+    out = io.StringIO()
+    setup = make_setup(LoggingConfig(level="error"), stream=out)
+    with event_context("create_container", pod=POD):
+        setup.audit.record("adjustment_applied", pod_uid="uid-1", container="nginx",
+                           level="reclaimed_cores", fields=("memory_high",))
+    (line,) = json_lines(out)
+    assert line["audit"] is True
+    assert line["logger"] == "nri_qos.audit"
+    assert line["event"] == "adjustment_applied"
+    assert line["level"] == "reclaimed_cores"  # the record's field, not a log level
+    assert line["fields"] == ["memory_high"]
+    assert line["nri_event"] == "create_container"
+    assert ISO_UTC.match(line["timestamp"])
+
+
+def test_audit_file_follows_the_configuration(
+    make_setup: Callable[..., LoggingSetup], tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    setup = make_setup(LoggingConfig(audit_file=str(first)), stream=out)
+    setup.audit.record("config_loaded", source="one")
+    setup.apply(LoggingConfig(audit_file=str(first)))  # unchanged: same file stays open
+    setup.audit.record("config_loaded", source="two")
+    setup.apply(LoggingConfig(audit_file=str(second), audit_max_bytes=4096, audit_backups=1))
+    setup.audit.record("config_loaded", source="three")
+    setup.apply(LoggingConfig())
+    setup.audit.record("config_loaded", source="four")
+
+    def sources(path: Path) -> list[str]:
+        return [json.loads(line)["source"] for line in path.read_text().splitlines()]
+
+    assert sources(first) == ["one", "two"]
+    assert sources(second) == ["three"]
+    assert [r["source"] for r in json_lines(out)] == ["one", "two", "three", "four"]
+
+
+def test_unopenable_audit_file_fails_open(
+    make_setup: Callable[..., LoggingSetup], tmp_path: Path
+) -> None:
+    out = io.StringIO()
+    missing = tmp_path / "no-such-dir" / "audit.jsonl"
+    setup = make_setup(LoggingConfig(audit_file=str(missing)), stream=out)
+    setup.audit.record("eviction_done", pod="ns/p")
+    problem, record = json_lines(out)
+    assert problem["event"] == "audit_file_unavailable"
+    assert problem["level"] == "error"
+    assert problem["path"] == str(missing)
+    assert record["event"] == "eviction_done"
+    assert setup.sink.file is None
+
+
+def test_standard_library_logging_is_routed(make_setup: Callable[..., LoggingSetup]) -> None:
+    out = io.StringIO()
+    setup = make_setup(stream=out)
+    logging.getLogger("asyncio").warning("loop %s", "trouble")
+    logging.getLogger("asyncio").debug("filtered")
+    (line,) = json_lines(out)
+    assert line["event"] == "loop trouble"
+    assert line["logger"] == "asyncio"
+    assert line["level"] == "warning"
+    setup.close()
+    logging.getLogger("asyncio").warning("after close")
+    assert len(json_lines(out)) == 1
+
+
+def test_configure_logging_returns_the_production_audit_log(
+    make_setup: Callable[..., LoggingSetup],
+) -> None:
+    out = io.StringIO()
+    audit = configure_logging(LoggingConfig(), "info", out)
+    audit.record("taint_removed", node="n1", taint="k:NoSchedule", reason="pressure gone")
+    (line,) = json_lines(out)
+    assert line["event"] == "taint_removed"
+    assert line["audit"] is True
+    # Leave the global state as the fixture expects to find it.
+    make_setup(stream=io.StringIO())
+
+
+def test_values_json_cannot_encode_are_rendered(make_setup: Callable[..., LoggingSetup]) -> None:
+    from types import MappingProxyType
+
+    out = io.StringIO()
+    make_setup(stream=out)
+    structlog.get_logger().info("values", m=MappingProxyType({"a": 1}), s=frozenset({"b", "a"}),
+                                p=Path("/x"))
+    (line,) = json_lines(out)
+    assert (line["m"], line["s"], line["p"]) == ({"a": 1}, ["a", "b"], "/x")
+
+
+def test_close_puts_structlog_back(make_setup: Callable[..., LoggingSetup]) -> None:
+    from structlog.testing import capture_logs
+
+    setup = make_setup(LoggingConfig(level="error"), stream=io.StringIO())
+    setup.close()
+    with capture_logs() as logs:
+        structlog.get_logger().info("seen again")
+    assert [e["event"] for e in logs] == ["seen again"]
+
+
+def test_default_stream_follows_sys_stderr(
+    make_setup: Callable[..., LoggingSetup], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_setup()
+    later = io.StringIO()
+    monkeypatch.setattr("sys.stderr", later)
+    structlog.get_logger().warning("to the current stderr")
+    logging.getLogger("x").warning("stdlib too")
+    assert [r["event"] for r in json_lines(later)] == ["to the current stderr", "stdlib too"]

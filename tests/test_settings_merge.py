@@ -36,7 +36,8 @@ def test_disjoint_parts_combine() -> None:
 def test_first_owner_wins_and_conflict_is_reported() -> None:
     result = merge([
         ("a", ContainerSettings(oom_score_adj=500, unified={"memory.low": "1"})),
-        ("b", ContainerSettings(oom_score_adj=1000, unified={"memory.low": "2", "memory.min": "3"})),
+        ("b", ContainerSettings(oom_score_adj=1000,
+                                unified={"memory.low": "2", "memory.min": "3"})),
     ])
     assert result.settings.oom_score_adj == 500
     assert dict(result.settings.unified) == {"memory.low": "1", "memory.min": "3"}

@@ -1,0 +1,139 @@
+"""Between NRI protobuf messages and the plain views the policies work on.
+
+Inbound: ``PodSandbox``/``Container`` -> :class:`~hooks.model.PodInfo` /
+:class:`~hooks.model.ContainerInfo`. Outbound: merged :class:`~hooks.settings.ContainerSettings`
+-> ``ContainerAdjustment`` (at creation) or ``ContainerUpdate`` (for containers that exist).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from hooks.model import ContainerInfo, PodInfo
+from hooks.settings import ContainerSettings, HookStage
+from nri_plugin.versions import ClosField
+from protos import nri_api_pb2 as api
+
+
+class InvalidInput(ValueError):
+    """A runtime message lacks what the plugin needs to act on it."""
+
+
+def _frozen(entries: Mapping[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(entries))
+
+
+def pod_info(pod: api.PodSandbox) -> PodInfo:
+    if not pod.id:
+        raise InvalidInput("pod sandbox has no id")
+    return PodInfo(
+        id=pod.id,
+        uid=pod.uid,
+        name=pod.name,
+        namespace=pod.namespace,
+        labels=_frozen(pod.labels),
+        annotations=_frozen(pod.annotations),
+        cgroup_parent=pod.linux.cgroup_parent,
+        cgroups_path=pod.linux.cgroups_path,
+    )
+
+
+def container_info(container: api.Container) -> ContainerInfo:
+    if not container.id:
+        raise InvalidInput("container has no id")
+    linux = container.linux
+    memory = linux.resources.memory
+    limit = memory.limit.value if memory.HasField("limit") else 0
+    return ContainerInfo(
+        id=container.id,
+        pod_sandbox_id=container.pod_sandbox_id,
+        name=container.name,
+        labels=_frozen(container.labels),
+        annotations=_frozen(container.annotations),
+        cgroups_path=linux.cgroups_path,
+        pid=container.pid,
+        # The runtime leaves the limit out, or writes 0, for "no limit".
+        memory_limit=limit if limit > 0 else None,
+        memory_request=_memory_request(linux.resources),
+        oom_score_adj=linux.oom_score_adj.value if linux.HasField("oom_score_adj") else None,
+    )
+
+
+def _memory_request(resources: api.LinuxResources) -> int | None:
+    # kubelet's MemoryQoS writes the request as memory.min (cgroup v2); otherwise the spec may
+    # carry it as the v1 soft limit.
+    text = resources.unified.get("memory.min")
+    if text is not None and text.strip().isdigit():
+        value = int(text)
+        return value if value > 0 else None
+    memory = resources.memory
+    if memory.HasField("reservation") and memory.reservation.value > 0:
+        return memory.reservation.value
+    return None
+
+
+def _resources(settings: ContainerSettings, clos_field: ClosField | None) -> api.LinuxResources:
+    resources = api.LinuxResources()
+    if settings.memory_limit is not None:
+        resources.memory.limit.value = settings.memory_limit
+    if settings.memory_reservation is not None:
+        resources.memory.reservation.value = settings.memory_reservation
+    for key, value in settings.unified.items():
+        resources.unified[key] = value
+    if settings.rdt_class is not None and clos_field == "rdt_class":
+        resources.rdt_class.value = settings.rdt_class
+    return resources
+
+
+def to_adjustment(
+    settings: ContainerSettings, *, clos_field: ClosField | None
+) -> api.ContainerAdjustment:
+    """The adjustment for a container being created.
+
+    ``clos_field`` picks where the resctrl class goes: ``linux.resources.rdt_class`` or
+    ``linux.rdt.clos_id``; None drops it (the runtime would not apply either).
+    """
+    adjust = api.ContainerAdjustment()
+    for key, value in settings.annotations.items():
+        adjust.annotations[key] = value
+    for hook in settings.hooks:
+        entry = getattr(adjust.hooks, _STAGE_FIELDS[hook.stage]).add()
+        entry.path = hook.path
+        entry.args.extend(hook.args)
+        entry.env.extend(hook.env)
+        if hook.timeout_s is not None:
+            entry.timeout.value = hook.timeout_s
+    resources = _resources(settings, clos_field)
+    if resources.ByteSize():
+        adjust.linux.resources.CopyFrom(resources)
+    if settings.oom_score_adj is not None:
+        adjust.linux.oom_score_adj.value = settings.oom_score_adj
+    if settings.rdt_class is not None and clos_field == "clos_id":
+        adjust.linux.rdt.clos_id.value = settings.rdt_class
+    return adjust
+
+
+def to_update(
+    container_id: str,
+    settings: ContainerSettings,
+    *,
+    clos_field: ClosField | None,
+    ignore_failure: bool = False,
+) -> api.ContainerUpdate:
+    """An update of an existing container: only its resources can change."""
+    update = api.ContainerUpdate(container_id=container_id, ignore_failure=ignore_failure)
+    # An update has no linux.rdt, so the class can only travel as rdt_class.
+    resources = _resources(settings, "rdt_class" if clos_field is not None else None)
+    update.linux.resources.CopyFrom(resources)
+    return update
+
+
+_STAGE_FIELDS: Mapping[HookStage, str] = MappingProxyType({
+    HookStage.PRESTART: "prestart",
+    HookStage.CREATE_RUNTIME: "create_runtime",
+    HookStage.CREATE_CONTAINER: "create_container",
+    HookStage.START_CONTAINER: "start_container",
+    HookStage.POSTSTART: "poststart",
+    HookStage.POSTSTOP: "poststop",
+})

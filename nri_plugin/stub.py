@@ -1,0 +1,581 @@
+"""The plugin side of NRI: registration, configuration, synchronization and every event.
+
+:class:`PluginStub` serves one runtime connection at a time (:meth:`PluginStub.serve`); the
+daemon decides when to (re)connect. Each event is converted into plain views, its pod's QoS level
+resolved, and the hooks subscribed to it run in a worker thread under the handler deadline. Their
+answers merge into one adjustment; :class:`~nri_plugin.failure.FailurePolicy` decides what a
+failure turns into.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+import structlog
+from google.protobuf.message import DecodeError, Message
+
+from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
+from hooks.qos_level import resolve_level
+from hooks.settings import ContainerSettings, merge
+from nri_plugin.audit import AuditLog
+from nri_plugin.chain import ContainerEvent, Hook, PodEvent
+from nri_plugin.config.schema import Config
+from nri_plugin.convert import InvalidInput, container_info, pod_info, to_adjustment
+from nri_plugin.envelope import RpcError
+from nri_plugin.events import POD_EVENTS, Event, mask_of
+from nri_plugin.failure import ChainOutcome, FailurePolicy
+from nri_plugin.logs import event_context, timed_event
+from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
+from nri_plugin.ttrpc import StatusCode
+from nri_plugin.versions import RuntimeCapabilities
+from protos import nri_api_pb2 as api
+from protos import ttrpc_envelope_pb2 as envelope
+
+PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
+RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
+PLUGIN_NRI_VERSION = "v0.12.2"
+"""The NRI schema this plugin is built on, announced in RegisterPlugin."""
+DEFAULT_REQUEST_TIMEOUT_MS = 2000
+"""The runtime's request timeout when Configure does not say (NRI before 0.7)."""
+MIN_DEADLINE_MS = 10.0
+
+STATE_EVENTS = frozenset({
+    Event.RUN_POD_SANDBOX, Event.REMOVE_POD_SANDBOX,
+    Event.CREATE_CONTAINER, Event.REMOVE_CONTAINER,
+})
+"""Events the daemon follows whatever hooks are enabled, to keep its view of the node current."""
+
+log = structlog.get_logger("nri_qos.nri")
+
+_in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
+
+M = TypeVar("M", bound=Message)
+_Call = tuple[str, Callable[[], object]]
+"""(hook name, bound hook method) as run by the worker thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class PluginIdentity:
+    name: str
+    index: str
+
+
+class _ChainRun:
+    """One run of hook calls in a worker thread; what finished can be collected at any time."""
+
+    def __init__(self, calls: Sequence[_Call]) -> None:
+        self._calls = calls
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._parts: list[tuple[str, ContainerSettings]] = []
+        self._failures: list[tuple[str, str]] = []
+        self._done = 0
+
+    def __call__(self) -> None:
+        for name, call in self._calls:
+            with self._lock:
+                if self._abandoned:
+                    return
+            try:
+                result = call()
+            except Exception as exc:
+                with self._lock:
+                    self._failures.append((name, f"{type(exc).__name__}: {exc}"))
+                    self._done += 1
+                continue
+            with self._lock:
+                if isinstance(result, ContainerSettings):
+                    self._parts.append((name, result))
+                self._done += 1
+
+    def collect(self, deadline_ms: float) -> ChainOutcome:
+        """Stop the run after the current hook and return what finished before now."""
+        with self._lock:
+            self._abandoned = True
+            return ChainOutcome(
+                parts=tuple(self._parts),
+                failures=tuple(self._failures),
+                unfinished=tuple(name for name, _ in self._calls[self._done:]),
+                deadline_ms=deadline_ms,
+            )
+
+
+class PluginStub:
+    """The NRI plugin: serves the ``Plugin`` service and calls the ``Runtime`` service.
+
+    ``config`` returns the configuration in force (read at every event, so reloads apply at
+    once); ``hooks`` is the chain, fixed for the stub's lifetime because the event subscription
+    is only negotiated at connection time. Hooks run in ``executor``.
+    """
+
+    def __init__(
+        self,
+        *,
+        identity: PluginIdentity,
+        config: Callable[[], Config],
+        hooks: Sequence[Hook],
+        audit: AuditLog,
+        executor: Executor,
+        required_events: frozenset[Event] = STATE_EVENTS,
+        cgroup_v2: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.identity = identity
+        self._config = config
+        self._hooks = tuple(hooks)
+        self._audit = audit
+        self._executor = executor
+        self._required_events = required_events
+        self._cgroup_v2 = cgroup_v2
+        self._clock = clock
+        self._peer: TtrpcPeer | None = None
+        self._log_config: object = None
+        self._bound_log: Any = log
+        self._reset_session()
+        self._handlers = self._build_handlers()
+
+    # -- connection --------------------------------------------------------------------------
+
+    def _reset_session(self) -> None:
+        self.capabilities = RuntimeCapabilities.detect("", "", "")
+        self.runtime = RuntimeInfo(cgroup_v2=self._cgroup_v2)
+        self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
+        self.event_mask = 0
+        self.synchronized = asyncio.Event()
+        self._sync_pods: list[api.PodSandbox] = []
+        self._sync_containers: list[api.Container] = []
+
+    @property
+    def connected(self) -> bool:
+        return self._peer is not None and not self._peer.closed
+
+    def close(self, reason: str = "closed by the plugin") -> None:
+        """End the current connection, if any; :meth:`serve` then returns."""
+        if self._peer is not None:
+            self._peer.close(reason)
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        """Register on a fresh connection and serve it until it ends; why it ended."""
+        self._reset_session()
+        peer = TtrpcPeer(reader, writer, serve_conn=PLUGIN_SERVICE_CONN,
+                         call_conn=RUNTIME_SERVICE_CONN, handlers=self._handlers)
+        self._peer = peer
+        # Register at once, without waiting for the answer before serving: the runtime may send
+        # Configure before its RegisterPlugin response reaches us.
+        register = asyncio.create_task(self._register(peer))
+        try:
+            await peer.run()
+        finally:
+            register.cancel()
+            await asyncio.gather(register, return_exceptions=True)
+            self._peer = None
+        return peer.end_reason
+
+    async def _register(self, peer: TtrpcPeer) -> None:
+        request = api.RegisterPluginRequest(
+            plugin_name=self.identity.name, plugin_idx=self.identity.index,
+            NRI_version=PLUGIN_NRI_VERSION,
+        )
+        timeout = self._config().plugin.register_timeout_ms / 1000
+        try:
+            await peer.call(RUNTIME_SERVICE, "RegisterPlugin", request.SerializeToString(),
+                            timeout_s=timeout)
+        except RpcError as exc:
+            log.error("registration_failed", plugin=self._full_name, error=str(exc))
+            peer.close(f"registration failed: {exc}")
+        except ConnectionClosed:
+            return
+        else:
+            log.info("registered", plugin=self._full_name)
+
+    @property
+    def _full_name(self) -> str:
+        return f"{self.identity.index}-{self.identity.name}"
+
+    async def update_containers(
+        self, updates: Iterable[api.ContainerUpdate], *, timeout_s: float | None = None
+    ) -> list[api.ContainerUpdate]:
+        """Ask the runtime to update existing containers; the updates that failed.
+
+        Must not be awaited from inside a request handler: the runtime holds its lock while it
+        waits for the handler's answer, so the call could only time out.
+        """
+        if _in_handler.get():
+            raise RuntimeError("update_containers must not be awaited from an NRI request handler")
+        peer = self._peer
+        if peer is None or peer.closed:
+            raise ConnectionClosed("not connected to the runtime")
+        request = api.UpdateContainersRequest(update=list(updates))
+        seconds = timeout_s if timeout_s is not None else self.request_timeout_ms / 1000
+        payload = await peer.call(RUNTIME_SERVICE, "UpdateContainers",
+                                  request.SerializeToString(), timeout_s=seconds)
+        response = _parse(api.UpdateContainersResponse, payload)
+        if response is None:
+            raise RpcError(StatusCode.INTERNAL, "UpdateContainers response does not decode")
+        return list(response.failed)
+
+    # -- dispatch table ----------------------------------------------------------------------
+
+    def _build_handlers(self) -> dict[tuple[str, str], Handler]:
+        table: dict[str, Callable[[envelope.Request], Awaitable[bytes]]] = {
+            "Configure": self._configure,
+            "Synchronize": self._synchronize,
+            "Shutdown": self._shutdown,
+            "CreateContainer": self._create_container,
+            "UpdateContainer": self._container_notice(
+                api.UpdateContainerRequest, api.UpdateContainerResponse, Event.UPDATE_CONTAINER),
+            "StopContainer": self._container_notice(
+                api.StopContainerRequest, api.StopContainerResponse, Event.STOP_CONTAINER),
+            "StateChange": self._state_change,
+            "UpdatePodSandbox": self._pod_notice(
+                api.UpdatePodSandboxRequest, api.UpdatePodSandboxResponse,
+                Event.UPDATE_POD_SANDBOX),
+        }
+        for method, event in _POD_RPCS.items():
+            request_type, response_type = _rpc_types(method)
+            table[method] = self._pod_notice(request_type, response_type, event)
+        for method, event in _CONTAINER_RPCS.items():
+            request_type, response_type = _rpc_types(method)
+            table[method] = self._container_notice(request_type, response_type, event)
+        return {(PLUGIN_SERVICE, method): _guarded(handler) for method, handler in table.items()}
+
+    # -- handshake ---------------------------------------------------------------------------
+
+    async def _configure(self, request: envelope.Request) -> bytes:
+        req = _parse(api.ConfigureRequest, request.payload)
+        if req is None:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "Configure payload does not decode")
+        caps = RuntimeCapabilities.detect(req.NRI_version, req.runtime_name, req.runtime_version)
+        self.capabilities = caps
+        self.runtime = RuntimeInfo(name=req.runtime_name, version=req.runtime_version,
+                                   nri_version=caps.nri_version, cgroup_v2=self._cgroup_v2)
+        self.request_timeout_ms = req.request_timeout or DEFAULT_REQUEST_TIMEOUT_MS
+        self.event_mask = self.subscription_mask(caps)
+        log.info("configured", runtime=req.runtime_name, runtime_version=req.runtime_version,
+                 nri_version=req.NRI_version or None, events=hex(self.event_mask),
+                 request_timeout_ms=self.request_timeout_ms, deadline_ms=self.deadline_ms())
+        return api.ConfigureResponse(events=self.event_mask).SerializeToString()
+
+    def subscription_mask(self, caps: RuntimeCapabilities) -> int:
+        """The hooks' events plus the daemon's own, limited to what the runtime knows.
+
+        A bit the runtime does not know gets the plugin rejected; 0 would mean "everything"
+        (validation included), so the answer is never 0.
+        """
+        wanted = set(self._required_events)
+        for hook in self._hooks:
+            wanted |= hook.events
+        # Validation is not served (answered UNIMPLEMENTED), so never subscribed to.
+        wanted.discard(Event.VALIDATE_CONTAINER_ADJUSTMENT)
+        mask = mask_of(wanted) & caps.valid_events
+        dropped = mask_of(wanted) & ~caps.valid_events
+        if dropped:
+            log.warning("events_unsupported_by_runtime", dropped=hex(dropped),
+                        valid=hex(caps.valid_events))
+        return mask or (mask_of(STATE_EVENTS) & caps.valid_events)
+
+    async def _synchronize(self, request: envelope.Request) -> bytes:
+        req = _parse(api.SynchronizeRequest, request.payload)
+        if req is None:
+            raise RpcError(StatusCode.INVALID_ARGUMENT, "Synchronize payload does not decode")
+        self._sync_pods.extend(req.pods)
+        self._sync_containers.extend(req.containers)
+        if req.more:
+            # Updates wait for the last chunk; every earlier one is answered with more = true.
+            return api.SynchronizeResponse(more=True).SerializeToString()
+        pod_msgs, container_msgs = self._sync_pods, self._sync_containers
+        self._sync_pods, self._sync_containers = [], []
+        # Always fail-open here, strict or not: Synchronize vetoes nothing, and an error would
+        # only get the plugin dropped, reconnect, and fail the same way again.
+        policy = FailurePolicy(self._audit, strict=False)
+        with timed_event(log, "synchronize", clock=self._clock) as outcome:
+            outcome.fields.update(pods=len(pod_msgs), containers=len(container_msgs))
+            pods: list[PodInfo] = []
+            containers: list[ContainerInfo] = []
+            for pod_msg in pod_msgs:
+                try:
+                    pods.append(pod_info(pod_msg))
+                except InvalidInput as exc:
+                    outcome.result = "invalid"
+                    policy.invalid_input("synchronize", exc, pod_uid=pod_msg.uid)
+            for container_msg in container_msgs:
+                try:
+                    containers.append(container_info(container_msg))
+                except InvalidInput as exc:
+                    outcome.result = "invalid"
+                    policy.invalid_input("synchronize", exc, container=container_msg.name)
+            if self._hooks:
+                calls = [(hook.name, _bind(hook.synchronize, tuple(pods), tuple(containers)))
+                         for hook in self._hooks]
+                chain = await self._run_chain(calls)
+                policy.chain("synchronize", chain, pod_uid="", container="")
+                if not chain.complete:
+                    outcome.result = "partial"
+        self.synchronized.set()
+        return api.SynchronizeResponse(more=False).SerializeToString()
+
+    async def _shutdown(self, request: envelope.Request) -> bytes:
+        # The runtime never calls it; there is nothing to release early anyway.
+        return b""
+
+    # -- events ------------------------------------------------------------------------------
+
+    async def _create_container(self, request: envelope.Request) -> bytes:
+        req = self._decode("create_container", api.CreateContainerRequest, request.payload)
+        if req is None:
+            return b""
+        adjust = await self._event(Event.CREATE_CONTAINER, req.pod, req.container)
+        if adjust is None or not adjust.ByteSize():
+            return b""
+        response = api.CreateContainerResponse()
+        response.adjust.CopyFrom(adjust)
+        return response.SerializeToString()
+
+    def _pod_notice(self, request_type: type[Any], response_type: type[Message],
+                    event: Event) -> Handler:
+        answer = response_type().SerializeToString()
+        name = event.name.lower()
+
+        async def handle(request: envelope.Request) -> bytes:
+            req = self._decode(name, request_type, request.payload)
+            if req is not None:
+                await self._event(event, req.pod, None)
+            return answer
+
+        return handle
+
+    def _container_notice(self, request_type: type[Any], response_type: type[Message],
+                          event: Event) -> Handler:
+        answer = response_type().SerializeToString()
+        name = event.name.lower()
+
+        async def handle(request: envelope.Request) -> bytes:
+            req = self._decode(name, request_type, request.payload)
+            if req is not None:
+                await self._event(event, req.pod, req.container)
+            return answer
+
+        return handle
+
+    async def _state_change(self, request: envelope.Request) -> bytes:
+        req = self._decode("state_change", api.StateChangeEvent, request.payload)
+        if req is None:
+            return b""
+        try:
+            event = Event(req.event)
+        except ValueError:
+            self._policy().invalid_input("state_change", InvalidInput(f"unknown event {req.event}"),
+                                         pod_uid=req.pod.uid)
+            return b""
+        if event in POD_EVENTS:
+            await self._event(event, req.pod, None)
+        else:
+            await self._event(event, req.pod, req.container)
+        return b""
+
+    def _decode(self, name: str, message_type: type[M], payload: bytes) -> M | None:
+        message = _parse(message_type, payload)
+        if message is None:
+            error = InvalidInput(f"{message_type.__name__} payload does not decode")
+            self._policy().invalid_input(name, error)
+        return message
+
+    async def _event(self, event: Event, pod_msg: api.PodSandbox,
+                     container_msg: api.Container | None) -> api.ContainerAdjustment | None:
+        """Run the chain for one event; the adjustment for CreateContainer, else None.
+
+        Logs the one canonical line of the event.
+        """
+        started = self._clock()
+        name = event.name.lower()
+        result, extra = "error", {}
+        try:
+            adjust, result = await self._process(event, name, pod_msg, container_msg)
+        except Exception as exc:
+            extra = {"error": str(exc)}
+            raise
+        finally:
+            # Logged directly rather than through a bound context: this line is the only
+            # per-event cost on the fast path (no hook subscribed).
+            self._event_log().info(
+                "nri_event", nri_event=name, pod=f"{pod_msg.namespace}/{pod_msg.name}",
+                container=container_msg.name if container_msg is not None else None,
+                duration_ms=round((self._clock() - started) * 1000, 3), result=result,
+                **extra,
+            )
+        return adjust
+
+    async def _process(
+        self, event: Event, name: str, pod_msg: api.PodSandbox,
+        container_msg: api.Container | None,
+    ) -> tuple[api.ContainerAdjustment | None, str]:
+        creating = event is Event.CREATE_CONTAINER
+        hooks = [hook for hook in self._hooks if event in hook.events]
+        if not hooks:
+            return (api.ContainerAdjustment() if creating else None), "ok"
+        policy = self._policy()
+        try:
+            pod = pod_info(pod_msg)
+            container = container_info(container_msg) if container_msg is not None else None
+        except InvalidInput as exc:
+            policy.invalid_input(name, exc, pod_uid=pod_msg.uid,
+                                 container=container_msg.name if container_msg else "")
+            return (api.ContainerAdjustment() if creating else None), "invalid"
+        container_name = container.name if container is not None else ""
+        cfg = self._config()
+        level = self._resolve_level(pod, cfg, container_name,
+                                    audit=event in _LEVEL_AUDIT_EVENTS)
+        with event_context(name, pod=pod, container=container, level=level):
+            outcome = await self._run_chain(self._calls(event, hooks, pod, container, level))
+        policy.chain(name, outcome, pod_uid=pod.uid, container=container_name)
+        result = "ok" if outcome.complete else "partial"
+        if not creating or container is None:
+            return None, result
+        return self._adjustment(cfg, pod, container, level, outcome.parts), result
+
+    def _calls(self, event: Event, hooks: Sequence[Hook], pod: PodInfo,
+               container: ContainerInfo | None, level: str) -> list[_Call]:
+        if event is Event.CREATE_CONTAINER and container is not None:
+            ctr_event = ContainerEvent(pod, container, level, self.runtime)
+            return [(hook.name, _bind(hook.create_container, ctr_event)) for hook in hooks]
+        if event is Event.RUN_POD_SANDBOX:
+            pod_event = PodEvent(pod, level, self.runtime)
+            return [(hook.name, _bind(hook.run_pod_sandbox, pod_event)) for hook in hooks]
+        if event is Event.REMOVE_POD_SANDBOX:
+            pod_event = PodEvent(pod, level, self.runtime)
+            return [(hook.name, _bind(hook.remove_pod_sandbox, pod_event)) for hook in hooks]
+        return [(hook.name, _bind(hook.observe, event, pod, container)) for hook in hooks]
+
+    async def _run_chain(self, calls: Sequence[_Call]) -> ChainOutcome:
+        """Run ``calls`` in order in a worker thread; collect what finished by the deadline."""
+        deadline_ms = self.deadline_ms()
+        run = _ChainRun(calls)
+        # The worker runs in a copy of this event's context, so hooks log with its fields.
+        context = contextvars.copy_context()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, context.run, run)
+        try:
+            await asyncio.wait({future}, timeout=deadline_ms / 1000)
+        finally:
+            outcome = run.collect(deadline_ms)
+        return outcome
+
+    def deadline_ms(self) -> float:
+        """Budget of one handler: the configured deadline, kept below the runtime's timeout."""
+        plugin = self._config().plugin
+        budget = self.request_timeout_ms - plugin.deadline_margin_ms
+        return max(MIN_DEADLINE_MS, float(min(plugin.deadline_ms, budget)))
+
+    def _resolve_level(self, pod: PodInfo, cfg: Config, container: str, *, audit: bool) -> str:
+        decision = resolve_level(pod, cfg.qos)
+        if audit:
+            for source, value in decision.rejected:
+                self._audit.record(
+                    "adjustment_skipped", pod_uid=pod.uid, container=container,
+                    reason=f"{source}: unknown QoS value {value!r}; level {decision.level} "
+                           f"from {decision.source}",
+                )
+        return decision.level
+
+    def _adjustment(self, cfg: Config, pod: PodInfo, container: ContainerInfo, level: str,
+                    parts: Sequence[tuple[str, ContainerSettings]]) -> api.ContainerAdjustment:
+        merged = merge(parts)
+        for conflict in merged.conflicts:
+            self._audit.record(
+                "adjustment_conflict", pod_uid=pod.uid, container=container.name,
+                field=conflict.field, kept_owner=conflict.owner,
+                rejected_owner=conflict.rejected_by,
+            )
+        settings = merged.settings
+        clos_field = self.capabilities.clos_field(cfg.resctrl.clos_field)
+        if settings.rdt_class is not None and clos_field is None:
+            self._skip(pod, container, f"runtime applies no CLOS field "
+                                       f"(resctrl.clos_field = {cfg.resctrl.clos_field})")
+            settings = replace(settings, rdt_class=None)
+        if settings.oom_score_adj is not None and not self.capabilities.oom_score_adj:
+            self._skip(pod, container, "runtime does not apply oom_score_adj adjustments")
+            settings = replace(settings, oom_score_adj=None)
+        if not settings.is_empty():
+            self._audit.record("adjustment_applied", pod_uid=pod.uid, container=container.name,
+                               level=level, fields=_set_fields(settings))
+        return to_adjustment(settings, clos_field=clos_field)
+
+    def _skip(self, pod: PodInfo, container: ContainerInfo, reason: str) -> None:
+        self._audit.record("adjustment_skipped", pod_uid=pod.uid, container=container.name,
+                           reason=reason)
+
+    def _event_log(self) -> Any:
+        """The logger of the canonical event line, bound once per logging configuration.
+
+        structlog's lazy proxy builds a new logger on every call; binding it once saves that,
+        and rebinding when the logging section changes picks up a reloaded configuration.
+        """
+        logging_cfg = self._config().logging
+        if logging_cfg != self._log_config:
+            self._log_config = logging_cfg
+            self._bound_log = log.bind()
+        return self._bound_log
+
+    def _policy(self) -> FailurePolicy:
+        return FailurePolicy(self._audit, strict=self._config().plugin.strict)
+
+
+_POD_RPCS = {
+    "RunPodSandbox": Event.RUN_POD_SANDBOX,
+    "PostUpdatePodSandbox": Event.POST_UPDATE_POD_SANDBOX,
+    "StopPodSandbox": Event.STOP_POD_SANDBOX,
+    "RemovePodSandbox": Event.REMOVE_POD_SANDBOX,
+}
+_CONTAINER_RPCS = {
+    "PostCreateContainer": Event.POST_CREATE_CONTAINER,
+    "StartContainer": Event.START_CONTAINER,
+    "PostStartContainer": Event.POST_START_CONTAINER,
+    "PostUpdateContainer": Event.POST_UPDATE_CONTAINER,
+    "RemoveContainer": Event.REMOVE_CONTAINER,
+}
+# Events at which a pod's unusable QoS values are audited (once per pod and once per container,
+# instead of at every event).
+_LEVEL_AUDIT_EVENTS = frozenset({Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER})
+
+
+def _rpc_types(method: str) -> tuple[type[Any], type[Message]]:
+    return getattr(api, f"{method}Request"), getattr(api, f"{method}Response")
+
+
+def _parse(message_type: type[M], payload: bytes) -> M | None:
+    message = message_type()
+    try:
+        message.ParseFromString(payload)
+    except DecodeError:
+        return None
+    return message
+
+
+def _bind(function: Callable[..., object], *args: object) -> Callable[[], object]:
+    return lambda: function(*args)
+
+
+def _guarded(handler: Handler) -> Handler:
+    async def run(request: envelope.Request) -> bytes:
+        # Each request runs in its own task, hence its own context: this marks only this one.
+        _in_handler.set(True)
+        return await handler(request)
+
+    return run
+
+
+def _set_fields(settings: ContainerSettings) -> list[str]:
+    fields = [name for name in ("rdt_class", "memory_limit", "memory_reservation",
+                                "oom_score_adj") if getattr(settings, name) is not None]
+    fields += [f"unified.{key}" for key in settings.unified]
+    fields += [f"annotations.{key}" for key in settings.annotations]
+    if settings.hooks:
+        fields.append("hooks")
+    return fields

@@ -1,0 +1,125 @@
+"""Protobuf <-> plain views: what the policies see and what the runtime gets back."""
+
+from __future__ import annotations
+
+import pytest
+
+from hooks.settings import ContainerSettings, HookStage, OciHookSpec
+from nri_plugin.convert import InvalidInput, container_info, pod_info, to_adjustment, to_update
+from protos import nri_api_pb2 as api
+
+
+def test_pod_info() -> None:
+    pod = api.PodSandbox(id="sb", uid="u1", name="web", namespace="shop",
+                         labels={"app": "web"}, annotations={"a/b": "c"})
+    pod.linux.cgroup_parent = "/kubepods/besteffort/podu1"
+    pod.linux.cgroups_path = "/kubepods/besteffort/podu1/sb"
+    info = pod_info(pod)
+    assert (info.id, info.uid, info.name, info.namespace) == ("sb", "u1", "web", "shop")
+    assert dict(info.labels) == {"app": "web"}
+    assert dict(info.annotations) == {"a/b": "c"}
+    assert info.cgroup_parent == "/kubepods/besteffort/podu1"
+    assert info.cgroups_path == "/kubepods/besteffort/podu1/sb"
+    with pytest.raises(TypeError):
+        info.annotations["x"] = "y"  # type: ignore[index]
+
+
+def test_pod_without_id_is_invalid() -> None:
+    with pytest.raises(InvalidInput, match="no id"):
+        pod_info(api.PodSandbox(uid="u"))
+
+
+def container_with(**resources: object) -> api.Container:
+    container = api.Container(id="c1", pod_sandbox_id="sb", name="app", pid=42)
+    container.linux.cgroups_path = "/kubepods/podu1/c1"
+    memory = container.linux.resources.memory
+    if "limit" in resources:
+        memory.limit.value = resources["limit"]  # type: ignore[assignment]
+    if "reservation" in resources:
+        memory.reservation.value = resources["reservation"]  # type: ignore[assignment]
+    if "memory_min" in resources:
+        container.linux.resources.unified["memory.min"] = resources["memory_min"]  # type: ignore[assignment]
+    if "oom" in resources:
+        container.linux.oom_score_adj.value = resources["oom"]  # type: ignore[assignment]
+    return container
+
+
+def test_container_info_fields() -> None:
+    info = container_info(container_with(limit=512 << 20, reservation=128 << 20, oom=-997))
+    assert (info.id, info.pod_sandbox_id, info.name, info.pid) == ("c1", "sb", "app", 42)
+    assert info.cgroups_path == "/kubepods/podu1/c1"
+    assert info.memory_limit == 512 << 20
+    assert info.memory_request == 128 << 20
+    assert info.oom_score_adj == -997
+
+
+def test_container_without_limits() -> None:
+    info = container_info(container_with(limit=0))
+    assert (info.memory_limit, info.memory_request, info.oom_score_adj) == (None, None, None)
+    assert container_info(container_with()).memory_limit is None
+
+
+def test_memory_min_preferred_over_reservation() -> None:
+    assert container_info(container_with(memory_min="1048576",
+                                         reservation=5)).memory_request == 1 << 20
+    # Unusable memory.min falls back to the reservation.
+    assert container_info(container_with(memory_min="max",
+                                         reservation=7)).memory_request == 7
+
+
+def test_container_without_id_is_invalid() -> None:
+    with pytest.raises(InvalidInput):
+        container_info(api.Container(name="x"))
+
+
+SETTINGS = ContainerSettings(
+    rdt_class="nriqos-reclaimed_cores",
+    unified={"memory.high": "1000"},
+    memory_limit=1 << 30,
+    memory_reservation=1 << 20,
+    oom_score_adj=1000,
+    hooks=(OciHookSpec(HookStage.PRESTART, "/bin/hook", ("hook", "x"), ("A=1",), 5),
+           OciHookSpec(HookStage.POSTSTOP, "/bin/done")),
+    annotations={"qos.nri-qos.io/applied": "yes"},
+)
+
+
+def test_adjustment_with_rdt_class() -> None:
+    adjust = to_adjustment(SETTINGS, clos_field="rdt_class")
+    resources = adjust.linux.resources
+    assert resources.rdt_class.value == "nriqos-reclaimed_cores"
+    assert not adjust.linux.HasField("rdt")
+    assert dict(resources.unified) == {"memory.high": "1000"}
+    assert resources.memory.limit.value == 1 << 30
+    assert resources.memory.reservation.value == 1 << 20
+    assert adjust.linux.oom_score_adj.value == 1000
+    assert dict(adjust.annotations) == {"qos.nri-qos.io/applied": "yes"}
+    prestart = adjust.hooks.prestart[0]
+    assert (prestart.path, list(prestart.args), list(prestart.env), prestart.timeout.value) == (
+        "/bin/hook", ["hook", "x"], ["A=1"], 5)
+    poststop = adjust.hooks.poststop[0]
+    assert poststop.path == "/bin/done"
+    assert not poststop.HasField("timeout")
+
+
+def test_adjustment_with_clos_id_or_none() -> None:
+    adjust = to_adjustment(SETTINGS, clos_field="clos_id")
+    assert adjust.linux.rdt.clos_id.value == "nriqos-reclaimed_cores"
+    assert not adjust.linux.resources.HasField("rdt_class")
+    dropped = to_adjustment(SETTINGS, clos_field=None)
+    assert not dropped.linux.HasField("rdt")
+    assert not dropped.linux.resources.HasField("rdt_class")
+
+
+def test_empty_settings_make_an_empty_adjustment() -> None:
+    assert to_adjustment(ContainerSettings(), clos_field="clos_id").ByteSize() == 0
+
+
+def test_update_carries_resources_only() -> None:
+    update = to_update("c9", SETTINGS, clos_field="clos_id", ignore_failure=True)
+    assert (update.container_id, update.ignore_failure) == ("c9", True)
+    resources = update.linux.resources
+    assert resources.memory.limit.value == 1 << 30
+    assert dict(resources.unified) == {"memory.high": "1000"}
+    assert resources.rdt_class.value == "nriqos-reclaimed_cores"
+    assert not to_update("c9", SETTINGS, clos_field=None).linux.resources.HasField("rdt_class")

@@ -1,0 +1,113 @@
+"""The daemon: config errors, the socket hint, extra services, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from nri_plugin import daemon
+from nri_plugin.chain import Hook
+from nri_plugin.daemon import Backoff, ServiceContext
+from nri_plugin.events import Event
+from nri_plugin.simulator import RuntimeSimulator
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_backoff_doubles_up_to_the_cap_and_resets() -> None:
+    backoff = Backoff(100, 350)
+    assert [backoff.next() for _ in range(4)] == [0.1, 0.2, 0.35, 0.35]
+    backoff.reset()
+    assert backoff.next() == 0.1
+
+
+async def test_invalid_config_exits_2_with_key_path(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[plugin]\ndeadline_ms = 5\n")
+    status = await daemon.serve(str(config), None, None, stop=asyncio.Event(), prelaunched=None)
+    assert status == 2
+    assert "plugin.deadline_ms" in capsys.readouterr().err
+
+
+async def test_missing_socket_is_explained_and_retried(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[plugin]\nreconnect_initial_ms = 10\nreconnect_max_ms = 20\n"
+                      "[resctrl]\nenabled = false\n")
+    socket_path = tmp_path / "missing.sock"
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.serve(str(config), str(socket_path), None, stop=stop,
+                                            prelaunched=None, hooks=[]))
+    lines: list[dict[str, object]] = []
+    while len([x for x in lines if x.get("event") == "runtime_socket_unavailable"]) < 2:
+        await asyncio.sleep(0.02)
+        lines += [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    stop.set()
+    assert await task == 0
+    hint = next(x for x in lines if x.get("event") == "runtime_socket_unavailable")
+    assert hint["path"] == str(socket_path)
+    assert "containerd >= 1.7" in str(hint["hint"])
+    assert "disable = false" in str(hint["hint"])
+
+
+class Tracker(Hook):
+    name = "tracker"
+    events = frozenset({Event.START_CONTAINER})
+
+
+async def test_extra_services_and_hooks_join_the_daemon(tmp_path: Path) -> None:
+    socket_path = tmp_path / "nri.sock"
+    simulator = RuntimeSimulator(socket_path)
+    await simulator.start()
+    stop = asyncio.Event()
+    seen: list[ServiceContext] = []
+
+    async def service(context: ServiceContext) -> None:
+        seen.append(context)
+        await context.stop.wait()
+
+    task = asyncio.create_task(daemon.serve(None, str(socket_path), "warning", stop=stop,
+                                            prelaunched=None, hooks=[], extra_services=[service],
+                                            extra_hooks=[Tracker()]))
+    connection = await simulator.wait_ready()
+    assert connection.subscribed(Event.START_CONTAINER)
+    assert seen[0].stub.connected
+    assert seen[0].store.current.plugin.name == "nri-qos"
+    stop.set()
+    assert await task == 0
+    await simulator.stop()
+
+
+async def test_sighup_reloads_and_sigterm_stops(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[resctrl]\nenabled = false\n")
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
+        "--socket", str(tmp_path / "absent.sock"), cwd=REPO,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert child.stderr is not None
+    events: list[str] = []
+
+    async def until(name: str, count: int = 1) -> None:
+        assert child.stderr is not None
+        while events.count(name) < count:
+            line = await child.stderr.readline()
+            assert line, f"exited before {name}: {events}"
+            events.append(str(json.loads(line).get("event")))
+
+    async with asyncio.timeout(30):
+        await until("runtime_socket_unavailable")
+        config.write_text("[resctrl]\nenabled = false\n[plugin]\nstrict = true\n")
+        child.send_signal(signal.SIGHUP)
+        # The first record is the initial load; the second comes from the reload.
+        await until("config_loaded", 2)
+        child.send_signal(signal.SIGTERM)
+        await until("stopped")
+        assert await child.wait() == 0

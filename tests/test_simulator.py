@@ -1,0 +1,181 @@
+"""The runtime simulator: scenarios, a full lifecycle, and its fidelity to the real runtime."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from nri_plugin.audit import AuditLog, MemoryAuditSink
+from nri_plugin.config.loader import ConfigError
+from nri_plugin.config.schema import Config
+from nri_plugin.envelope import RpcError
+from nri_plugin.events import Event
+from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.scenario import RuntimeSpec, load_scenario
+from nri_plugin.simulator import RuntimeSimulator, main_simulate, simulate
+from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, PluginIdentity, PluginStub
+from nri_plugin.transport import ConnectionClosed, TtrpcPeer
+from nri_plugin.versions import RuntimeCapabilities
+from protos import nri_api_pb2 as api
+from protos import ttrpc_envelope_pb2 as envelope
+
+NO_RESCTRL = "[resctrl]\nenabled = false\n"
+
+
+async def run_scenario(tmp_path: Path, scenario_text: str | None) -> list[dict[str, object]]:
+    config = tmp_path / "config.toml"
+    config.write_text(NO_RESCTRL)
+    if scenario_text is None:
+        scenario = load_scenario()
+    else:
+        path = tmp_path / "scenario.toml"
+        path.write_text(scenario_text)
+        scenario = load_scenario(path)
+    out = io.StringIO()
+    assert await simulate(scenario, str(config), "warning", as_json=True, out=out) == 0
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+async def test_default_scenario_full_lifecycle(tmp_path: Path) -> None:
+    answers = await run_scenario(tmp_path, None)
+    creates = {a["container"]: a for a in answers if a["event"] == "create_container"}
+    assert set(creates) == {"nginx", "etl"}
+    offline = creates["etl"]["response"]
+    assert offline["adjust"]["linux"]["oomScoreAdj"]["value"] == "1000"  # type: ignore[index]
+    assert "oomScoreAdj" not in json.dumps(creates["nginx"]["response"])
+    assert {a["method"] for a in answers} >= {"RunPodSandbox", "CreateContainer",
+                                              "RemoveContainer", "RemovePodSandbox"}
+
+
+OLD_SCENARIO = """
+[runtime]
+version = "v1.7.27"
+nri_version = ""
+[[pods]]
+id = "sb"
+uid = "u1"
+name = "batch-0"
+namespace = "batch"
+annotations = ["qos.nri-qos.io/level=reclaimed_cores"]
+cgroup_parent = "/kubepods/besteffort/podu1"
+existing = true
+[[containers]]
+id = "c1"
+pod = "sb"
+name = "work"
+memory_limit = "256Mi"
+[[steps]]
+event = "run_pod_sandbox"
+pod = "sb"
+[[steps]]
+event = "create_container"
+container = "c1"
+[[steps]]
+event = "remove_container"
+container = "c1"
+"""
+
+
+async def test_old_runtime_gets_state_change_and_legacy_mask(tmp_path: Path) -> None:
+    answers = await run_scenario(tmp_path, OLD_SCENARIO)
+    methods = [(a["event"], a["method"]) for a in answers]
+    assert methods == [("run_pod_sandbox", "StateChange"), ("create_container", "CreateContainer"),
+                       ("remove_container", "StateChange")]
+    # containerd 1.7 does not apply oom_score_adj: the plugin leaves it out.
+    assert "oomScoreAdj" not in json.dumps(answers[1]["response"])
+
+
+def test_scenario_errors_name_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[[pods]]\nid = "a"\ncolour = "red"\nlabels = ["novalue"]\n'
+                    '[[containers]]\nid = "c"\npod = "b"\n'
+                    '[[steps]]\nevent = "explode"\n')
+    with pytest.raises(ConfigError) as error:
+        load_scenario(path)
+    text = str(error.value)
+    assert "pods[0].colour: unknown key" in text
+    assert "pods[0].labels" in text
+    assert "containers[0].pod: no pod with id 'b'" in text
+    assert "steps[0].event: must be one of" in text
+
+
+def test_main_simulate_rejects_bad_scenario(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[runtime]\nrequest_timeout_ms = -1\n")
+    assert main_simulate(str(path), None, None) == 2
+    assert "runtime.request_timeout_ms" in capsys.readouterr().err
+
+
+class GreedyStub(PluginStub):
+    def subscription_mask(self, caps: RuntimeCapabilities) -> int:
+        return 0x7FF | Event.UPDATE_POD_SANDBOX.bit
+
+
+@pytest.fixture
+async def executor() -> AsyncIterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield pool
+
+
+async def test_runtime_rejects_unknown_mask_bits_like_containerd(
+    tmp_path: Path, executor: ThreadPoolExecutor,
+) -> None:
+    simulator = RuntimeSimulator(tmp_path / "nri.sock", RuntimeSpec(version="1.7.27",
+                                                                    nri_version=""))
+    await simulator.start()
+    stub = GreedyStub(identity=PluginIdentity("greedy", "20"), config=Config, hooks=[],
+                      audit=AuditLog(MemoryAuditSink()), executor=executor)
+    reader, writer = await asyncio.open_unix_connection(simulator.socket_path)
+    serving = asyncio.create_task(stub.serve(reader, writer))
+    with pytest.raises(ConnectionClosed, match="invalid plugin events: 0x800"):
+        await simulator.wait_ready()
+    assert await serving
+    await simulator.stop()
+
+
+async def test_unimplemented_notification_falls_back_to_state_change(tmp_path: Path) -> None:
+    """A plugin serving only the pre-0.12 methods still gets every event, as StateChange."""
+    simulator = RuntimeSimulator(tmp_path / "nri.sock")
+    await simulator.start()
+    reader, writer = await asyncio.open_unix_connection(simulator.socket_path)
+    changes: list[int] = []
+
+    async def configure(request: envelope.Request) -> bytes:
+        return api.ConfigureResponse(events=0x7FF).SerializeToString()
+
+    async def synchronize(request: envelope.Request) -> bytes:
+        return b""
+
+    async def state_change(request: envelope.Request) -> bytes:
+        changes.append(api.StateChangeEvent.FromString(request.payload).event)
+        return b""
+
+    old_plugin = TtrpcPeer(reader, writer, serve_conn=PLUGIN_SERVICE_CONN,
+                           call_conn=RUNTIME_SERVICE_CONN, handlers={
+                               (PLUGIN_SERVICE, "Configure"): configure,
+                               (PLUGIN_SERVICE, "Synchronize"): synchronize,
+                               (PLUGIN_SERVICE, "StateChange"): state_change,
+                           })
+    running = asyncio.create_task(old_plugin.run())
+    register = api.RegisterPluginRequest(plugin_name="old", plugin_idx="30")
+    await old_plugin.call(RUNTIME_SERVICE, "RegisterPlugin", register.SerializeToString(),
+                          timeout_s=5)
+    connection = await simulator.wait_ready()
+    assert not connection.state_change_only
+    pod = api.PodSandbox(id="sb", uid="u", name="p", namespace="ns")
+    await simulator.send(connection, Event.RUN_POD_SANDBOX, pod)
+    await simulator.send(connection, Event.STOP_POD_SANDBOX, pod)
+    assert changes == [Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX]
+    assert connection.state_change_only
+    with pytest.raises(RpcError):  # CreateContainer has no fallback
+        await simulator.send(connection, Event.CREATE_CONTAINER, pod, api.Container(id="c"))
+    old_plugin.close()
+    await running
+    await simulator.stop()

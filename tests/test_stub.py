@@ -1,0 +1,423 @@
+"""The plugin stub against the runtime simulator over a real unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hooks.model import ContainerInfo, PodInfo
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
+from nri_plugin.audit import AuditLog, MemoryAuditSink
+from nri_plugin.chain import ContainerEvent, Hook, PodEvent
+from nri_plugin.config.schema import Config, LoggingConfig
+from nri_plugin.envelope import RpcError
+from nri_plugin.events import Event
+from nri_plugin.logs import LoggingSetup
+from nri_plugin.scenario import RuntimeSpec
+from nri_plugin.simulator import PluginConnection, RuntimeSimulator
+from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.ttrpc import StatusCode
+from protos import nri_api_pb2 as api
+
+OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
+ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,
+                              registration_timeout_ms=0)
+
+
+class Recorder(Hook):
+    """A hook that records its calls and answers CreateContainer with fixed settings."""
+
+    def __init__(self, name: str, events: Sequence[Event] = (Event.CREATE_CONTAINER,), *,
+                 settings: ContainerSettings = EMPTY_SETTINGS, block: threading.Event | None = None,
+                 error: Exception | None = None) -> None:
+        self.name = name
+        self.events = frozenset(events)
+        self.settings = settings
+        self.block = block
+        self.error = error
+        self.calls: list[tuple[str, str, str]] = []
+        self.synced: list[tuple[list[str], list[str]]] = []
+
+    def _act(self) -> None:
+        if self.block is not None:
+            self.block.wait(10)
+        if self.error is not None:
+            raise self.error
+
+    def run_pod_sandbox(self, event: PodEvent) -> None:
+        self.calls.append(("run_pod_sandbox", event.pod.uid, event.level))
+        self._act()
+
+    def remove_pod_sandbox(self, event: PodEvent) -> None:
+        self.calls.append(("remove_pod_sandbox", event.pod.uid, event.level))
+
+    def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        self.calls.append(("create_container", event.container.id, event.level))
+        self._act()
+        return self.settings
+
+    def observe(self, event: Event, pod: PodInfo, container: ContainerInfo | None) -> None:
+        self.calls.append((event.name.lower(), pod.uid, container.id if container else ""))
+
+    def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
+        self.synced.append(([p.uid for p in pods], [c.id for c in containers]))
+
+
+def config(**plugin: Any) -> Config:
+    cfg = Config()
+    return dataclasses.replace(cfg, plugin=dataclasses.replace(cfg.plugin, **plugin))
+
+
+def pod(uid: str = "uid-1", **annotations: str) -> api.PodSandbox:
+    message = api.PodSandbox(id=f"sb-{uid}", uid=uid, name=f"pod-{uid}", namespace="ns",
+                             annotations=annotations)
+    message.linux.cgroup_parent = f"/kubepods/besteffort/pod{uid}"
+    return message
+
+
+def container(cid: str = "c1", uid: str = "uid-1", limit: int = 512 << 20) -> api.Container:
+    message = api.Container(id=cid, pod_sandbox_id=f"sb-{uid}", name=f"name-{cid}")
+    message.linux.resources.memory.limit.value = limit
+    return message
+
+
+class Setup:
+    def __init__(self, simulator: RuntimeSimulator, stub: PluginStub, sink: MemoryAuditSink,
+                 serving: asyncio.Task[str]) -> None:
+        self.simulator = simulator
+        self.stub = stub
+        self.sink = sink
+        self.serving = serving
+        self.connection: PluginConnection | None = None
+
+    @property
+    def conn(self) -> PluginConnection:
+        assert self.connection is not None
+        return self.connection
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(max_workers=4)
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+@pytest.fixture
+async def make(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[object]:
+    setups: list[Setup] = []
+
+    async def start(hooks: Sequence[Hook] = (), *, runtime: RuntimeSpec | None = None,
+                    cfg: Config | None = None, pods: Sequence[api.PodSandbox] = (),
+                    containers: Sequence[api.Container] = (), wait: bool = True,
+                    identity: PluginIdentity | None = None) -> Setup:
+        socket_path = tmp_path / f"nri-{len(setups)}.sock"
+        simulator = RuntimeSimulator(socket_path, runtime, pods=pods, containers=containers)
+        await simulator.start()
+        sink = MemoryAuditSink()
+        current = cfg or Config()
+        stub = PluginStub(identity=identity or PluginIdentity("nri-qos", "10"),
+                          config=lambda: current,
+                          hooks=hooks, audit=AuditLog(sink), executor=executor)
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        setup = Setup(simulator, stub, sink, asyncio.create_task(stub.serve(reader, writer)))
+        setups.append(setup)
+        if wait:
+            setup.connection = await simulator.wait_ready()
+        return setup
+
+    yield start
+    for setup in setups:
+        setup.stub.close()
+        await setup.serving
+        await setup.simulator.stop()
+
+
+async def test_registers_with_name_index_and_version(make) -> None:
+    setup = await make()
+    assert (setup.conn.name, setup.conn.index, setup.conn.nri_version) == (
+        "nri-qos", "10", "v0.12.2")
+
+
+async def test_mask_is_hooks_plus_state_events_within_new_runtime(make) -> None:
+    hook = Recorder("h", (Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER,
+                          Event.VALIDATE_CONTAINER_ADJUSTMENT))
+    setup = await make([hook])
+    expected = {Event.RUN_POD_SANDBOX, Event.REMOVE_POD_SANDBOX, Event.CREATE_CONTAINER,
+                Event.REMOVE_CONTAINER, Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER}
+    assert setup.conn.events == sum(e.bit for e in expected)
+
+
+@pytest.mark.parametrize("runtime", [OLD_RUNTIME, ANCIENT_RUNTIME])
+async def test_mask_never_exceeds_old_runtime_limit(make, runtime: RuntimeSpec) -> None:
+    # The simulator drops a plugin whose mask has bits outside 0x7ff, as the runtime does.
+    hook = Recorder("h", (Event.UPDATE_POD_SANDBOX, Event.POST_UPDATE_POD_SANDBOX))
+    setup = await make([hook], runtime=runtime)
+    assert setup.conn.events & ~0x7FF == 0
+    assert setup.conn.events != 0
+    assert setup.conn.alive
+
+
+async def test_create_container_merges_hooks_and_audits_conflicts(make) -> None:
+    first = Recorder("first", settings=ContainerSettings(
+        oom_score_adj=1000, annotations={"a": "1"},
+        hooks=(OciHookSpec(HookStage.PRESTART, "/bin/true", ("true",), timeout_s=5),)))
+    second = Recorder("second", settings=ContainerSettings(
+        oom_score_adj=500, unified={"memory.high": "1000"}, memory_limit=1 << 30))
+    setup = await make([first, second])
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    adjust = response.adjust
+    assert adjust.linux.oom_score_adj.value == 1000
+    assert dict(adjust.annotations) == {"a": "1"}
+    assert dict(adjust.linux.resources.unified) == {"memory.high": "1000"}
+    assert adjust.linux.resources.memory.limit.value == 1 << 30
+    assert [(h.path, list(h.args), h.timeout.value) for h in adjust.hooks.prestart] == [
+        ("/bin/true", ["true"], 5)]
+    conflicts = setup.sink.named("adjustment_conflict")
+    assert [(c["field"], c["kept_owner"], c["rejected_owner"]) for c in conflicts] == [
+        ("oom_score_adj", "first", "second")]
+    assert setup.sink.named("adjustment_applied")[0]["container"] == "name-c1"
+
+
+async def test_hooks_get_resolved_level_and_bad_values_are_audited(make) -> None:
+    hook = Recorder("h", (Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER))
+    setup = await make([hook])
+    offline = pod("uid-2", **{"qos.nri-qos.io/level": "reclaimed_cores"})
+    weird = pod("uid-3", **{"qos.nri-qos.io/level": "turbo"})
+    await setup.simulator.send(setup.conn, Event.RUN_POD_SANDBOX, offline)
+    await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, weird, container("c3", "uid-3"))
+    assert hook.calls[0] == ("run_pod_sandbox", "uid-2", "reclaimed_cores")
+    # The bad annotation falls through to the QoS class of the cgroup parent (besteffort).
+    assert hook.calls[1] == ("create_container", "c3", "reclaimed_cores")
+    skipped = setup.sink.named("adjustment_skipped")
+    assert any("turbo" in record["reason"] for record in skipped)
+
+
+@pytest.mark.parametrize(("runtime", "field"), [
+    (RuntimeSpec(), "clos_id"), (OLD_RUNTIME, "rdt_class")])
+async def test_clos_field_follows_runtime(make, runtime: RuntimeSpec, field: str) -> None:
+    hook = Recorder("rdt", settings=ContainerSettings(rdt_class="nriqos-reclaimed_cores"))
+    setup = await make([hook], runtime=runtime)
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    adjust = response.adjust
+    if field == "clos_id":
+        assert adjust.linux.rdt.clos_id.value == "nriqos-reclaimed_cores"
+        assert not adjust.linux.resources.HasField("rdt_class")
+    else:
+        assert adjust.linux.resources.rdt_class.value == "nriqos-reclaimed_cores"
+        assert not adjust.linux.HasField("rdt")
+
+
+async def test_oom_score_adj_dropped_where_runtime_ignores_it(make) -> None:
+    hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
+    setup = await make([hook], runtime=OLD_RUNTIME)
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert not response.adjust.linux.HasField("oom_score_adj")
+    assert "oom_score_adj" in setup.sink.named("adjustment_skipped")[0]["reason"]
+
+
+async def test_slow_hook_answers_partial_adjustment_before_deadline(make) -> None:
+    block = threading.Event()
+    fast = Recorder("fast", settings=ContainerSettings(annotations={"fast": "yes"}))
+    slow = Recorder("slow", settings=ContainerSettings(annotations={"slow": "yes"}), block=block)
+    setup = await make([fast, slow], cfg=config(deadline_ms=200))
+    started = time.monotonic()
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    elapsed = time.monotonic() - started
+    block.set()
+    assert isinstance(response, api.CreateContainerResponse)
+    assert dict(response.adjust.annotations) == {"fast": "yes"}
+    # Generous bound: well under the runtime's 2 s request timeout.
+    assert elapsed < 1.5
+    reasons = [r["reason"] for r in setup.sink.named("adjustment_skipped")]
+    assert any("deadline" in r and "slow" in r for r in reasons)
+    assert setup.conn.alive
+
+
+async def test_slow_hook_in_strict_mode_answers_error(make) -> None:
+    block = threading.Event()
+    slow = Recorder("slow", block=block)
+    setup = await make([slow], cfg=config(deadline_ms=100, strict=True))
+    with pytest.raises(RpcError) as error:
+        await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    block.set()
+    assert error.value.code == StatusCode.DEADLINE_EXCEEDED
+    assert "slow" in error.value.message
+    assert setup.conn.alive
+
+
+async def test_deadline_stays_below_runtime_timeout(make) -> None:
+    setup = await make(runtime=RuntimeSpec(request_timeout_ms=600), cfg=config(deadline_ms=1500))
+    assert setup.stub.deadline_ms() == 600 - Config().plugin.deadline_margin_ms
+
+
+async def test_failing_hook_fails_open_or_strict(make) -> None:
+    ok = Recorder("ok", settings=ContainerSettings(annotations={"ok": "1"}))
+    bad = Recorder("bad", error=OSError("resctrl gone"))
+    setup = await make([bad, ok])
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert dict(response.adjust.annotations) == {"ok": "1"}
+    assert "resctrl gone" in setup.sink.named("adjustment_skipped")[0]["reason"]
+
+    strict = await make([bad, ok], cfg=config(strict=True))
+    with pytest.raises(RpcError) as error:
+        await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert error.value.code == StatusCode.UNKNOWN
+    assert "resctrl gone" in error.value.message
+
+
+async def test_invalid_input_fails_open_or_strict(make) -> None:
+    hook = Recorder("h", settings=ContainerSettings(annotations={"x": "1"}))
+    setup = await make([hook])
+    nameless = container(cid="")
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), nameless)
+    assert isinstance(response, api.CreateContainerResponse)
+    assert response.adjust.ByteSize() == 0
+    assert "invalid input" in setup.sink.named("adjustment_skipped")[0]["reason"]
+    assert hook.calls == []
+
+    strict = await make([hook], cfg=config(strict=True))
+    with pytest.raises(RpcError) as error:
+        await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), nameless)
+    assert error.value.code == StatusCode.INVALID_ARGUMENT
+
+
+ALL_EVENTS = [e for e in Event if e is not Event.VALIDATE_CONTAINER_ADJUSTMENT]
+
+
+@pytest.mark.parametrize("runtime", [RuntimeSpec(), OLD_RUNTIME], ids=["dedicated", "statechange"])
+async def test_every_event_reaches_hooks(make, runtime: RuntimeSpec) -> None:
+    hook = Recorder("all", ALL_EVENTS)
+    setup = await make([hook], runtime=runtime)
+    sent = []
+    for event in ALL_EVENTS:
+        if not setup.conn.subscribed(event):
+            continue
+        ctr = None if event in (Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX,
+                                Event.REMOVE_POD_SANDBOX, Event.UPDATE_POD_SANDBOX,
+                                Event.POST_UPDATE_POD_SANDBOX) else container()
+        await setup.simulator.send(setup.conn, event, pod(), ctr)
+        sent.append(event.name.lower())
+    assert [call[0] for call in hook.calls] == sent
+    methods = {answer.method for answer in setup.conn.answers}
+    if runtime.nri_version:
+        assert "StateChange" not in methods
+        assert len(sent) == len(ALL_EVENTS)
+    else:
+        assert "StateChange" in methods
+        assert len(sent) == 11
+
+
+async def test_unknown_state_change_event_fails_open(make) -> None:
+    setup = await make(runtime=OLD_RUNTIME)
+    assert setup.conn.peer is not None
+    bogus = api.StateChangeEvent(event=99, pod=pod())  # type: ignore[arg-type]
+    reply = await setup.conn.peer.call("nri.pkg.api.v1alpha1.Plugin", "StateChange",
+                                       bogus.SerializeToString(), timeout_s=2)
+    assert reply == b""
+    assert "unknown event 99" in setup.sink.named("event_failed")[0]["reason"]
+
+
+async def test_validate_is_unimplemented_and_shutdown_is_a_no_op(make) -> None:
+    setup = await make()
+    assert setup.conn.peer is not None
+    with pytest.raises(RpcError) as error:
+        await setup.conn.peer.call("nri.pkg.api.v1alpha1.Plugin", "ValidateContainerAdjustment",
+                                   b"", timeout_s=2)
+    assert (error.value.code, error.value.message) == (
+        StatusCode.UNIMPLEMENTED, "method ValidateContainerAdjustment")
+    assert await setup.conn.peer.call("nri.pkg.api.v1alpha1.Plugin", "Shutdown", b"",
+                                      timeout_s=2) == b""
+
+
+async def test_split_synchronize_is_accumulated(make) -> None:
+    hook = Recorder("h")
+    pods = [pod(f"uid-{i}") for i in range(5)]
+    containers = [container(f"c{i}", f"uid-{i}") for i in range(3)]
+    setup = await make([hook], runtime=RuntimeSpec(sync_chunk=2), pods=pods,
+                       containers=containers)
+    assert [r.more for r in setup.conn.sync_responses] == [True, True, False]
+    assert hook.synced == [([f"uid-{i}" for i in range(5)], ["c0", "c1", "c2"])]
+
+
+async def test_update_containers_from_outside_a_handler(make) -> None:
+    setup = await make()
+    update = api.ContainerUpdate(container_id="c1")
+    update.linux.resources.memory.limit.value = 1 << 30
+    assert await setup.stub.update_containers([update]) == []
+    assert [u.container_id for u in setup.conn.updates] == ["c1"]
+
+
+async def test_update_containers_refused_inside_a_handler(make, executor) -> None:
+    errors: list[Exception] = []
+
+    class Eager(Recorder):
+        stub: PluginStub
+
+    hook = Eager("eager", (Event.RUN_POD_SANDBOX,))
+    setup = await make([hook])
+    # Call from the handler's own task context, as a handler would.
+    original = setup.stub._event
+
+    async def event_then_update(*args: object) -> object:
+        try:
+            await setup.stub.update_containers([])
+        except RuntimeError as exc:
+            errors.append(exc)
+        return await original(*args)  # type: ignore[arg-type]
+
+    setup.stub._event = event_then_update  # type: ignore[method-assign]
+    await setup.simulator.send(setup.conn, Event.RUN_POD_SANDBOX, pod())
+    assert len(errors) == 1
+    assert "must not be awaited" in str(errors[0])
+
+
+async def test_registration_rejected_closes_connection(make) -> None:
+    setup = await make(identity=PluginIdentity("nri-qos", "1"), wait=False)
+    reason = await setup.serving
+    assert "registration failed" in reason
+    assert setup.simulator.connections[0].ready.is_set() is False
+
+
+async def test_failing_synchronize_stays_connected_even_when_strict(make) -> None:
+    class BrokenSync(Recorder):
+        def synchronize(self, pods: Sequence[PodInfo],
+                        containers: Sequence[ContainerInfo]) -> None:
+            raise RuntimeError("cannot read state")
+
+    setup = await make([BrokenSync("broken")], cfg=config(strict=True), pods=[pod()])
+    assert setup.conn.alive
+    failed = setup.sink.named("event_failed")
+    assert failed[0]["nri_event"] == "synchronize"
+    assert "cannot read state" in failed[0]["reason"]
+
+
+async def test_one_canonical_log_line_per_event(make) -> None:
+    stream = io.StringIO()
+    LoggingSetup(LoggingConfig(format="json"), level="info", stream=stream)
+    hook = Recorder("h", settings=ContainerSettings(annotations={"a": "1"}))
+    setup = await make([hook])
+    stream.seek(0)
+    stream.truncate()
+    await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    lines = [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+    canonical = [line for line in lines if line.get("event") == "nri_event"]
+    assert len(canonical) == 1
+    line = canonical[0]
+    assert (line["nri_event"], line["pod"], line["container"], line["result"]) == (
+        "create_container", "ns/pod-uid-1", "name-c1", "ok")
+    assert isinstance(line["duration_ms"], float)

@@ -1,0 +1,289 @@
+"""The asyncio ttrpc peer over a real socketpair: serving, calling, limits and failures."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Mapping
+
+import pytest
+
+from nri_plugin.envelope import (
+    RpcError,
+    decode_request,
+    decode_response,
+    encode_request,
+    encode_response,
+)
+from nri_plugin.mux import MuxDecoder, encode_message
+from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
+from nri_plugin.ttrpc import (
+    MAX_DATA_LENGTH,
+    Frame,
+    FrameDecoder,
+    MessageType,
+    StatusCode,
+    encode_frame,
+)
+from protos import ttrpc_envelope_pb2 as envelope
+
+SERVICE = "test.Echo"
+
+
+async def echo(request: envelope.Request) -> bytes:
+    return request.payload
+
+
+async def fail(request: envelope.Request) -> bytes:
+    raise ValueError("boom")
+
+
+async def refuse(request: envelope.Request) -> bytes:
+    raise RpcError(StatusCode.PERMISSION_DENIED, "no")
+
+
+async def huge(request: envelope.Request) -> bytes:
+    return b"x" * (MAX_DATA_LENGTH + 1)
+
+
+HANDLERS: Mapping[tuple[str, str], Handler] = {
+    (SERVICE, "Echo"): echo,
+    (SERVICE, "Fail"): fail,
+    (SERVICE, "Refuse"): refuse,
+    (SERVICE, "Huge"): huge,
+}
+
+
+async def open_pair() -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                               asyncio.StreamReader, asyncio.StreamWriter]:
+    a, b = socket.socketpair()
+    ra, wa = await asyncio.open_unix_connection(sock=a)
+    rb, wb = await asyncio.open_unix_connection(sock=b)
+    return ra, wa, rb, wb
+
+
+class Peers:
+    """Server side serves conn 1 and calls conn 2; client side the other way round."""
+
+    def __init__(self, server: TtrpcPeer, client: TtrpcPeer) -> None:
+        self.server = server
+        self.client = client
+        self.tasks = [asyncio.create_task(server.run()), asyncio.create_task(client.run())]
+
+
+@pytest.fixture
+async def peers() -> AsyncIterator[Peers]:
+    ra, wa, rb, wb = await open_pair()
+    server = TtrpcPeer(ra, wa, serve_conn=1, call_conn=2, handlers=HANDLERS)
+    client = TtrpcPeer(rb, wb, serve_conn=2, call_conn=1, handlers={})
+    pair = Peers(server, client)
+    yield pair
+    server.close()
+    client.close()
+    await asyncio.gather(*pair.tasks)
+
+
+class RawPeer:
+    """The other end of a socket, spoken to frame by frame."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.mux = MuxDecoder()
+        self.decoders = {1: FrameDecoder(), 2: FrameDecoder()}
+        self.mux_sizes: list[int] = []
+        self.frames: list[tuple[int, Frame]] = []
+
+    async def send(self, conn: int, stream_id: int, msg_type: int, data: bytes) -> None:
+        self.writer.write(encode_message(conn, encode_frame(stream_id, msg_type, data)))
+        await self.writer.drain()
+
+    async def next_frame(self) -> tuple[int, Frame]:
+        while not self.frames:
+            data = await self.reader.read(1 << 20)
+            if not data:
+                raise EOFError
+            for conn, payload in self.mux.feed(data):
+                self.mux_sizes.append(len(payload))
+                self.frames += [(conn, f) for f in self.decoders[conn].feed(payload)]
+        return self.frames.pop(0)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[TtrpcPeer, RawPeer]]:
+    ra, wa, rb, wb = await open_pair()
+    peer = TtrpcPeer(ra, wa, serve_conn=1, call_conn=2, handlers=HANDLERS)
+    task = asyncio.create_task(peer.run())
+    yield peer, RawPeer(rb, wb)
+    peer.close()
+    wb.close()
+    await task
+
+
+async def test_call_round_trip(peers: Peers) -> None:
+    assert await peers.client.call(SERVICE, "Echo", b"hello", timeout_s=5) == b"hello"
+
+
+async def test_unknown_method_and_service_are_unimplemented(peers: Peers) -> None:
+    with pytest.raises(RpcError) as method:
+        await peers.client.call(SERVICE, "Nope", b"", timeout_s=5)
+    assert (method.value.code, method.value.message) == (StatusCode.UNIMPLEMENTED, "method Nope")
+    with pytest.raises(RpcError) as service:
+        await peers.client.call("other.Service", "Echo", b"", timeout_s=5)
+    assert service.value.message == "service other.Service"
+
+
+async def test_handler_exception_becomes_status(peers: Peers) -> None:
+    with pytest.raises(RpcError) as failed:
+        await peers.client.call(SERVICE, "Fail", b"", timeout_s=5)
+    assert failed.value.code == StatusCode.UNKNOWN
+    assert "boom" in failed.value.message
+    with pytest.raises(RpcError) as refused:
+        await peers.client.call(SERVICE, "Refuse", b"", timeout_s=5)
+    assert (refused.value.code, refused.value.message) == (StatusCode.PERMISSION_DENIED, "no")
+    # The connection survives both.
+    assert await peers.client.call(SERVICE, "Echo", b"still", timeout_s=5) == b"still"
+
+
+async def test_many_calls_in_flight_answered_out_of_order() -> None:
+    ra, wa, rb, wb = await open_pair()
+    release: dict[bytes, asyncio.Event] = {}
+    started: list[bytes] = []
+    all_started = asyncio.Event()
+
+    async def wait_for_release(request: envelope.Request) -> bytes:
+        started.append(request.payload)
+        if len(started) == len(release):
+            all_started.set()
+        await release[request.payload].wait()
+        return request.payload
+
+    server = TtrpcPeer(ra, wa, serve_conn=1, call_conn=2,
+                       handlers={(SERVICE, "Wait"): wait_for_release})
+    client = TtrpcPeer(rb, wb, serve_conn=2, call_conn=1, handlers={})
+    tasks = [asyncio.create_task(server.run()), asyncio.create_task(client.run())]
+    keys = [str(i).encode() for i in range(32)]
+    for key in keys:
+        release[key] = asyncio.Event()
+    calls = [asyncio.create_task(client.call(SERVICE, "Wait", key, timeout_s=10)) for key in keys]
+    await all_started.wait()
+    assert client.pending_calls == len(keys)
+    for key in reversed(keys):
+        release[key].set()
+    assert await asyncio.gather(*calls) == keys
+    server.close()
+    client.close()
+    await asyncio.gather(*tasks)
+
+
+async def test_client_stream_ids_are_odd_increasing_with_timeout(
+    served: tuple[TtrpcPeer, RawPeer],
+) -> None:
+    peer, raw = served
+    calls = [asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=3)) for _ in range(3)]
+    seen = []
+    for _ in range(3):
+        conn, frame = await raw.next_frame()
+        assert conn == 2
+        assert frame.type == MessageType.REQUEST
+        request = decode_request(frame.data)
+        assert 0 < request.timeout_nano <= 3_000_000_000
+        seen.append(frame.stream_id)
+        await raw.send(2, frame.stream_id, MessageType.RESPONSE, encode_response(b"ok"))
+    assert seen == [1, 3, 5]
+    assert await asyncio.gather(*calls) == [b"ok"] * 3
+
+
+async def test_response_for_unknown_stream_is_dropped(served: tuple[TtrpcPeer, RawPeer]) -> None:
+    peer, raw = served
+    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=3))
+    _, frame = await raw.next_frame()
+    await raw.send(2, 99, MessageType.RESPONSE, encode_response(b"stray"))
+    await raw.send(2, frame.stream_id, MessageType.RESPONSE, encode_response(b"mine"))
+    assert await call == b"mine"
+    assert not peer.closed
+
+
+async def test_server_rejects_even_and_reused_stream_ids(served: tuple[TtrpcPeer, RawPeer]) -> None:
+    _, raw = served
+    request = encode_request(SERVICE, "Echo", b"x")
+    await raw.send(1, 2, MessageType.REQUEST, request)
+    _, even = await raw.next_frame()
+    assert (even.stream_id, decode_response(even.data).code) == (2, StatusCode.INVALID_ARGUMENT)
+    await raw.send(1, 7, MessageType.REQUEST, request)
+    _, ok = await raw.next_frame()
+    assert (ok.stream_id, decode_response(ok.data).payload) == (7, b"x")
+    # Ids may skip, but never go back.
+    await raw.send(1, 5, MessageType.REQUEST, request)
+    _, reused = await raw.next_frame()
+    assert decode_response(reused.data).code == StatusCode.INVALID_ARGUMENT
+
+
+async def test_undecodable_envelope_is_invalid_argument(served: tuple[TtrpcPeer, RawPeer]) -> None:
+    _, raw = served
+    await raw.send(1, 1, MessageType.REQUEST, b"\xff\xff\xff")
+    _, frame = await raw.next_frame()
+    assert decode_response(frame.data).code == StatusCode.INVALID_ARGUMENT
+
+
+async def test_large_answer_follows_the_split_rule(served: tuple[TtrpcPeer, RawPeer]) -> None:
+    _, raw = served
+    payload = b"p" * 10_000
+    await raw.send(1, 1, MessageType.REQUEST, encode_request(SERVICE, "Echo", payload))
+    _, frame = await raw.next_frame()
+    assert decode_response(frame.data).payload == payload
+    total = 10 + len(frame.data)
+    assert raw.mux_sizes == [4096, total - 4096]
+
+
+async def test_oversize_call_is_refused_locally(peers: Peers) -> None:
+    with pytest.raises(RpcError) as refused:
+        await peers.client.call(SERVICE, "Echo", b"x" * (MAX_DATA_LENGTH + 1), timeout_s=5)
+    assert refused.value.code == StatusCode.RESOURCE_EXHAUSTED
+    assert await peers.client.call(SERVICE, "Echo", b"after", timeout_s=5) == b"after"
+
+
+async def test_oversize_answer_becomes_resource_exhausted(peers: Peers) -> None:
+    with pytest.raises(RpcError) as refused:
+        await peers.client.call(SERVICE, "Huge", b"", timeout_s=5)
+    assert refused.value.code == StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_call_timeout_then_late_answer_dropped(served: tuple[TtrpcPeer, RawPeer]) -> None:
+    peer, raw = served
+    with pytest.raises(RpcError) as late:
+        await peer.call("rt.Runtime", "Slow", b"", timeout_s=0.05)
+    assert late.value.code == StatusCode.DEADLINE_EXCEEDED
+    _, frame = await raw.next_frame()
+    await raw.send(2, frame.stream_id, MessageType.RESPONSE, encode_response(b"late"))
+    call = asyncio.create_task(peer.call("rt.Runtime", "Next", b"", timeout_s=3))
+    _, second = await raw.next_frame()
+    await raw.send(2, second.stream_id, MessageType.RESPONSE, encode_response(b"next"))
+    assert await call == b"next"
+
+
+async def test_garbage_closes_connection_and_fails_pending_calls(
+    served: tuple[TtrpcPeer, RawPeer],
+) -> None:
+    peer, raw = served
+    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=10))
+    await raw.next_frame()
+    # A mux header announcing 2 GiB: nothing after it can be trusted.
+    raw.writer.write(b"\x00\x00\x00\x01\x80\x00\x00\x00garbage")
+    await raw.writer.drain()
+    with pytest.raises(ConnectionClosed):
+        await call
+    assert peer.closed
+    assert "protocol error" in peer.end_reason
+    assert await raw.reader.read() == b""
+
+
+async def test_eof_fails_pending_calls(served: tuple[TtrpcPeer, RawPeer]) -> None:
+    peer, raw = served
+    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=10))
+    await raw.next_frame()
+    raw.writer.close()
+    with pytest.raises(ConnectionClosed):
+        await call
+    with pytest.raises(ConnectionClosed):
+        await peer.call("rt.Runtime", "M", b"", timeout_s=1)

@@ -1,0 +1,161 @@
+"""What the Kubernetes API adds to a pod: priority, owner, memory requests/limits, fresh metadata.
+
+:func:`pod_meta_from_object` turns the JSON dict of a v1 Pod into a :class:`PodMeta`. It never
+raises: the API server is trusted to send Pods, but a field of an unexpected type (or a quantity
+that does not parse) must cost only that field, never the watch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from types import MappingProxyType
+from typing import Any
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+# Exponent alternatives come before the plain "E" suffix so that "1E3" is 1000, while "1E" is
+# one exa: the same reading the API server applies.
+_QUANTITY = re.compile(
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[eE][+-]?[0-9]+|m|k|M|G|T|P|E|)"
+)
+# A quantity above this cannot be a memory size; refusing it also keeps "1e999999999" from
+# building a huge integer.
+_MAX_EXPONENT = 30
+_INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class PodMeta:
+    """One pod as the API server describes it (only the fields the node agent uses)."""
+
+    uid: str
+    namespace: str
+    name: str
+    annotations: Mapping[str, str]
+    labels: Mapping[str, str]
+    # spec.priority, resolved by the admission controller from the priority class
+    priority: int | None
+    # kind of the controlling owner reference (ReplicaSet, DaemonSet, Job, ...)
+    owner_kind: str | None
+    # container name -> bytes; containers without a memory request are absent
+    memory_requests: Mapping[str, int]
+    # container name -> bytes; containers without a memory limit are absent
+    memory_limits: Mapping[str, int]
+    # True when the pod was deleted from the API (a DELETED watch event or gone at a relist)
+    deleted: bool = False
+
+
+def parse_quantity(text: str | int | float) -> int:
+    """A Kubernetes resource quantity as an integer, rounded up like the API's ``Value()``.
+
+    Accepts binary suffixes (Ki..Ei), decimal suffixes (m, k, M, G, T, P, E) and decimal
+    exponents (``1e3``, ``2E-2``). Anything else raises :class:`ValueError`.
+    """
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise ValueError(f"quantity must be a string or a number, got {type(text).__name__}")
+    if isinstance(text, float) and not math.isfinite(text):
+        raise ValueError(f"quantity must be finite, got {text!r}")
+    raw = text if isinstance(text, str) else repr(text)
+    match = _QUANTITY.fullmatch(raw)
+    if match is None:
+        raise ValueError(f"not a Kubernetes quantity: {raw!r}")
+    number = Fraction(match["number"])
+    suffix = match["suffix"]
+    if suffix in _BINARY:
+        value = number * (1 << (10 * _BINARY[suffix]))
+    else:
+        exponent = _DECIMAL[suffix] if suffix in _DECIMAL else int(suffix[1:])
+        if abs(exponent) > _MAX_EXPONENT:
+            raise ValueError(f"quantity exponent out of range: {raw!r}")
+        value = number * Fraction(10) ** exponent
+    result = math.ceil(value)
+    if abs(result) > _INT64_MAX:
+        raise ValueError(f"quantity out of range: {raw!r}")
+    return result
+
+
+def pod_meta_from_object(obj: Mapping[str, Any], *, deleted: bool = False) -> PodMeta:
+    """The :class:`PodMeta` of a v1 Pod JSON object; missing or odd fields become empty/None."""
+    metadata = _mapping(obj.get("metadata")) if isinstance(obj, Mapping) else _EMPTY
+    spec = _mapping(obj.get("spec")) if isinstance(obj, Mapping) else _EMPTY
+    requests: dict[str, int] = {}
+    limits: dict[str, int] = {}
+    for container in _running_containers(spec):
+        name = container.get("name")
+        if not isinstance(name, str) or not name:
+            continue
+        resources = _mapping(container.get("resources"))
+        _put_memory(requests, name, _mapping(resources.get("requests")))
+        _put_memory(limits, name, _mapping(resources.get("limits")))
+    priority = spec.get("priority")
+    return PodMeta(
+        uid=_string(metadata.get("uid")),
+        namespace=_string(metadata.get("namespace")),
+        name=_string(metadata.get("name")),
+        annotations=_string_map(metadata.get("annotations")),
+        labels=_string_map(metadata.get("labels")),
+        priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else None,
+        owner_kind=_owner_kind(metadata.get("ownerReferences")),
+        memory_requests=MappingProxyType(requests),
+        memory_limits=MappingProxyType(limits),
+        deleted=deleted,
+    )
+
+
+def _running_containers(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Regular containers plus sidecars (init containers with restartPolicy Always), which run
+    for the pod's whole life; ordinary init containers are finished by the time pods settle."""
+    found = [_mapping(c) for c in _list(spec.get("containers"))]
+    found += [
+        _mapping(c) for c in _list(spec.get("initContainers"))
+        if _mapping(c).get("restartPolicy") == "Always"
+    ]
+    return found
+
+
+def _put_memory(into: dict[str, int], name: str, resources: Mapping[str, Any]) -> None:
+    quantity = resources.get("memory")
+    if quantity is None:
+        return
+    try:
+        value = parse_quantity(quantity)
+    except ValueError:
+        return
+    if value >= 0:
+        into[name] = value
+
+
+def _owner_kind(refs: Any) -> str | None:
+    owners = [_mapping(r) for r in _list(refs)]
+    controller = [r for r in owners if r.get("controller") is True]
+    for ref in controller or owners:
+        kind = ref.get("kind")
+        if isinstance(kind, str) and kind:
+            return kind
+    return None
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else _EMPTY
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _string(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _string_map(value: Any) -> Mapping[str, str]:
+    entries = {
+        k: v for k, v in _mapping(value).items() if isinstance(k, str) and isinstance(v, str)
+    }
+    return MappingProxyType(entries)

@@ -1,0 +1,587 @@
+"""An HTTP server on 127.0.0.1 that answers like the Kubernetes API server for what nri-qos uses.
+
+Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
+Eviction subresource, node GET and merge-PATCH. Tests change pods through :meth:`add_pod`,
+:meth:`modify_pod`, :meth:`delete_pod` (each change gets a resourceVersion and a watch event) and
+inject trouble: failing requests, dropped or ended watch streams, compacted history (410 Gone),
+disruption budgets (429) and concurrent node writers (409). Every request is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import yaml
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    query: dict[str, str]
+    headers: dict[str, str]
+    body: Any = None
+    status: int = 0
+
+
+@dataclass
+class _Failure:
+    method: str
+    path_prefix: str
+    status: int
+    remaining: int
+    watch_only: bool
+
+
+@dataclass
+class _State:
+    resource_version: int = 1
+    # (namespace, name) -> pod object
+    pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # (resourceVersion, type, object) of every pod change since the last compaction
+    history: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
+    # watches from a resourceVersion below this get 410 Gone
+    oldest_rv: int = 1
+    failures: list[_Failure] = field(default_factory=list)
+    pdb_blocked: set[tuple[str, str]] = field(default_factory=set)
+    patch_conflicts: int = 0
+    # bumped to end (gracefully) or drop (abruptly) the open watch streams
+    end_generation: int = 0
+    drop_generation: int = 0
+    open_watches: int = 0
+    requests: list[Recorded] = field(default_factory=list)
+
+
+def make_pod(
+    name: str,
+    *,
+    namespace: str = "default",
+    node: str = "node-a",
+    uid: str | None = None,
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    priority: int | None = None,
+    owner_kind: str | None = None,
+    memory: dict[str, tuple[str | None, str | None]] | None = None,
+) -> dict[str, Any]:
+    """A v1 Pod object; ``memory`` maps container name to (request, limit) quantities."""
+    containers = []
+    for cname, (request, limit) in (memory or {"main": (None, None)}).items():
+        resources: dict[str, dict[str, str]] = {}
+        if request is not None:
+            resources["requests"] = {"memory": request}
+        if limit is not None:
+            resources["limits"] = {"memory": limit}
+        containers.append({"name": cname, "image": "busybox", "resources": resources})
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": uid or str(uuid.uuid4()),
+        "annotations": dict(annotations or {}),
+        "labels": dict(labels or {}),
+    }
+    if owner_kind:
+        metadata["ownerReferences"] = [
+            {"apiVersion": "apps/v1", "kind": owner_kind, "name": f"{name}-owner",
+             "uid": str(uuid.uuid4()), "controller": True}
+        ]
+    spec: dict[str, Any] = {"nodeName": node, "containers": containers}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
+
+
+def write_kubeconfig(path: Path, server: str, token: str | None = None) -> Path:
+    """A kubeconfig pointing at ``server`` (plain HTTP), with bearer-token auth when given."""
+    user: dict[str, Any] = {"token": token} if token else {}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "fake", "cluster": {"server": server}}],
+        "users": [{"name": "tester", "user": user}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester"}}],
+        "current-context": "fake",
+    }
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def status_body(code: int, reason: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kind": "Status", "apiVersion": "v1", "metadata": {},
+        "status": "Success" if code < 400 else "Failure",
+        "message": message, "reason": reason, "code": code, **extra,
+    }
+
+
+class FakeApiServer:
+    """Start with ``with FakeApiServer() as api:``; ``api.url`` is the server address."""
+
+    def __init__(self, *, token: str | None = None) -> None:
+        self.token = token
+        self._lock = threading.Condition()
+        self._state = _State()
+        self._closing = False
+        handler = type("Handler", (_Handler,), {"api": self})
+        self._server = _Server(("127.0.0.1", 0), handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def __enter__(self) -> FakeApiServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+        self._server.close_connections()
+        self._thread.join(timeout=5)
+
+    # ---- pods -------------------------------------------------------------------------------
+
+    def add_pod(self, pod: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            meta = pod["metadata"]
+            key = (meta["namespace"], meta["name"])
+            if key in self._state.pods:
+                raise ValueError(f"pod {key} exists")
+            return self._change("ADDED", key, copy.deepcopy(pod))
+
+    def modify_pod(
+        self, namespace: str, name: str, mutate: Callable[[dict[str, Any]], None]
+    ) -> dict[str, Any]:
+        with self._lock:
+            pod = copy.deepcopy(self._state.pods[(namespace, name)])
+            mutate(pod)
+            return self._change("MODIFIED", (namespace, name), pod)
+
+    def delete_pod(self, namespace: str, name: str, *, silently: bool = False) -> None:
+        """Deletes a pod; ``silently`` skips the watch event, as if it was lost in compaction."""
+        with self._lock:
+            if silently:
+                self._state.pods.pop((namespace, name))
+                self._state.resource_version += 1
+                return
+            self._change("DELETED", (namespace, name), None)
+
+    def bookmark(self) -> str:
+        """Sends a BOOKMARK event to the open watches; returns its resourceVersion."""
+        with self._lock:
+            self._state.resource_version += 1
+            rv = self._state.resource_version
+            obj = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(rv)}}
+            self._state.history.append((rv, "BOOKMARK", obj))
+            self._lock.notify_all()
+            return str(rv)
+
+    def pod(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            found = self._state.pods.get((namespace, name))
+            return copy.deepcopy(found)
+
+    def _change(
+        self, kind: str, key: tuple[str, str], pod: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        state = self._state
+        state.resource_version += 1
+        if pod is None:
+            pod = state.pods.pop(key)
+        else:
+            state.pods[key] = pod
+        pod["metadata"]["resourceVersion"] = str(state.resource_version)
+        state.history.append((state.resource_version, kind, copy.deepcopy(pod)))
+        self._lock.notify_all()
+        return copy.deepcopy(pod)
+
+    # ---- nodes ------------------------------------------------------------------------------
+
+    def add_node(self, name: str, taints: list[dict[str, str]] | None = None) -> None:
+        with self._lock:
+            self._state.resource_version += 1
+            self._state.nodes[name] = {
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "resourceVersion": str(self._state.resource_version)},
+                "spec": {"taints": list(taints or [])} if taints else {},
+            }
+
+    def node(self, name: str) -> dict[str, Any]:
+        with self._lock:
+            return copy.deepcopy(self._state.nodes[name])
+
+    def taints(self, name: str) -> list[dict[str, Any]]:
+        return list(self.node(name).get("spec", {}).get("taints") or [])
+
+    # ---- trouble ----------------------------------------------------------------------------
+
+    def fail_next(
+        self, method: str, path_prefix: str, status: int, count: int = 1, *,
+        watch_only: bool = False,
+    ) -> None:
+        """The next ``count`` matching requests (only watches, if asked) answer ``status``."""
+        with self._lock:
+            self._state.failures.append(
+                _Failure(method, path_prefix, status, count, watch_only)
+            )
+
+    def compact(self) -> None:
+        """Forgets the event history: watches from any earlier resourceVersion get 410."""
+        with self._lock:
+            self._state.history.clear()
+            self._state.oldest_rv = self._state.resource_version
+
+    def end_watches(self) -> None:
+        """Ends the open watch streams cleanly, as the server does at timeoutSeconds."""
+        with self._lock:
+            self._state.end_generation += 1
+            self._lock.notify_all()
+
+    def drop_watches(self) -> None:
+        """Cuts the open watch connections in the middle of the chunked stream."""
+        with self._lock:
+            self._state.drop_generation += 1
+            self._lock.notify_all()
+
+    def block_eviction(self, namespace: str, name: str) -> None:
+        """Evictions of this pod answer 429, as with an exhausted PodDisruptionBudget."""
+        with self._lock:
+            self._state.pdb_blocked.add((namespace, name))
+
+    def conflict_next_patches(self, count: int) -> None:
+        """Another writer updates the node before each of the next ``count`` patches (409)."""
+        with self._lock:
+            self._state.patch_conflicts += count
+
+    # ---- observation ------------------------------------------------------------------------
+
+    def requests(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
+        with self._lock:
+            return [
+                r for r in self._state.requests
+                if (method is None or r.method == method) and (path is None or r.path == path)
+            ]
+
+    def watch_requests(self) -> list[Recorded]:
+        return [r for r in self.requests("GET", "/api/v1/pods") if r.query.get("watch") == "true"]
+
+    def list_requests(self) -> list[Recorded]:
+        return [r for r in self.requests("GET", "/api/v1/pods") if r.query.get("watch") != "true"]
+
+    @property
+    def open_watches(self) -> int:
+        with self._lock:
+            return self._state.open_watches
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+        """Blocks until ``predicate`` holds (checked on every state change)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("fake API server: condition not reached")
+                self._lock.wait(min(left, 0.05))
+
+    # ---- used by the handler (lock held by the caller where noted) -------------------------
+
+    def _take_failure(self, method: str, path: str, watch: bool) -> int | None:
+        for failure in self._state.failures:
+            if failure.watch_only and not watch:
+                continue
+            if failure.method == method and path.startswith(failure.path_prefix):
+                failure.remaining -= 1
+                if failure.remaining <= 0:
+                    self._state.failures.remove(failure)
+                return failure.status
+        return None
+
+
+class _Server(ThreadingHTTPServer):
+    """Keeps its connections, so that closing the fake also ends idle keep-alive handlers, and
+    keeps handler errors (a client that went away) off stderr: tests check state, not logs."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        self.errors: list[str] = []
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        self.errors.append(f"{client_address}: {sys.exc_info()[1]!r}")
+
+    def close_connections(self) -> None:
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+
+
+def _pods_on(pods: Iterator[dict[str, Any]], node: str | None) -> list[dict[str, Any]]:
+    return [p for p in pods if node is None or p.get("spec", {}).get("nodeName") == node]
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    result = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        else:
+            result[key] = _merge_patch(result.get(key), value)
+    return result
+
+
+class _Handler(BaseHTTPRequestHandler):
+    api: FakeApiServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: tests read the recorded requests instead."""
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PATCH(self) -> None:
+        self._serve("PATCH")
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def _serve(self, method: str) -> None:
+        parts = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode(errors="replace")
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        record = Recorded(method, parts.path, query, headers, body)
+        api = self.api
+        with api._lock:
+            api._state.requests.append(record)
+            api._lock.notify_all()
+            if api.token is not None and record.headers.get("authorization") != (
+                f"Bearer {api.token}"
+            ):
+                self._status(record, 401, "Unauthorized", "Unauthorized")
+                return
+            injected = api._take_failure(method, parts.path, query.get("watch") == "true")
+        if injected is not None:
+            self._status(record, injected, "InternalError" if injected >= 500 else "Injected",
+                         f"injected failure {injected}")
+            return
+        segments = [s for s in parts.path.split("/") if s]
+        if method == "GET" and segments == ["api", "v1", "pods"]:
+            self._pods(record)
+        elif (method == "POST" and len(segments) == 7
+              and segments[:3] == ["api", "v1", "namespaces"]
+              and segments[4] == "pods" and segments[6] == "eviction"):
+            self._evict(record, segments[3], segments[5])
+        elif len(segments) == 4 and segments[:3] == ["api", "v1", "nodes"] and method in (
+            "GET", "PATCH"
+        ):
+            self._node(record, segments[3])
+        else:
+            self._status(record, 404, "NotFound", f"no route for {method} {parts.path}")
+
+    def _send_json(self, record: Recorded, code: int, doc: Any) -> None:
+        payload = json.dumps(doc).encode()
+        record.status = code
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _status(self, record: Recorded, code: int, reason: str, message: str, **extra: Any) -> None:
+        self._send_json(record, code, status_body(code, reason, message, **extra))
+
+    # ---- pods -------------------------------------------------------------------------------
+
+    def _pods(self, record: Recorded) -> None:
+        selector = record.query.get("fieldSelector", "")
+        node = selector.split("=", 1)[1] if selector.startswith("spec.nodeName=") else None
+        if record.query.get("watch") == "true":
+            self._watch(record, node)
+            return
+        with self.api._lock:
+            state = self.api._state
+            items = copy.deepcopy(_pods_on(iter(state.pods.values()), node))
+            rv = str(state.resource_version)
+        self._send_json(record, 200, {
+            "kind": "PodList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": rv}, "items": items,
+        })
+
+    def _watch(self, record: Recorded, node: str | None) -> None:
+        api = self.api
+        state = api._state
+        timeout = float(record.query.get("timeoutSeconds", "1800"))
+        deadline = time.monotonic() + timeout
+        record.status = 200
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        start = record.query.get("resourceVersion", "")
+        pending: list[tuple[str, dict[str, Any]]] | None
+        with api._lock:
+            state.open_watches += 1
+            end_gen, drop_gen = state.end_generation, state.drop_generation
+            if start in ("", "0"):
+                cursor = state.resource_version
+                pending = [
+                    ("ADDED", copy.deepcopy(p)) for p in _pods_on(iter(state.pods.values()), node)
+                ]
+            else:
+                cursor = int(start)
+                pending = []
+            gone = cursor < state.oldest_rv
+        try:
+            if gone:
+                self._chunk({"type": "ERROR", "object": status_body(
+                    410, "Expired", f"too old resource version: {cursor} ({state.oldest_rv})"
+                )})
+                self._end_chunks()
+                return
+            while True:
+                for kind, obj in pending:
+                    self._chunk({"type": kind, "object": obj})
+                with api._lock:
+                    while True:
+                        if state.drop_generation != drop_gen or api._closing:
+                            self.connection.shutdown(socket.SHUT_RDWR)
+                            self.close_connection = True
+                            return
+                        newer = [(rv, k, o) for rv, k, o in state.history if rv > cursor]
+                        if newer:
+                            cursor = newer[-1][0]
+                            pending = [
+                                (k, copy.deepcopy(o)) for _, k, o in newer
+                                if k == "BOOKMARK" or node is None
+                                or o.get("spec", {}).get("nodeName") == node
+                            ]
+                            break
+                        if state.end_generation != end_gen or time.monotonic() >= deadline:
+                            pending = None
+                            break
+                        api._lock.wait(min(0.2, max(deadline - time.monotonic(), 0.001)))
+                if pending is None:
+                    break
+            self._end_chunks()
+        except OSError:
+            self.close_connection = True
+        finally:
+            with api._lock:
+                state.open_watches -= 1
+                api._lock.notify_all()
+
+    def _chunk(self, doc: Any) -> None:
+        data = json.dumps(doc).encode() + b"\n"
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _end_chunks(self) -> None:
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    # ---- eviction ---------------------------------------------------------------------------
+
+    def _evict(self, record: Recorded, namespace: str, name: str) -> None:
+        api = self.api
+        dry_run = record.query.get("dryRun") == "All"
+        with api._lock:
+            key = (namespace, name)
+            if key not in api._state.pods:
+                code, reason, message = 404, "NotFound", f'pods "{name}" not found'
+            elif key in api._state.pdb_blocked:
+                self._status(
+                    record, 429, "TooManyRequests",
+                    "Cannot evict pod as it would violate the pod's disruption budget.",
+                    details={"causes": [{
+                        "reason": "DisruptionBudget",
+                        "message": "The disruption budget pdb needs 1 healthy pods and has 1",
+                    }]},
+                )
+                return
+            else:
+                if not dry_run:
+                    api._change("DELETED", key, None)
+                code, reason, message = 201, "", ""
+        self._status(record, code, reason, message)
+
+    # ---- nodes ------------------------------------------------------------------------------
+
+    def _node(self, record: Recorded, name: str) -> None:
+        api = self.api
+        with api._lock:
+            state = api._state
+            node = state.nodes.get(name)
+            if node is None:
+                self._status(record, 404, "NotFound", f'nodes "{name}" not found')
+                return
+            if record.method == "GET":
+                self._send_json(record, 200, node)
+                return
+            if record.headers.get("content-type") != "application/merge-patch+json":
+                self._status(record, 415, "UnsupportedMediaType", "only merge patches here")
+                return
+            if state.patch_conflicts > 0:
+                state.patch_conflicts -= 1
+                state.resource_version += 1
+                node["metadata"]["resourceVersion"] = str(state.resource_version)
+            patch = record.body if isinstance(record.body, dict) else {}
+            wanted_rv = patch.get("metadata", {}).get("resourceVersion")
+            if wanted_rv is not None and wanted_rv != node["metadata"]["resourceVersion"]:
+                self._status(record, 409, "Conflict",
+                             f'Operation cannot be fulfilled on nodes "{name}": the object has '
+                             "been modified; please apply your changes to the latest version "
+                             "and try again")
+                return
+            updated = _merge_patch(node, patch)
+            state.resource_version += 1
+            updated["metadata"]["resourceVersion"] = str(state.resource_version)
+            state.nodes[name] = updated
+            api._lock.notify_all()
+            self._send_json(record, 200, updated)

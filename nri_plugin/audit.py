@@ -25,7 +25,7 @@ import structlog
 
 AUDIT_LOGGER = "nri_qos.audit"
 # Keys every audit line carries itself; a record's fields must not use them.
-RESERVED_FIELDS = frozenset({"event", "timestamp", "logger", "audit"})
+RESERVED_FIELDS = frozenset({"event", "timestamp", "logger", "audit", "level"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("config_loaded", ("source",), "A configuration was validated and took effect."),
     AuditEvent("config_rejected", ("source", "errors"),
                "A configuration was invalid; the previous one stays in force."),
-    AuditEvent("adjustment_applied", ("pod_uid", "container", "level", "fields"),
+    AuditEvent("adjustment_applied", ("pod_uid", "container", "qos_level", "fields"),
                "A CreateContainer answer carried these settings."),
     AuditEvent("adjustment_skipped", ("pod_uid", "container", "reason"),
                "A setting was left out (invalid input, missing feature, deadline, error)."),

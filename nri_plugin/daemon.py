@@ -33,8 +33,11 @@ from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.cgroups import detect_version
+from reconciler.k8s import PodWatcher, build_api_client, node_name
 from reconciler.numa import MEMINFO, NumaFormatError, parse_meminfo
 from reconciler.resctrlfs import ResctrlFs
+from reconciler.runner import run_reconciler, sysfs_for
+from reconciler.state import NodeState, StateTracker
 from reconciler.sysfs import SysFs
 
 ENV_SOCKET = "NRI_PLUGIN_SOCKET"
@@ -181,14 +184,24 @@ def _identity(cfg: Config, prelaunched: Prelaunched | None) -> PluginIdentity:
                           prelaunched.index or cfg.plugin.index)
 
 
-def host_hooks(cfg: Config, store: ConfigStore, audit: AuditLog,
-               host_root: str = "/") -> tuple[list[Hook], bool]:
-    """The enabled capabilities for this host, and whether it runs cgroup v2.
+@dataclass(frozen=True, slots=True)
+class HostSetup:
+    """What probing the host gave: the capabilities to run and the system layers they share."""
 
-    Probes the host (through the sysfs layer) for the cgroup version, the memory size and
-    resctrl; resctrl class groups are set up now and again on every config reload.
+    hooks: list[Hook]
+    cgroup_v2: bool
+    sysfs: SysFs
+    resctrl: ResctrlFs | None
+
+
+def host_setup(cfg: Config, store: ConfigStore, audit: AuditLog) -> HostSetup:
+    """The enabled capabilities for this host, and the layers that touch it.
+
+    Probes the host (through the sysfs layer, rooted at ``reconciler.root``) for the cgroup
+    version, the memory size and resctrl; resctrl class groups are set up now and again on
+    every config reload.
     """
-    sysfs = SysFs(host_root, audit)
+    sysfs = sysfs_for(cfg, audit)
     cgroup_v2 = detect_version(sysfs, cfg.memory.cgroup_version) == 2
     meminfo = sysfs.read(MEMINFO)
     try:
@@ -200,7 +213,8 @@ def host_hooks(cfg: Config, store: ConfigStore, audit: AuditLog,
         def warn(message: str) -> None:
             log.warning("resctrl_unavailable", reason=message)
 
-        resctrl = ResctrlFs.detect(cfg.resctrl.root, prefix=cfg.resctrl.group_prefix,
+        root = os.path.join(cfg.reconciler.root, cfg.resctrl.root.lstrip("/"))
+        resctrl = ResctrlFs.detect(root, prefix=cfg.resctrl.group_prefix,
                                    audit=audit, amd_mb_max=cfg.resctrl.amd_mb_max, warn=warn)
         if resctrl is not None:
             fs = resctrl
@@ -212,7 +226,20 @@ def host_hooks(cfg: Config, store: ConfigStore, audit: AuditLog,
             store.subscribe(refresh)
     hooks = build_hooks(cfg, resctrl=resctrl, audit=audit, cgroup_v2=cgroup_v2,
                         node_allocatable=node_memory)
-    return hooks, cgroup_v2
+    return HostSetup(hooks, cgroup_v2, sysfs, resctrl)
+
+
+def reconciler_service(state: NodeState, host: HostSetup) -> Service:
+    """The background reconciler (and the Kubernetes pod watch) as a daemon service."""
+    async def run(context: ServiceContext) -> None:
+        cfg = context.store.current
+        api = build_api_client(cfg.kubernetes)
+        watcher = None if api is None else PodWatcher(api, cfg.kubernetes,
+                                                      node_name(cfg.kubernetes))
+        await run_reconciler(context.store, state, host.sysfs, host.resctrl, context.audit,
+                             context.stop, watcher)
+
+    return run
 
 
 async def serve(
@@ -226,12 +253,15 @@ async def serve(
     extra_hooks: Sequence[Hook] = (),
     hooks: Sequence[Hook] | None = None,
     reload_on_sighup: bool = False,
+    reconcile: bool = False,
 ) -> int:
     """Load the config, then run every service until ``stop`` is set; the exit status.
 
     ``extra_services`` run in the same TaskGroup as the runtime connection; ``extra_hooks`` go
     at the end of the chain (e.g. the reconciler's state tracker). ``hooks`` replaces the
-    capability hooks built for this host (tests and benchmarks).
+    capability hooks built for this host (tests and benchmarks). ``reconcile`` adds the
+    background reconciler, fed by a state tracker at the end of the chain; it needs the host
+    (``hooks`` left to None) and is off for the simulator, whose pods do not exist.
     """
     logging_setup = LoggingSetup(level=log_level)
     audit = logging_setup.audit
@@ -245,8 +275,14 @@ async def serve(
     cfg = store.current
     logging_setup.apply(cfg.logging)
     store.subscribe(lambda old, new: logging_setup.apply(new.logging))
+    services = list(extra_services)
     if hooks is None:
-        chain, cgroup_v2 = host_hooks(cfg, store, audit)
+        host = host_setup(cfg, store, audit)
+        chain, cgroup_v2 = list(host.hooks), host.cgroup_v2
+        if reconcile:
+            state = NodeState()
+            chain.append(StateTracker(state))
+            services.append(reconciler_service(state, host))
     else:
         chain, cgroup_v2 = list(hooks), cfg.memory.cgroup_version == "v2"
     chain += extra_hooks
@@ -270,7 +306,7 @@ async def serve(
                 group.create_task(run_external(stub, path, stop, backoff))
             group.create_task(store.watch(stop))
             # Further services (the reconciler) join here, each handed the same context.
-            for service in extra_services:
+            for service in services:
                 group.create_task(service(context))
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
@@ -296,4 +332,4 @@ async def _main(config_path: str | None, socket_path: str | None, log_level: str
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     return await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched,
-                       reload_on_sighup=True)
+                       reload_on_sighup=True, reconcile=True)

@@ -433,7 +433,7 @@ class PluginStub:
         cfg = self._config()
         level = self._resolve_level(pod, cfg, container_name,
                                     audit=event in _LEVEL_AUDIT_EVENTS)
-        with event_context(name, pod=pod, container=container, level=level):
+        with event_context(name, pod=pod, container=container, qos_level=level):
             outcome = await self._run_chain(self._calls(event, hooks, pod, container, level))
         policy.chain(name, outcome, pod_uid=pod.uid, container=container_name)
         result = "ok" if outcome.complete else "partial"
@@ -504,7 +504,7 @@ class PluginStub:
             settings = replace(settings, oom_score_adj=None)
         if not settings.is_empty():
             self._audit.record("adjustment_applied", pod_uid=pod.uid, container=container.name,
-                               level=level, fields=_set_fields(settings))
+                               qos_level=level, fields=_set_fields(settings))
         return to_adjustment(settings, clos_field=clos_field)
 
     def _skip(self, pod: PodInfo, container: ContainerInfo, reason: str) -> None:

@@ -126,6 +126,9 @@ def test_reserved_field_names_raise() -> None:
     log = AuditLog(MemoryAuditSink())
     with pytest.raises(ValueError, match="reserved field names: event, timestamp"):
         log.record("config_loaded", source="x", event="y", timestamp="z")
+    # A "level" field would shadow the log level of the JSON line.
+    with pytest.raises(ValueError, match="reserved field names: level"):
+        log.record("config_loaded", source="x", level="reclaimed_cores")
 
 
 def test_memory_sink_named() -> None:

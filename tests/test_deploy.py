@@ -97,7 +97,9 @@ def test_reconciler_root_reaches_the_host(
 def test_resctrl_and_socket_are_mounted(
     daemonset: dict[str, Any], shipped_config: Config
 ) -> None:
-    assert _host_path_of(daemonset, shipped_config.resctrl.root) == "/sys/fs/resctrl"
+    root = PurePosixPath(shipped_config.reconciler.root)
+    inside = str(root / shipped_config.resctrl.root.lstrip("/"))
+    assert _host_path_of(daemonset, inside) == shipped_config.resctrl.root == "/sys/fs/resctrl"
     socket = shipped_config.plugin.socket
     assert _host_path_of(daemonset, socket) == socket
 

@@ -162,12 +162,13 @@ def test_audit_records_bypass_the_level_and_carry_the_context(
     setup = make_setup(LoggingConfig(level="error"), stream=out)
     with event_context("create_container", pod=POD):
         setup.audit.record("adjustment_applied", pod_uid="uid-1", container="nginx",
-                           level="reclaimed_cores", fields=("memory_high",))
+                           qos_level="reclaimed_cores", fields=("memory_high",))
     (line,) = json_lines(out)
     assert line["audit"] is True
     assert line["logger"] == "nri_qos.audit"
     assert line["event"] == "adjustment_applied"
-    assert line["level"] == "reclaimed_cores"  # the record's field, not a log level
+    assert line["qos_level"] == "reclaimed_cores"
+    assert "level" not in line  # audit lines carry no log level, and no field may pose as one
     assert line["fields"] == ["memory_high"]
     assert line["nri_event"] == "create_container"
     assert ISO_UTC.match(line["timestamp"])

@@ -1,0 +1,107 @@
+"""The daemon as `nri-qos run` starts it: NRI stub and reconciler together, on a fake host root."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from nri_plugin import daemon
+from nri_plugin.events import Event
+from nri_plugin.simulator import RuntimeSimulator
+from protos import nri_api_pb2 as api
+from tests.fakesys import FakeHost, FakePod, read_ids
+
+LEVEL = "qos.nri-qos.io/level"
+
+
+def config_for(root: Path) -> str:
+    return (
+        "[reconciler]\n"
+        f'root = "{root}"\n'
+        "resctrl_interval_s = 0.1\n"
+        "drift_interval_s = 0.1\n"
+        "[memory_guard]\n"
+        "interval_s = 0.1\n"
+        "[numa]\n"
+        "interval_s = 0.1\n"
+        "[kubernetes]\n"
+        "enabled = false\n"
+        "[plugin]\n"
+        "reconnect_initial_ms = 20\n"
+    )
+
+
+def messages(pod: FakePod) -> tuple[api.PodSandbox, list[api.Container]]:
+    info = pod.info
+    message = api.PodSandbox(id=info.id, uid=info.uid, name=info.name, namespace=info.namespace,
+                             annotations=dict(info.annotations))
+    message.linux.cgroup_parent = info.cgroup_parent
+    containers = []
+    for c in pod.containers:
+        container = api.Container(id=c.info.id, pod_sandbox_id=info.id, name=c.info.name,
+                                  state=api.CONTAINER_RUNNING, pid=c.info.pid)
+        container.linux.cgroups_path = c.info.cgroups_path
+        containers.append(container)
+    return message, containers
+
+
+def ids(path: Path) -> set[int]:
+    """Task ids in a resctrl ``tasks`` file (the kernel creates it with the group; a fake tree
+    gets it with the first write)."""
+    return set(read_ids(path)) if path.exists() else set()
+
+
+async def until(predicate: object, what: str, timeout_s: float = 15.0) -> None:
+    assert callable(predicate)
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> None:
+    root = tmp_path / "host"
+    host = FakeHost(root)
+    resctrl = host.make_resctrl()
+    existing = host.add_pod("0a0a0a0a-1111-2222-3333-444444444444", tier="besteffort",
+                            annotations={LEVEL: "reclaimed_cores"}, threads=3)
+    created = host.add_pod("0b0b0b0b-1111-2222-3333-444444444444", tier="besteffort",
+                           annotations={LEVEL: "reclaimed_cores"}, threads=2)
+    config = tmp_path / "config.toml"
+    config.write_text(config_for(root))
+
+    pod_a, containers_a = messages(existing)
+    simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
+    await simulator.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "warning",
+                                            stop=stop, prelaunched=None, reconcile=True))
+    try:
+        connection = await simulator.wait_ready()
+        group_tasks = resctrl / "nriqos-reclaimed_cores" / "tasks"
+        # The class group exists from startup; the pod known from Synchronize has its threads
+        # moved in and its processes' oom_score_adj repaired by drift.
+        wanted = set(existing.containers[0].tids)
+        await until(lambda: wanted <= ids(group_tasks), "synchronized pod's tasks")
+        pid = existing.containers[0].pids[0]
+        await until(lambda: (root / f"proc/{pid}/oom_score_adj").read_text().strip() == "1000",
+                    "drift of oom_score_adj")
+
+        # A pod created while connected: the adjustment names the class group, and the
+        # reconciler, woken by the event, puts the container's threads there.
+        pod_b, containers_b = messages(created)
+        await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_b)
+        response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_b,
+                                        containers_b[0])
+        assert isinstance(response, api.CreateContainerResponse)
+        # NRI 0.12 runtimes take the CLOS through linux.rdt.clos_id.
+        assert response.adjust.linux.rdt.clos_id.value == "nriqos-reclaimed_cores"
+        assert response.adjust.linux.oom_score_adj.value == 1000
+        await simulator.send(connection, Event.START_CONTAINER, pod_b,
+                             containers_b[0])
+        wanted_b = set(created.containers[0].tids)
+        await until(lambda: wanted_b <= ids(group_tasks), "created pod's tasks")
+    finally:
+        stop.set()
+        status = await task
+        await simulator.stop()
+    assert status == 0

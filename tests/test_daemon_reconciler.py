@@ -54,7 +54,8 @@ def ids(path: Path) -> set[int]:
 async def until(predicate: object, what: str, timeout_s: float = 15.0) -> None:
     assert callable(predicate)
     async with asyncio.timeout(timeout_s):
-        while not predicate():
+        # Polling: the condition is a file the reconciler writes from its own thread.
+        while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 

@@ -4,7 +4,9 @@ hooks.
 Each hook calls its pure policy from :mod:`hooks` and turns the policy's problems into audit
 records (``adjustment_skipped``); with ``plugin.strict`` it then raises
 :class:`hooks.errors.InvalidInput`, which the stub answers with an error. Only enabled
-capabilities are built, so the subscription mask holds only the events they need.
+capabilities are built, so the subscription mask holds only the events they need. A reload
+reaches the built hooks through :meth:`~nri_plugin.chain.Hook.reconfigure`; switching a capability
+on or off takes effect at the next connection, where the subscription is negotiated again.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ class _Reporting:
         self._audit = audit
         self._strict = strict
 
+    def _set_strict(self, config: Config) -> None:
+        self._strict = config.plugin.strict
+
     def _report(self, pod: PodInfo, container: str, problems: Sequence[str]) -> None:
         for problem in problems:
             self._audit.record("adjustment_skipped", pod_uid=pod.uid, container=container,
@@ -60,6 +65,8 @@ class ResctrlHook(_Reporting, Hook):
 
     name = capability = "resctrl"
     events = frozenset({Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER, Event.REMOVE_POD_SANDBOX})
+    # CreateContainer only looks groups up (stat); creating and removing them stays threaded.
+    inline_events = frozenset({Event.CREATE_CONTAINER})
 
     def __init__(self, cfg: ResctrlConfig, fs: ResctrlFs, audit: AuditLog, *,
                  strict: bool) -> None:
@@ -68,6 +75,10 @@ class ResctrlHook(_Reporting, Hook):
         self._fs = fs
         # pod uid -> group its containers go to (its own group or the fallback class group)
         self._pods: dict[str, str] = {}
+
+    def reconfigure(self, config: Config) -> None:
+        self._set_strict(config)
+        self._cfg = config.resctrl
 
     def _class_group(self, level: str) -> str | None:
         lvl = self._cfg.levels.get(level)
@@ -144,14 +155,20 @@ class ResctrlHook(_Reporting, Hook):
 
 class MemoryQosHook(_Reporting, Hook):
     name = capability = "memory_qos"
-    events = frozenset({Event.CREATE_CONTAINER})
+    events = inline_events = frozenset({Event.CREATE_CONTAINER})
 
     def __init__(self, cfg: MemoryConfig, audit: AuditLog, *, strict: bool, cgroup_v2: bool,
                  node_allocatable: int) -> None:
         super().__init__(audit, strict)
         self._cfg = cfg
         self._v2 = cgroup_v2
-        self._allocatable = node_allocatable
+        self._host_allocatable = node_allocatable
+        self._allocatable = cfg.node_allocatable_bytes or node_allocatable
+
+    def reconfigure(self, config: Config) -> None:
+        self._set_strict(config)
+        self._cfg = config.memory
+        self._allocatable = config.memory.node_allocatable_bytes or self._host_allocatable
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
         decision = memory_settings(event.pod, event.container, event.level, self._cfg,
@@ -162,11 +179,15 @@ class MemoryQosHook(_Reporting, Hook):
 
 class OomScoreHook(_Reporting, Hook):
     name = capability = "oom_score"
-    events = frozenset({Event.CREATE_CONTAINER})
+    events = inline_events = frozenset({Event.CREATE_CONTAINER})
 
     def __init__(self, cfg: OomConfig, audit: AuditLog, *, strict: bool) -> None:
         super().__init__(audit, strict)
         self._cfg = cfg
+
+    def reconfigure(self, config: Config) -> None:
+        self._set_strict(config)
+        self._cfg = config.oom
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
         decision = oom_score(event.pod, event.container, event.level, self._cfg)
@@ -176,10 +197,13 @@ class OomScoreHook(_Reporting, Hook):
 
 class OciHooksHook(Hook):
     name = "oci_hooks"
-    events = frozenset({Event.CREATE_CONTAINER})
+    events = inline_events = frozenset({Event.CREATE_CONTAINER})
 
     def __init__(self, cfg: OciHooksConfig) -> None:
         self._cfg = cfg
+
+    def reconfigure(self, config: Config) -> None:
+        self._cfg = config.oci_hooks
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
         hooks = level_hooks(event.level, self._cfg)
@@ -207,7 +231,7 @@ def build_hooks(config: Config, *, resctrl: ResctrlFs | None, audit: AuditLog, c
                         or any(lvl.policy != "none" for lvl in mem.levels.values())):
         hooks.append(MemoryQosHook(
             mem, audit, strict=strict, cgroup_v2=uses_cgroup_v2(mem, cgroup_v2),
-            node_allocatable=mem.node_allocatable_bytes or node_allocatable,
+            node_allocatable=node_allocatable,
         ))
     if config.oom.enabled:
         hooks.append(OomScoreHook(config.oom, audit, strict=strict))

@@ -286,6 +286,12 @@ async def serve(
     else:
         chain, cgroup_v2 = list(hooks), cfg.memory.cgroup_version == "v2"
     chain += extra_hooks
+
+    def reconfigure(old: Config, new: Config) -> None:
+        for hook in chain:
+            hook.reconfigure(new)
+
+    store.subscribe(reconfigure)
     executor = ThreadPoolExecutor(max_workers=HOOK_THREADS, thread_name_prefix="nri-qos-hook")
     stub = PluginStub(identity=_identity(cfg, prelaunched), config=lambda: store.current,
                       hooks=chain, audit=audit, executor=executor, cgroup_v2=cgroup_v2)

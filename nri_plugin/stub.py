@@ -433,8 +433,10 @@ class PluginStub:
         cfg = self._config()
         level = self._resolve_level(pod, cfg, container_name,
                                     audit=event in _LEVEL_AUDIT_EVENTS)
+        inline = all(event in hook.inline_events for hook in hooks)
         with event_context(name, pod=pod, container=container, qos_level=level):
-            outcome = await self._run_chain(self._calls(event, hooks, pod, container, level))
+            outcome = await self._run_chain(self._calls(event, hooks, pod, container, level),
+                                            inline=inline)
         policy.chain(name, outcome, pod_uid=pod.uid, container=container_name)
         result = "ok" if outcome.complete else "partial"
         if not creating or container is None:
@@ -454,10 +456,17 @@ class PluginStub:
             return [(hook.name, _bind(hook.remove_pod_sandbox, pod_event)) for hook in hooks]
         return [(hook.name, _bind(hook.observe, event, pod, container)) for hook in hooks]
 
-    async def _run_chain(self, calls: Sequence[_Call]) -> ChainOutcome:
-        """Run ``calls`` in order in a worker thread; collect what finished by the deadline."""
+    async def _run_chain(self, calls: Sequence[_Call], *, inline: bool = False) -> ChainOutcome:
+        """Run ``calls`` in order in a worker thread; collect what finished by the deadline.
+
+        ``inline``: every call only computes (see :class:`~nri_plugin.chain.Hook`), so run them
+        here and spare the thread hop; there is nothing a deadline could interrupt.
+        """
         deadline_ms = self.deadline_ms()
         run = _ChainRun(calls)
+        if inline:
+            run()
+            return run.collect(deadline_ms)
         # The worker runs in a copy of this event's context, so hooks log with its fields.
         context = contextvars.copy_context()
         future = asyncio.get_running_loop().run_in_executor(self._executor, context.run, run)

@@ -10,11 +10,12 @@ Two sources, merged here and nowhere else:
   kind, memory requests) and overrides the annotations and labels NRI saw at creation: the API
   server holds the current ones, so an annotation changed after creation reaches the policies.
 
-Threading: hooks run in the stub's worker threads and the loops' cycles in their own worker
-threads, so every mutation and the building of a snapshot hold one :class:`threading.Lock`.
+Threading: the tracker runs on the event loop (or the stub's worker threads) and the loops'
+cycles in their own worker threads, so every mutation holds one :class:`threading.Lock`, briefly.
 Readers never see the mutable dicts: :meth:`NodeState.snapshot` returns an immutable
-:class:`Snapshot`, cached until the next change (``version``), so an idle loop pays nothing to
-read the state. Wake-up callbacks run after the lock is released.
+:class:`Snapshot`, built outside the lock from copies and cached until the next change
+(``version``), so an idle loop pays nothing to read the state. Wake-up callbacks run after the
+lock is released.
 """
 
 from __future__ import annotations
@@ -185,25 +186,36 @@ class NodeState:
         return self._version
 
     def snapshot(self) -> Snapshot:
+        # The merge is O(pods + containers): it runs outside the lock, on copies, so NRI events
+        # (applied inline on the event loop) never wait for a snapshot of a large node.
         with self._lock:
-            if self._snapshot is None or self._snapshot.version != self._version:
-                self._snapshot = self._build()
-            return self._snapshot
+            cached = self._snapshot
+            if cached is not None and cached.version == self._version:
+                return cached
+            version = self._version
+            pods, containers = dict(self._pods), list(self._containers.values())
+            stopped, meta = frozenset(self._stopped), dict(self._meta)
+        snapshot = _build(version, pods, containers, stopped, meta)
+        with self._lock:
+            if self._snapshot is None or self._snapshot.version < version:
+                self._snapshot = snapshot
+        return snapshot
 
     def _changed(self) -> None:
         self._version += 1
 
-    def _build(self) -> Snapshot:
-        views = {pid: _merge_pod(pod, self._meta.get(pod.uid)) for pid, pod in self._pods.items()}
-        containers = []
-        for c in self._containers.values():
-            pod = views.get(c.pod_sandbox_id)
-            if pod is None:
-                continue
-            containers.append(ContainerView(_merge_container(c, pod.meta), pod,
-                                            c.id not in self._stopped))
-        return Snapshot(self._version, MappingProxyType(views), tuple(containers),
-                        frozenset(p.info.uid for p in views.values()))
+
+def _build(version: int, pods: Mapping[str, PodInfo], containers: Sequence[ContainerInfo],
+           stopped: frozenset[str], meta: Mapping[str, PodMeta]) -> Snapshot:
+    views = {pid: _merge_pod(pod, meta.get(pod.uid)) for pid, pod in pods.items()}
+    merged = []
+    for c in containers:
+        pod = views.get(c.pod_sandbox_id)
+        if pod is None:
+            continue
+        merged.append(ContainerView(_merge_container(c, pod.meta), pod, c.id not in stopped))
+    return Snapshot(version, MappingProxyType(views), tuple(merged),
+                    frozenset(p.info.uid for p in views.values()))
 
 
 def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodView:
@@ -234,7 +246,8 @@ class StateTracker(Hook):
     """Feeds :class:`NodeState` from the NRI chain; never changes an adjustment."""
 
     name = "state"
-    events = ALL_LIFECYCLE
+    # Every handler only updates dicts under a briefly held lock: no thread hop needed.
+    events = inline_events = ALL_LIFECYCLE
 
     def __init__(self, state: NodeState) -> None:
         self.state = state

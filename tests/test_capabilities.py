@@ -309,3 +309,28 @@ def test_problems_audited_per_container_without_strict(world: World) -> None:
     rec = world.sink.named("adjustment_skipped")[0]
     assert rec["container"] == "app"
     assert rec["reason"].startswith("oom_score: ")
+
+
+def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
+    import dataclasses
+
+    from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
+    from nri_plugin.audit import AuditLog, MemoryAuditSink
+    from nri_plugin.capabilities import build_hooks
+    from nri_plugin.chain import ContainerEvent
+    from nri_plugin.config.creation import OomLevel
+    from nri_plugin.config.fields import frozen_map
+    from nri_plugin.config.schema import Config
+
+    cfg = Config()
+    (oom,) = [h for h in build_hooks(cfg, resctrl=None, audit=AuditLog(MemoryAuditSink()),
+                                     cgroup_v2=False) if h.name == "oom_score"]
+    event = ContainerEvent(PodInfo("s", "u", "p", "ns"), ContainerInfo("c", "s", "n"),
+                           "shared_cores", RuntimeInfo())
+    assert oom.create_container(event).oom_score_adj is None
+    levels = dict(cfg.oom.levels)
+    levels["shared_cores"] = OomLevel(set_score=True, score=300, floor=2)
+    reloaded = dataclasses.replace(cfg, oom=dataclasses.replace(cfg.oom,
+                                                                levels=frozen_map(levels)))
+    oom.reconfigure(reloaded)
+    assert oom.create_container(event).oom_score_adj == 300

@@ -421,3 +421,32 @@ async def test_one_canonical_log_line_per_event(make) -> None:
     assert (line["nri_event"], line["pod"], line["container"], line["result"]) == (
         "create_container", "ns/pod-uid-1", "name-c1", "ok")
     assert isinstance(line["duration_ms"], float)
+
+
+class ThreadProbe(Hook):
+    """Records the thread its CreateContainer handler ran on."""
+
+    def __init__(self, name: str, *, inline: bool) -> None:
+        self.name = name
+        self.events = frozenset({Event.CREATE_CONTAINER})
+        self.inline_events = self.events if inline else frozenset()
+        self.threads: list[int] = []
+
+    def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        self.threads.append(threading.get_ident())
+        return EMPTY_SETTINGS
+
+
+async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -> None:
+    loop_thread = threading.get_ident()
+    fast_a, fast_b = ThreadProbe("a", inline=True), ThreadProbe("b", inline=True)
+    setup = await make([fast_a, fast_b])
+    await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert fast_a.threads == fast_b.threads == [loop_thread]
+
+    # One hook that may block moves the whole chain, in order, to a worker thread.
+    fast, slow = ThreadProbe("fast", inline=True), ThreadProbe("slow", inline=False)
+    setup = await make([fast, slow])
+    await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert fast.threads == slow.threads
+    assert fast.threads[0] != loop_thread

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
+from typing import cast
 
 from hooks.model import EMPTY_MAP
 
@@ -81,42 +82,47 @@ class MergeResult:
 
 def merge(parts: Sequence[tuple[str, ContainerSettings]]) -> MergeResult:
     """Merge ``(policy name, settings)`` pairs in order; first owner wins."""
-    scalars: dict[str, object] = {}
-    maps: dict[str, dict[str, str]] = {name: {} for name in _MAPS}
-    owners: dict[str, str] = {}
+    # Keyed by field name, or "<map>.<key>" for map entries: (owner, value).
+    claimed: dict[str, tuple[str, object]] = {}
     conflicts: list[Conflict] = []
     hooks: list[OciHookSpec] = []
 
-    def claim(key: str, value: object, owner: str, store: dict[str, object]) -> None:
-        if key not in owners:
-            owners[key] = owner
-            store[key] = value
-        elif store[key] != value:
-            conflicts.append(Conflict(key, owners[key], store[key], owner, value))
+    def claim(key: str, value: object, owner: str) -> None:
+        held = claimed.get(key)
+        if held is None:
+            claimed[key] = (owner, value)
+        elif held[1] != value:
+            conflicts.append(Conflict(key, held[0], held[1], owner, value))
 
     for owner, part in parts:
+        if part is EMPTY_SETTINGS:
+            continue
         for name in _SCALARS:
             value = getattr(part, name)
             if value is not None:
-                claim(name, value, owner, scalars)
+                claim(name, value, owner)
         for name in _MAPS:
             entries: Mapping[str, str] = getattr(part, name)
-            store = maps[name]
             for key, value in entries.items():
-                claim(f"{name}.{key}", value, owner, store)  # type: ignore[arg-type]
+                claim(f"{name}.{key}", value, owner)
         hooks.extend(part.hooks)
 
+    if not claimed and not hooks:
+        return MergeResult(EMPTY_SETTINGS, tuple(conflicts), MappingProxyType({}))
+    values = {key: value for key, (_, value) in claimed.items()}
     settings = ContainerSettings(
-        rdt_class=scalars.get("rdt_class"),  # type: ignore[arg-type]
-        memory_limit=scalars.get("memory_limit"),  # type: ignore[arg-type]
-        memory_reservation=scalars.get("memory_reservation"),  # type: ignore[arg-type]
-        oom_score_adj=scalars.get("oom_score_adj"),  # type: ignore[arg-type]
-        unified=_strip("unified.", maps["unified"]),
-        annotations=_strip("annotations.", maps["annotations"]),
+        rdt_class=cast("str | None", values.get("rdt_class")),
+        memory_limit=cast("int | None", values.get("memory_limit")),
+        memory_reservation=cast("int | None", values.get("memory_reservation")),
+        oom_score_adj=cast("int | None", values.get("oom_score_adj")),
+        unified=_entries("unified.", values),
+        annotations=_entries("annotations.", values),
         hooks=tuple(hooks),
     )
+    owners = {key: owner for key, (owner, _) in claimed.items()}
     return MergeResult(settings, tuple(conflicts), MappingProxyType(owners))
 
 
-def _strip(prefix: str, entries: Mapping[str, str]) -> Mapping[str, str]:
-    return MappingProxyType({k.removeprefix(prefix): v for k, v in entries.items()})
+def _entries(prefix: str, values: Mapping[str, object]) -> Mapping[str, str]:
+    found = {k[len(prefix):]: cast(str, v) for k, v in values.items() if k.startswith(prefix)}
+    return MappingProxyType(found) if found else EMPTY_MAP

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -404,13 +405,16 @@ class PluginStub:
             raise
         finally:
             # Logged directly rather than through a bound context: this line is the only
-            # per-event cost on the fast path (no hook subscribed).
-            self._event_log().info(
+            # per-event cost on the fast path (no hook subscribed). It is written on the next
+            # turn of the loop, after the transport has sent the answer in this one: the
+            # runtime waits for the answer, not for the log.
+            asyncio.get_running_loop().call_soon(functools.partial(
+                self._event_log().info,
                 "nri_event", nri_event=name, pod=f"{pod_msg.namespace}/{pod_msg.name}",
                 container=container_msg.name if container_msg is not None else None,
                 duration_ms=round((self._clock() - started) * 1000, 3), result=result,
                 **extra,
-            )
+            ))
         return adjust
 
     async def _process(

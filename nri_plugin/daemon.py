@@ -194,15 +194,20 @@ class HostSetup:
     resctrl: ResctrlFs | None
 
 
-def host_setup(cfg: Config, store: ConfigStore, audit: AuditLog) -> HostSetup:
+def host_setup(cfg: Config, store: ConfigStore, audit: AuditLog, *,
+               simulated: bool = False) -> HostSetup:
     """The enabled capabilities for this host, and the layers that touch it.
 
     Probes the host (through the sysfs layer, rooted at ``reconciler.root``) for the cgroup
     version, the memory size and resctrl; resctrl class groups are set up now and again on
-    every config reload.
+    every config reload. ``simulated``: the pods are not on this host (the simulator), so an
+    ``auto`` cgroup version means v2, the common case, instead of this host's.
     """
     sysfs = sysfs_for(cfg, audit)
-    cgroup_v2 = detect_version(sysfs, cfg.memory.cgroup_version) == 2
+    if simulated and cfg.memory.cgroup_version == "auto":
+        cgroup_v2 = True
+    else:
+        cgroup_v2 = detect_version(sysfs, cfg.memory.cgroup_version) == 2
     meminfo = sysfs.read(MEMINFO)
     try:
         node_memory = parse_meminfo(meminfo).get("MemTotal", 0) if meminfo else 0
@@ -254,6 +259,7 @@ async def serve(
     hooks: Sequence[Hook] | None = None,
     reload_on_sighup: bool = False,
     reconcile: bool = False,
+    simulated: bool = False,
 ) -> int:
     """Load the config, then run every service until ``stop`` is set; the exit status.
 
@@ -261,7 +267,8 @@ async def serve(
     at the end of the chain (e.g. the reconciler's state tracker). ``hooks`` replaces the
     capability hooks built for this host (tests and benchmarks). ``reconcile`` adds the
     background reconciler, fed by a state tracker at the end of the chain; it needs the host
-    (``hooks`` left to None) and is off for the simulator, whose pods do not exist.
+    (``hooks`` left to None) and is off for the simulator, whose pods do not exist
+    (``simulated``).
     """
     logging_setup = LoggingSetup(level=log_level)
     audit = logging_setup.audit
@@ -277,7 +284,7 @@ async def serve(
     store.subscribe(lambda old, new: logging_setup.apply(new.logging))
     services = list(extra_services)
     if hooks is None:
-        host = host_setup(cfg, store, audit)
+        host = host_setup(cfg, store, audit, simulated=simulated)
         chain, cgroup_v2 = list(host.hooks), host.cgroup_v2
         if reconcile:
             state = NodeState()

@@ -452,7 +452,7 @@ async def simulate(scenario: Scenario, config_path: str | None, log_level: str |
         await simulator.start()
         stop = asyncio.Event()
         plugin = asyncio.create_task(daemon.serve(config_path, str(socket_path), log_level,
-                                                  stop=stop, prelaunched=None))
+                                                  stop=stop, prelaunched=None, simulated=True))
         try:
             connection = await simulator.wait_ready(timeout_s=15)
             await play(simulator, connection, scenario)
@@ -467,6 +467,11 @@ async def simulate(scenario: Scenario, config_path: str | None, log_level: str |
             stop.set()
             await simulator.stop()
             exit_code = await plugin
+        if not as_json:
+            runtime = scenario.runtime
+            out.write(f"# simulated runtime: {runtime.name} {runtime.version}, NRI "
+                      f"{runtime.nri_version or 'unknown (pre-0.12)'}; plugin subscribed to "
+                      f"events mask {connection.events:#x}\n")
         print_answers(answers, connection.updates, as_json=as_json, out=out)
         return exit_code
 

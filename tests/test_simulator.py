@@ -48,6 +48,10 @@ async def test_default_scenario_full_lifecycle(tmp_path: Path) -> None:
     assert set(creates) == {"nginx", "etl"}
     offline = creates["etl"]["response"]
     assert offline["adjust"]["linux"]["oomScoreAdj"]["value"] == "1000"  # type: ignore[index]
+    # The simulated pods are on no real host: "auto" means cgroup v2 whatever this machine
+    # runs, so the reclaimed default (memory.high = 95 % of the 2Gi limit, page-aligned) shows.
+    unified = offline["adjust"]["linux"]["resources"]["unified"]  # type: ignore[index]
+    assert unified == {"memory.high": str((2 << 30) * 95 // 100 // 4096 * 4096)}
     assert "oomScoreAdj" not in json.dumps(creates["nginx"]["response"])
     assert {a["method"] for a in answers} >= {"RunPodSandbox", "CreateContainer",
                                               "RemoveContainer", "RemovePodSandbox"}

@@ -181,3 +181,15 @@ def test_only_k8s_module_imports_the_client() -> None:
         if re.search(r"^\s*(import|from) kubernetes\b", path.read_text(), re.MULTILINE)
     }
     assert importers == {str(Path(k8s.__file__).resolve().relative_to(REPO))}
+
+
+def test_image_copies_every_package_it_installs() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+    top_level = {name.split(".")[0] for name in pyproject["tool"]["setuptools"]["packages"]}
+    containerfile = (DEPLOY / "Containerfile").read_text()
+    copied = {line.split()[1] for line in containerfile.splitlines()
+              if line.startswith("COPY ")}
+    assert top_level <= copied
+    assert 'CMD ["run", "--config", "/etc/nri-qos/config.toml"]' in containerfile

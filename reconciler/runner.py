@@ -54,7 +54,7 @@ def build_loops(config_store: ConfigSource, state: NodeState, sysfs: SysFs,
 
     cfg = config()
     layout = layout_for(sysfs, cfg.memory.cgroup_version, cfg.reconciler.cgroup_driver)
-    log.info("reconciler cgroup layout", version=layout.version, driver=layout.driver,
+    log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=str(sysfs.root))
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout),
@@ -72,10 +72,10 @@ async def run_reconciler(config_store: ConfigSource, state: NodeState, sysfs: Sy
     """Run every loop, and the pod watch when given, until ``stop`` is set."""
     cfg = config_store.current
     if not cfg.reconciler.enabled:
-        log.info("reconciler disabled by configuration")
+        log.info("reconciler_disabled", reason="reconciler.enabled is false")
         return
     if watcher is None:
-        log.warning("no Kubernetes pod watch: the reconciler uses NRI data only "
+        log.warning("reconciler_degraded", reason="no Kubernetes pod watch: NRI data only "
                     "(no priority, requests or annotation changes)")
     loops = build_loops(config_store, state, sysfs, resctrl, audit)
     running = asyncio.get_running_loop()

@@ -225,7 +225,7 @@ class SysFs:
         """Write ``value`` unless the file already holds an equal one (by ``same``)."""
         current = self.read(path)
         if current is None:
-            log.debug("write skipped, file gone", path=path)
+            log.debug("write_skipped", reason="file gone", path=path)
             return Outcome.GONE
         if same(current, value):
             return Outcome.UNCHANGED
@@ -242,7 +242,8 @@ class SysFs:
                 self._write_once(real, data)
             except OSError as exc:
                 if exc.errno in _GONE_ERRNOS:
-                    log.debug("write skipped, target gone", path=path, error=exc.strerror)
+                    log.debug("write_skipped", reason="target gone", path=path,
+                              error=exc.strerror)
                     return Outcome.GONE
                 if exc.errno in _RETRY_ERRNOS and attempt < self._retries:
                     self._sleep(self._backoff_s * (2 ** (attempt - 1)))
@@ -267,6 +268,6 @@ class SysFs:
 
     def _record(self, event: str, **fields: object) -> None:
         if event == "cgroup_write_failed":
-            log.warning("write failed", **fields)
+            log.warning("write_failed", **fields)
         if self._audit is not None:
             self._audit.record(event, **fields)

@@ -91,11 +91,11 @@ async def run_loop(
         except Exception as exc:  # one loop's failure must not stop the others
             failures += 1
             delay = backoff_delay(loop.interval(), failures, backoff_max())
-            log.warning("reconciler loop failed", loop=loop.name, failures=failures,
+            log.warning("reconciler_loop_failed", loop=loop.name, failures=failures,
                         retry_in_s=round(delay, 3), error=repr(exc), exc_info=True)
         else:
             if failures:
-                log.info("reconciler loop recovered", loop=loop.name, after_failures=failures)
+                log.info("reconciler_loop_recovered", loop=loop.name, after_failures=failures)
             failures = 0
             delay = loop.interval()
         await sleep_until(stop, never if failures else wake, delay)

@@ -47,7 +47,7 @@ class ManagedCache:
             except CgroupPathError as exc:
                 if view.info.id not in self._bad_paths:
                     self._bad_paths.add(view.info.id)
-                    log.warning("container skipped: unusable cgroups path",
+                    log.warning("container_skipped", reason="unusable cgroups path",
                                 container=view.info.id, error=str(exc))
                 continue
             pod = view.pod.info

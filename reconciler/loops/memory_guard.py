@@ -94,7 +94,7 @@ class MemoryGuardLoop(Loop):
         if not sysfs.is_dir(tier):
             if not self._warned_missing:
                 self._warned_missing = True
-                log.warning("memory guard idle: no BestEffort cgroup", path=tier)
+                log.warning("memory_guard_idle", reason="no BestEffort cgroup", path=tier)
             return
         self._warned_missing = False
         nodes = read_nodes(sysfs, page)

@@ -74,7 +74,8 @@ class NumaBindingLoop(Loop):
         chosen = choose_nodes(nodes, guard.watermark_floor_bytes, guard.watermark_scale_factor,
                               cfg.numa.max_nodes, self._chosen)
         if not chosen:
-            log.info("NUMA binding unchanged: no node has free memory above its watermark")
+            log.info("numa_binding_unchanged",
+                     reason="no node has free memory above its watermark")
             return
         self._chosen = frozenset(chosen)
         mems = format_id_list(chosen)

@@ -257,7 +257,7 @@ class ResctrlTasksLoop(Loop):
         except OSError as exc:
             # The group vanished or refused (e.g. a monitor group whose RMID is gone); the next
             # cycle sees the new state of the groups.
-            log.warning("resctrl task move failed", group=group, monitor=monitor,
+            log.warning("resctrl_task_move_failed", group=group, monitor=monitor,
                         count=len(tids), error=str(exc))
 
     # -- group maintenance -----------------------------------------------------------------------
@@ -273,7 +273,7 @@ class ResctrlTasksLoop(Loop):
                 self._resctrl.ensure_group(group, class_schemata(level_cfg, self._resctrl.info),
                                            reason="class group was missing; recreated")
             except GroupError as exc:
-                log.warning("resctrl class group could not be recreated", group=group,
+                log.warning("resctrl_class_group_not_recreated", group=group,
                             error=str(exc))
                 continue
             existing.add(group)

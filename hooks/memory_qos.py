@@ -19,7 +19,8 @@ is never set below ``memory.low``.
 The ``volcano.sh/colocation-config`` pod annotation holds a ColocationConfiguration spec
 (``{"memoryQos": {"highRatio": 80, "lowRatio": 50, "minRatio": 0}}``; missing ratios take
 Volcano's defaults 100/0/0). It sets all three values, with ``minRatio``/``lowRatio`` bounded by
-the level's ``annotation_max_*_ratio`` (a larger one is rejected and the level's value used). An
+the level's ``annotation_max_*_ratio`` (a larger one is rejected and the level's value used), and
+``memory.high`` never above what the level's own policy sets (a pod may not lift it). An
 annotation that is present but empty resets the values: ``memory.high=max``, ``memory.low=0``,
 ``memory.min=0``, except keys the level's own policy sets.
 
@@ -56,6 +57,8 @@ class Ratios:
     high: int
     low: int
     min: int
+    # highRatio was written in the annotation (not Volcano's default)
+    high_given: bool = False
 
 
 def _pages(value: float, page: int) -> int:
@@ -92,7 +95,9 @@ def parse_volcano(text: str) -> tuple[Ratios | None, tuple[str, ...]]:
         if not 0 <= value <= 100:
             return None, (f"memoryQos.{_RATIO_KEYS[low]}: must be 0..100, got {value}",)
         values[low] = value
-    return Ratios(values["highratio"], values["lowratio"], values["minratio"]), ()
+    given = {key.lower() for key in qos}
+    return Ratios(values["highratio"], values["lowratio"], values["minratio"],
+                  "highratio" in given), ()
 
 
 def _level_values(level: MemoryLevel, request: int | None, limit: int | None,
@@ -138,7 +143,16 @@ def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg
         problems.extend(problems_)
         if ratios is not None:
             if limit is not None:
-                values["memory.high"] = _pages(limit * ratios.high / 100, page)
+                asked = _pages(limit * ratios.high / 100, page)
+                policy_high = values.get("memory.high")
+                # The annotation may throttle harder than the level, never lift its throttle.
+                if isinstance(policy_high, int) and asked > policy_high:
+                    if ratios.high_given:
+                        problems.append(f"memoryQos.highRatio {ratios.high} would lift "
+                                        f"memory.high above the {level_name} policy's "
+                                        f"{policy_high}")
+                else:
+                    values["memory.high"] = asked
             for key, label, ratio, cap in (
                 ("memory.min", "minRatio", ratios.min, level.annotation_max_min_ratio),
                 ("memory.low", "lowRatio", ratios.low, level.annotation_max_low_ratio),

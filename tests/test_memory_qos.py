@@ -133,7 +133,8 @@ def test_annotation_ignored_when_disabled() -> None:
 def test_reclaimed_pod_cannot_protect_its_memory() -> None:
     p = pod({VOLCANO_ANNOTATION: '{"memoryQos":{"minRatio":100,"lowRatio":100}}'})
     d = memory_settings(p, ctr(), "reclaimed_cores", CFG, cgroup_v2=True, node_allocatable=0)
-    assert dict(d.settings.unified) == {"memory.high": str(512 * MI)}
+    # Nor lift the level's throttle (95 % of the limit) with Volcano's default highRatio.
+    assert dict(d.settings.unified) == {"memory.high": str(512 * MI * 95 // 100 // 4096 * 4096)}
     assert len(d.problems) == 2
     assert all("above the allowed 0 for reclaimed_cores" in p for p in d.problems)
 
@@ -166,7 +167,8 @@ def test_bad_volcano_annotations(text: str, why: str) -> None:
 
 
 def test_parse_volcano_case_insensitive() -> None:
-    assert parse_volcano('{"MemoryQos":{"HighRatio":70}}') == (Ratios(70, 0, 0), ())
+    expected = (Ratios(70, 0, 0, high_given=True), ())
+    assert parse_volcano('{"MemoryQos":{"HighRatio":70}}') == expected
 
 
 # --- cgroup v1 -------------------------------------------------------------------------------
@@ -188,3 +190,20 @@ def test_v1_reservation_only_when_asked() -> None:
 def test_level_defaults_are_documented_levels() -> None:
     assert CFG.levels["reclaimed_cores"] == MemoryLevel(
         policy="ratios", high_ratio=95, annotation_max_min_ratio=0, annotation_max_low_ratio=0)
+
+
+def test_annotation_may_throttle_harder_but_never_lift_the_level() -> None:
+    level_high = str(512 * MI * 95 // 100 // 4096 * 4096)
+    lifted = pod({VOLCANO_ANNOTATION: '{"memoryQos":{"highRatio":100}}'})
+    d = memory_settings(lifted, ctr(), "reclaimed_cores", CFG, cgroup_v2=True,
+                        node_allocatable=0)
+    # min/low come from the annotation's (default) 0 ratios; high keeps the level's throttle.
+    assert dict(d.settings.unified) == {"memory.high": level_high, "memory.low": "0",
+                                        "memory.min": "0"}
+    assert any("would lift memory.high" in p for p in d.problems)
+    harder = pod({VOLCANO_ANNOTATION: '{"memoryQos":{"highRatio":50}}'})
+    d = memory_settings(harder, ctr(), "reclaimed_cores", CFG, cgroup_v2=True,
+                        node_allocatable=0)
+    assert dict(d.settings.unified) == {"memory.high": str(256 * MI), "memory.low": "0",
+                                        "memory.min": "0"}
+    assert d.problems == ()

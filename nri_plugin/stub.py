@@ -516,8 +516,10 @@ class PluginStub:
             self._skip(pod, container, "runtime does not apply oom_score_adj adjustments")
             settings = replace(settings, oom_score_adj=None)
         if not settings.is_empty():
-            self._audit.record("adjustment_applied", pod_uid=pod.uid, container=container.name,
-                               qos_level=level, fields=_set_fields(settings))
+            # Recorded on the next turn of the loop, like the event line: after the answer.
+            asyncio.get_running_loop().call_soon(functools.partial(
+                self._audit.record, "adjustment_applied", pod_uid=pod.uid,
+                container=container.name, qos_level=level, fields=_set_fields(settings)))
         return to_adjustment(settings, clos_field=clos_field)
 
     def _skip(self, pod: PodInfo, container: ContainerInfo, reason: str) -> None:

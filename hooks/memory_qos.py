@@ -30,11 +30,11 @@ becomes the container's memory reservation (soft limit).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from hooks.annotation_json import json_object
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
 from nri_plugin.config.creation import MemoryConfig, MemoryLevel
@@ -67,14 +67,9 @@ def _pages(value: float, page: int) -> int:
 
 def parse_volcano(text: str) -> tuple[Ratios | None, tuple[str, ...]]:
     """Ratios from a ColocationConfiguration spec; (None, ()) when it has no memoryQos."""
-    if len(text) > MAX_ANNOTATION_CHARS:
-        return None, (f"annotation longer than {MAX_ANNOTATION_CHARS} characters",)
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        return None, (f"invalid JSON: {exc}",)
-    if not isinstance(doc, dict):
-        return None, (f"must be a JSON object, got {type(doc).__name__}",)
+    doc, problem = json_object(text, MAX_ANNOTATION_CHARS)
+    if doc is None:
+        return None, (problem or "unusable annotation",)
     # Other spec sections (selector, other resources) are not ours to judge.
     qos: Any = None
     for key, value in doc.items():

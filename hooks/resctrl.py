@@ -26,7 +26,6 @@ rejected (that part is skipped and reported), never silently widened.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from hooks.annotation_json import json_object
 from hooks.model import PodInfo
 from nri_plugin.config.creation import ResctrlConfig, ResctrlLevel
 
@@ -322,14 +322,9 @@ def _part(raw: Any, where: str, is_l3: bool) -> tuple[Any, dict[int, Any]]:
 
 def parse_annotation(text: str) -> tuple[Allocation | None, tuple[str, ...]]:
     """Parse a pod resctrl annotation; each invalid part (LLC, MB) is dropped and reported."""
-    if len(text) > MAX_ANNOTATION_CHARS:
-        return None, (f"annotation longer than {MAX_ANNOTATION_CHARS} characters",)
-    try:
-        doc = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        return None, (f"invalid JSON: {exc}",)
-    if not isinstance(doc, dict):
-        return None, (f"must be a JSON object, got {type(doc).__name__}",)
+    doc, problem = json_object(text, MAX_ANNOTATION_CHARS)
+    if doc is None:
+        return None, (problem or "unusable annotation",)
     problems: list[str] = []
     parts: dict[str, Any] = {}
     for key, value in doc.items():

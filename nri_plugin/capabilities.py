@@ -200,14 +200,19 @@ class OciHooksHook(Hook):
     events = inline_events = frozenset({Event.CREATE_CONTAINER})
 
     def __init__(self, cfg: OciHooksConfig) -> None:
-        self._cfg = cfg
+        self._by_level = self._settings(cfg)
+
+    @staticmethod
+    def _settings(cfg: OciHooksConfig) -> Mapping[str, ContainerSettings]:
+        # The answer depends on the level alone: computed once per configuration.
+        return {level: ContainerSettings(hooks=hooks)
+                for level in LEVEL_NAMES if (hooks := level_hooks(level, cfg))}
 
     def reconfigure(self, config: Config) -> None:
-        self._cfg = config.oci_hooks
+        self._by_level = self._settings(config.oci_hooks)
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
-        hooks = level_hooks(event.level, self._cfg)
-        return ContainerSettings(hooks=hooks) if hooks else EMPTY_SETTINGS
+        return self._by_level.get(event.level, EMPTY_SETTINGS)
 
 
 def uses_cgroup_v2(cfg: MemoryConfig, detected: bool) -> bool:

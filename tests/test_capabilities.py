@@ -334,3 +334,28 @@ def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
                                                                 levels=frozen_map(levels)))
     oom.reconfigure(reloaded)
     assert oom.create_container(event).oom_score_adj == 300
+
+
+def test_reconfigure_reaches_oci_hooks() -> None:
+    import dataclasses
+
+    from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
+    from nri_plugin.capabilities import OciHooksHook
+    from nri_plugin.chain import ContainerEvent
+    from nri_plugin.config.creation import OciHook, OciLevelHooks
+    from nri_plugin.config.fields import frozen_map
+    from nri_plugin.config.schema import Config
+
+    cfg = Config()
+    hook = OciHooksHook(cfg.oci_hooks)
+    event = ContainerEvent(PodInfo("s", "u", "p", "ns"), ContainerInfo("c", "s", "n"),
+                           "reclaimed_cores", RuntimeInfo())
+    assert hook.create_container(event).hooks == ()
+    level = OciLevelHooks(prestart=(OciHook(path="/bin/true", args=("true",)),))
+    reloaded = dataclasses.replace(cfg, oci_hooks=dataclasses.replace(
+        cfg.oci_hooks, levels=frozen_map({"reclaimed_cores": level})))
+    hook.reconfigure(reloaded)
+    assert [(h.stage, h.path, h.args) for h in hook.create_container(event).hooks] == [
+        ("prestart", "/bin/true", ("true",))]
+    other = dataclasses.replace(event, level="shared_cores")
+    assert hook.create_container(other).hooks == ()

@@ -443,11 +443,39 @@ def plan_pod_group(pod: PodInfo, level: str, cfg: ResctrlConfig, info: ResctrlIn
     name = pod_group_name(cfg.group_prefix, pod.uid)
     if name is None:
         return PodPlan(source=source, problems=(*problems, f"pod uid {pod.uid!r} is not a uid"))
-    bounded, more = _bounded(alloc, cfg.levels.get(level), cfg, info)
+    level_cfg = cfg.levels.get(level)
+    bounded, more = _bounded(alloc, level_cfg, cfg, info)
     problems = (*problems, *more)
     if not bounded.asks_l3 and not bounded.asks_mb:
         return PodPlan(source=source, problems=problems)
-    return PodPlan(name, build_schemata(bounded, info), source, problems)
+    schemata = build_schemata(bounded, info)
+    if level_cfg is not None and info.has_l3:
+        schemata = _within(schemata, class_schemata(level_cfg, info))
+    return PodPlan(name, schemata, source, problems)
+
+
+def _within(pod: Schemata, level: Schemata) -> Schemata:
+    """Keep each of the pod's L3 masks inside its level's ways.
+
+    The percent bounds hold before translation, but widening a mask to ``min_cbm_bits`` can push
+    it past the level's last (or first) way; slide it back inside.
+    """
+    l3 = {cid: fit_mask(mask, level.l3.get(cid, mask)) for cid, mask in pod.l3.items()}
+    return Schemata(MappingProxyType(l3), pod.mb)
+
+
+def fit_mask(mask: int, within: int) -> int:
+    """Contiguous ``mask`` moved (never widened) into contiguous ``within``."""
+    if mask & ~within == 0:
+        return mask
+    count = mask.bit_count()
+    if count >= within.bit_count():
+        return within
+    lowest = (within & -within).bit_length() - 1
+    highest = within.bit_length() - 1
+    first = (mask & -mask).bit_length() - 1
+    first = min(max(first, lowest), highest - count + 1)
+    return ((1 << count) - 1) << first
 
 
 def class_schemata(level: ResctrlLevel, info: ResctrlInfo) -> Schemata:

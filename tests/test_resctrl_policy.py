@@ -19,6 +19,7 @@ from hooks.resctrl import (
     build_schemata,
     class_group_name,
     class_schemata,
+    fit_mask,
     l3_mask,
     mb_value,
     parse_annotation,
@@ -311,3 +312,30 @@ def test_amd_pod_plan_uses_absolute_mb() -> None:
     plan = plan_pod_group(p, "shared_cores", CFG, AMD)
     assert plan.schemata is not None
     assert plan.schemata.lines()[1] == "MB:0=512;1=512;2=512;3=512"
+
+
+def test_widening_to_min_cbm_bits_stays_inside_the_level() -> None:
+    # 11 ways, at least 2 per mask: reclaimed_cores holds ways 0-3 (0xf). A request for the
+    # top of that range is one way wide and must grow downwards, not into way 4.
+    info = dataclasses.replace(INTEL, min_cbm_bits=2)
+    annotation = json.dumps({"LLC": {"schemata": {"range": [29, 30]}}})
+    pod = PodInfo("s", "11111111-2222-3333-4444-555555555555", "p", "ns",
+                  annotations={"qos.nri-qos.io/resctrl": annotation})
+    plan = plan_pod_group(pod, "reclaimed_cores", CFG, info)
+    assert plan.schemata is not None
+    level_mask = class_schemata(CFG.levels["reclaimed_cores"], info).l3[0]
+    assert level_mask == 0xF
+    for mask in plan.schemata.l3.values():
+        assert mask & ~level_mask == 0
+        assert mask.bit_count() == 2
+        assert mask == 0xC
+
+
+@pytest.mark.parametrize(("mask", "within", "fitted"), [
+    (0b0011000, 0b0001111, 0b0001100),   # slid down into the range
+    (0b0000011, 0b1111000, 0b0011000),   # slid up into the range
+    (0b0000110, 0b0001111, 0b0000110),   # already inside: untouched
+    (0b1111111, 0b0001111, 0b0001111),   # wider than the range: the range itself
+])
+def test_fit_moves_a_mask_without_widening(mask: int, within: int, fitted: int) -> None:
+    assert fit_mask(mask, within) == fitted

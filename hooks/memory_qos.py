@@ -128,6 +128,7 @@ def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg
     request = container.memory_request
     values: dict[str, int | str] = dict(_level_values(level, request, limit, page))
     problems: list[str] = []
+    low_from_annotation = False
 
     raw = pod.annotations.get(VOLCANO_ANNOTATION) if cfg.volcano_annotation else None
     if raw is not None and not raw.strip():
@@ -157,10 +158,20 @@ def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg
                                     f"for {level_name}")
                 elif request is not None:
                     values[key] = _pages(request * ratio / 100, page)
+                    low_from_annotation = low_from_annotation or key == "memory.low"
 
     high, low = values.get("memory.high"), values.get("memory.low")
     if isinstance(high, int) and isinstance(low, int) and high < low:
-        values["memory.high"] = low
+        if low_from_annotation:
+            # Protection a pod asks for never lifts the throttle its level sets.
+            problems.append(f"memoryQos.lowRatio would put memory.low ({low}) above "
+                            f"memory.high ({high}); memory.low kept at memory.high")
+            values["memory.low"] = high
+            floor = values.get("memory.min")
+            if isinstance(floor, int) and floor > high:
+                values["memory.min"] = high
+        else:
+            values["memory.high"] = low
 
     if not cgroup_v2:
         low_v1 = values.get("memory.low")

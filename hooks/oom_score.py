@@ -2,9 +2,9 @@
 
 * A level with ``set_score`` gets ``score``; other levels keep kubelet's value.
 * The pod annotation (``oom.annotation``, default ``qos.nri-qos.io/oom-score-adj``) holds a decimal
-  integer. It must lie between the level's ``floor`` and 1000; anything else is rejected (the
-  level's value stays) and reported, so a pod can make itself more killable but never less than
-  its level allows.
+  integer. It must lie between the level's ``floor`` (or kubelet's value, when higher) and 1000;
+  anything else is rejected (the level's value stays) and reported, so a pod can make itself
+  more killable but never less than its level allows or kubelet decided.
 * ``priority_ordering``: reclaimed_cores containers always score at least ``offline_min_score``
   and every other level strictly below it, whatever the sources above said; the kernel's OOM
   killer therefore always picks offline pods first.
@@ -40,10 +40,15 @@ def oom_score(pod: PodInfo, container: ContainerInfo, level_name: str,
     raw = pod.annotations.get(cfg.annotation)
     if raw is not None:
         text = raw.strip()
+        # A pod may make itself more killable, never less than its level's floor or than
+        # kubelet made it.
+        floor = level.floor
+        if container.oom_score_adj is not None:
+            floor = max(floor, container.oom_score_adj)
         if not _INT_RE.fullmatch(text):
             problems.append(f"{cfg.annotation}: not an integer: {raw[:40]!r}")
-        elif not level.floor <= int(text) <= OOM_MAX:
-            problems.append(f"{cfg.annotation}: {int(text)} is outside [{level.floor}, {OOM_MAX}] "
+        elif not floor <= int(text) <= OOM_MAX:
+            problems.append(f"{cfg.annotation}: {int(text)} is outside [{floor}, {OOM_MAX}] "
                             f"allowed for {level_name}")
         else:
             value = int(text)

@@ -207,3 +207,20 @@ def test_annotation_may_throttle_harder_but_never_lift_the_level() -> None:
     assert dict(d.settings.unified) == {"memory.high": str(256 * MI), "memory.low": "0",
                                         "memory.min": "0"}
     assert d.problems == ()
+
+
+def test_annotation_protection_never_lifts_the_level_throttle() -> None:
+    # shared_cores throttled at 50 % of the limit by the admin; a pod asking memory.low = its
+    # whole request gets memory.low lowered to memory.high, not memory.high raised.
+    level = MemoryLevel(policy="ratios", high_ratio=50)
+    cfg = dataclasses.replace(CFG, levels=frozen_map({**CFG.levels, "shared_cores": level}))
+    container = ContainerInfo("c", "s", "n", memory_limit=4 << 30, memory_request=4 << 30)
+    plain = memory_settings(pod(), container, "shared_cores", cfg, cgroup_v2=True,
+                            node_allocatable=0)
+    assert dict(plain.settings.unified) == {"memory.high": str(2 << 30)}
+    greedy = pod({VOLCANO_ANNOTATION: '{"memoryQos":{"highRatio":50,"lowRatio":100}}'})
+    d = memory_settings(greedy, container, "shared_cores", cfg, cgroup_v2=True,
+                        node_allocatable=0)
+    assert d.settings.unified["memory.high"] == str(2 << 30)
+    assert d.settings.unified["memory.low"] == str(2 << 30)
+    assert any("memory.low" in p for p in d.problems)

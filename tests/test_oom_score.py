@@ -109,3 +109,17 @@ def test_ordering_lifts_offline_scores_to_the_tier() -> None:
     cfg = dataclasses.replace(ORDERED, levels=MappingProxyType(levels))
     assert score("reclaimed_cores", cfg=cfg) == 500
     assert score("reclaimed_cores", {ANN: "700"}, cfg=cfg) == 700
+
+
+def test_annotation_cannot_go_below_kubelets_value() -> None:
+    # A BestEffort container (kubelet: 1000) that names itself dedicated_cores may not use the
+    # level's low floor to protect itself.
+    container = ContainerInfo("c", "s", "n", oom_score_adj=1000)
+    decision = oom_score(PodInfo("s", "u", "p", "ns", annotations={ANN: "-998"}),
+                         container, "dedicated_cores", OomConfig())
+    assert decision.settings.oom_score_adj is None
+    assert any("outside [1000, 1000]" in p for p in decision.problems)
+    burstable = ContainerInfo("c", "s", "n", oom_score_adj=600)
+    raised = oom_score(PodInfo("s", "u", "p", "ns", annotations={ANN: "900"}),
+                       burstable, "shared_cores", OomConfig())
+    assert raised.settings.oom_score_adj == 900

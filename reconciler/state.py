@@ -89,6 +89,8 @@ class NodeState:
         self._stopped: set[str] = set()
         self._meta: dict[str, PodMeta] = {}
         self._version = 0
+        # NRI's full view has arrived (Synchronize): only then is a missing pod really gone.
+        self._synced = False
         self._snapshot: Snapshot | None = None
         self._subscriptions: list[_Subscription] = []
 
@@ -125,6 +127,7 @@ class NodeState:
             self._pods = {p.id: p for p in pods}
             self._containers = {c.id: c for c in containers if c.pod_sandbox_id in self._pods}
             self._stopped.clear()
+            self._synced = True
             self._changed()
         self._notify(None, everyone=True)
 
@@ -184,6 +187,11 @@ class NodeState:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def synced(self) -> bool:
+        """True once a Synchronize delivered the runtime's complete view."""
+        return self._synced
 
     def snapshot(self) -> Snapshot:
         # The merge is O(pods + containers): it runs outside the lock, on copies, so NRI events

@@ -172,9 +172,16 @@ def test_orphan_pod_groups_are_removed_after_the_grace_period(tmp_path: Path) ->
     foreign = "someone-else"
     for g in (live, orphan, foreign):
         w.host.add_resctrl_group(g, monitor=True)
-    # before the first NRI state nothing is known to be gone
+    # before the first NRI state nothing is known to be gone, not even once the pod watch has
+    # delivered pods (it may be up while the runtime is not)
     w.loop.cycle(0.0)
+    w.state.apply_meta(PodMeta(uid=uid(1), namespace="default", name="p1",
+                               annotations=MappingProxyType({}), labels=MappingProxyType({}),
+                               priority=None, owner_kind=None,
+                               memory_requests=MappingProxyType({}),
+                               memory_limits=MappingProxyType({}), deleted=False))
     w.loop.cycle(100.0)
+    w.loop.cycle(140.0)  # past the grace period
     assert (w.resctrl / orphan).is_dir()
     w.sync()
     w.loop.cycle(200.0)

@@ -115,7 +115,7 @@ class ResctrlTasksLoop(Loop):
         snapshot = self._state.snapshot()
         existing = set(self._resctrl.control_groups())
         recreated = self._recreate_class_groups(cfg, existing)
-        self._collect_garbage(existing, snapshot.pod_uids, now, synced=snapshot.version > 0)
+        self._collect_garbage(existing, snapshot.pod_uids, now, synced=self._state.synced)
         managed = self._managed.get(snapshot, cfg.qos)
         full = self._cycles % cfg.reconciler.full_scan_every == 0
         self._cycles += 1

@@ -83,6 +83,10 @@ def errors_of(text: str) -> list[str]:
          "logging.audit_max_bytes: must be 4096..1099511627776, got 1024"),
         ("[resctrl.levels.shared_cores.per_cache.x1]\nmb_percent = 50",
          "resctrl.levels.shared_cores.per_cache.x1: cache id must be a decimal number"),
+        ("[memory.levels.shared_cores]\nthrottling_factor = nan",
+         "memory.levels.shared_cores.throttling_factor: must be a finite number, got nan"),
+        ("[memory_guard]\nwatermark_scale_factor = inf",
+         "memory_guard.watermark_scale_factor: must be a finite number, got inf"),
     ],
 )
 def test_one_error_with_its_key_path(text: str, expected: str) -> None:

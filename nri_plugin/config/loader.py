@@ -9,6 +9,7 @@ reported with the full key path (``memory.levels.reclaimed_cores.high_ratio: mus
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import types
@@ -211,6 +212,10 @@ class _Builder:
                 value = float(raw)
             else:
                 self.error(path, f"must be a number, got {_toml_type(raw)}")
+                return _INVALID
+            # TOML has nan and inf; no setting means either, and nan slips past range checks.
+            if not math.isfinite(value):
+                self.error(path, f"must be a finite number, got {raw}")
                 return _INVALID
         elif tp is str:
             if not isinstance(raw, str):

@@ -35,7 +35,8 @@ log = structlog.get_logger("nri_qos.sysfs")
 
 # Values cgroup v1 reports for "no limit" (PAGE_COUNTER_MAX rounded to pages), and anything above.
 UNLIMITED_THRESHOLD = 1 << 62
-PAGE_SIZE = 4096
+# The kernel's page: the unit of /proc/zoneinfo, v1 memory.numa_stat and memcg limits.
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV, errno.ESRCH})
 _RETRY_ERRNOS = frozenset({errno.EBUSY, errno.EINVAL})

@@ -28,7 +28,7 @@ from nri_plugin.config.schema import Config
 from reconciler.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.loops.base import Loop
 from reconciler.numa import NumaNode, read_nodes
-from reconciler.sysfs import Outcome, SysFs, parse_bytes, same_bytes
+from reconciler.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -88,7 +88,7 @@ class MemoryGuardLoop(Loop):
         guard = cfg.memory_guard
         if not (cfg.reconciler.enabled and guard.enabled):
             return
-        page = cfg.memory.page_size
+        page = PAGE_SIZE
         sysfs, v2 = self._sysfs, self._layout.v2
         tier = self._layout.tier_dir("memory", BESTEFFORT)
         if not sysfs.is_dir(tier):

@@ -27,7 +27,7 @@ from reconciler.loops.base import Loop
 from reconciler.loops.common import ManagedCache
 from reconciler.numa import NumaNode, read_nodes
 from reconciler.state import NodeState
-from reconciler.sysfs import Outcome, SysFs, format_id_list, same_id_list
+from reconciler.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -67,7 +67,7 @@ class NumaBindingLoop(Loop):
         cfg = self._config()
         if not (cfg.reconciler.enabled and cfg.numa.enabled):
             return
-        nodes = read_nodes(self._sysfs, cfg.memory.page_size)
+        nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
             return
         guard = cfg.memory_guard

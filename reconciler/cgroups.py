@@ -57,7 +57,8 @@ def _checked(parts: list[str], original: str) -> str:
     if not parts:
         raise CgroupPathError(f"empty cgroups path {original!r}")
     for part in parts:
-        if part in (".", "..") or not _COMPONENT.fullmatch(part):
+        # A leading dot is refused too, as the sysfs layer refuses such paths.
+        if part.startswith(".") or not _COMPONENT.fullmatch(part):
             raise CgroupPathError(f"cgroups path {original!r}: bad component {part!r}")
     return "/".join(parts)
 

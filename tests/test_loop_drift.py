@@ -149,3 +149,21 @@ def test_stopped_containers_are_left_alone(tmp_path: Path) -> None:
     state.put_container(pod.info, pod.containers[0].info, Event.STOP_CONTAINER, running=False)
     loop.cycle(0.0)
     assert sink.records == []
+
+
+def test_one_broken_container_does_not_stop_the_others(tmp_path: Path) -> None:
+    host, state, loop, _ = build(tmp_path, 2, "systemd")
+    pod = host.add_pod(UID, tier="besteffort", containers=2, memory_limit=1 * GIB)
+    broken, healthy = pod.containers
+    # A container whose memory.high cannot be read or written as a file.
+    high_file = host.cg("", broken.rel) / "memory.high"
+    high_file.unlink()
+    high_file.mkdir()
+    # And one whose cgroups path the sysfs layer would refuse (a dot-leading component).
+    odd = dataclasses.replace(healthy.info, id="odd", cgroups_path=healthy.info.cgroups_path
+                              .replace(":cri-containerd:", ":cri-containerd:."))
+    pods, containers = host.nri()
+    state.replace_all(pods, [*containers, odd])
+    loop.cycle(0.0)
+    assert high(host, healthy) == str(int(GIB * 0.95) // 4096 * 4096)
+    assert all(oom(host, pid) == 1000 for pid in healthy.pids)

@@ -61,7 +61,12 @@ class DriftLoop(Loop):
             return
         managed = self._managed.get(self._state.snapshot(), cfg.qos)
         for item, settings in self._desired_for(managed, cfg):
-            self._apply(item, settings)
+            # One container's odd cgroup must not keep the others from being repaired.
+            try:
+                self._apply(item, settings)
+            except (OSError, ValueError) as exc:
+                log.warning("drift_container_failed", container=item.view.info.name,
+                            pod_uid=item.view.pod.info.uid, error=str(exc))
 
     def _node_allocatable(self, cfg: Config) -> int:
         if cfg.memory.node_allocatable_bytes:

@@ -24,7 +24,7 @@ from nri_plugin.config.schema import Config
 from nri_plugin.events import Event
 from reconciler.cgroups import CgroupLayout
 from reconciler.loops.base import Loop
-from reconciler.loops.common import ManagedCache
+from reconciler.loops.common import Managed, ManagedCache
 from reconciler.numa import NumaNode, read_nodes
 from reconciler.state import NodeState
 from reconciler.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
@@ -86,15 +86,23 @@ class NumaBindingLoop(Loop):
         for item in self._managed.get(self._state.snapshot(), cfg.qos):
             if item.level != QosLevel.RECLAIMED_CORES:
                 continue
-            cgroup = self._layout.dir("cpuset", item.ref.rel)
-            current = self._sysfs.read(f"{cgroup}/cpuset.mems")
-            if current is None or same_id_list(current, mems):
-                continue
-            if migrate:
-                # Only needed when the binding changes, and it must be in place before.
-                self._sysfs.write_if_changed(f"{cgroup}/cpuset.memory_migrate", "1",
-                                             "pages follow the NUMA binding")
-            if self._sysfs.write(f"{cgroup}/cpuset.mems", mems, reason) == Outcome.WRITTEN:
-                info = item.view.info
-                self._audit.record("numa_binding", pod_uid=item.view.pod.info.uid,
-                                   container=info.name, mems=mems, reason=reason)
+            # One container's odd cgroup must not keep the others from being bound.
+            try:
+                self._bind(item, mems, reason, migrate)
+            except (OSError, ValueError) as exc:
+                log.warning("numa_binding_failed", container=item.view.info.name,
+                            pod_uid=item.view.pod.info.uid, error=str(exc))
+
+    def _bind(self, item: Managed, mems: str, reason: str, migrate: bool) -> None:
+        cgroup = self._layout.dir("cpuset", item.ref.rel)
+        current = self._sysfs.read(f"{cgroup}/cpuset.mems")
+        if current is None or same_id_list(current, mems):
+            return
+        if migrate:
+            # Only needed when the binding changes, and it must be in place before.
+            self._sysfs.write_if_changed(f"{cgroup}/cpuset.memory_migrate", "1",
+                                         "pages follow the NUMA binding")
+        if self._sysfs.write(f"{cgroup}/cpuset.mems", mems, reason) == Outcome.WRITTEN:
+            info = item.view.info
+            self._audit.record("numa_binding", pod_uid=item.view.pod.info.uid,
+                               container=info.name, mems=mems, reason=reason)

@@ -7,6 +7,7 @@ Inbound: ``PodSandbox``/``Container`` -> :class:`~hooks.model.PodInfo` /
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -14,6 +15,9 @@ from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import ContainerSettings, HookStage
 from nri_plugin.versions import ClosField
 from protos import nri_api_pb2 as api
+
+INT64_MAX = (1 << 63) - 1
+_DECIMAL = re.compile(r"[0-9]{1,19}")
 
 
 class InvalidInput(ValueError):
@@ -64,9 +68,11 @@ def _memory_request(resources: api.LinuxResources) -> int | None:
     # kubelet's MemoryQoS writes the request as memory.min (cgroup v2); otherwise the spec may
     # carry it as the v1 soft limit.
     text = resources.unified.get("memory.min")
-    if text is not None and text.strip().isdigit():
-        value = int(text)
-        return value if value > 0 else None
+    if text is not None:
+        # ASCII digits only (str.isdigit also takes "²"), and within the int64 of the API.
+        text = text.strip()
+        if _DECIMAL.fullmatch(text) and 0 < int(text) <= INT64_MAX:
+            return int(text)
     memory = resources.memory
     if memory.HasField("reservation") and memory.reservation.value > 0:
         return memory.reservation.value

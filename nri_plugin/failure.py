@@ -74,6 +74,15 @@ class FailurePolicy:
             raise RpcError(StatusCode.INVALID_ARGUMENT, f"nri-qos {event}: {reason}")
         self._record(event, reason, pod_uid=pod_uid, container=container)
 
+    def unexpected(self, event: str, error: Exception, *, pod_uid: str = "",
+                   container: str = "") -> None:
+        """Handling the event failed outside any hook: audited and answered empty, or an error
+        status when strict."""
+        reason = f"{type(error).__name__}: {error}"
+        if self.strict:
+            raise RpcError(StatusCode.UNKNOWN, f"nri-qos {event}: {reason}")
+        self._record(event, reason, pod_uid=pod_uid, container=container)
+
     def _record(self, event: str, reason: str, *, pod_uid: str, container: str) -> None:
         if event == CREATE_CONTAINER:
             self._audit.record("adjustment_skipped", pod_uid=pod_uid, container=container,

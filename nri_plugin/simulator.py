@@ -30,7 +30,7 @@ from nri_plugin.events import POD_EVENTS, Event
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from nri_plugin.scenario import ContainerSpec, PodSpec, RuntimeSpec, Scenario, load_scenario, pairs
 from nri_plugin.stub import DEFAULT_REQUEST_TIMEOUT_MS, PLUGIN_SERVICE, RUNTIME_SERVICE
-from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
+from nri_plugin.transport import CallTimedOut, ConnectionClosed, Handler, TtrpcPeer
 from nri_plugin.ttrpc import StatusCode
 from nri_plugin.versions import runtime_nri_version, valid_events
 from protos import nri_api_pb2 as api
@@ -308,6 +308,14 @@ class RuntimeSimulator:
         try:
             payload = await peer.call(PLUGIN_SERVICE, method, request.SerializeToString(),
                                       timeout_s=self.request_timeout_s)
+        except CallTimedOut as exc:
+            # As the runtime does: a missed request timeout is fatal, the plugin is closed and
+            # the operation goes on without it.
+            connection.error = str(exc)
+            log.warning("plugin_dropped", plugin=f"{connection.index}-{connection.name}",
+                        error=connection.error)
+            peer.close(connection.error)
+            raise
         except RpcError as exc:
             if exc.code != StatusCode.UNIMPLEMENTED or event not in _NOTIFICATIONS:
                 raise

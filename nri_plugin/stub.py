@@ -46,6 +46,8 @@ PLUGIN_NRI_VERSION = "v0.12.2"
 """The NRI schema this plugin is built on, announced in RegisterPlugin."""
 DEFAULT_REQUEST_TIMEOUT_MS = 2000
 """The runtime's request timeout when Configure does not say (NRI before 0.7)."""
+MAX_REQUEST_TIMEOUT_MS = 3_600_000
+"""Longer request timeouts than an hour are taken for garbage (the runtime default applies)."""
 MIN_DEADLINE_MS = 10.0
 
 STATE_EVENTS = frozenset({
@@ -258,7 +260,10 @@ class PluginStub:
         self.capabilities = caps
         self.runtime = RuntimeInfo(name=req.runtime_name, version=req.runtime_version,
                                    nri_version=caps.nri_version, cgroup_v2=self._cgroup_v2)
-        self.request_timeout_ms = req.request_timeout or DEFAULT_REQUEST_TIMEOUT_MS
+        # 0 means "not sent" (NRI before 0.7); anything absurd is treated the same way.
+        timeout = req.request_timeout
+        self.request_timeout_ms = (timeout if 0 < timeout <= MAX_REQUEST_TIMEOUT_MS
+                                   else DEFAULT_REQUEST_TIMEOUT_MS)
         self.event_mask = self.subscription_mask(caps)
         log.info("configured", runtime=req.runtime_name, runtime_version=req.runtime_version,
                  nri_version=req.NRI_version or None, events=hex(self.event_mask),
@@ -400,9 +405,19 @@ class PluginStub:
         result, extra = "error", {}
         try:
             adjust, result = await self._process(event, name, pod_msg, container_msg)
-        except Exception as exc:
-            extra = {"error": str(exc)}
+        except RpcError as exc:
+            # The failure policy's own answer (strict mode).
+            extra = {"error": exc.message}
             raise
+        except Exception as exc:
+            # Input no check anticipated, or a bug: the failure policy decides, as for a hook
+            # that raised (fail open with an audit record, or an error status when strict).
+            extra = {"error": f"{type(exc).__name__}: {exc}"}
+            log.exception("event_handler_failed", nri_event=name)
+            self._policy().unexpected(
+                name, exc, pod_uid=pod_msg.uid,
+                container=container_msg.name if container_msg is not None else "")
+            adjust = api.ContainerAdjustment() if event is Event.CREATE_CONTAINER else None
         finally:
             # Logged directly rather than through a bound context: this line is the only
             # per-event cost on the fast path (no hook subscribed). It is written on the next

@@ -44,6 +44,11 @@ READ_SIZE = 256 << 10
 log = structlog.get_logger("nri_qos.transport")
 
 
+class CallTimedOut(RpcError):
+    """No answer came within the call's timeout (a local verdict, unlike an error status the
+    peer sent, even one with the same code)."""
+
+
 class ConnectionClosed(Exception):
     """The connection is gone; pending and later calls fail with this."""
 
@@ -229,7 +234,7 @@ class TtrpcPeer:
             async with asyncio.timeout(timeout_s):
                 return await future
         except TimeoutError as exc:
-            raise RpcError(
+            raise CallTimedOut(
                 StatusCode.DEADLINE_EXCEEDED, f"{method}: no answer within {timeout_s:g} s"
             ) from exc
         finally:

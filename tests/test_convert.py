@@ -123,3 +123,16 @@ def test_update_carries_resources_only() -> None:
     assert dict(resources.unified) == {"memory.high": "1000"}
     assert resources.rdt_class.value == "nriqos-reclaimed_cores"
     assert not to_update("c9", SETTINGS, clos_field=None).linux.resources.HasField("rdt_class")
+
+
+@pytest.mark.parametrize("text", ["²", "-5", "0", "9" * 25, "1e9", " 12x"])
+def test_memory_min_that_is_not_a_plain_int64_gives_no_request(text: str) -> None:
+    container = api.Container(id="c", pod_sandbox_id="s", name="n")
+    container.linux.resources.unified["memory.min"] = text
+    assert container_info(container).memory_request is None
+
+
+def test_memory_min_becomes_the_request() -> None:
+    container = api.Container(id="c", pod_sandbox_id="s", name="n")
+    container.linux.resources.unified["memory.min"] = " 268435456 "
+    assert container_info(container).memory_request == 256 << 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from nri_plugin.audit import AuditLog, MemoryAuditSink
+from nri_plugin.chain import Hook
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.envelope import RpcError
@@ -20,7 +22,7 @@ from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from nri_plugin.scenario import RuntimeSpec, load_scenario
 from nri_plugin.simulator import RuntimeSimulator, main_simulate, simulate
 from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, PluginIdentity, PluginStub
-from nri_plugin.transport import ConnectionClosed, TtrpcPeer
+from nri_plugin.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
 from nri_plugin.versions import RuntimeCapabilities
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
@@ -182,4 +184,31 @@ async def test_unimplemented_notification_falls_back_to_state_change(tmp_path: P
         await simulator.send(connection, Event.CREATE_CONTAINER, pod, api.Container(id="c"))
     old_plugin.close()
     await running
+    await simulator.stop()
+
+
+async def test_runtime_drops_a_plugin_that_misses_the_request_timeout(tmp_path: Path) -> None:
+    class Stuck(Hook):
+        # Claims to only compute, then blocks the loop: exactly what the runtime punishes.
+        name = "stuck"
+        events = inline_events = frozenset({Event.RUN_POD_SANDBOX})
+
+        def run_pod_sandbox(self, event: object) -> None:
+            time.sleep(0.4)
+
+    socket_path = tmp_path / "nri.sock"
+    simulator = RuntimeSimulator(socket_path, RuntimeSpec(request_timeout_ms=200))
+    await simulator.start()
+    with ThreadPoolExecutor(1) as executor:
+        stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
+                          hooks=[Stuck()], audit=AuditLog(MemoryAuditSink()), executor=executor)
+        reader, writer = await asyncio.open_unix_connection(str(socket_path))
+        serving = asyncio.create_task(stub.serve(reader, writer))
+        connection = await simulator.wait_ready()
+        pod = api.PodSandbox(id="sb", uid="u", name="p", namespace="ns")
+        with pytest.raises(CallTimedOut):
+            await simulator.send(connection, Event.RUN_POD_SANDBOX, pod)
+        assert not connection.alive
+        assert "no answer within" in connection.error
+        await serving
     await simulator.stop()

@@ -450,3 +450,37 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert fast.threads == slow.threads
     assert fast.threads[0] != loop_thread
+
+
+async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:
+    # A value no adjustment can carry (beyond int64) breaks building the answer, not a hook.
+    huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70))
+    setup = await make([huge])
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert response.adjust == api.ContainerAdjustment()
+    assert setup.conn.alive
+    (skipped,) = setup.sink.named("adjustment_skipped")
+    assert "ValueError" in skipped["reason"]
+
+    strict = await make([huge], cfg=config(strict=True))
+    with pytest.raises(RpcError) as error:
+        await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert error.value.code == StatusCode.UNKNOWN
+
+
+@pytest.mark.parametrize("timeout_ms", [-5, 0, 10**13])
+async def test_absurd_request_timeouts_mean_the_default(make, timeout_ms: int) -> None:
+    setup = await make(runtime=RuntimeSpec(request_timeout_ms=2000))
+    request = api.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.0",
+                                   request_timeout=timeout_ms)
+    await setup.stub._configure(envelope_request("Configure", request))
+    assert setup.stub.request_timeout_ms == 2000
+    assert setup.stub.deadline_ms() == 1500
+
+
+def envelope_request(method: str, message: Any) -> Any:
+    from protos import ttrpc_envelope_pb2 as envelope
+
+    return envelope.Request(service="nri.pkg.api.v1alpha1.Plugin", method=method,
+                            payload=message.SerializeToString())

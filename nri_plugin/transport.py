@@ -198,6 +198,15 @@ class TtrpcPeer:
                 MessageType.RESPONSE,
                 encode_response(b"", StatusCode.RESOURCE_EXHAUSTED, str(exc)),
             )
+        except Exception:
+            # An answer that cannot be encoded (e.g. a status text that is not valid UTF-8)
+            # still gets an answer: silence would cost the runtime its whole request timeout.
+            log.exception("answer_unencodable", stream_id=stream_id)
+            frame = encode_frame(
+                stream_id,
+                MessageType.RESPONSE,
+                encode_response(b"", StatusCode.INTERNAL, "answer could not be encoded"),
+            )
         with contextlib.suppress(ConnectionClosed):
             await self._write(self._serve_conn, frame)
 

@@ -46,11 +46,17 @@ async def huge(request: envelope.Request) -> bytes:
     return b"x" * (MAX_DATA_LENGTH + 1)
 
 
+async def unencodable(request: envelope.Request) -> bytes:
+    # A status text with a lone surrogate cannot be encoded as a protobuf string.
+    raise RpcError(StatusCode.UNKNOWN, "bad \udcff text")
+
+
 HANDLERS: Mapping[tuple[str, str], Handler] = {
     (SERVICE, "Echo"): echo,
     (SERVICE, "Fail"): fail,
     (SERVICE, "Refuse"): refuse,
     (SERVICE, "Huge"): huge,
+    (SERVICE, "Unencodable"): unencodable,
 }
 
 
@@ -141,7 +147,11 @@ async def test_handler_exception_becomes_status(peers: Peers) -> None:
     with pytest.raises(RpcError) as refused:
         await peers.client.call(SERVICE, "Refuse", b"", timeout_s=5)
     assert (refused.value.code, refused.value.message) == (StatusCode.PERMISSION_DENIED, "no")
-    # The connection survives both.
+    # An answer that cannot be encoded is still answered.
+    with pytest.raises(RpcError) as garbled:
+        await peers.client.call(SERVICE, "Unencodable", b"", timeout_s=5)
+    assert garbled.value.code == StatusCode.INTERNAL
+    # The connection survives all three.
     assert await peers.client.call(SERVICE, "Echo", b"still", timeout_s=5) == b"still"
 
 

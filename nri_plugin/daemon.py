@@ -266,7 +266,7 @@ async def serve(
     ``extra_services`` run in the same TaskGroup as the runtime connection; ``extra_hooks`` go
     at the end of the chain (e.g. the reconciler's state tracker). ``hooks`` replaces the
     capability hooks built for this host (tests and benchmarks). ``reconcile`` adds the
-    background reconciler, fed by a state tracker at the end of the chain; it needs the host
+    background reconciler, fed by a state tracker at the head of the chain; it needs the host
     (``hooks`` left to None) and is off for the simulator, whose pods do not exist
     (``simulated``).
     """
@@ -288,7 +288,9 @@ async def serve(
         chain, cgroup_v2 = list(host.hooks), host.cgroup_v2
         if reconcile:
             state = NodeState()
-            chain.append(StateTracker(state))
+            # First: it changes no adjustment, and a slow hook after it cannot make it miss an
+            # event when the deadline cuts the chain short.
+            chain.insert(0, StateTracker(state))
             services.append(reconciler_service(state, host))
     else:
         chain, cgroup_v2 = list(hooks), cfg.memory.cgroup_version == "v2"

@@ -264,7 +264,7 @@ async def serve(
     """Load the config, then run every service until ``stop`` is set; the exit status.
 
     ``extra_services`` run in the same TaskGroup as the runtime connection; ``extra_hooks`` go
-    at the end of the chain (e.g. the reconciler's state tracker). ``hooks`` replaces the
+    at the end of the chain. ``hooks`` replaces the
     capability hooks built for this host (tests and benchmarks). ``reconcile`` adds the
     background reconciler, fed by a state tracker at the head of the chain; it needs the host
     (``hooks`` left to None) and is off for the simulator, whose pods do not exist

@@ -155,6 +155,9 @@ class PluginStub:
         self.synchronized = asyncio.Event()
         self._sync_pods: list[api.PodSandbox] = []
         self._sync_containers: list[api.Container] = []
+        # When the first chunk of the Synchronize in progress arrived: all chunks share one
+        # request timeout on the runtime's side.
+        self._sync_started: float | None = None
 
     @property
     def connected(self) -> bool:
@@ -292,6 +295,8 @@ class PluginStub:
         req = _parse(api.SynchronizeRequest, request.payload)
         if req is None:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Synchronize payload does not decode")
+        if self._sync_started is None:
+            self._sync_started = self._clock()
         self._sync_pods.extend(req.pods)
         self._sync_containers.extend(req.containers)
         if req.more:
@@ -299,6 +304,8 @@ class PluginStub:
             return api.SynchronizeResponse(more=True).SerializeToString()
         pod_msgs, container_msgs = self._sync_pods, self._sync_containers
         self._sync_pods, self._sync_containers = [], []
+        spent_ms = (self._clock() - self._sync_started) * 1000
+        self._sync_started = None
         # Always fail-open here, strict or not: Synchronize vetoes nothing, and an error would
         # only get the plugin dropped, reconnect, and fail the same way again.
         policy = FailurePolicy(self._audit, strict=False)
@@ -321,7 +328,8 @@ class PluginStub:
             if self._hooks:
                 calls = [(hook.name, _bind(hook.synchronize, tuple(pods), tuple(containers)))
                          for hook in self._hooks]
-                chain = await self._run_chain(calls)
+                budget_ms = max(MIN_DEADLINE_MS, self.deadline_ms() - spent_ms)
+                chain = await self._run_chain(calls, deadline_ms=budget_ms)
                 policy.chain("synchronize", chain, pod_uid="", container="")
                 if not chain.complete:
                     outcome.result = "partial"
@@ -475,13 +483,16 @@ class PluginStub:
             return [(hook.name, _bind(hook.remove_pod_sandbox, pod_event)) for hook in hooks]
         return [(hook.name, _bind(hook.observe, event, pod, container)) for hook in hooks]
 
-    async def _run_chain(self, calls: Sequence[_Call], *, inline: bool = False) -> ChainOutcome:
-        """Run ``calls`` in order in a worker thread; collect what finished by the deadline.
+    async def _run_chain(self, calls: Sequence[_Call], *, inline: bool = False,
+                         deadline_ms: float | None = None) -> ChainOutcome:
+        """Run ``calls`` in order in a worker thread; collect what finished by the deadline
+        (the handler deadline unless given).
 
         ``inline``: every call only computes (see :class:`~nri_plugin.chain.Hook`), so run them
         here and spare the thread hop; there is nothing a deadline could interrupt.
         """
-        deadline_ms = self.deadline_ms()
+        if deadline_ms is None:
+            deadline_ms = self.deadline_ms()
         run = _ChainRun(calls)
         if inline:
             run()

@@ -484,3 +484,35 @@ def envelope_request(method: str, message: Any) -> Any:
 
     return envelope.Request(service="nri.pkg.api.v1alpha1.Plugin", method=method,
                             payload=message.SerializeToString())
+
+
+async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExecutor) -> None:
+    # The runtime gives the whole split Synchronize one request timeout: the hooks of the last
+    # chunk only get what the earlier chunks left of the deadline.
+    now = [0.0]
+    release = threading.Event()
+
+    class SlowSync(Hook):
+        name = "slow-sync"
+
+        def synchronize(self, pods: Sequence[PodInfo],
+                        containers: Sequence[ContainerInfo]) -> None:
+            release.wait(10)
+
+    sink = MemoryAuditSink()
+    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config, hooks=[SlowSync()],
+                      audit=AuditLog(sink), executor=executor, clock=lambda: now[0])
+    first = api.SynchronizeRequest(pods=[pod("uid-1")], more=True)
+    last = api.SynchronizeRequest(pods=[pod("uid-2")], more=False)
+    await stub._synchronize(envelope_request("Synchronize", first))
+    now[0] = 1.45  # 1450 ms of the 1500 ms deadline gone
+    started = time.monotonic()
+    try:
+        answer = api.SynchronizeResponse.FromString(
+            await stub._synchronize(envelope_request("Synchronize", last)))
+    finally:
+        release.set()
+    assert answer.more is False
+    assert time.monotonic() - started < 1.0  # about 50 ms, far from a fresh 1.5 s
+    (failed,) = sink.named("event_failed")
+    assert "deadline of 50 ms" in failed["reason"]

@@ -193,3 +193,19 @@ def test_image_copies_every_package_it_installs() -> None:
               if line.startswith("COPY ")}
     assert top_level <= copied
     assert 'CMD ["run", "--config", "/etc/nri-qos/config.toml"]' in containerfile
+
+
+def test_every_package_of_the_tree_is_installed() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(init.parent.relative_to(DEPLOY.parent).parts)
+        for top in ("nri_plugin", "hooks", "reconciler", "protos")
+        for init in (DEPLOY.parent / top).rglob("__init__.py")
+    }
+    assert found == listed
+    # Files the code opens at run time travel with the package.
+    data = pyproject["tool"]["setuptools"]["package-data"]
+    assert "scenarios/*.toml" in data["nri_plugin"]

@@ -236,21 +236,13 @@ class PluginStub:
             "Synchronize": self._synchronize,
             "Shutdown": self._shutdown,
             "CreateContainer": self._create_container,
-            "UpdateContainer": self._container_notice(
-                api.UpdateContainerRequest, api.UpdateContainerResponse, Event.UPDATE_CONTAINER),
-            "StopContainer": self._container_notice(
-                api.StopContainerRequest, api.StopContainerResponse, Event.STOP_CONTAINER),
             "StateChange": self._state_change,
-            "UpdatePodSandbox": self._pod_notice(
-                api.UpdatePodSandboxRequest, api.UpdatePodSandboxResponse,
-                Event.UPDATE_POD_SANDBOX),
         }
-        for method, event in _POD_RPCS.items():
+        notices = {"UpdateContainer": Event.UPDATE_CONTAINER, "StopContainer": Event.STOP_CONTAINER,
+                   "UpdatePodSandbox": Event.UPDATE_POD_SANDBOX, **_POD_RPCS, **_CONTAINER_RPCS}
+        for method, event in notices.items():
             request_type, response_type = _rpc_types(method)
-            table[method] = self._pod_notice(request_type, response_type, event)
-        for method, event in _CONTAINER_RPCS.items():
-            request_type, response_type = _rpc_types(method)
-            table[method] = self._container_notice(request_type, response_type, event)
+            table[method] = self._notice(request_type, response_type, event)
         return {(PLUGIN_SERVICE, method): _guarded(handler) for method, handler in table.items()}
 
     # -- handshake ---------------------------------------------------------------------------
@@ -353,28 +345,18 @@ class PluginStub:
         response.adjust.CopyFrom(adjust)
         return response.SerializeToString()
 
-    def _pod_notice(self, request_type: type[Any], response_type: type[Message],
-                    event: Event) -> Handler:
+    def _notice(self, request_type: type[Any], response_type: type[Message],
+                event: Event) -> Handler:
+        """A handler for an event whose answer carries nothing (or is not ours to fill)."""
         answer = response_type().SerializeToString()
         name = event.name.lower()
+        # Pod events' requests have no container.
+        with_container = event not in POD_EVENTS
 
         async def handle(request: envelope.Request) -> bytes:
             req = self._decode(name, request_type, request.payload)
             if req is not None:
-                await self._event(event, req.pod, None)
-            return answer
-
-        return handle
-
-    def _container_notice(self, request_type: type[Any], response_type: type[Message],
-                          event: Event) -> Handler:
-        answer = response_type().SerializeToString()
-        name = event.name.lower()
-
-        async def handle(request: envelope.Request) -> bytes:
-            req = self._decode(name, request_type, request.payload)
-            if req is not None:
-                await self._event(event, req.pod, req.container)
+                await self._event(event, req.pod, req.container if with_container else None)
             return answer
 
         return handle

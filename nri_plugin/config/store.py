@@ -108,27 +108,15 @@ class ConfigStore:
         """
         self._explicit = path is not None
         self._path = Path(path) if path is not None else Path(self._default_path)
-        self._stamp = file_stamp(self._path)
-        try:
-            cfg = self._read()
-        except ConfigError as exc:
-            self._audit.record("config_rejected", source=str(self._path),
-                               errors=list(exc.errors))
-            raise
+        cfg = self._read()
         self._swap(cfg)
         return cfg
 
     def reload(self) -> bool:
         """Re-read the file now; True when a different configuration took effect."""
-        if self._path is None:
-            raise RuntimeError("load_initial() must run first")
-        # Stamp first: a change made while reading is then seen by the next check.
-        self._stamp = file_stamp(self._path)
         try:
             cfg = self._read()
         except ConfigError as exc:
-            self._audit.record("config_rejected", source=str(self._path),
-                               errors=list(exc.errors))
             log.error("config_rejected", path=str(self._path), errors=list(exc.errors),
                       hint="the previous configuration stays in force; "
                            "check the file with: nri-qos check-config PATH")
@@ -173,10 +161,18 @@ class ConfigStore:
                 waiter.cancel()
 
     def _read(self) -> Config:
+        """Read and check the file; a rejected one is audited (``config_rejected``) and raised."""
         if self._path is None:
             raise RuntimeError("load_initial() must run first")
-        cfg, _ = load_config(str(self._path) if self._explicit else None,
-                             default_path=str(self._path))
+        # Stamp first: a change made while reading is then seen by the next check.
+        self._stamp = file_stamp(self._path)
+        try:
+            cfg, _ = load_config(str(self._path) if self._explicit else None,
+                                 default_path=str(self._path))
+        except ConfigError as exc:
+            self._audit.record("config_rejected", source=str(self._path),
+                               errors=list(exc.errors))
+            raise
         return cfg
 
     def _swap(self, cfg: Config) -> bool:

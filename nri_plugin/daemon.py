@@ -34,7 +34,7 @@ from nri_plugin.logs import LoggingSetup
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.cgroups import detect_version
 from reconciler.k8s import PodWatcher, build_api_client, node_name
-from reconciler.numa import MEMINFO, NumaFormatError, parse_meminfo
+from reconciler.numa import mem_total
 from reconciler.resctrlfs import ResctrlFs
 from reconciler.runner import run_reconciler, sysfs_for
 from reconciler.state import NodeState, StateTracker
@@ -208,11 +208,7 @@ def host_setup(cfg: Config, store: ConfigStore, audit: AuditLog, *,
         cgroup_v2 = True
     else:
         cgroup_v2 = detect_version(sysfs, cfg.memory.cgroup_version) == 2
-    meminfo = sysfs.read(MEMINFO)
-    try:
-        node_memory = parse_meminfo(meminfo).get("MemTotal", 0) if meminfo else 0
-    except NumaFormatError:
-        node_memory = 0
+    node_memory = mem_total(sysfs)
     resctrl = None
     if cfg.resctrl.enabled:
         def warn(message: str) -> None:

@@ -65,6 +65,15 @@ def parse_meminfo(text: str) -> dict[str, int]:
     return values
 
 
+def mem_total(sysfs: SysFs) -> int:
+    """The host's MemTotal in bytes; 0 when /proc/meminfo is missing or does not parse."""
+    text = sysfs.read(MEMINFO)
+    try:
+        return parse_meminfo(text).get("MemTotal", 0) if text else 0
+    except NumaFormatError:
+        return 0
+
+
 def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
     """Low watermark per node in bytes: the sum of the ``low`` pages of the node's zones."""
     lows: dict[int, int] = {}

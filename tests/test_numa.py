@@ -9,6 +9,7 @@ import pytest
 from reconciler.numa import (
     NumaFormatError,
     NumaNode,
+    mem_total,
     parse_meminfo,
     parse_zoneinfo_low,
     read_nodes,
@@ -113,3 +114,14 @@ def test_this_machine_parses() -> None:
     nodes = read_nodes(SysFs("/"), 4096)
     assert nodes
     assert all(n.total_bytes > 0 and n.low_watermark_bytes > 0 for n in nodes)
+
+
+def test_mem_total_is_bytes_or_zero_when_unusable(tmp_path: Path) -> None:
+    sysfs = SysFs(tmp_path)
+    assert mem_total(sysfs) == 0  # no /proc/meminfo
+    meminfo = tmp_path / "proc" / "meminfo"
+    meminfo.parent.mkdir(parents=True)
+    meminfo.write_text("MemTotal:       16384 kB\nMemFree:        8192 kB\n")
+    assert mem_total(sysfs) == 16384 * 1024
+    meminfo.write_text("MemTotal: lots\n")
+    assert mem_total(sysfs) == 0

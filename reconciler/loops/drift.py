@@ -26,7 +26,7 @@ from nri_plugin.events import Event
 from reconciler.cgroups import CgroupLayout
 from reconciler.loops.base import Loop
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.numa import MEMINFO, parse_meminfo
+from reconciler.numa import mem_total
 from reconciler.state import NodeState
 from reconciler.sysfs import SysFs, same_bytes
 
@@ -72,8 +72,8 @@ class DriftLoop(Loop):
         if cfg.memory.node_allocatable_bytes:
             return cfg.memory.node_allocatable_bytes
         if self._allocatable is None:
-            text = self._sysfs.read(MEMINFO)
-            self._allocatable = parse_meminfo(text).get("MemTotal", 0) if text else 0
+            # As the creation hook reads it (daemon.host_setup), so both agree.
+            self._allocatable = mem_total(self._sysfs)
         return self._allocatable
 
     def _desired_for(self, managed: tuple[Managed, ...],

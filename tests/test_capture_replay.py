@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import struct
 from collections.abc import Sequence
@@ -31,11 +30,8 @@ from nri_plugin.mux import GO_BUFFER_SIZE, MuxDecoder
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import FrameDecoder, MessageType, StatusCode
 from protos import nri_api_pb2 as api
+from tests.paths import CAPTURES, RECORDINGS
 
-CAPTURES = Path(
-    os.environ.get("NRI_CAPTURES_DIR", Path(__file__).resolve().parents[2] / "shared/nri-captures")
-)
-RECORDINGS = sorted(CAPTURES.glob("*.jsonl"))
 pytestmark = pytest.mark.skipif(not RECORDINGS, reason=f"no recordings in {CAPTURES}")
 
 

@@ -28,9 +28,9 @@ from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from reconciler.resctrlfs import ResctrlFs
+from tests.paths import RECORDINGS
 from tests.resctrl_trees import intel_tree
 from tests.test_capture_replay import (
-    RECORDINGS,
     _complete,
     check_split_rule,
     recorded_reads,

@@ -8,12 +8,9 @@ stored beside the recordings. ``NRI_CAPTURES_DIR`` overrides where they live.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import struct
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -25,25 +22,13 @@ from nri_plugin.mux import (
     encode_message,
 )
 from nri_plugin.ttrpc import HEADER_SIZE, MessageType, ServerStreams, encode_frame
+from tests.paths import CAPTURES, RECORDINGS, load_reference_decoder
 
-CAPTURES = Path(
-    os.environ.get("NRI_CAPTURES_DIR", Path(__file__).resolve().parents[2] / "shared/nri-captures")
-)
-RECORDINGS = sorted(CAPTURES.glob("*.jsonl"))
 DIRECTIONS = ("r2p", "p2r")
 
 pytestmark = pytest.mark.skipif(not RECORDINGS, reason=f"no recordings in {CAPTURES}")
 
 Message = tuple[int, int, int, int, bytes]  # conn id, stream id, type, flags, data
-
-
-def load_capdump() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("capdump", CAPTURES / "capdump.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def socket_reads(path: Path, direction: str) -> list[bytes]:
@@ -53,9 +38,10 @@ def socket_reads(path: Path, direction: str) -> list[bytes]:
 
 
 def reference_messages(path: Path, direction: str) -> list[Message]:
+    reference = load_reference_decoder()
     return [
         (conn_id, stream_id, msg_type, flags, bytes(data))
-        for _, d, conn_id, stream_id, msg_type, flags, data in load_capdump().messages(str(path))
+        for _, d, conn_id, stream_id, msg_type, flags, data in reference.messages(str(path))
         if d == direction
     ]
 

@@ -9,7 +9,6 @@ depend on the project's own framing code.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import shutil
 import struct
@@ -17,7 +16,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from types import ModuleType
 from typing import TypeVar
 
 import pytest
@@ -27,7 +25,7 @@ from google.protobuf.message import Message
 from protos import generate
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as ttrpc
-from tests.paths import CAPTURES
+from tests.paths import CAPTURES, load_reference_decoder
 
 FULL_17 = "containerd-1.7.27-full-lifecycle.jsonl"
 FULL_24 = "containerd-2.4-full-lifecycle.jsonl"
@@ -265,15 +263,6 @@ def only_call(name: str, method: str) -> Call:
     matches = [call for call in recorded_calls(name) if call.method == method]
     assert len(matches) == 1, f"{name}: expected one {method}, found {len(matches)}"
     return matches[0]
-
-
-def load_reference_decoder() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("capdump", CAPTURES / "capdump.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------

@@ -33,8 +33,6 @@ class ContainerInfo:
     id: str
     pod_sandbox_id: str
     name: str
-    labels: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
-    annotations: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
     # OCI cgroupsPath: /kubepods/burstable/pod<uid>/<id> or
     # kubepods-burstable-pod<uid>.slice:cri-containerd:<id>
     cgroups_path: str = ""

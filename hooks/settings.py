@@ -82,47 +82,48 @@ class MergeResult:
 
 def merge(parts: Sequence[tuple[str, ContainerSettings]]) -> MergeResult:
     """Merge ``(policy name, settings)`` pairs in order; first owner wins."""
-    # Keyed by field name, or "<map>.<key>" for map entries: (owner, value).
-    claimed: dict[str, tuple[str, object]] = {}
+    # Runs on every CreateContainer: plain dicts and loops, no per-field helper calls.
+    values: dict[str, object] = {}
+    owners: dict[str, str] = {}  # field, or "<map>.<key>" for map entries -> owner
+    maps: dict[str, dict[str, str]] = {name: {} for name in _MAPS}
     conflicts: list[Conflict] = []
     hooks: list[OciHookSpec] = []
-
-    def claim(key: str, value: object, owner: str) -> None:
-        held = claimed.get(key)
-        if held is None:
-            claimed[key] = (owner, value)
-        elif held[1] != value:
-            conflicts.append(Conflict(key, held[0], held[1], owner, value))
-
     for owner, part in parts:
         if part is EMPTY_SETTINGS:
             continue
         for name in _SCALARS:
             value = getattr(part, name)
-            if value is not None:
-                claim(name, value, owner)
+            if value is None:
+                continue
+            if name not in owners:
+                owners[name] = owner
+                values[name] = value
+            elif values[name] != value:
+                conflicts.append(Conflict(name, owners[name], values[name], owner, value))
         for name in _MAPS:
             entries: Mapping[str, str] = getattr(part, name)
+            if not entries:
+                continue
+            merged = maps[name]
             for key, value in entries.items():
-                claim(f"{name}.{key}", value, owner)
+                held = merged.get(key)
+                if held is None:
+                    merged[key] = value
+                    owners[f"{name}.{key}"] = owner
+                elif held != value:
+                    conflicts.append(Conflict(f"{name}.{key}", owners[f"{name}.{key}"], held,
+                                              owner, value))
         hooks.extend(part.hooks)
 
-    if not claimed and not hooks:
+    if not owners and not hooks:
         return MergeResult(EMPTY_SETTINGS, tuple(conflicts), MappingProxyType({}))
-    values = {key: value for key, (_, value) in claimed.items()}
     settings = ContainerSettings(
         rdt_class=cast("str | None", values.get("rdt_class")),
         memory_limit=cast("int | None", values.get("memory_limit")),
         memory_reservation=cast("int | None", values.get("memory_reservation")),
         oom_score_adj=cast("int | None", values.get("oom_score_adj")),
-        unified=_entries("unified.", values),
-        annotations=_entries("annotations.", values),
+        unified=MappingProxyType(maps["unified"]) if maps["unified"] else EMPTY_MAP,
+        annotations=MappingProxyType(maps["annotations"]) if maps["annotations"] else EMPTY_MAP,
         hooks=tuple(hooks),
     )
-    owners = {key: owner for key, (owner, _) in claimed.items()}
     return MergeResult(settings, tuple(conflicts), MappingProxyType(owners))
-
-
-def _entries(prefix: str, values: Mapping[str, object]) -> Mapping[str, str]:
-    found = {k[len(prefix):]: cast(str, v) for k, v in values.items() if k.startswith(prefix)}
-    return MappingProxyType(found) if found else EMPTY_MAP

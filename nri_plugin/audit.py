@@ -21,7 +21,9 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any, Protocol
 
-import structlog
+import orjson
+
+from nri_plugin.log_context import current_fields
 
 AUDIT_LOGGER = "nri_qos.audit"
 # Keys every audit line carries itself; a record's fields must not use them.
@@ -129,6 +131,19 @@ def json_default(value: Any) -> Any:
     return str(value)
 
 
+def json_text(value: Any, **_: Any) -> str:
+    """One log line or audit record as JSON text (structlog's ``serializer`` signature).
+
+    orjson renders these small records about ten times faster than the standard library, which
+    matters on every NRI event; what orjson refuses (an integer beyond 64 bits, a string with
+    lone surrogates) goes through the standard library, escaped to ASCII, so no line is lost.
+    """
+    try:
+        return orjson.dumps(value, default=json_default, option=orjson.OPT_NON_STR_KEYS).decode()
+    except TypeError:
+        return json.dumps(value, default=json_default)
+
+
 class AuditFile:
     """Appends JSON lines to ``path`` and rotates it by size, like ``RotatingFileHandler``.
 
@@ -149,7 +164,7 @@ class AuditFile:
         self._size = self._file.tell()
 
     def write(self, record: Mapping[str, Any]) -> None:
-        line = (json.dumps(record, default=json_default, ensure_ascii=False) + "\n").encode()
+        line = (json_text(record) + "\n").encode()
         with self._lock:
             if self._size > 0 and self._size + len(line) > self.max_bytes:
                 self._rotate()
@@ -224,7 +239,7 @@ class LogAuditSink:
             return
         line: dict[str, Any] = {"timestamp": timestamp, "logger": AUDIT_LOGGER, "audit": True,
                                 "event": event}
-        for key, value in structlog.contextvars.get_contextvars().items():
+        for key, value in current_fields().items():
             line.setdefault(key, value)
         line.update(fields)
         try:

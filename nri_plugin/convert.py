@@ -53,8 +53,6 @@ def container_info(container: api.Container) -> ContainerInfo:
         id=container.id,
         pod_sandbox_id=container.pod_sandbox_id,
         name=container.name,
-        labels=_frozen(container.labels),
-        annotations=_frozen(container.annotations),
         cgroups_path=linux.cgroups_path,
         pid=container.pid,
         # The runtime leaves the limit out, or writes 0, for "no limit".
@@ -79,8 +77,9 @@ def _memory_request(resources: api.LinuxResources) -> int | None:
     return None
 
 
-def _resources(settings: ContainerSettings, clos_field: ClosField | None) -> api.LinuxResources:
-    resources = api.LinuxResources()
+def _fill_resources(resources: api.LinuxResources, settings: ContainerSettings,
+                    clos_field: ClosField | None) -> None:
+    # Filled in place: a sub-message only becomes present once one of its fields is set.
     if settings.memory_limit is not None:
         resources.memory.limit.value = settings.memory_limit
     if settings.memory_reservation is not None:
@@ -89,18 +88,18 @@ def _resources(settings: ContainerSettings, clos_field: ClosField | None) -> api
         resources.unified[key] = value
     if settings.rdt_class is not None and clos_field == "rdt_class":
         resources.rdt_class.value = settings.rdt_class
-    return resources
 
 
-def to_adjustment(
-    settings: ContainerSettings, *, clos_field: ClosField | None
-) -> api.ContainerAdjustment:
-    """The adjustment for a container being created.
+def fill_adjustment(
+    adjust: api.ContainerAdjustment, settings: ContainerSettings, *,
+    clos_field: ClosField | None,
+) -> None:
+    """Write the settings of a container being created into ``adjust`` (in place, e.g. the
+    ``adjust`` of a response: building it apart and copying it in costs a copy per event).
 
     ``clos_field`` picks where the resctrl class goes: ``linux.resources.rdt_class`` or
     ``linux.rdt.clos_id``; None drops it (the runtime would not apply either).
     """
-    adjust = api.ContainerAdjustment()
     for key, value in settings.annotations.items():
         adjust.annotations[key] = value
     for hook in settings.hooks:
@@ -110,13 +109,20 @@ def to_adjustment(
         entry.env.extend(hook.env)
         if hook.timeout_s is not None:
             entry.timeout.value = hook.timeout_s
-    resources = _resources(settings, clos_field)
-    if resources.ByteSize():
-        adjust.linux.resources.CopyFrom(resources)
+    linux = adjust.linux
+    _fill_resources(linux.resources, settings, clos_field)
     if settings.oom_score_adj is not None:
-        adjust.linux.oom_score_adj.value = settings.oom_score_adj
+        linux.oom_score_adj.value = settings.oom_score_adj
     if settings.rdt_class is not None and clos_field == "clos_id":
-        adjust.linux.rdt.clos_id.value = settings.rdt_class
+        linux.rdt.clos_id.value = settings.rdt_class
+
+
+def to_adjustment(
+    settings: ContainerSettings, *, clos_field: ClosField | None
+) -> api.ContainerAdjustment:
+    """The adjustment for a container being created (see :func:`fill_adjustment`)."""
+    adjust = api.ContainerAdjustment()
+    fill_adjustment(adjust, settings, clos_field=clos_field)
     return adjust
 
 
@@ -129,9 +135,10 @@ def to_update(
 ) -> api.ContainerUpdate:
     """An update of an existing container: only its resources can change."""
     update = api.ContainerUpdate(container_id=container_id, ignore_failure=ignore_failure)
+    resources = update.linux.resources
+    resources.SetInParent()
     # An update has no linux.rdt, so the class can only travel as rdt_class.
-    resources = _resources(settings, "rdt_class" if clos_field is not None else None)
-    update.linux.resources.CopyFrom(resources)
+    _fill_resources(resources, settings, "rdt_class" if clos_field is not None else None)
     return update
 
 

@@ -2,8 +2,8 @@
 
 :class:`LoggingSetup` configures structlog (and routes the standard library's ``logging`` through
 the same renderer): JSON lines when the stream is not a terminal or ``format = "json"``, a console
-renderer otherwise; ISO-8601 UTC timestamps; level filtering; context variables merged into every
-line so an event's context is bound once::
+renderer otherwise; ISO-8601 UTC timestamps; level filtering; the event's context
+(:mod:`nri_plugin.log_context`) merged into every line so it is bound once::
 
     with event_context("CreateContainer", pod=pod, container=container):
         log.info("...")          # carries nri_event, pod_namespace, pod_name, pod_uid, container
@@ -30,8 +30,9 @@ import structlog
 from structlog.typing import Processor
 
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.audit import AuditFile, AuditLog, LogAuditSink, json_default
+from nri_plugin.audit import AuditFile, AuditLog, LogAuditSink, json_text
 from nri_plugin.config.schema import LoggingConfig
+from nri_plugin.log_context import bound_fields, merge_fields
 
 LEVELS: Mapping[str, int] = {
     "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -128,7 +129,7 @@ class LoggingSetup:
         json_lines = wants_json(cfg.format, stream)
         renderer: Processor
         if json_lines:
-            renderer = structlog.processors.JSONRenderer(default=json_default)
+            renderer = structlog.processors.JSONRenderer(serializer=json_text)
         else:
             isatty = getattr(stream, "isatty", None)
             renderer = structlog.dev.ConsoleRenderer(colors=callable(isatty) and bool(isatty()))
@@ -138,7 +139,7 @@ class LoggingSetup:
         )
         structlog.configure(
             processors=[
-                structlog.contextvars.merge_contextvars,
+                merge_fields,
                 structlog.processors.add_log_level,
                 _add_logger_name,
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -153,11 +154,12 @@ class LoggingSetup:
         self._route_stdlib(renderer)
         # Audit lines bypass the level filter: the trail is not chatter. The sink adds the
         # timestamp so the log line and the file line agree.
+        # Bound once here, not per record: the lazy proxy would build a logger on every call.
         audit_stream = structlog.wrap_logger(
             structlog.WriteLogger(stream),
-            processors=[structlog.contextvars.merge_contextvars, _lead_keys, renderer],
+            processors=[merge_fields, _lead_keys, renderer],
             wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET),
-        )
+        ).bind()
         errors = structlog.get_logger(LOGS_LOGGER)
         self.sink.set_stream(audit_stream, errors)
         self._apply_file(cfg, errors)
@@ -170,7 +172,7 @@ class LoggingSetup:
         handler = _RootHandler(self._stream)
         handler.setFormatter(structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[
-                structlog.contextvars.merge_contextvars,
+                merge_fields,
                 structlog.stdlib.add_log_level,
                 structlog.stdlib.add_logger_name,
                 structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -233,7 +235,7 @@ def event_context(nri_event: str, *, pod: PodInfo | None = None,
     if container is not None:
         context["container"] = container.name
     context.update(extra)
-    return structlog.contextvars.bound_contextvars(**context)
+    return bound_fields(context)
 
 
 @dataclass

@@ -23,17 +23,17 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from hooks.qos_level import resolve_level
-from hooks.settings import ContainerSettings, merge
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings, merge
 from nri_plugin.audit import AuditLog
 from nri_plugin.chain import ContainerEvent, Hook, PodEvent
 from nri_plugin.config.schema import Config
-from nri_plugin.convert import InvalidInput, container_info, pod_info, to_adjustment
+from nri_plugin.convert import InvalidInput, container_info, fill_adjustment, pod_info
 from nri_plugin.envelope import RpcError
 from nri_plugin.events import POD_EVENTS, Event, mask_of
 from nri_plugin.failure import ChainOutcome, FailurePolicy
 from nri_plugin.logs import event_context, timed_event
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.pod_views import PodView, PodViews
 from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
 from nri_plugin.ttrpc import StatusCode
 from nri_plugin.versions import RuntimeCapabilities
@@ -87,16 +87,12 @@ class _ChainRun:
             with self._lock:
                 if self._abandoned:
                     return
-            try:
-                result = call()
-            except Exception as exc:
-                with self._lock:
-                    self._failures.append((name, f"{type(exc).__name__}: {exc}"))
-                    self._done += 1
-                continue
+            part, failure = _call_hook(call)
             with self._lock:
-                if isinstance(result, ContainerSettings):
-                    self._parts.append((name, result))
+                if part is not None:
+                    self._parts.append((name, part))
+                if failure is not None:
+                    self._failures.append((name, failure))
                 self._done += 1
 
     def collect(self, deadline_ms: float) -> ChainOutcome:
@@ -142,6 +138,8 @@ class PluginStub:
         self._peer: TtrpcPeer | None = None
         self._log_config: object = None
         self._bound_log: Any = log
+        self._policies = {strict: FailurePolicy(audit, strict=strict) for strict in (False, True)}
+        self._pod_views = PodViews()
         self._reset_session()
         self._handlers = self._build_handlers()
 
@@ -153,6 +151,9 @@ class PluginStub:
         self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
         self.event_mask = 0
         self.synchronized = asyncio.Event()
+        # A new connection starts with a Synchronize; sandboxes removed meanwhile are not
+        # announced, so nothing remembered from the last one is kept.
+        self._pod_views.clear()
         self._sync_pods: list[api.PodSandbox] = []
         self._sync_containers: list[api.Container] = []
         # When the first chunk of the Synchronize in progress arrived: all chunks share one
@@ -338,11 +339,9 @@ class PluginStub:
         req = self._decode("create_container", api.CreateContainerRequest, request.payload)
         if req is None:
             return b""
-        adjust = await self._event(Event.CREATE_CONTAINER, req.pod, req.container)
-        if adjust is None or not adjust.ByteSize():
-            return b""
         response = api.CreateContainerResponse()
-        response.adjust.CopyFrom(adjust)
+        await self._event(Event.CREATE_CONTAINER, req.pod, req.container, response.adjust)
+        # Empty when nothing was set (an absent adjustment).
         return response.SerializeToString()
 
     def _notice(self, request_type: type[Any], response_type: type[Message],
@@ -385,8 +384,9 @@ class PluginStub:
         return message
 
     async def _event(self, event: Event, pod_msg: api.PodSandbox,
-                     container_msg: api.Container | None) -> api.ContainerAdjustment | None:
-        """Run the chain for one event; the adjustment for CreateContainer, else None.
+                     container_msg: api.Container | None,
+                     adjust: api.ContainerAdjustment | None = None) -> None:
+        """Run the chain for one event; for CreateContainer, fill in ``adjust``.
 
         Logs the one canonical line of the event.
         """
@@ -394,7 +394,7 @@ class PluginStub:
         name = event.name.lower()
         result, extra = "error", {}
         try:
-            adjust, result = await self._process(event, name, pod_msg, container_msg)
+            result = await self._process(event, name, pod_msg, container_msg, adjust)
         except RpcError as exc:
             # The failure policy's own answer (strict mode).
             extra = {"error": exc.message}
@@ -404,11 +404,15 @@ class PluginStub:
             # that raised (fail open with an audit record, or an error status when strict).
             extra = {"error": f"{type(exc).__name__}: {exc}"}
             log.exception("event_handler_failed", nri_event=name)
+            if adjust is not None:
+                # Whatever was filled in before the failure is not answered.
+                adjust.Clear()
             self._policy().unexpected(
                 name, exc, pod_uid=pod_msg.uid,
                 container=container_msg.name if container_msg is not None else "")
-            adjust = api.ContainerAdjustment() if event is Event.CREATE_CONTAINER else None
         finally:
+            if event is Event.REMOVE_POD_SANDBOX:
+                self._pod_views.forget(pod_msg.id)
             # Logged directly rather than through a bound context: this line is the only
             # per-event cost on the fast path (no hook subscribed). It is written on the next
             # turn of the loop, after the transport has sent the answer in this one: the
@@ -420,37 +424,35 @@ class PluginStub:
                 duration_ms=round((self._clock() - started) * 1000, 3), result=result,
                 **extra,
             ))
-        return adjust
 
     async def _process(
         self, event: Event, name: str, pod_msg: api.PodSandbox,
-        container_msg: api.Container | None,
-    ) -> tuple[api.ContainerAdjustment | None, str]:
-        creating = event is Event.CREATE_CONTAINER
+        container_msg: api.Container | None, adjust: api.ContainerAdjustment | None,
+    ) -> str:
         hooks = [hook for hook in self._hooks if event in hook.events]
         if not hooks:
-            return (api.ContainerAdjustment() if creating else None), "ok"
-        policy = self._policy()
+            return "ok"
+        cfg = self._config()
+        policy = self._policies[cfg.plugin.strict]
         try:
-            pod = pod_info(pod_msg)
+            view = self._pod_views.view(pod_msg, cfg.qos)
             container = container_info(container_msg) if container_msg is not None else None
         except InvalidInput as exc:
             policy.invalid_input(name, exc, pod_uid=pod_msg.uid,
                                  container=container_msg.name if container_msg else "")
-            return (api.ContainerAdjustment() if creating else None), "invalid"
+            return "invalid"
+        pod, level = view.pod, view.decision.level
         container_name = container.name if container is not None else ""
-        cfg = self._config()
-        level = self._resolve_level(pod, cfg, container_name,
-                                    audit=event in _LEVEL_AUDIT_EVENTS)
+        if event in _LEVEL_AUDIT_EVENTS:
+            self._audit_level(view, container_name)
         inline = all(event in hook.inline_events for hook in hooks)
         with event_context(name, pod=pod, container=container, qos_level=level):
             outcome = await self._run_chain(self._calls(event, hooks, pod, container, level),
                                             inline=inline)
         policy.chain(name, outcome, pod_uid=pod.uid, container=container_name)
-        result = "ok" if outcome.complete else "partial"
-        if not creating or container is None:
-            return None, result
-        return self._adjustment(cfg, pod, container, level, outcome.parts), result
+        if adjust is not None and container is not None:
+            self._fill(adjust, cfg, pod, container, level, outcome.parts)
+        return "ok" if outcome.complete else "partial"
 
     def _calls(self, event: Event, hooks: Sequence[Hook], pod: PodInfo,
                container: ContainerInfo | None, level: str) -> list[_Call]:
@@ -473,12 +475,11 @@ class PluginStub:
         ``inline``: every call only computes (see :class:`~nri_plugin.chain.Hook`), so run them
         here and spare the thread hop; there is nothing a deadline could interrupt.
         """
+        if inline:
+            return _run_inline(calls)
         if deadline_ms is None:
             deadline_ms = self.deadline_ms()
         run = _ChainRun(calls)
-        if inline:
-            run()
-            return run.collect(deadline_ms)
         # The worker runs in a copy of this event's context, so hooks log with its fields.
         context = contextvars.copy_context()
         future = asyncio.get_running_loop().run_in_executor(self._executor, context.run, run)
@@ -494,19 +495,18 @@ class PluginStub:
         budget = self.request_timeout_ms - plugin.deadline_margin_ms
         return max(MIN_DEADLINE_MS, float(min(plugin.deadline_ms, budget)))
 
-    def _resolve_level(self, pod: PodInfo, cfg: Config, container: str, *, audit: bool) -> str:
-        decision = resolve_level(pod, cfg.qos)
-        if audit:
-            for source, value in decision.rejected:
-                self._audit.record(
-                    "adjustment_skipped", pod_uid=pod.uid, container=container,
-                    reason=f"{source}: unknown QoS value {value!r}; level {decision.level} "
-                           f"from {decision.source}",
-                )
-        return decision.level
+    def _audit_level(self, view: PodView, container: str) -> None:
+        decision = view.decision
+        for source, value in decision.rejected:
+            self._audit.record(
+                "adjustment_skipped", pod_uid=view.pod.uid, container=container,
+                reason=f"{source}: unknown QoS value {value!r}; level {decision.level} "
+                       f"from {decision.source}",
+            )
 
-    def _adjustment(self, cfg: Config, pod: PodInfo, container: ContainerInfo, level: str,
-                    parts: Sequence[tuple[str, ContainerSettings]]) -> api.ContainerAdjustment:
+    def _fill(self, adjust: api.ContainerAdjustment, cfg: Config, pod: PodInfo,
+              container: ContainerInfo, level: str,
+              parts: Sequence[tuple[str, ContainerSettings]]) -> None:
         merged = merge(parts)
         for conflict in merged.conflicts:
             self._audit.record(
@@ -523,12 +523,17 @@ class PluginStub:
         if settings.oom_score_adj is not None and not self.capabilities.oom_score_adj:
             self._skip(pod, container, "runtime does not apply oom_score_adj adjustments")
             settings = replace(settings, oom_score_adj=None)
-        if not settings.is_empty():
-            # Recorded on the next turn of the loop, like the event line: after the answer.
-            asyncio.get_running_loop().call_soon(functools.partial(
-                self._audit.record, "adjustment_applied", pod_uid=pod.uid,
-                container=container.name, qos_level=level, fields=_set_fields(settings)))
-        return to_adjustment(settings, clos_field=clos_field)
+        if settings is EMPTY_SETTINGS or settings.is_empty():
+            return
+        fill_adjustment(adjust, settings, clos_field=clos_field)
+        # Recorded on the next turn of the loop, like the event line: after the answer.
+        asyncio.get_running_loop().call_soon(
+            self._record_applied, pod.uid, container.name, level, settings)
+
+    def _record_applied(self, pod_uid: str, container: str, level: str,
+                        settings: ContainerSettings) -> None:
+        self._audit.record("adjustment_applied", pod_uid=pod_uid, container=container,
+                           qos_level=level, fields=_set_fields(settings))
 
     def _skip(self, pod: PodInfo, container: ContainerInfo, reason: str) -> None:
         self._audit.record("adjustment_skipped", pod_uid=pod.uid, container=container.name,
@@ -547,7 +552,7 @@ class PluginStub:
         return self._bound_log
 
     def _policy(self) -> FailurePolicy:
-        return FailurePolicy(self._audit, strict=self._config().plugin.strict)
+        return self._policies[self._config().plugin.strict]
 
 
 _POD_RPCS = {
@@ -579,6 +584,27 @@ def _parse(message_type: type[M], payload: bytes) -> M | None:
     except DecodeError:
         return None
     return message
+
+
+def _call_hook(call: Callable[[], object]) -> tuple[ContainerSettings | None, str | None]:
+    """(settings, None) or (None, None) when the hook returned, (None, error text) if it raised."""
+    try:
+        result = call()
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return (result if isinstance(result, ContainerSettings) else None), None
+
+
+def _run_inline(calls: Sequence[_Call]) -> ChainOutcome:
+    parts: list[tuple[str, ContainerSettings]] = []
+    failures: list[tuple[str, str]] = []
+    for name, call in calls:
+        part, failure = _call_hook(call)
+        if part is not None:
+            parts.append((name, part))
+        if failure is not None:
+            failures.append((name, failure))
+    return ChainOutcome(parts=tuple(parts), failures=tuple(failures))
 
 
 def _bind(function: Callable[..., object], *args: object) -> Callable[[], object]:

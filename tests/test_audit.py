@@ -7,10 +7,10 @@ import json
 import re
 import threading
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import pytest
-import structlog
 
 from nri_plugin.audit import (
     CATALOGUE,
@@ -19,7 +19,9 @@ from nri_plugin.audit import (
     AuditLog,
     LogAuditSink,
     MemoryAuditSink,
+    json_text,
 )
+from nri_plugin.log_context import bound_fields
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("nri_plugin", "hooks", "reconciler")
@@ -244,7 +246,7 @@ def test_sink_writes_stream_and_file_with_one_timestamp(tmp_path: Path) -> None:
     stream, errors = ListLogger(), ListLogger()
     sink = LogAuditSink(stream, errors, wall_clock=lambda: 1_700_000_000.25)
     sink.set_file(AuditFile(str(tmp_path / "a.jsonl"), 1 << 20, 1))
-    with structlog.contextvars.bound_contextvars(nri_event="create_container", pod_uid="ctx"):
+    with bound_fields({"nri_event": "create_container", "pod_uid": "ctx"}):
         AuditLog(sink).record("adjustment_skipped", pod_uid="u1", container="c", reason="r")
     sink.set_file(None)
     stamp = "2023-11-14T22:13:20.250000Z"
@@ -287,3 +289,12 @@ def test_sink_swaps_files_and_closes_the_old_one(tmp_path: Path) -> None:
     assert [r["pod"] for r in read_lines(tmp_path / "2.jsonl")] == ["b"]
     with pytest.raises(ValueError, match="closed"):
         first.write({"late": True})
+
+
+def test_json_text_renders_what_orjson_refuses() -> None:
+    record = {"big": 1 << 70, "text": "bad \udc80 surrogate", "levels": frozenset({"b", "a"})}
+    assert json.loads(json_text(record)) == {
+        "big": 1 << 70, "text": "bad \udc80 surrogate", "levels": ["a", "b"]}
+    fast = {"pod": "ns/ä", "n": 3, "fields": ("x",), "mapping": MappingProxyType({"k": 1})}
+    assert json.loads(json_text(fast)) == {"pod": "ns/ä", "n": 3, "fields": ["x"],
+                                           "mapping": {"k": 1}}

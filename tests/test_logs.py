@@ -16,6 +16,7 @@ import structlog
 
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import LoggingConfig
+from nri_plugin.log_context import bound_fields, current_fields, merge_fields
 from nri_plugin.logs import LoggingSetup, configure_logging, event_context, timed_event
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
@@ -36,7 +37,6 @@ def make_setup() -> Iterator[Callable[..., LoggingSetup]]:
     for setup in made:
         setup.close()
     structlog.reset_defaults()
-    structlog.contextvars.clear_contextvars()
 
 
 def json_lines(stream: io.StringIO) -> list[dict[str, Any]]:
@@ -268,3 +268,16 @@ def test_default_stream_follows_sys_stderr(
     structlog.get_logger().warning("to the current stderr")
     logging.getLogger("x").warning("stdlib too")
     assert [r["event"] for r in json_lines(later)] == ["to the current stderr", "stdlib too"]
+
+
+def test_nested_event_fields_and_their_reset() -> None:
+    with bound_fields({"nri_event": "outer", "pod_uid": "u1"}):
+        with bound_fields({"nri_event": "inner", "container": "c"}):
+            assert dict(current_fields()) == {"nri_event": "inner", "pod_uid": "u1",
+                                              "container": "c"}
+            line = merge_fields(None, "info", {"event": "x", "container": "given"})
+            # What the log call passes itself wins over the context.
+            assert line == {"event": "x", "container": "given", "nri_event": "inner",
+                            "pod_uid": "u1"}
+        assert dict(current_fields()) == {"nri_event": "outer", "pod_uid": "u1"}
+    assert dict(current_fields()) == {}

@@ -14,7 +14,7 @@ import contextvars
 import functools
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -130,6 +130,12 @@ class PluginStub:
         self.identity = identity
         self._config = config
         self._hooks = tuple(hooks)
+        # Per event: the hooks subscribed to it, and whether they all run inline (then the
+        # event is handled, and answered, without ever waiting).
+        self._chains = {event: tuple(h for h in self._hooks if event in h.events)
+                        for event in Event}
+        self._inline = {event: all(event in h.inline_events for h in chain)
+                        for event, chain in self._chains.items()}
         self._audit = audit
         self._executor = executor
         self._required_events = required_events
@@ -232,7 +238,7 @@ class PluginStub:
     # -- dispatch table ----------------------------------------------------------------------
 
     def _build_handlers(self) -> dict[tuple[str, str], Handler]:
-        table: dict[str, Callable[[envelope.Request], Awaitable[bytes]]] = {
+        table: dict[str, Handler] = {
             "Configure": self._configure,
             "Synchronize": self._synchronize,
             "Shutdown": self._shutdown,
@@ -335,14 +341,23 @@ class PluginStub:
 
     # -- events ------------------------------------------------------------------------------
 
-    async def _create_container(self, request: envelope.Request) -> bytes:
+    def _create_container(self, request: envelope.Request) -> bytes | Awaitable[bytes]:
         req = self._decode("create_container", api.CreateContainerRequest, request.payload)
         if req is None:
             return b""
         response = api.CreateContainerResponse()
-        await self._event(Event.CREATE_CONTAINER, req.pod, req.container, response.adjust)
+        handling = self._event(Event.CREATE_CONTAINER, req.pod, req.container, response.adjust)
         # Empty when nothing was set (an absent adjustment).
-        return response.SerializeToString()
+        return self._answer(Event.CREATE_CONTAINER, handling, response.SerializeToString)
+
+    def _answer(self, event: Event, handling: Coroutine[Any, Any, None],
+                answer: Callable[[], bytes]) -> bytes | Awaitable[bytes]:
+        """The answer now when every hook of ``event`` runs inline, else once ``handling`` is
+        done (in a task of its own, see :mod:`nri_plugin.transport`)."""
+        if self._inline[event]:
+            _run_to_end(handling)
+            return answer()
+        return _answer_after(handling, answer)
 
     def _notice(self, request_type: type[Any], response_type: type[Message],
                 event: Event) -> Handler:
@@ -352,11 +367,12 @@ class PluginStub:
         # Pod events' requests have no container.
         with_container = event not in POD_EVENTS
 
-        async def handle(request: envelope.Request) -> bytes:
+        def handle(request: envelope.Request) -> bytes | Awaitable[bytes]:
             req = self._decode(name, request_type, request.payload)
-            if req is not None:
-                await self._event(event, req.pod, req.container if with_container else None)
-            return answer
+            if req is None:
+                return answer
+            handling = self._event(event, req.pod, req.container if with_container else None)
+            return self._answer(event, handling, lambda: answer)
 
         return handle
 
@@ -429,7 +445,7 @@ class PluginStub:
         self, event: Event, name: str, pod_msg: api.PodSandbox,
         container_msg: api.Container | None, adjust: api.ContainerAdjustment | None,
     ) -> str:
-        hooks = [hook for hook in self._hooks if event in hook.events]
+        hooks = self._chains[event]
         if not hooks:
             return "ok"
         cfg = self._config()
@@ -445,10 +461,9 @@ class PluginStub:
         container_name = container.name if container is not None else ""
         if event in _LEVEL_AUDIT_EVENTS:
             self._audit_level(view, container_name)
-        inline = all(event in hook.inline_events for hook in hooks)
         with event_context(name, pod=pod, container=container, qos_level=level):
             outcome = await self._run_chain(self._calls(event, hooks, pod, container, level),
-                                            inline=inline)
+                                            inline=self._inline[event])
         policy.chain(name, outcome, pod_uid=pod.uid, container=container_name)
         if adjust is not None and container is not None:
             self._fill(adjust, cfg, pod, container, level, outcome.parts)
@@ -611,13 +626,35 @@ def _bind(function: Callable[..., object], *args: object) -> Callable[[], object
     return lambda: function(*args)
 
 
+def _run_to_end(handling: Coroutine[Any, Any, None]) -> None:
+    """Run, here and now, an event's handling whose hooks all run inline: it never waits."""
+    try:
+        handling.send(None)
+    except StopIteration:
+        return
+    handling.close()
+    raise RuntimeError("an event handled inline waited")
+
+
+async def _answer_after(handling: Awaitable[None], answer: Callable[[], bytes]) -> bytes:
+    await handling
+    return answer()
+
+
 def _guarded(handler: Handler) -> Handler:
-    async def run(request: envelope.Request) -> bytes:
-        # Each request runs in its own task, hence its own context: this marks only this one.
-        _in_handler.set(True)
-        return await handler(request)
+    def run(request: envelope.Request) -> bytes | Awaitable[bytes]:
+        result = handler(request)
+        # An answer given at once came from code that cannot wait, so it cannot have awaited
+        # update_containers either.
+        return result if isinstance(result, bytes) else _marked(result)
 
     return run
+
+
+async def _marked(pending: Awaitable[bytes]) -> bytes:
+    # Each waiting request runs in its own task, hence its own context: this marks only this one.
+    _in_handler.set(True)
+    return await pending
 
 
 def _set_fields(settings: ContainerSettings) -> list[str]:

@@ -25,7 +25,7 @@ from nri_plugin.events import Event
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.stub import PluginIdentity, PluginStub, _run_to_end
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 
@@ -431,9 +431,14 @@ class ThreadProbe(Hook):
         self.events = frozenset({Event.CREATE_CONTAINER})
         self.inline_events = self.events if inline else frozenset()
         self.threads: list[int] = []
+        self.tasks: list[asyncio.Task[Any] | None] = []
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
         self.threads.append(threading.get_ident())
+        try:
+            self.tasks.append(asyncio.current_task())
+        except RuntimeError:  # a worker thread has no loop
+            self.tasks.append(None)
         return EMPTY_SETTINGS
 
 
@@ -443,6 +448,8 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     setup = await make([fast_a, fast_b])
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert fast_a.threads == fast_b.threads == [loop_thread]
+    # Handled, and answered, by the connection's reader itself: no task, no turn of the loop.
+    assert fast_a.tasks == fast_b.tasks == [setup.serving]
 
     # One hook that may block moves the whole chain, in order, to a worker thread.
     fast, slow = ThreadProbe("fast", inline=True), ThreadProbe("slow", inline=False)
@@ -450,6 +457,14 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert fast.threads == slow.threads
     assert fast.threads[0] != loop_thread
+
+
+async def test_an_inline_event_that_waits_is_a_bug_not_a_hang() -> None:
+    async def waits() -> None:
+        await asyncio.sleep(0)
+
+    with pytest.raises(RuntimeError, match="waited"):
+        _run_to_end(waits())
 
 
 async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:

@@ -51,7 +51,22 @@ async def unencodable(request: envelope.Request) -> bytes:
     raise RpcError(StatusCode.UNKNOWN, "bad \udcff text")
 
 
+def echo_now(request: envelope.Request) -> bytes:
+    return request.payload.upper()
+
+
+def fail_now(request: envelope.Request) -> bytes:
+    raise KeyError("gone")
+
+
+def refuse_now(request: envelope.Request) -> bytes:
+    raise RpcError(StatusCode.FAILED_PRECONDITION, "not now")
+
+
 HANDLERS: Mapping[tuple[str, str], Handler] = {
+    (SERVICE, "EchoNow"): echo_now,
+    (SERVICE, "FailNow"): fail_now,
+    (SERVICE, "RefuseNow"): refuse_now,
     (SERVICE, "Echo"): echo,
     (SERVICE, "Fail"): fail,
     (SERVICE, "Refuse"): refuse,
@@ -153,6 +168,46 @@ async def test_handler_exception_becomes_status(peers: Peers) -> None:
     assert garbled.value.code == StatusCode.INTERNAL
     # The connection survives all three.
     assert await peers.client.call(SERVICE, "Echo", b"still", timeout_s=5) == b"still"
+
+
+async def test_handlers_answering_at_once(peers: Peers) -> None:
+    assert await peers.client.call(SERVICE, "EchoNow", b"now", timeout_s=5) == b"NOW"
+    with pytest.raises(RpcError) as failed:
+        await peers.client.call(SERVICE, "FailNow", b"", timeout_s=5)
+    assert (failed.value.code, failed.value.message) == (StatusCode.UNKNOWN, "KeyError: 'gone'")
+    with pytest.raises(RpcError) as refused:
+        await peers.client.call(SERVICE, "RefuseNow", b"", timeout_s=5)
+    assert (refused.value.code, refused.value.message) == (
+        StatusCode.FAILED_PRECONDITION, "not now")
+
+
+async def test_only_handlers_that_wait_get_a_task() -> None:
+    ra, wa, rb, wb = await open_pair()
+    seen: dict[str, asyncio.Task[object] | None] = {}
+
+    def at_once(request: envelope.Request) -> bytes:
+        seen["at_once"] = asyncio.current_task()
+        return b"1"
+
+    async def waits(request: envelope.Request) -> bytes:
+        await asyncio.sleep(0)
+        seen["waits"] = asyncio.current_task()
+        return b"2"
+
+    server = TtrpcPeer(ra, wa, serve_conn=1, call_conn=2,
+                       handlers={(SERVICE, "AtOnce"): at_once, (SERVICE, "Waits"): waits})
+    client = TtrpcPeer(rb, wb, serve_conn=2, call_conn=1, handlers={})
+    pair = Peers(server, client)
+    try:
+        assert await client.call(SERVICE, "AtOnce", b"", timeout_s=5) == b"1"
+        assert await client.call(SERVICE, "Waits", b"", timeout_s=5) == b"2"
+    finally:
+        server.close()
+        client.close()
+        await asyncio.gather(*pair.tasks)
+    # Answered from the reader itself, in the turn of the loop that read the request.
+    assert seen["at_once"] is pair.tasks[0]
+    assert seen["waits"] not in (None, pair.tasks[0])
 
 
 async def test_many_calls_in_flight_answered_out_of_order() -> None:

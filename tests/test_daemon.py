@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import signal
 import sys
@@ -68,8 +69,12 @@ async def test_extra_services_and_hooks_join_the_daemon(tmp_path: Path) -> None:
     stop = asyncio.Event()
     seen: list[ServiceContext] = []
 
+    frozen: list[int] = []
+
     async def service(context: ServiceContext) -> None:
         seen.append(context)
+        # Everything built at startup is out of the collector's way while the daemon runs.
+        frozen.append(gc.get_freeze_count())
         await context.stop.wait()
 
     task = asyncio.create_task(daemon.serve(None, str(socket_path), "warning", stop=stop,
@@ -81,6 +86,8 @@ async def test_extra_services_and_hooks_join_the_daemon(tmp_path: Path) -> None:
     assert seen[0].store.current.plugin.name == "nri-qos"
     stop.set()
     assert await task == 0
+    assert frozen[0] > 1000
+    assert gc.get_freeze_count() == 0
     await simulator.stop()
 
 

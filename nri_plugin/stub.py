@@ -355,7 +355,14 @@ class PluginStub:
         """The answer now when every hook of ``event`` runs inline, else once ``handling`` is
         done (in a task of its own, see :mod:`nri_plugin.transport`)."""
         if self._inline[event]:
-            _run_to_end(handling)
+            try:
+                _run_to_end(handling)
+            except InlineWaited as exc:
+                # A bug, not bad input: the same verdict as any failure outside the hooks (an
+                # empty answer and an audit record, or an error status when strict).
+                log.exception("event_handler_failed", nri_event=event.name.lower())
+                self._policy().unexpected(event.name.lower(), exc)
+                return b""
             return answer()
         return _answer_after(handling, answer)
 
@@ -626,6 +633,10 @@ def _bind(function: Callable[..., object], *args: object) -> Callable[[], object
     return lambda: function(*args)
 
 
+class InlineWaited(RuntimeError):
+    """An event handled inline tried to wait (a hook wrongly declared inline, or a bug)."""
+
+
 def _run_to_end(handling: Coroutine[Any, Any, None]) -> None:
     """Run, here and now, an event's handling whose hooks all run inline: it never waits."""
     try:
@@ -633,7 +644,7 @@ def _run_to_end(handling: Coroutine[Any, Any, None]) -> None:
     except StopIteration:
         return
     handling.close()
-    raise RuntimeError("an event handled inline waited")
+    raise InlineWaited("an event handled inline waited")
 
 
 async def _answer_after(handling: Awaitable[None], answer: Callable[[], bytes]) -> bytes:

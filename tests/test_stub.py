@@ -459,12 +459,24 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     assert fast.threads[0] != loop_thread
 
 
-async def test_an_inline_event_that_waits_is_a_bug_not_a_hang() -> None:
-    async def waits() -> None:
-        await asyncio.sleep(0)
+async def waits(*args: object, **kwargs: object) -> object:
+    await asyncio.sleep(0)
+    return None
 
+
+async def test_an_inline_event_that_waits_is_a_bug_not_a_hang(make) -> None:
     with pytest.raises(RuntimeError, match="waited"):
-        _run_to_end(waits())
+        _run_to_end(waits())  # type: ignore[arg-type]
+
+    # Should an inline chain ever wait, the event fails open like any failure outside the hooks.
+    setup = await make([ThreadProbe("a", inline=True)])
+    setup.stub._run_chain = waits  # type: ignore[method-assign]
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert response.adjust == api.ContainerAdjustment()
+    assert setup.conn.alive
+    (skipped,) = setup.sink.named("adjustment_skipped")
+    assert "InlineWaited" in skipped["reason"]
 
 
 async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:

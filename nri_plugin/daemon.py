@@ -309,11 +309,11 @@ async def serve(
     # process. Out of the collector's generations, it is never scanned again: a full collection
     # would otherwise walk it all (some 30 ms), in the middle of whichever CreateContainer
     # triggered it. Garbage is collected first so that none of it is kept for good.
-    gc.collect()
-    gc.freeze()
     if reload_on_sighup:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, store.request_reload)
     connection: asyncio.Task[bool] | None = None
+    gc.collect()
+    gc.freeze()
     try:
         async with asyncio.TaskGroup() as group:
             if prelaunched is not None:

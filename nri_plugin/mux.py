@@ -46,8 +46,8 @@ def split_sizes(size: int) -> tuple[int] | tuple[int, int]:
 def encode_message(conn_id: int, ttrpc_message: bytes) -> bytes:
     """Wrap exactly one encoded ttrpc frame in one or two mux frames.
 
-    The result must be written in a single write, under the writer's lock, so
-    that no other message can come between the two frames.
+    The result must be handed to the transport in a single write, so that no
+    other message can come between the two frames.
     Raises :class:`ValueError` if ``ttrpc_message`` is not exactly one whole
     ttrpc frame or ``conn_id`` is not a usable connection id, and
     :class:`MessageTooLarge` if the frame's data exceeds the ttrpc limit.

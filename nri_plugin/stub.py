@@ -347,8 +347,11 @@ class PluginStub:
             return b""
         response = api.CreateContainerResponse()
         handling = self._event(Event.CREATE_CONTAINER, req.pod, req.container, response.adjust)
-        # Empty when nothing was set (an absent adjustment).
-        return self._answer(Event.CREATE_CONTAINER, handling, response.SerializeToString)
+        # An adjustment that sets nothing is answered as an empty payload (as a failure's,
+        # cleared, one would otherwise still be present).
+        return self._answer(Event.CREATE_CONTAINER, handling,
+                            lambda: response.SerializeToString() if response.adjust.ByteSize()
+                            else b"")
 
     def _answer(self, event: Event, handling: Coroutine[Any, Any, None],
                 answer: Callable[[], bytes]) -> bytes | Awaitable[bytes]:
@@ -612,7 +615,9 @@ def _call_hook(call: Callable[[], object]) -> tuple[ContainerSettings | None, st
     """(settings, None) or (None, None) when the hook returned, (None, error text) if it raised."""
     try:
         result = call()
-    except Exception as exc:
+    except (Exception, asyncio.CancelledError) as exc:
+        # A CancelledError raised by a hook's own code is the hook failing, not this event
+        # being cancelled (that would come at an await, and a hook call has none).
         return None, f"{type(exc).__name__}: {exc}"
     return (result if isinstance(result, ContainerSettings) else None), None
 

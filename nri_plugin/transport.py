@@ -153,7 +153,9 @@ class TtrpcPeer:
             return
         try:
             result = handler(request)
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            # Raised by the handler's own code (the reader is not at an await here), so it is
+            # the handler failing; letting it through would end the reader and the connection.
             self._answer(stream_id, b"", *_failure(exc, request.method))
             return
         if isinstance(result, bytes):
@@ -308,10 +310,12 @@ class TtrpcPeer:
 
 
 
-def _failure(exc: Exception, method: str) -> tuple[int, str]:
+def _failure(exc: BaseException, method: str) -> tuple[int, str]:
     """The status answering a handler that raised ``exc``."""
     if isinstance(exc, RpcError):
         return exc.code, exc.message
-    # Nothing a handler raises may reach the wire as anything but a status.
-    log.exception("handler_failed", method=method, exc_info=exc)
+    # Nothing a handler raises may reach the wire as anything but a status, nor end the
+    # reader: not even a log stream that fails.
+    with contextlib.suppress(OSError, ValueError):
+        log.exception("handler_failed", method=method, exc_info=exc)
     return StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"

@@ -25,9 +25,10 @@ from nri_plugin.events import Event
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub, _run_to_end
+from nri_plugin.stub import PLUGIN_SERVICE, PluginIdentity, PluginStub, _run_to_end
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
+from protos import ttrpc_envelope_pb2 as envelope
 
 OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
 ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,
@@ -477,6 +478,38 @@ async def test_an_inline_event_that_waits_is_a_bug_not_a_hang(make) -> None:
     assert setup.conn.alive
     (skipped,) = setup.sink.named("adjustment_skipped")
     assert "InlineWaited" in skipped["reason"]
+
+
+async def test_inline_hook_raising_cancelled_error_fails_open(make) -> None:
+    hook = Recorder("cancels", settings=ContainerSettings(oom_score_adj=900),
+                    error=asyncio.CancelledError("hook code"))
+    hook.inline_events = hook.events
+    setup = await make([hook])
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert response.adjust == api.ContainerAdjustment()
+    assert setup.conn.alive
+    (skipped,) = setup.sink.named("adjustment_skipped")
+    assert "hook cancels failed: CancelledError" in skipped["reason"]
+
+
+def test_failed_create_container_answers_an_empty_payload(executor: ThreadPoolExecutor) -> None:
+    huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70))
+    huge.inline_events = huge.events
+    sink = MemoryAuditSink()
+    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config, hooks=[huge],
+                      audit=AuditLog(sink), executor=executor)
+    request = envelope.Request(
+        service=PLUGIN_SERVICE, method="CreateContainer",
+        payload=api.CreateContainerRequest(pod=pod(), container=container()).SerializeToString())
+
+    async def handle() -> object:
+        return stub._handlers[(PLUGIN_SERVICE, "CreateContainer")](request)
+
+    # Filled in part before building the answer failed, cleared, and then not sent at all.
+    assert asyncio.run(handle()) == b""
+    (skipped,) = sink.named("adjustment_skipped")
+    assert "ValueError" in skipped["reason"]
 
 
 async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:

@@ -63,10 +63,15 @@ def refuse_now(request: envelope.Request) -> bytes:
     raise RpcError(StatusCode.FAILED_PRECONDITION, "not now")
 
 
+def cancel_now(request: envelope.Request) -> bytes:
+    raise asyncio.CancelledError("from the handler's own code")
+
+
 HANDLERS: Mapping[tuple[str, str], Handler] = {
     (SERVICE, "EchoNow"): echo_now,
     (SERVICE, "FailNow"): fail_now,
     (SERVICE, "RefuseNow"): refuse_now,
+    (SERVICE, "CancelNow"): cancel_now,
     (SERVICE, "Echo"): echo,
     (SERVICE, "Fail"): fail,
     (SERVICE, "Refuse"): refuse,
@@ -179,6 +184,12 @@ async def test_handlers_answering_at_once(peers: Peers) -> None:
         await peers.client.call(SERVICE, "RefuseNow", b"", timeout_s=5)
     assert (refused.value.code, refused.value.message) == (
         StatusCode.FAILED_PRECONDITION, "not now")
+    # Not the reader's own cancellation: answered, and the connection stays.
+    with pytest.raises(RpcError) as cancelled:
+        await peers.client.call(SERVICE, "CancelNow", b"", timeout_s=5)
+    assert cancelled.value.code == StatusCode.UNKNOWN
+    assert "CancelledError" in cancelled.value.message
+    assert await peers.client.call(SERVICE, "EchoNow", b"still", timeout_s=5) == b"STILL"
 
 
 async def test_only_handlers_that_wait_get_a_task() -> None:

@@ -40,7 +40,7 @@ class Recorder(Hook):
 
     def __init__(self, name: str, events: Sequence[Event] = (Event.CREATE_CONTAINER,), *,
                  settings: ContainerSettings = EMPTY_SETTINGS, block: threading.Event | None = None,
-                 error: Exception | None = None) -> None:
+                 error: BaseException | None = None) -> None:
         self.name = name
         self.events = frozenset(events)
         self.settings = settings

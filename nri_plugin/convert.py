@@ -117,15 +117,6 @@ def fill_adjustment(
         linux.rdt.clos_id.value = settings.rdt_class
 
 
-def to_adjustment(
-    settings: ContainerSettings, *, clos_field: ClosField | None
-) -> api.ContainerAdjustment:
-    """The adjustment for a container being created (see :func:`fill_adjustment`)."""
-    adjust = api.ContainerAdjustment()
-    fill_adjustment(adjust, settings, clos_field=clos_field)
-    return adjust
-
-
 def to_update(
     container_id: str,
     settings: ContainerSettings,

@@ -23,7 +23,7 @@ import structlog
 from google.protobuf.message import DecodeError, Message
 
 from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from hooks.settings import EMPTY_SETTINGS, ContainerSettings, merge
+from hooks.settings import ContainerSettings, merge
 from nri_plugin.audit import AuditLog
 from nri_plugin.chain import ContainerEvent, Hook, PodEvent
 from nri_plugin.config.schema import Config
@@ -500,11 +500,13 @@ class PluginStub:
         ``inline``: every call only computes (see :class:`~nri_plugin.chain.Hook`), so run them
         here and spare the thread hop; there is nothing a deadline could interrupt.
         """
+        run = _ChainRun(calls)
         if inline:
-            return _run_inline(calls)
+            run()
+            # Every call has returned: nothing is left for a deadline to name.
+            return run.collect(0.0)
         if deadline_ms is None:
             deadline_ms = self.deadline_ms()
-        run = _ChainRun(calls)
         # The worker runs in a copy of this event's context, so hooks log with its fields.
         context = contextvars.copy_context()
         future = asyncio.get_running_loop().run_in_executor(self._executor, context.run, run)
@@ -548,7 +550,7 @@ class PluginStub:
         if settings.oom_score_adj is not None and not self.capabilities.oom_score_adj:
             self._skip(pod, container, "runtime does not apply oom_score_adj adjustments")
             settings = replace(settings, oom_score_adj=None)
-        if settings is EMPTY_SETTINGS or settings.is_empty():
+        if settings.is_empty():
             return
         fill_adjustment(adjust, settings, clos_field=clos_field)
         # Recorded on the next turn of the loop, like the event line: after the answer.
@@ -620,18 +622,6 @@ def _call_hook(call: Callable[[], object]) -> tuple[ContainerSettings | None, st
         # being cancelled (that would come at an await, and a hook call has none).
         return None, f"{type(exc).__name__}: {exc}"
     return (result if isinstance(result, ContainerSettings) else None), None
-
-
-def _run_inline(calls: Sequence[_Call]) -> ChainOutcome:
-    parts: list[tuple[str, ContainerSettings]] = []
-    failures: list[tuple[str, str]] = []
-    for name, call in calls:
-        part, failure = _call_hook(call)
-        if part is not None:
-            parts.append((name, part))
-        if failure is not None:
-            failures.append((name, failure))
-    return ChainOutcome(parts=tuple(parts), failures=tuple(failures))
 
 
 def _bind(function: Callable[..., object], *args: object) -> Callable[[], object]:

@@ -309,7 +309,6 @@ class TtrpcPeer:
             await self._writer.wait_closed()
 
 
-
 def _failure(exc: BaseException, method: str) -> tuple[int, str]:
     """The status answering a handler that raised ``exc``."""
     if isinstance(exc, RpcError):

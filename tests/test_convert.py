@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.convert import InvalidInput, container_info, pod_info, to_adjustment, to_update
+from nri_plugin.convert import InvalidInput, container_info, fill_adjustment, pod_info, to_update
+from nri_plugin.versions import ClosField
 from protos import nri_api_pb2 as api
+
+
+def to_adjustment(settings: ContainerSettings, *, clos_field: ClosField | None
+                  ) -> api.ContainerAdjustment:
+    adjust = api.ContainerAdjustment()
+    fill_adjustment(adjust, settings, clos_field=clos_field)
+    return adjust
 
 
 def test_pod_info() -> None:

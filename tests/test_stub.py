@@ -40,9 +40,10 @@ class Recorder(Hook):
 
     def __init__(self, name: str, events: Sequence[Event] = (Event.CREATE_CONTAINER,), *,
                  settings: ContainerSettings = EMPTY_SETTINGS, block: threading.Event | None = None,
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None, inline: bool = False) -> None:
         self.name = name
         self.events = frozenset(events)
+        self.inline_events = self.events if inline else frozenset()
         self.settings = settings
         self.block = block
         self.error = error
@@ -460,6 +461,17 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     assert fast.threads[0] != loop_thread
 
 
+async def assert_fails_open(setup: Setup, reason: str) -> None:
+    """A CreateContainer answered with no adjustment, one audit record naming ``reason``, and
+    the connection kept."""
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert response.adjust == api.ContainerAdjustment()
+    assert setup.conn.alive
+    (skipped,) = setup.sink.named("adjustment_skipped")
+    assert reason in skipped["reason"]
+
+
 async def waits(*args: object, **kwargs: object) -> object:
     await asyncio.sleep(0)
     return None
@@ -472,30 +484,18 @@ async def test_an_inline_event_that_waits_is_a_bug_not_a_hang(make) -> None:
     # Should an inline chain ever wait, the event fails open like any failure outside the hooks.
     setup = await make([ThreadProbe("a", inline=True)])
     setup.stub._run_chain = waits  # type: ignore[method-assign]
-    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
-    assert isinstance(response, api.CreateContainerResponse)
-    assert response.adjust == api.ContainerAdjustment()
-    assert setup.conn.alive
-    (skipped,) = setup.sink.named("adjustment_skipped")
-    assert "InlineWaited" in skipped["reason"]
+    await assert_fails_open(setup, "InlineWaited")
 
 
 async def test_inline_hook_raising_cancelled_error_fails_open(make) -> None:
     hook = Recorder("cancels", settings=ContainerSettings(oom_score_adj=900),
-                    error=asyncio.CancelledError("hook code"))
-    hook.inline_events = hook.events
+                    error=asyncio.CancelledError("hook code"), inline=True)
     setup = await make([hook])
-    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
-    assert isinstance(response, api.CreateContainerResponse)
-    assert response.adjust == api.ContainerAdjustment()
-    assert setup.conn.alive
-    (skipped,) = setup.sink.named("adjustment_skipped")
-    assert "hook cancels failed: CancelledError" in skipped["reason"]
+    await assert_fails_open(setup, "hook cancels failed: CancelledError")
 
 
 def test_failed_create_container_answers_an_empty_payload(executor: ThreadPoolExecutor) -> None:
-    huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70))
-    huge.inline_events = huge.events
+    huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70), inline=True)
     sink = MemoryAuditSink()
     stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config, hooks=[huge],
                       audit=AuditLog(sink), executor=executor)
@@ -516,12 +516,7 @@ async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:
     # A value no adjustment can carry (beyond int64) breaks building the answer, not a hook.
     huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70))
     setup = await make([huge])
-    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
-    assert isinstance(response, api.CreateContainerResponse)
-    assert response.adjust == api.ContainerAdjustment()
-    assert setup.conn.alive
-    (skipped,) = setup.sink.named("adjustment_skipped")
-    assert "ValueError" in skipped["reason"]
+    await assert_fails_open(setup, "ValueError")
 
     strict = await make([huge], cfg=config(strict=True))
     with pytest.raises(RpcError) as error:

@@ -51,8 +51,8 @@ from nri_plugin.mux import (  # noqa: E402
     MuxDecoder,
     encode_message,
 )
+from nri_plugin.nri_api import PLUGIN_SERVICE  # noqa: E402
 from nri_plugin.simulator import RuntimeSimulator  # noqa: E402
-from nri_plugin.stub import PLUGIN_SERVICE  # noqa: E402
 from nri_plugin.ttrpc import Frame, FrameDecoder, MessageType, encode_frame  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
 
@@ -61,7 +61,10 @@ RECORDING = Path(os.environ.get(
 )) / "containerd-2.4-full-lifecycle.jsonl"
 IN_FLIGHT = 16
 
+# The background reconciler stays off: these figures are the NRI path's.
 ALL_HOOKS_CONFIG = """
+[reconciler]
+enabled = false
 [resctrl]
 root = "{resctrl}"
 [memory]
@@ -81,7 +84,16 @@ score = 500
 path = "/bin/true"
 args = ["true"]
 """
-EMPTY_CHAIN_CONFIG = "[resctrl]\nenabled = false\n"
+EMPTY_CHAIN_CONFIG = """
+[reconciler]
+enabled = false
+[resctrl]
+enabled = false
+[memory]
+enabled = false
+[oom]
+enabled = false
+"""
 
 
 def recorded_create_payload() -> bytes:
@@ -114,15 +126,15 @@ def fake_resctrl(root: Path) -> None:
         (root / "info" / "MB" / name).write_text(value + "\n")
 
 
-def serve_plugin(socket_path: str, config_path: str, all_hooks: bool, log_level: str) -> None:
-    """Child process: the real daemon, with an empty chain unless ``all_hooks``."""
+def serve_plugin(socket_path: str, config_path: str, log_level: str) -> None:
+    """Child process: the real daemon, its capabilities as the config file says."""
     from nri_plugin import daemon
 
     async def run() -> int:
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(15, stop.set)
         return await daemon.serve(config_path, socket_path, log_level, stop=stop,
-                                  prelaunched=None, hooks=None if all_hooks else [])
+                                  prelaunched=None)
 
     raise SystemExit(asyncio.run(run()))
 
@@ -308,7 +320,7 @@ def main() -> None:
     parser.add_argument("--serve", nargs=2, metavar=("SOCKET", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve_plugin(args.serve[0], args.serve[1], args.all_hooks, args.log_level)
+        serve_plugin(args.serve[0], args.serve[1], args.log_level)
     payload = recorded_create_payload()
     print(f"request: recorded CreateContainer, {len(payload)} bytes of payload; "
           f"chain: {'all capabilities' if args.all_hooks else 'empty'}; "

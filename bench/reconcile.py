@@ -37,17 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hooks.levels import LEVEL_NAMES
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.cgroups import layout_for
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.cgroups import layout_for
+from reconciler.host.resctrlfs import ResctrlFs, read_info
+from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.resctrlfs import ResctrlFs, read_info
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs
 from tests.fakesys import GIB, FakeHost
 
 CONTAINERS = 3
@@ -120,8 +120,8 @@ def measure(root: Path) -> dict[str, Any]:
     audit = AuditLog(sink)
     sysfs = SysFs(root, audit)
     layout = layout_for(sysfs)
-    resctrl_root = root / "sys/fs/resctrl"
-    resctrl = ResctrlFs(resctrl_root, read_info(resctrl_root, 2048), prefix="nriqos-",
+    mount = "/sys/fs/resctrl"
+    resctrl = ResctrlFs(sysfs, mount, read_info(sysfs, mount, 2048), prefix="nriqos-",
                         audit=audit)
     state = NodeState()
     state.replace_all(pods, containers)
@@ -131,7 +131,7 @@ def measure(root: Path) -> dict[str, Any]:
 
     loops: dict[str, Loop] = {
         "resctrl_tasks": ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit),
-        "drift": DriftLoop(config, state, sysfs, layout),
+        "drift": DriftLoop(config, state, sysfs, layout, 64 << 30),
         "memory_guard": MemoryGuardLoop(config, sysfs, layout, audit),
         "numa_binding": NumaBindingLoop(config, state, sysfs, layout, audit),
     }
@@ -144,7 +144,7 @@ def measure(root: Path) -> dict[str, Any]:
         if name == "resctrl_tasks":
             # The kernel takes a moved task out of its old group; a plain file cannot, so the
             # root group's list is reset to what the kernel would show now.
-            (resctrl_root / "tasks").write_text(
+            (root / "sys/fs/resctrl/tasks").write_text(
                 "".join(f"{t}\n" for t in manifest["system_tasks"]))
         cheap: list[tuple[float, float]] = []
         full: list[tuple[float, float]] = []

@@ -30,14 +30,79 @@ becomes the container's memory reservation (soft limit).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 from hooks.annotation_json import json_object
+from hooks.config_fields import frozen_map, percent, setting
+from hooks.levels import LEVEL_NAMES
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.config.creation import MemoryConfig, MemoryLevel
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLevel:
+    policy: str = setting(
+        "none",
+        "none; ratios (Volcano: min/low from the request, high from the limit); "
+        "kubernetes (the MemoryQoS formula with throttling_factor).",
+        choices=("none", "ratios", "kubernetes"),
+    )
+    min_ratio: int = percent(0, "memory.min = request x min_ratio %.")
+    low_ratio: int = percent(0, "memory.low = request x low_ratio %.")
+    high_ratio: int = percent(100, "memory.high = limit x high_ratio % (policy ratios).")
+    throttling_factor: float = setting(
+        0.9, "Factor of the Kubernetes MemoryQoS formula (policy kubernetes).",
+        minimum=0.0, maximum=1.0,
+    )
+    no_limit: str = setting(
+        "allocatable",
+        "For containers without a memory limit: use node allocatable memory, or skip memory.high.",
+        choices=("allocatable", "skip"),
+    )
+    annotation_max_min_ratio: int = percent(
+        100, "Largest minRatio a volcano.sh/colocation-config annotation may ask for."
+    )
+    annotation_max_low_ratio: int = percent(
+        100, "Largest lowRatio a volcano.sh/colocation-config annotation may ask for."
+    )
+    v1_reservation: bool = setting(
+        False,
+        "On cgroup v1, set the memory reservation (soft limit) to the computed memory.low.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    enabled: bool = setting(True, "Set memcg QoS values at container creation.")
+    cgroup_version: str = setting(
+        "auto", "cgroup version of the host; auto detects it.", choices=("auto", "v1", "v2")
+    )
+    page_size: int = setting(4096, "Page size used to round memory.high.", unit="bytes",
+                             minimum=4096, maximum=1 << 30)
+    node_allocatable_bytes: int = setting(
+        0, "Node allocatable memory; 0 means MemTotal from /proc/meminfo.", unit="bytes",
+        minimum=0, maximum=1 << 60,
+    )
+    volcano_annotation: bool = setting(
+        True, "Honour the volcano.sh/colocation-config pod annotation."
+    )
+    levels: Mapping[str, MemoryLevel] = setting(
+        frozen_map({
+            "dedicated_cores": MemoryLevel(),
+            "shared_cores": MemoryLevel(),
+            "reclaimed_cores": MemoryLevel(
+                policy="ratios", high_ratio=95,
+                annotation_max_min_ratio=0, annotation_max_low_ratio=0,
+            ),
+            "system_cores": MemoryLevel(),
+        }),
+        "Memory policy per QoS level.",
+        keys=LEVEL_NAMES,
+    )
+
 
 VOLCANO_ANNOTATION = "volcano.sh/colocation-config"
 MAX_ANNOTATION_CHARS = 16384

@@ -7,8 +7,39 @@ file owned by root and writable by nobody else; see ``check_hook_path``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hooks.config_fields import setting
+from hooks.levels import LEVEL_NAMES
 from hooks.settings import HookStage, OciHookSpec
-from nri_plugin.config.creation import OciHook, OciHooksConfig, OciLevelHooks
+
+
+@dataclass(frozen=True, slots=True)
+class OciHook:
+    path: str = setting("", "Absolute path of the hook executable.")
+    args: tuple[str, ...] = setting((), "argv of the hook (argv[0] included, as in OCI).")
+    env: tuple[str, ...] = setting((), "Environment, KEY=VALUE.")
+    timeout_s: int = setting(0, "Timeout; 0 means none.", unit="seconds", minimum=0, maximum=3600)
+
+
+@dataclass(frozen=True, slots=True)
+class OciLevelHooks:
+    prestart: tuple[OciHook, ...] = setting((), "prestart hooks.")
+    create_runtime: tuple[OciHook, ...] = setting((), "createRuntime hooks.")
+    create_container: tuple[OciHook, ...] = setting((), "createContainer hooks.")
+    start_container: tuple[OciHook, ...] = setting((), "startContainer hooks.")
+    poststart: tuple[OciHook, ...] = setting((), "poststart hooks.")
+    poststop: tuple[OciHook, ...] = setting((), "poststop hooks.")
+
+
+@dataclass(frozen=True, slots=True)
+class OciHooksConfig:
+    levels: Mapping[str, OciLevelHooks] = setting(
+        {}, "Hooks per QoS level, e.g. [[oci_hooks.levels.reclaimed_cores.prestart]].",
+        keys=LEVEL_NAMES,
+    )
+
 
 _STAGES: tuple[tuple[HookStage, str], ...] = (
     (HookStage.PRESTART, "prestart"),

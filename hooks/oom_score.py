@@ -13,12 +13,49 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hooks.levels import QosLevel
+from hooks.config_fields import frozen_map, setting
+from hooks.levels import LEVEL_NAMES, QosLevel
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.config.creation import OomConfig
+
+
+@dataclass(frozen=True, slots=True)
+class OomLevel:
+    set_score: bool = setting(False, "Set oom_score_adj to score (false keeps kubelet's value).")
+    score: int = setting(0, "oom_score_adj for this level.", minimum=-1000, maximum=1000)
+    floor: int = setting(
+        0, "Lowest oom_score_adj a pod annotation may ask for.", minimum=-1000, maximum=1000
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class OomConfig:
+    enabled: bool = setting(True, "Adjust oom_score_adj at container creation.")
+    annotation: str = setting("qos.nri-qos.io/oom-score-adj", "Per-pod oom_score_adj annotation.")
+    priority_ordering: bool = setting(
+        False,
+        "Tier ordering for tidal colocation: reclaimed_cores containers always score at least "
+        "offline_min_score, every other level strictly below it, so offline pods are "
+        "always OOM-killed first.",
+    )
+    offline_min_score: int = setting(
+        500, "Boundary between the offline and online tiers (priority_ordering).",
+        minimum=-999, maximum=1000,
+    )
+    levels: Mapping[str, OomLevel] = setting(
+        frozen_map({
+            "dedicated_cores": OomLevel(floor=-998),
+            "shared_cores": OomLevel(floor=2),
+            "reclaimed_cores": OomLevel(set_score=True, score=1000, floor=1000),
+            "system_cores": OomLevel(floor=-998),
+        }),
+        "oom_score_adj per QoS level.",
+        keys=LEVEL_NAMES,
+    )
+
 
 OOM_MAX = 1000
 _INT_RE = re.compile(r"[+-]?[0-9]{1,5}")

@@ -29,10 +29,70 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from hooks.config_fields import setting
 from hooks.levels import LEVEL_NAMES
 from hooks.model import PodInfo
-from nri_plugin.config.schema import QosConfig
+
+QOS_SOURCES = ("annotation", "katalyst", "koordinator", "volcano", "kubernetes_qos")
+
+
+def _levels_only(value: Any) -> str | None:
+    bad = sorted({v for v in value.values() if v not in LEVEL_NAMES})
+    if bad:
+        return f"values must be QoS levels ({', '.join(LEVEL_NAMES)}), got {', '.join(bad)}"
+    return None
+
+
+def _unique(value: Any) -> str | None:
+    dupes = sorted({v for v in value if list(value).count(v) > 1})
+    return f"duplicate entries: {', '.join(dupes)}" if dupes else None
+
+
+@dataclass(frozen=True, slots=True)
+class QosConfig:
+    sources: tuple[str, ...] = setting(
+        QOS_SOURCES,
+        "Where a pod's QoS level comes from, tried in this order; the first known value wins.",
+        choices=QOS_SOURCES, check=_unique,
+    )
+    default_level: str = setting(
+        "shared_cores", "Level of a pod that no source classifies.", choices=LEVEL_NAMES
+    )
+    annotation: str = setting("qos.nri-qos.io/level", "Annotation holding a level name.")
+    koordinator: Mapping[str, str] = setting(
+        {
+            "LSE": "dedicated_cores",
+            "LSR": "dedicated_cores",
+            "LS": "shared_cores",
+            "BE": "reclaimed_cores",
+            "SYSTEM": "system_cores",
+        },
+        "koordinator.sh/qosClass (label or annotation) value -> level.",
+        check=_levels_only,
+    )
+    volcano: Mapping[str, str] = setting(
+        {
+            "LC": "dedicated_cores",
+            "HLS": "dedicated_cores",
+            "LS": "shared_cores",
+            "BE": "reclaimed_cores",
+        },
+        "volcano.sh/qos-level annotation value -> level.",
+        check=_levels_only,
+    )
+    kubernetes_qos: Mapping[str, str] = setting(
+        {
+            "guaranteed": "shared_cores",
+            "burstable": "shared_cores",
+            "besteffort": "reclaimed_cores",
+        },
+        "Kubernetes QoS class (read from the pod's cgroup parent) -> level.",
+        keys=("guaranteed", "burstable", "besteffort"),
+        check=_levels_only,
+    )
+
 
 KATALYST_ANNOTATION = "katalyst.kubewharf.io/qos_level"
 KOORDINATOR_KEY = "koordinator.sh/qosClass"

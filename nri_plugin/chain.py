@@ -1,65 +1,119 @@
-"""The hook chain: capabilities plugged into the NRI path, called in order for each event.
+"""Running the capabilities of one event, in order, inline or in a worker thread under a deadline.
 
-A :class:`Hook` declares the events it needs (the plugin's subscription mask is derived from the
-hooks actually enabled) and overrides the matching methods. Hooks are synchronous: the stub runs
-the chain in a worker thread under the handler deadline, so a hook that blocks on a slow kernel
-file cannot hold up the event loop, and a deadline can still answer with what is done.
-
-The thread hop costs a few hundred microseconds on a small node, a large share of a
-CreateContainer answer. A hook whose handler for an event only computes (in-memory work and at
-most ``stat`` calls on kernel filesystems: nothing that can wait on a lock, a device or the
-network) lists that event in ``inline_events``; when every hook of an event does, the stub runs
-the chain on the event loop directly.
+:func:`run_inline` calls every capability right here (they only compute, see
+:class:`~nri_plugin.capability.Capability`); :func:`run_threaded` runs them in a worker thread and
+collects, at the deadline, what finished: a capability stuck in the kernel cannot make the answer
+late, it only goes without its part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextvars
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.config.schema import Config
-from nri_plugin.events import Event
+from hooks.settings import ContainerSettings
+
+Call = tuple[str, Callable[[], object]]
+"""(capability name, bound capability method)."""
 
 
 @dataclass(frozen=True, slots=True)
-class PodEvent:
-    pod: PodInfo
-    level: str
-    runtime: RuntimeInfo
+class ChainOutcome:
+    """What a run of the capabilities produced by the time it was collected."""
+
+    # (capability name, settings) of the capabilities that finished, in chain order
+    parts: tuple[tuple[str, ContainerSettings], ...] = ()
+    # (capability name, error text) of the capabilities that raised
+    failures: tuple[tuple[str, str], ...] = ()
+    # capabilities still running or not started when the deadline passed
+    unfinished: tuple[str, ...] = ()
+    deadline_ms: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return not self.failures and not self.unfinished
+
+    def problems(self) -> list[str]:
+        found = [f"capability {name} failed: {error}" for name, error in self.failures]
+        if self.unfinished:
+            found.append(
+                f"deadline of {self.deadline_ms:g} ms passed before capabilities finished: "
+                + ", ".join(self.unfinished)
+            )
+        return found
 
 
-@dataclass(frozen=True, slots=True)
-class ContainerEvent:
-    pod: PodInfo
-    container: ContainerInfo
-    level: str
-    runtime: RuntimeInfo
+def bind(function: Callable[..., object], *args: object) -> Callable[[], object]:
+    return lambda: function(*args)
 
 
-class Hook:
-    """Base class of a capability; every method defaults to doing nothing."""
+class _Run:
+    """One run of calls; what finished can be collected at any time (from another thread)."""
 
-    name: str = "hook"
-    events: frozenset[Event] = frozenset()
-    inline_events: frozenset[Event] = frozenset()
+    def __init__(self, calls: Sequence[Call]) -> None:
+        self._calls = calls
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._parts: list[tuple[str, ContainerSettings]] = []
+        self._failures: list[tuple[str, str]] = []
+        self._done = 0
 
-    def run_pod_sandbox(self, event: PodEvent) -> None:
-        """Called at RunPodSandbox. Raising fails open (or the pod, in strict mode)."""
+    def __call__(self) -> None:
+        for name, call in self._calls:
+            with self._lock:
+                if self._abandoned:
+                    return
+            part, failure = _call(call)
+            with self._lock:
+                if part is not None:
+                    self._parts.append((name, part))
+                if failure is not None:
+                    self._failures.append((name, failure))
+                self._done += 1
 
-    def remove_pod_sandbox(self, event: PodEvent) -> None:
-        """Called at RemovePodSandbox."""
+    def collect(self, deadline_ms: float) -> ChainOutcome:
+        """Stop the run after the current call and return what finished before now."""
+        with self._lock:
+            self._abandoned = True
+            return ChainOutcome(
+                parts=tuple(self._parts),
+                failures=tuple(self._failures),
+                unfinished=tuple(name for name, _ in self._calls[self._done:]),
+                deadline_ms=deadline_ms,
+            )
 
-    def create_container(self, event: ContainerEvent) -> ContainerSettings:
-        """Return this capability's part of the container's settings."""
-        return EMPTY_SETTINGS
 
-    def observe(self, event: Event, pod: PodInfo, container: ContainerInfo | None) -> None:
-        """Any other subscribed event (start, stop, remove, update ...): bookkeeping only."""
+def run_inline(calls: Sequence[Call]) -> ChainOutcome:
+    """Every call, here and now: each only computes, so there is nothing a deadline could cut."""
+    run = _Run(calls)
+    run()
+    return run.collect(0.0)
 
-    def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
-        """The runtime's complete view after (re)connecting."""
 
-    def reconfigure(self, config: Config) -> None:
-        """A reloaded configuration is in force; take its values for the next event."""
+async def run_threaded(calls: Sequence[Call], executor: Executor,
+                       deadline_ms: float) -> ChainOutcome:
+    """The calls in a worker thread; what finished within ``deadline_ms``."""
+    run = _Run(calls)
+    # The worker runs in a copy of this event's context, so capabilities log with its fields.
+    context = contextvars.copy_context()
+    future = asyncio.get_running_loop().run_in_executor(executor, context.run, run)
+    try:
+        await asyncio.wait({future}, timeout=deadline_ms / 1000)
+    finally:
+        outcome = run.collect(deadline_ms)
+    return outcome
+
+
+def _call(call: Callable[[], object]) -> tuple[ContainerSettings | None, str | None]:
+    """(settings, None) or (None, None) when the call returned, (None, error text) if it raised."""
+    try:
+        result = call()
+    except (Exception, asyncio.CancelledError) as exc:
+        # A CancelledError raised by a capability's own code is the capability failing, not
+        # this event being cancelled (that would come at an await, and a call has none).
+        return None, f"{type(exc).__name__}: {exc}"
+    return (result if isinstance(result, ContainerSettings) else None), None

@@ -1,4 +1,5 @@
-"""The ``nri-qos`` command: run the plugin, simulate a runtime, check or print the configuration."""
+"""The ``nri-qos`` command: run the agent, simulate a runtime, probe the host, check or print the
+configuration."""
 
 from __future__ import annotations
 
@@ -44,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="scenario file (default: the bundled one)")
     simulate.add_argument("--config", metavar="PATH", help=config_help)
     simulate.add_argument("--log-level", choices=tuple(LEVELS), help=level_help)
+    simulate.add_argument("--runtime", metavar="NAME/VERSION",
+                          help="impersonate this runtime, e.g. containerd/v1.7.27 "
+                               "(default: the scenario's)")
+    simulate.add_argument("--nri-version", metavar="VERSION",
+                          help="the NRI version the runtime states (default: what that runtime "
+                               "release sends)")
+
+    probe = commands.add_parser(
+        "probe", help="print what the agent sees on this host and which features will run"
+    )
+    probe.add_argument("--config", metavar="PATH", help=config_help)
+    probe.add_argument("--json", action="store_true", help="machine-readable output")
 
     check = commands.add_parser(
         "check-config",
@@ -80,9 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return main_run(args.config, args.socket, args.log_level)
     if args.command == "simulate":
-        from nri_plugin.simulator import main_simulate
+        from nri_plugin.simulate import main_simulate
 
-        return main_simulate(args.scenario, args.config, args.log_level)
+        return main_simulate(args.scenario, args.config, args.log_level, args.runtime,
+                             args.nri_version)
+    if args.command == "probe":
+        from nri_plugin.probe_command import main_probe
+
+        return main_probe(args.config, as_json=args.json)
     if args.command == "check-config":
         return check_config(args.path)
     if args.command == "default-config":

@@ -11,49 +11,65 @@ import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from hooks.model import ContainerInfo, PodInfo
+from hooks.model import ContainerInfo, PodInfo, ReadKeys
 from hooks.settings import ContainerSettings, HookStage
-from nri_plugin.versions import ClosField
+from hooks.untrusted import bounded
+from nri_plugin.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
 INT64_MAX = (1 << 63) - 1
 _DECIMAL = re.compile(r"[0-9]{1,19}")
 
+MAX_ID_CHARS = 256
+"""Sandbox and container ids are 64 hex digits, uids 36 characters."""
+MAX_NAME_CHARS = 1024
+"""Kubernetes names and namespaces have at most 253 characters, container names 63."""
+MAX_PATH_CHARS = 4096
+"""A cgroup path longer than PATH_MAX cannot exist."""
 
-class InvalidInput(ValueError):
-    """A runtime message lacks what the plugin needs to act on it."""
+
+class MessageError(ValueError):
+    """A runtime message lacks what the plugin needs to act on it, or carries what no real pod
+    or container has."""
 
 
-def _frozen(entries: Mapping[str, str]) -> Mapping[str, str]:
-    return MappingProxyType(dict(entries))
+def _text(value: str, what: str, limit: int) -> str:
+    if len(value) > limit:
+        raise MessageError(f"{what} is {len(value)} characters long, more than {limit}: "
+                           f"{bounded(value, 64)}")
+    return value
 
 
-def pod_info(pod: api.PodSandbox) -> PodInfo:
+def pod_info(pod: api.PodSandbox, keys: ReadKeys | None = None) -> PodInfo:
+    """The pod as the policies see it. ``keys`` keeps only the annotations the agent reads
+    (None: all of them, bounded); identifiers longer than any real one are refused."""
     if not pod.id:
-        raise InvalidInput("pod sandbox has no id")
+        raise MessageError("pod sandbox has no id")
+    annotations = (keys.annotations_of(pod.annotations) if keys is not None
+                   else ReadKeys(frozenset(pod.annotations)).annotations_of(pod.annotations))
     return PodInfo(
-        id=pod.id,
-        uid=pod.uid,
-        name=pod.name,
-        namespace=pod.namespace,
-        labels=_frozen(pod.labels),
-        annotations=_frozen(pod.annotations),
-        cgroup_parent=pod.linux.cgroup_parent,
-        cgroups_path=pod.linux.cgroups_path,
+        id=_text(pod.id, "pod sandbox id", MAX_ID_CHARS),
+        uid=_text(pod.uid, "pod uid", MAX_ID_CHARS),
+        name=_text(pod.name, "pod name", MAX_NAME_CHARS),
+        namespace=_text(pod.namespace, "pod namespace", MAX_NAME_CHARS),
+        labels=ReadKeys.labels_of(pod.labels),
+        annotations=annotations,
+        cgroup_parent=_text(pod.linux.cgroup_parent, "pod cgroup parent", MAX_PATH_CHARS),
+        cgroups_path=_text(pod.linux.cgroups_path, "pod cgroups path", MAX_PATH_CHARS),
     )
 
 
 def container_info(container: api.Container) -> ContainerInfo:
     if not container.id:
-        raise InvalidInput("container has no id")
+        raise MessageError("container has no id")
     linux = container.linux
     memory = linux.resources.memory
     limit = memory.limit.value if memory.HasField("limit") else 0
     return ContainerInfo(
-        id=container.id,
-        pod_sandbox_id=container.pod_sandbox_id,
-        name=container.name,
-        cgroups_path=linux.cgroups_path,
+        id=_text(container.id, "container id", MAX_ID_CHARS),
+        pod_sandbox_id=_text(container.pod_sandbox_id, "container's sandbox id", MAX_ID_CHARS),
+        name=_text(container.name, "container name", MAX_NAME_CHARS),
+        cgroups_path=_text(linux.cgroups_path, "container cgroups path", MAX_PATH_CHARS),
         pid=container.pid,
         # The runtime leaves the limit out, or writes 0, for "no limit".
         memory_limit=limit if limit > 0 else None,

@@ -1,48 +1,20 @@
 """The failure policy of every NRI handler, in one place.
 
-Fail-open by default: when hooks raise, run past the deadline or the runtime sends something the
-plugin cannot use, the answer carries what did work (possibly nothing) and an audit record says
-what was left out. With ``plugin.strict = true`` the same situations answer with an error status
-instead, which fails the pod or container operation on the runtime side.
+Fail-open by default: when capabilities raise, run past the deadline or the runtime sends
+something the plugin cannot use, the answer carries what did work (possibly nothing) and an audit
+record says what was left out. With ``plugin.strict = true`` the same situations answer with an
+error status instead, which fails the pod or container operation on the runtime side.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from hooks.settings import ContainerSettings
-from nri_plugin.audit import AuditLog
+from nri_plugin.chain import ChainOutcome
 from nri_plugin.envelope import RpcError
 from nri_plugin.ttrpc import StatusCode
+from reconciler.audit import AuditLog
 
 CREATE_CONTAINER = "create_container"
 """Event name whose failures are reported as skipped adjustments."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChainOutcome:
-    """What a run of the hook chain produced by the time it was collected."""
-
-    # (hook name, settings) of the hooks that finished, in chain order
-    parts: tuple[tuple[str, ContainerSettings], ...] = ()
-    # (hook name, error text) of the hooks that raised
-    failures: tuple[tuple[str, str], ...] = ()
-    # hooks still running or not started when the deadline passed
-    unfinished: tuple[str, ...] = ()
-    deadline_ms: float = 0.0
-
-    @property
-    def complete(self) -> bool:
-        return not self.failures and not self.unfinished
-
-    def problems(self) -> list[str]:
-        found = [f"hook {name} failed: {error}" for name, error in self.failures]
-        if self.unfinished:
-            found.append(
-                f"deadline of {self.deadline_ms:g} ms passed before hooks finished: "
-                + ", ".join(self.unfinished)
-            )
-        return found
 
 
 class FailurePolicy:

@@ -29,16 +29,39 @@ from typing import Any, TextIO, cast
 import structlog
 from structlog.typing import Processor
 
+from hooks.config_fields import setting
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.audit import AuditFile, AuditLog, LogAuditSink, json_text
-from nri_plugin.config.schema import LoggingConfig
+from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
 from nri_plugin.log_context import bound_fields, merge_fields
+from reconciler.audit import AuditLog
 
 LEVELS: Mapping[str, int] = {
     "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
     "error": logging.ERROR,
 }
 LOGS_LOGGER = "nri_qos.logs"
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    level: str = setting(
+        "info", "Log level of the operational log.",
+        choices=("debug", "info", "warning", "error"),
+    )
+    format: str = setting(
+        "auto", "auto: JSON when stderr is not a terminal, console otherwise.",
+        choices=("auto", "json", "console"),
+    )
+    audit_file: str = setting(
+        "", "Also write audit records (JSON lines) to this file; empty means the log stream only."
+    )
+    audit_max_bytes: int = setting(
+        16 << 20, "Rotate the audit file when it reaches this size.", unit="bytes",
+        minimum=4096, maximum=1 << 40,
+    )
+    audit_backups: int = setting(
+        5, "Rotated audit files kept.", minimum=0, maximum=1000,
+    )
 
 
 class _NamedWriteLogger(structlog.WriteLogger):

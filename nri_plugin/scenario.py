@@ -13,9 +13,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from nri_plugin.config.fields import section, setting
+from hooks.config_fields import section, setting
+from hooks.events import Event
 from nri_plugin.config.loader import ConfigError, load_file
-from nri_plugin.events import Event
 
 STEP_EVENTS = tuple(event.name.lower() for event in Event)
 DEFAULT_SCENARIO = Path(__file__).with_name("scenarios") / "default.toml"

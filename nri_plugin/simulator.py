@@ -5,34 +5,36 @@ connects must register; it is then configured (with the checks a real runtime ma
 bits the impersonated NRI version does not know is rejected) and synchronized, possibly in
 ``more`` chunks. Events are delivered the way the impersonated version delivers them: dedicated
 RPCs from NRI 0.12, ``StateChange`` before (and after an UNIMPLEMENTED answer). Answers are
-recorded so they can be printed or checked. :func:`main_simulate` backs ``nri-qos simulate``.
+recorded so they can be printed or checked (``nri-qos simulate``, :mod:`nri_plugin.simulate`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
-import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import structlog
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from hooks.events import POD_EVENTS, Event
 from nri_plugin.envelope import RpcError
-from nri_plugin.events import POD_EVENTS, Event
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.scenario import ContainerSpec, PodSpec, RuntimeSpec, Scenario, load_scenario, pairs
-from nri_plugin.stub import DEFAULT_REQUEST_TIMEOUT_MS, PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.nri_api import (
+    DEFAULT_REGISTRATION_TIMEOUT_MS,
+    DEFAULT_REQUEST_TIMEOUT_MS,
+    PLUGIN_SERVICE,
+    RUNTIME_SERVICE,
+)
+from nri_plugin.runtime_support import runtime_nri_version, valid_events
+from nri_plugin.scenario import ContainerSpec, PodSpec, RuntimeSpec, Scenario, pairs
 from nri_plugin.transport import CallTimedOut, ConnectionClosed, Handler, TtrpcPeer
 from nri_plugin.ttrpc import StatusCode
-from nri_plugin.versions import runtime_nri_version, valid_events
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 
@@ -193,12 +195,12 @@ class RuntimeSimulator:
         peer = TtrpcPeer(reader, writer, serve_conn=RUNTIME_SERVICE_CONN,
                          call_conn=PLUGIN_SERVICE_CONN, handlers=self._handlers(connection))
         connection.peer = peer
-        handshake = asyncio.create_task(self._handshake_or_drop(connection, peer))
         try:
-            await peer.run()
+            async with asyncio.TaskGroup() as group:
+                handshake = group.create_task(self._handshake_or_drop(connection, peer))
+                await peer.run()
+                handshake.cancel()
         finally:
-            handshake.cancel()
-            await asyncio.gather(handshake, return_exceptions=True)
             if task is not None:
                 self._tasks.discard(task)
             await self._notify()
@@ -237,7 +239,8 @@ class RuntimeSimulator:
 
     async def _handshake(self, connection: PluginConnection, peer: TtrpcPeer) -> None:
         rt = self.runtime
-        async with asyncio.timeout((rt.registration_timeout_ms or 5000) / 1000):
+        async with asyncio.timeout((rt.registration_timeout_ms or DEFAULT_REGISTRATION_TIMEOUT_MS)
+                                   / 1000):
             await connection.registered.wait()
         configure = api.ConfigureRequest(
             runtime_name=rt.name, runtime_version=rt.version,
@@ -426,72 +429,3 @@ async def play(simulator: RuntimeSimulator, connection: PluginConnection,
         await simulator.send(connection, event, pod_message(pod_spec),
                              container_message(spec, pod_spec, state), resources=resources)
     return connection.answers[first:]
-
-
-def print_answers(answers: Sequence[Answer], updates: Sequence[api.ContainerUpdate],
-                  *, as_json: bool, out: TextIO) -> None:
-    if as_json:
-        for answer in answers:
-            out.write(json.dumps(answer.as_dict(), sort_keys=True) + "\n")
-        for update in updates:
-            out.write(json.dumps({"update_containers": MessageToDict(update)}) + "\n")
-        return
-    for answer in answers:
-        target = f"{answer.pod} {answer.container}".strip()
-        if not answer.method:
-            out.write(f"{answer.event:<24} {target:<40} not sent: the plugin did not subscribe\n")
-            continue
-        body = json.dumps(answer.response, sort_keys=True) if answer.response else "(empty)"
-        out.write(f"{answer.event:<24} {target:<40} via {answer.method}: {body}\n")
-    for update in updates:
-        out.write(f"update_containers: {json.dumps(MessageToDict(update), sort_keys=True)}\n")
-
-
-async def simulate(scenario: Scenario, config_path: str | None, log_level: str | None,
-                   *, as_json: bool = False, out: TextIO = sys.stdout) -> int:
-    """Run the real plugin daemon in-process against a simulated runtime playing ``scenario``."""
-    from nri_plugin import daemon  # the daemon imports nothing from here; keep the edge one-way
-
-    pods, containers = initial_state(scenario)
-    with tempfile.TemporaryDirectory(prefix="nri-qos-sim-") as tmp:
-        socket_path = Path(tmp) / "nri.sock"
-        simulator = RuntimeSimulator(socket_path, scenario.runtime, pods=pods,
-                                     containers=containers)
-        await simulator.start()
-        stop = asyncio.Event()
-        plugin = asyncio.create_task(daemon.serve(config_path, str(socket_path), log_level,
-                                                  stop=stop, prelaunched=None, simulated=True))
-        try:
-            connection = await simulator.wait_ready(timeout_s=15)
-            await play(simulator, connection, scenario)
-            answers = list(connection.answers)  # Synchronize updates included
-        except (TimeoutError, RpcError, ConnectionClosed) as exc:
-            out.write(f"simulation failed: {exc or type(exc).__name__}\n")
-            for connection in simulator.connections:
-                if connection.error:
-                    out.write(f"runtime dropped the plugin: {connection.error}\n")
-            return 1
-        finally:
-            stop.set()
-            await simulator.stop()
-            exit_code = await plugin
-        if not as_json:
-            runtime = scenario.runtime
-            out.write(f"# simulated runtime: {runtime.name} {runtime.version}, NRI "
-                      f"{runtime.nri_version or 'unknown (pre-0.12)'}; plugin subscribed to "
-                      f"events mask {connection.events:#x}\n")
-        print_answers(answers, connection.updates, as_json=as_json, out=out)
-        return exit_code
-
-
-def main_simulate(scenario_path: str | None, config_path: str | None,
-                  log_level: str | None) -> int:
-    """``nri-qos simulate [SCENARIO]``: play a scenario and print the plugin's answers."""
-    from nri_plugin.config.loader import ConfigError
-
-    try:
-        scenario = load_scenario(Path(scenario_path) if scenario_path else None)
-    except ConfigError as exc:
-        sys.stderr.write(f"invalid scenario: {exc}\n")
-        return 2
-    return asyncio.run(simulate(scenario, config_path, log_level))

@@ -1,10 +1,13 @@
-"""The plugin side of NRI: registration, configuration, synchronization and every event.
+"""The plugin side of an NRI session: registration, configuration, synchronization, every event.
 
 :class:`PluginStub` serves one runtime connection at a time (:meth:`PluginStub.serve`); the
-daemon decides when to (re)connect. Each event is converted into plain views, its pod's QoS level
-resolved, and the hooks subscribed to it run in a worker thread under the handler deadline. Their
-answers merge into one adjustment; :class:`~nri_plugin.failure.FailurePolicy` decides what a
-failure turns into.
+daemon decides when to (re)connect. For each event the stub converts the runtime's messages into
+plain views, asks the node state for the pod's view and level (the one place that decides them,
+for the reconciler too), keeps the node state current, and runs the capabilities subscribed to
+the event (:mod:`nri_plugin.chain`): inline when they only compute, in a worker thread under the
+handler deadline otherwise. Their parts become the CreateContainer answer
+(:mod:`nri_plugin.adjustment`); :class:`~nri_plugin.failure.FailurePolicy` decides what a failure
+turns into.
 """
 
 from __future__ import annotations
@@ -12,40 +15,38 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
 from google.protobuf.message import DecodeError, Message
 
-from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from hooks.settings import ContainerSettings, merge
-from nri_plugin.audit import AuditLog
-from nri_plugin.chain import ContainerEvent, Hook, PodEvent
+from hooks.events import POD_EVENTS, Event, mask_of
+from hooks.model import ContainerInfo, PodInfo, ReadKeys, RuntimeInfo
+from hooks.untrusted import bounded
+from nri_plugin import adjustment
+from nri_plugin.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.chain import Call, ChainOutcome, bind, run_inline, run_threaded
 from nri_plugin.config.schema import Config
-from nri_plugin.convert import InvalidInput, container_info, fill_adjustment, pod_info
+from nri_plugin.convert import MessageError, container_info, pod_info
 from nri_plugin.envelope import RpcError
-from nri_plugin.events import POD_EVENTS, Event, mask_of
-from nri_plugin.failure import ChainOutcome, FailurePolicy
-from nri_plugin.logs import event_context, timed_event
+from nri_plugin.failure import FailurePolicy
+from nri_plugin.log_context import bound_fields
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.pod_views import PodView, PodViews
+from nri_plugin.nri_api import DEFAULT_REQUEST_TIMEOUT_MS, PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.runtime_support import UNCONFIGURED, RuntimeSupport
 from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
 from nri_plugin.ttrpc import StatusCode
-from nri_plugin.versions import RuntimeCapabilities
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
+from reconciler.audit import AuditLog
+from reconciler.state import NodeState, PodView
 
-PLUGIN_SERVICE = "nri.pkg.api.v1alpha1.Plugin"
-RUNTIME_SERVICE = "nri.pkg.api.v1alpha1.Runtime"
 PLUGIN_NRI_VERSION = "v0.12.2"
 """The NRI schema this plugin is built on, announced in RegisterPlugin."""
-DEFAULT_REQUEST_TIMEOUT_MS = 2000
-"""The runtime's request timeout when Configure does not say (NRI before 0.7)."""
 MAX_REQUEST_TIMEOUT_MS = 3_600_000
 """Longer request timeouts than an hour are taken for garbage (the runtime default applies)."""
 MIN_DEADLINE_MS = 10.0
@@ -54,15 +55,19 @@ STATE_EVENTS = frozenset({
     Event.RUN_POD_SANDBOX, Event.REMOVE_POD_SANDBOX,
     Event.CREATE_CONTAINER, Event.REMOVE_CONTAINER,
 })
-"""Events the daemon follows whatever hooks are enabled, to keep its view of the node current."""
+"""Events followed whatever capabilities are enabled: a pod's view is kept from its sandbox's
+first event until its removal."""
+LIFECYCLE_EVENTS = STATE_EVENTS | frozenset({
+    Event.STOP_POD_SANDBOX, Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER,
+    Event.UPDATE_CONTAINER, Event.STOP_CONTAINER,
+})
+"""Events followed when the reconciler runs: it needs every container's state."""
 
 log = structlog.get_logger("nri_qos.nri")
 
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
 
 M = TypeVar("M", bound=Message)
-_Call = tuple[str, Callable[[], object]]
-"""(hook name, bound hook method) as run by the worker thread."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,48 +76,28 @@ class PluginIdentity:
     index: str
 
 
-class _ChainRun:
-    """One run of hook calls in a worker thread; what finished can be collected at any time."""
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """An event ready to run its capabilities."""
 
-    def __init__(self, calls: Sequence[_Call]) -> None:
-        self._calls = calls
-        self._lock = threading.Lock()
-        self._abandoned = False
-        self._parts: list[tuple[str, ContainerSettings]] = []
-        self._failures: list[tuple[str, str]] = []
-        self._done = 0
-
-    def __call__(self) -> None:
-        for name, call in self._calls:
-            with self._lock:
-                if self._abandoned:
-                    return
-            part, failure = _call_hook(call)
-            with self._lock:
-                if part is not None:
-                    self._parts.append((name, part))
-                if failure is not None:
-                    self._failures.append((name, failure))
-                self._done += 1
-
-    def collect(self, deadline_ms: float) -> ChainOutcome:
-        """Stop the run after the current hook and return what finished before now."""
-        with self._lock:
-            self._abandoned = True
-            return ChainOutcome(
-                parts=tuple(self._parts),
-                failures=tuple(self._failures),
-                unfinished=tuple(name for name, _ in self._calls[self._done:]),
-                deadline_ms=deadline_ms,
-            )
+    event: Event
+    name: str
+    view: PodView
+    container: ContainerInfo | None
+    calls: list[Call]
+    config: Config
 
 
 class PluginStub:
     """The NRI plugin: serves the ``Plugin`` service and calls the ``Runtime`` service.
 
     ``config`` returns the configuration in force (read at every event, so reloads apply at
-    once); ``hooks`` is the chain, fixed for the stub's lifetime because the event subscription
-    is only negotiated at connection time. Hooks run in ``executor``.
+    once); ``capabilities`` is the chain, fixed for the stub's lifetime because the event
+    subscription is only negotiated at connection time. Capabilities that may block run in
+    ``executor``. ``state`` holds the node's pods and containers and decides levels; with
+    ``track_containers`` every container's lifecycle is fed into it (the reconciler needs that).
+    ``reconciler_fields`` names the settings fields a background loop applies to running
+    containers, which the answer may therefore leave to it when the runtime would drop them.
     """
 
     def __init__(
@@ -120,46 +105,49 @@ class PluginStub:
         *,
         identity: PluginIdentity,
         config: Callable[[], Config],
-        hooks: Sequence[Hook],
+        capabilities: Sequence[Capability],
         audit: AuditLog,
         executor: Executor,
-        required_events: frozenset[Event] = STATE_EVENTS,
+        state: NodeState,
+        track_containers: bool = False,
+        reconciler_fields: frozenset[str] = frozenset(),
         cgroup_v2: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.identity = identity
         self._config = config
-        self._hooks = tuple(hooks)
-        # Per event: the hooks subscribed to it, and whether they all run inline (then the
-        # event is handled, and answered, without ever waiting).
-        self._chains = {event: tuple(h for h in self._hooks if event in h.events)
+        self._capabilities = tuple(capabilities)
+        # Per event: the capabilities subscribed to it, and whether they all run inline (then
+        # the event is handled, and answered, without ever waiting).
+        self._chains = {event: tuple(c for c in self._capabilities if event in c.events)
                         for event in Event}
-        self._inline = {event: all(event in h.inline_events for h in chain)
+        self._inline = {event: all(event in c.inline_events for c in chain)
                         for event, chain in self._chains.items()}
         self._audit = audit
         self._executor = executor
-        self._required_events = required_events
+        self._state = state
+        self._tracking = track_containers
+        self._followed = LIFECYCLE_EVENTS if track_containers else STATE_EVENTS
+        self._reconciler_fields = reconciler_fields
         self._cgroup_v2 = cgroup_v2
         self._clock = clock
         self._peer: TtrpcPeer | None = None
         self._log_config: object = None
         self._bound_log: Any = log
+        self._keys_config: Config | None = None
+        self._keys = ReadKeys(frozenset())
         self._policies = {strict: FailurePolicy(audit, strict=strict) for strict in (False, True)}
-        self._pod_views = PodViews()
         self._reset_session()
         self._handlers = self._build_handlers()
 
     # -- connection --------------------------------------------------------------------------
 
     def _reset_session(self) -> None:
-        self.capabilities = RuntimeCapabilities.detect("", "", "")
+        self.support = UNCONFIGURED
         self.runtime = RuntimeInfo(cgroup_v2=self._cgroup_v2)
         self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
         self.event_mask = 0
         self.synchronized = asyncio.Event()
-        # A new connection starts with a Synchronize; sandboxes removed meanwhile are not
-        # announced, so nothing remembered from the last one is kept.
-        self._pod_views.clear()
         self._sync_pods: list[api.PodSandbox] = []
         self._sync_containers: list[api.Container] = []
         # When the first chunk of the Synchronize in progress arrived: all chunks share one
@@ -181,14 +169,13 @@ class PluginStub:
         peer = TtrpcPeer(reader, writer, serve_conn=PLUGIN_SERVICE_CONN,
                          call_conn=RUNTIME_SERVICE_CONN, handlers=self._handlers)
         self._peer = peer
-        # Register at once, without waiting for the answer before serving: the runtime may send
-        # Configure before its RegisterPlugin response reaches us.
-        register = asyncio.create_task(self._register(peer))
         try:
-            await peer.run()
+            async with asyncio.TaskGroup() as group:
+                # Register at once, without waiting for the answer before serving: the runtime
+                # may send Configure before its RegisterPlugin response reaches us.
+                group.create_task(self._register(peer))
+                group.create_task(peer.run())
         finally:
-            register.cancel()
-            await asyncio.gather(register, return_exceptions=True)
             self._peer = None
         return peer.end_reason
 
@@ -202,8 +189,9 @@ class PluginStub:
             await peer.call(RUNTIME_SERVICE, "RegisterPlugin", request.SerializeToString(),
                             timeout_s=timeout)
         except RpcError as exc:
-            log.error("registration_failed", plugin=self._full_name, error=str(exc))
-            peer.close(f"registration failed: {exc}")
+            log.error("registration_failed", plugin=self._full_name,
+                      error=bounded(exc.message, 512), code=exc.code)
+            peer.close(f"registration failed: {bounded(exc.message, 512)}")
         except ConnectionClosed:
             return
         else:
@@ -258,37 +246,49 @@ class PluginStub:
         req = _parse(api.ConfigureRequest, request.payload)
         if req is None:
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Configure payload does not decode")
-        caps = RuntimeCapabilities.detect(req.NRI_version, req.runtime_name, req.runtime_version)
-        self.capabilities = caps
+        support = RuntimeSupport.detect(req.NRI_version, req.runtime_name, req.runtime_version)
+        self.support = support
         self.runtime = RuntimeInfo(name=req.runtime_name, version=req.runtime_version,
-                                   nri_version=caps.nri_version, cgroup_v2=self._cgroup_v2)
+                                   nri_version=support.nri_version, cgroup_v2=self._cgroup_v2)
+        self._state.set_runtime_fields(support.fields)
         # 0 means "not sent" (NRI before 0.7); anything absurd is treated the same way.
         timeout = req.request_timeout
         self.request_timeout_ms = (timeout if 0 < timeout <= MAX_REQUEST_TIMEOUT_MS
                                    else DEFAULT_REQUEST_TIMEOUT_MS)
-        self.event_mask = self.subscription_mask(caps)
-        log.info("configured", runtime=req.runtime_name, runtime_version=req.runtime_version,
-                 nri_version=req.NRI_version or None, events=hex(self.event_mask),
+        self.event_mask = self.subscription_mask(support)
+        log.info("configured", runtime=bounded(req.runtime_name),
+                 runtime_version=bounded(req.runtime_version),
+                 nri_version=bounded(req.NRI_version) or None, events=hex(self.event_mask),
                  request_timeout_ms=self.request_timeout_ms, deadline_ms=self.deadline_ms())
+        self._log_routes(support)
         return api.ConfigureResponse(events=self.event_mask).SerializeToString()
 
-    def subscription_mask(self, caps: RuntimeCapabilities) -> int:
-        """The hooks' events plus the daemon's own, limited to what the runtime knows.
+    def _log_routes(self, support: RuntimeSupport) -> None:
+        """Say once per connection which settings reach containers which way."""
+        clos = self._config().resctrl.clos_field
+        routes: dict[str, list[str]] = {"adjustment": [], "reconciler": [], "none": []}
+        for field in adjustment.FIELD_NAMES:
+            routes[adjustment.route(field, support, clos, self._reconciler_fields)].append(field)
+        log.info("runtime_fields", basis=support.basis, via_adjustment=routes["adjustment"],
+                 via_reconciler=routes["reconciler"], not_applied=routes["none"])
+
+    def subscription_mask(self, support: RuntimeSupport) -> int:
+        """The capabilities' events plus the followed ones, limited to what the runtime knows.
 
         A bit the runtime does not know gets the plugin rejected; 0 would mean "everything"
         (validation included), so the answer is never 0.
         """
-        wanted = set(self._required_events)
-        for hook in self._hooks:
-            wanted |= hook.events
+        wanted = set(self._followed)
+        for capability in self._capabilities:
+            wanted |= capability.events
         # Validation is not served (answered UNIMPLEMENTED), so never subscribed to.
         wanted.discard(Event.VALIDATE_CONTAINER_ADJUSTMENT)
-        mask = mask_of(wanted) & caps.valid_events
-        dropped = mask_of(wanted) & ~caps.valid_events
+        mask = mask_of(wanted) & support.valid_events
+        dropped = mask_of(wanted) & ~support.valid_events
         if dropped:
             log.warning("events_unsupported_by_runtime", dropped=hex(dropped),
-                        valid=hex(caps.valid_events))
-        return mask or (mask_of(STATE_EVENTS) & caps.valid_events)
+                        valid=hex(support.valid_events))
+        return mask or (mask_of(STATE_EVENTS) & support.valid_events)
 
     async def _synchronize(self, request: envelope.Request) -> bytes:
         req = _parse(api.SynchronizeRequest, request.payload)
@@ -307,31 +307,36 @@ class PluginStub:
         self._sync_started = None
         # Always fail-open here, strict or not: Synchronize vetoes nothing, and an error would
         # only get the plugin dropped, reconnect, and fail the same way again.
-        policy = FailurePolicy(self._audit, strict=False)
-        with timed_event(log, "synchronize", clock=self._clock) as outcome:
-            outcome.fields.update(pods=len(pod_msgs), containers=len(container_msgs))
-            pods: list[PodInfo] = []
-            containers: list[ContainerInfo] = []
-            for pod_msg in pod_msgs:
-                try:
-                    pods.append(pod_info(pod_msg))
-                except InvalidInput as exc:
-                    outcome.result = "invalid"
-                    policy.invalid_input("synchronize", exc, pod_uid=pod_msg.uid)
-            for container_msg in container_msgs:
-                try:
-                    containers.append(container_info(container_msg))
-                except InvalidInput as exc:
-                    outcome.result = "invalid"
-                    policy.invalid_input("synchronize", exc, container=container_msg.name)
-            if self._hooks:
-                calls = [(hook.name, _bind(hook.synchronize, tuple(pods), tuple(containers)))
-                         for hook in self._hooks]
-                budget_ms = max(MIN_DEADLINE_MS, self.deadline_ms() - spent_ms)
-                chain = await self._run_chain(calls, deadline_ms=budget_ms)
-                policy.chain("synchronize", chain, pod_uid="", container="")
-                if not chain.complete:
-                    outcome.result = "partial"
+        policy = self._policies[False]
+        started = self._clock()
+        result = "ok"
+        keys = self._read_keys(self._config())
+        pods: list[PodInfo] = []
+        containers: list[ContainerInfo] = []
+        for pod_msg in pod_msgs:
+            try:
+                pods.append(pod_info(pod_msg, keys))
+            except MessageError as exc:
+                result = "invalid"
+                policy.invalid_input("synchronize", exc, pod_uid=bounded(pod_msg.uid))
+        for container_msg in container_msgs:
+            try:
+                containers.append(container_info(container_msg))
+            except MessageError as exc:
+                result = "invalid"
+                policy.invalid_input("synchronize", exc, container=bounded(container_msg.name))
+        self._state.replace_all(pods, containers)
+        if self._capabilities:
+            calls = [(c.name, bind(c.synchronize, tuple(pods), tuple(containers)))
+                     for c in self._capabilities]
+            budget_ms = max(MIN_DEADLINE_MS, self.deadline_ms() - spent_ms)
+            chain = await run_threaded(calls, self._executor, budget_ms)
+            policy.chain("synchronize", chain, pod_uid="", container="")
+            if not chain.complete:
+                result = "partial"
+        self._event_log().info("nri_event", nri_event="synchronize", pods=len(pods),
+                               containers=len(containers), result=result,
+                               duration_ms=round((self._clock() - started) * 1000, 3))
         self.synchronized.set()
         return api.SynchronizeResponse(more=False).SerializeToString()
 
@@ -345,29 +350,7 @@ class PluginStub:
         req = self._decode("create_container", api.CreateContainerRequest, request.payload)
         if req is None:
             return b""
-        response = api.CreateContainerResponse()
-        handling = self._event(Event.CREATE_CONTAINER, req.pod, req.container, response.adjust)
-        # An adjustment that sets nothing is answered as an empty payload (as a failure's,
-        # cleared, one would otherwise still be present).
-        return self._answer(Event.CREATE_CONTAINER, handling,
-                            lambda: response.SerializeToString() if response.adjust.ByteSize()
-                            else b"")
-
-    def _answer(self, event: Event, handling: Coroutine[Any, Any, None],
-                answer: Callable[[], bytes]) -> bytes | Awaitable[bytes]:
-        """The answer now when every hook of ``event`` runs inline, else once ``handling`` is
-        done (in a task of its own, see :mod:`nri_plugin.transport`)."""
-        if self._inline[event]:
-            try:
-                _run_to_end(handling)
-            except InlineWaited as exc:
-                # A bug, not bad input: the same verdict as any failure outside the hooks (an
-                # empty answer and an audit record, or an error status when strict).
-                log.exception("event_handler_failed", nri_event=event.name.lower())
-                self._policy().unexpected(event.name.lower(), exc)
-                return b""
-            return answer()
-        return _answer_after(handling, answer)
+        return self._handle(Event.CREATE_CONTAINER, req.pod, req.container)
 
     def _notice(self, request_type: type[Any], response_type: type[Message],
                 event: Event) -> Handler:
@@ -381,140 +364,217 @@ class PluginStub:
             req = self._decode(name, request_type, request.payload)
             if req is None:
                 return answer
-            handling = self._event(event, req.pod, req.container if with_container else None)
-            return self._answer(event, handling, lambda: answer)
+            handled = self._handle(event, req.pod, req.container if with_container else None)
+            return answer if isinstance(handled, bytes) else _replaced(handled, answer)
 
         return handle
 
-    async def _state_change(self, request: envelope.Request) -> bytes:
+    def _state_change(self, request: envelope.Request) -> bytes | Awaitable[bytes]:
         req = self._decode("state_change", api.StateChangeEvent, request.payload)
         if req is None:
             return b""
         try:
             event = Event(req.event)
         except ValueError:
-            self._policy().invalid_input("state_change", InvalidInput(f"unknown event {req.event}"),
-                                         pod_uid=req.pod.uid)
+            self._policy().invalid_input(
+                "state_change", MessageError(f"unknown event {req.event}"),
+                pod_uid=bounded(req.pod.uid))
             return b""
-        if event in POD_EVENTS:
-            await self._event(event, req.pod, None)
-        else:
-            await self._event(event, req.pod, req.container)
-        return b""
+        handled = self._handle(event, req.pod, None if event in POD_EVENTS else req.container)
+        return b"" if isinstance(handled, bytes) else _replaced(handled, b"")
 
     def _decode(self, name: str, message_type: type[M], payload: bytes) -> M | None:
         message = _parse(message_type, payload)
         if message is None:
-            error = InvalidInput(f"{message_type.__name__} payload does not decode")
+            error = MessageError(f"{message_type.__name__} payload does not decode")
             self._policy().invalid_input(name, error)
         return message
 
-    async def _event(self, event: Event, pod_msg: api.PodSandbox,
-                     container_msg: api.Container | None,
-                     adjust: api.ContainerAdjustment | None = None) -> None:
-        """Run the chain for one event; for CreateContainer, fill in ``adjust``.
-
-        Logs the one canonical line of the event.
-        """
+    def _handle(self, event: Event, pod_msg: api.PodSandbox,
+                container_msg: api.Container | None) -> bytes | Awaitable[bytes]:
+        """Handle one event: the answer's payload (CreateContainer's adjustment, else empty) at
+        once when every capability of the event runs inline, else an awaitable of it. Writes
+        the event's one canonical log line."""
         started = self._clock()
-        name = event.name.lower()
-        result, extra = "error", {}
         try:
-            result = await self._process(event, name, pod_msg, container_msg, adjust)
+            prepared = self._prepare(event, pod_msg, container_msg)
+            if prepared is None:
+                self._log_event(event, pod_msg, container_msg, started, "ok")
+                return b""
+            if isinstance(prepared, str):
+                self._log_event(event, pod_msg, container_msg, started, prepared)
+                return b""
+            if self._inline[event]:
+                with self._context(prepared):
+                    outcome = run_inline(prepared.calls)
+                return self._finish(prepared, outcome, pod_msg, container_msg, started)
         except RpcError as exc:
-            # The failure policy's own answer (strict mode).
-            extra = {"error": exc.message}
+            self._log_event(event, pod_msg, container_msg, started, "error", exc.message)
+            self._forget_removed(event, pod_msg)
             raise
         except Exception as exc:
-            # Input no check anticipated, or a bug: the failure policy decides, as for a hook
-            # that raised (fail open with an audit record, or an error status when strict).
-            extra = {"error": f"{type(exc).__name__}: {exc}"}
-            log.exception("event_handler_failed", nri_event=name)
-            if adjust is not None:
-                # Whatever was filled in before the failure is not answered.
-                adjust.Clear()
-            self._policy().unexpected(
-                name, exc, pod_uid=pod_msg.uid,
-                container=container_msg.name if container_msg is not None else "")
-        finally:
-            if event is Event.REMOVE_POD_SANDBOX:
-                self._pod_views.forget(pod_msg.id)
-            # Logged directly rather than through a bound context: this line is the only
-            # per-event cost on the fast path (no hook subscribed). It is written on the next
-            # turn of the loop, after the transport has sent the answer in this one: the
-            # runtime waits for the answer, not for the log.
-            asyncio.get_running_loop().call_soon(functools.partial(
-                self._event_log().info,
-                "nri_event", nri_event=name, pod=f"{pod_msg.namespace}/{pod_msg.name}",
-                container=container_msg.name if container_msg is not None else None,
-                duration_ms=round((self._clock() - started) * 1000, 3), result=result,
-                **extra,
-            ))
+            return self._failed(event, exc, pod_msg, container_msg, started)
+        return self._finish_later(prepared, pod_msg, container_msg, started)
 
-    async def _process(
-        self, event: Event, name: str, pod_msg: api.PodSandbox,
-        container_msg: api.Container | None, adjust: api.ContainerAdjustment | None,
-    ) -> str:
-        hooks = self._chains[event]
-        if not hooks:
-            return "ok"
-        cfg = self._config()
-        policy = self._policies[cfg.plugin.strict]
+    async def _finish_later(self, prepared: _Prepared, pod_msg: api.PodSandbox,
+                            container_msg: api.Container | None, started: float) -> bytes:
         try:
-            view = self._pod_views.view(pod_msg, cfg.qos)
-            container = container_info(container_msg) if container_msg is not None else None
-        except InvalidInput as exc:
-            policy.invalid_input(name, exc, pod_uid=pod_msg.uid,
-                                 container=container_msg.name if container_msg else "")
-            return "invalid"
-        pod, level = view.pod, view.decision.level
-        container_name = container.name if container is not None else ""
-        if event in _LEVEL_AUDIT_EVENTS:
-            self._audit_level(view, container_name)
-        with event_context(name, pod=pod, container=container, qos_level=level):
-            outcome = await self._run_chain(self._calls(event, hooks, pod, container, level),
-                                            inline=self._inline[event])
-        policy.chain(name, outcome, pod_uid=pod.uid, container=container_name)
-        if adjust is not None and container is not None:
-            self._fill(adjust, cfg, pod, container, level, outcome.parts)
-        return "ok" if outcome.complete else "partial"
+            with self._context(prepared):
+                outcome = await run_threaded(prepared.calls, self._executor, self.deadline_ms())
+        except Exception as exc:
+            return self._failed(prepared.event, exc, pod_msg, container_msg, started)
+        return self._finish(prepared, outcome, pod_msg, container_msg, started)
 
-    def _calls(self, event: Event, hooks: Sequence[Hook], pod: PodInfo,
-               container: ContainerInfo | None, level: str) -> list[_Call]:
+    def _prepare(self, event: Event, pod_msg: api.PodSandbox,
+                 container_msg: api.Container | None) -> _Prepared | str | None:
+        """The event's pod view, container and capability calls, with the node state fed.
+
+        None when there is nothing to run; a result text when the input is unusable (audited,
+        or raised as an error status under strict handling)."""
+        chain = self._chains[event]
+        followed = event in self._followed
+        if not chain and not followed:
+            return None
+        cfg = self._config()
+        name = event.name.lower()
+        keys = self._read_keys(cfg)
+        try:
+            view = self._state.pod_view(pod_msg.id, lambda: pod_info(pod_msg, keys))
+            container = None
+            if container_msg is not None and (chain or self._tracking):
+                container = container_info(container_msg)
+        except MessageError as exc:
+            self._policy(cfg).invalid_input(
+                name, exc, pod_uid=bounded(pod_msg.uid),
+                container=bounded(container_msg.name) if container_msg is not None else "")
+            self._forget_removed(event, pod_msg)
+            return "invalid"
+        if followed and event is not Event.REMOVE_POD_SANDBOX:
+            self._feed(event, view, container)
+        if event in _LEVEL_AUDIT_EVENTS and chain:
+            self._audit_level(view, container.name if container is not None else "")
+        return _Prepared(event, name, view, container,
+                         self._calls(event, chain, view, container), cfg)
+
+    def _feed(self, event: Event, view: PodView, container: ContainerInfo | None) -> None:
+        """Keep the node state current (inline: a dict update under a briefly held lock)."""
+        if container is None:
+            self._state.pod_event(view.info.id, event)
+        elif event is Event.REMOVE_CONTAINER:
+            self._state.remove_container(container, event)
+        elif self._tracking:
+            self._state.put_container(view.info.id, container, event,
+                                      running=event is not Event.STOP_CONTAINER)
+
+    def _calls(self, event: Event, chain: Sequence[Capability], view: PodView,
+               container: ContainerInfo | None) -> list[Call]:
+        pod, level = view.info, view.level
         if event is Event.CREATE_CONTAINER and container is not None:
             ctr_event = ContainerEvent(pod, container, level, self.runtime)
-            return [(hook.name, _bind(hook.create_container, ctr_event)) for hook in hooks]
+            return [(c.name, bind(c.create_container, ctr_event)) for c in chain]
         if event is Event.RUN_POD_SANDBOX:
             pod_event = PodEvent(pod, level, self.runtime)
-            return [(hook.name, _bind(hook.run_pod_sandbox, pod_event)) for hook in hooks]
+            return [(c.name, bind(c.run_pod_sandbox, pod_event)) for c in chain]
         if event is Event.REMOVE_POD_SANDBOX:
             pod_event = PodEvent(pod, level, self.runtime)
-            return [(hook.name, _bind(hook.remove_pod_sandbox, pod_event)) for hook in hooks]
-        return [(hook.name, _bind(hook.observe, event, pod, container)) for hook in hooks]
+            return [(c.name, bind(c.remove_pod_sandbox, pod_event)) for c in chain]
+        return [(c.name, bind(c.observe, event, pod, container)) for c in chain]
 
-    async def _run_chain(self, calls: Sequence[_Call], *, inline: bool = False,
-                         deadline_ms: float | None = None) -> ChainOutcome:
-        """Run ``calls`` in order in a worker thread; collect what finished by the deadline
-        (the handler deadline unless given).
-
-        ``inline``: every call only computes (see :class:`~nri_plugin.chain.Hook`), so run them
-        here and spare the thread hop; there is nothing a deadline could interrupt.
-        """
-        run = _ChainRun(calls)
-        if inline:
-            run()
-            # Every call has returned: nothing is left for a deadline to name.
-            return run.collect(0.0)
-        if deadline_ms is None:
-            deadline_ms = self.deadline_ms()
-        # The worker runs in a copy of this event's context, so hooks log with its fields.
-        context = contextvars.copy_context()
-        future = asyncio.get_running_loop().run_in_executor(self._executor, context.run, run)
+    def _finish(self, prepared: _Prepared, outcome: ChainOutcome, pod_msg: api.PodSandbox,
+                container_msg: api.Container | None, started: float) -> bytes:
+        """The failure policy's verdict, the answer and the event's log line."""
+        event = prepared.event
         try:
-            await asyncio.wait({future}, timeout=deadline_ms / 1000)
+            pod, container = prepared.view.info, prepared.container
+            container_name = container.name if container is not None else ""
+            self._policy(prepared.config).chain(prepared.name, outcome, pod_uid=pod.uid,
+                                                container=container_name)
+            payload = b""
+            if event is Event.CREATE_CONTAINER and container is not None:
+                payload = self._answer(prepared, outcome)
+        except RpcError as exc:
+            self._log_event(event, pod_msg, container_msg, started, "error", exc.message)
+            raise
+        except Exception as exc:
+            return self._failed(event, exc, pod_msg, container_msg, started)
         finally:
-            outcome = run.collect(deadline_ms)
-        return outcome
+            self._forget_removed(event, pod_msg)
+        self._log_event(event, pod_msg, container_msg, started,
+                        "ok" if outcome.complete else "partial")
+        return payload
+
+    def _answer(self, prepared: _Prepared, outcome: ChainOutcome) -> bytes:
+        cfg, pod, container = prepared.config, prepared.view.info, prepared.container
+        assert container is not None
+        decided = adjustment.decide(outcome.parts, self.support, cfg.resctrl.clos_field,
+                                    self._reconciler_fields)
+        for conflict in decided.conflicts:
+            self._audit.record(
+                "adjustment_conflict", pod_uid=pod.uid, container=container.name,
+                field=conflict.field, kept_owner=conflict.owner,
+                rejected_owner=conflict.rejected_by,
+            )
+        for field in decided.deferred:
+            self._audit.record("adjustment_deferred", pod_uid=pod.uid, container=container.name,
+                               field=field, applied_by="reconciler after the container starts",
+                               runtime=bounded(self.runtime.version))
+        for _field, reason in decided.dropped:
+            self._audit.record("adjustment_skipped", pod_uid=pod.uid, container=container.name,
+                               reason=reason)
+        payload = adjustment.encode(decided)
+        if payload:
+            # Recorded on the next turn of the loop, like the event line: after the answer.
+            asyncio.get_running_loop().call_soon(
+                self._record_applied, pod.uid, container.name, prepared.view.level, decided)
+        return payload
+
+    def _failed(self, event: Event, exc: Exception, pod_msg: api.PodSandbox,
+                container_msg: api.Container | None, started: float) -> bytes:
+        """Handling failed outside the capabilities (unforeseen input, or a bug): the failure
+        policy decides, as for a capability that raised (an empty answer and an audit record, or
+        an error status when strict)."""
+        name = event.name.lower()
+        error = f"{type(exc).__name__}: {bounded(str(exc), 512)}"
+        log.exception("event_handler_failed", nri_event=name)
+        self._forget_removed(event, pod_msg)
+        try:
+            self._policy().unexpected(
+                name, exc, pod_uid=bounded(pod_msg.uid),
+                container=bounded(container_msg.name) if container_msg is not None else "")
+        except RpcError as verdict:
+            self._log_event(event, pod_msg, container_msg, started, "error", verdict.message)
+            raise
+        self._log_event(event, pod_msg, container_msg, started, "error", error)
+        return b""
+
+    def _forget_removed(self, event: Event, pod_msg: api.PodSandbox) -> None:
+        if event is Event.REMOVE_POD_SANDBOX:
+            self._state.remove_pod(pod_msg.id, event)
+
+    def _log_event(self, event: Event, pod_msg: api.PodSandbox,
+                   container_msg: api.Container | None, started: float, result: str,
+                   error: str | None = None) -> None:
+        # Written on the next turn of the loop, after the transport has sent the answer in this
+        # one: the runtime waits for the answer, not for the log.
+        extra = {"error": bounded(error, 512)} if error is not None else {}
+        asyncio.get_running_loop().call_soon(functools.partial(
+            self._event_log().info,
+            "nri_event", nri_event=event.name.lower(),
+            pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
+            container=bounded(container_msg.name) if container_msg is not None else None,
+            duration_ms=round((self._clock() - started) * 1000, 3), result=result, **extra,
+        ))
+
+    def _context(self, prepared: _Prepared) -> Any:
+        """The event's fields on every log line and audit record written while it runs."""
+        fields: dict[str, Any] = {"nri_event": prepared.name,
+                                  "pod_namespace": prepared.view.info.namespace,
+                                  "pod_name": prepared.view.info.name,
+                                  "pod_uid": prepared.view.info.uid,
+                                  "qos_level": prepared.view.level}
+        if prepared.container is not None:
+            fields["container"] = prepared.container.name
+        return bound_fields(fields)
 
     def deadline_ms(self) -> float:
         """Budget of one handler: the configured deadline, kept below the runtime's timeout."""
@@ -526,45 +586,20 @@ class PluginStub:
         decision = view.decision
         for source, value in decision.rejected:
             self._audit.record(
-                "adjustment_skipped", pod_uid=view.pod.uid, container=container,
-                reason=f"{source}: unknown QoS value {value!r}; level {decision.level} "
-                       f"from {decision.source}",
+                "adjustment_skipped", pod_uid=view.info.uid, container=container,
+                reason=f"{source}: unknown QoS value '{bounded(value)}'; level "
+                       f"{decision.level} from {decision.source}",
             )
-
-    def _fill(self, adjust: api.ContainerAdjustment, cfg: Config, pod: PodInfo,
-              container: ContainerInfo, level: str,
-              parts: Sequence[tuple[str, ContainerSettings]]) -> None:
-        merged = merge(parts)
-        for conflict in merged.conflicts:
-            self._audit.record(
-                "adjustment_conflict", pod_uid=pod.uid, container=container.name,
-                field=conflict.field, kept_owner=conflict.owner,
-                rejected_owner=conflict.rejected_by,
-            )
-        settings = merged.settings
-        clos_field = self.capabilities.clos_field(cfg.resctrl.clos_field)
-        if settings.rdt_class is not None and clos_field is None:
-            self._skip(pod, container, f"runtime applies no CLOS field "
-                                       f"(resctrl.clos_field = {cfg.resctrl.clos_field})")
-            settings = replace(settings, rdt_class=None)
-        if settings.oom_score_adj is not None and not self.capabilities.oom_score_adj:
-            self._skip(pod, container, "runtime does not apply oom_score_adj adjustments")
-            settings = replace(settings, oom_score_adj=None)
-        if settings.is_empty():
-            return
-        fill_adjustment(adjust, settings, clos_field=clos_field)
-        # Recorded on the next turn of the loop, like the event line: after the answer.
-        asyncio.get_running_loop().call_soon(
-            self._record_applied, pod.uid, container.name, level, settings)
 
     def _record_applied(self, pod_uid: str, container: str, level: str,
-                        settings: ContainerSettings) -> None:
+                        decided: adjustment.Adjustment) -> None:
         self._audit.record("adjustment_applied", pod_uid=pod_uid, container=container,
-                           qos_level=level, fields=_set_fields(settings))
+                           qos_level=level, fields=_set_fields(decided))
 
-    def _skip(self, pod: PodInfo, container: ContainerInfo, reason: str) -> None:
-        self._audit.record("adjustment_skipped", pod_uid=pod.uid, container=container.name,
-                           reason=reason)
+    def _read_keys(self, cfg: Config) -> ReadKeys:
+        if cfg is not self._keys_config:
+            self._keys_config, self._keys = cfg, cfg.read_keys()
+        return self._keys
 
     def _event_log(self) -> Any:
         """The logger of the canonical event line, bound once per logging configuration.
@@ -578,8 +613,8 @@ class PluginStub:
             self._bound_log = log.bind()
         return self._bound_log
 
-    def _policy(self) -> FailurePolicy:
-        return self._policies[self._config().plugin.strict]
+    def _policy(self, cfg: Config | None = None) -> FailurePolicy:
+        return self._policies[(cfg or self._config()).plugin.strict]
 
 
 _POD_RPCS = {
@@ -613,38 +648,9 @@ def _parse(message_type: type[M], payload: bytes) -> M | None:
     return message
 
 
-def _call_hook(call: Callable[[], object]) -> tuple[ContainerSettings | None, str | None]:
-    """(settings, None) or (None, None) when the hook returned, (None, error text) if it raised."""
-    try:
-        result = call()
-    except (Exception, asyncio.CancelledError) as exc:
-        # A CancelledError raised by a hook's own code is the hook failing, not this event
-        # being cancelled (that would come at an await, and a hook call has none).
-        return None, f"{type(exc).__name__}: {exc}"
-    return (result if isinstance(result, ContainerSettings) else None), None
-
-
-def _bind(function: Callable[..., object], *args: object) -> Callable[[], object]:
-    return lambda: function(*args)
-
-
-class InlineWaited(RuntimeError):
-    """An event handled inline tried to wait (a hook wrongly declared inline, or a bug)."""
-
-
-def _run_to_end(handling: Coroutine[Any, Any, None]) -> None:
-    """Run, here and now, an event's handling whose hooks all run inline: it never waits."""
-    try:
-        handling.send(None)
-    except StopIteration:
-        return
-    handling.close()
-    raise InlineWaited("an event handled inline waited")
-
-
-async def _answer_after(handling: Awaitable[None], answer: Callable[[], bytes]) -> bytes:
-    await handling
-    return answer()
+async def _replaced(handled: Awaitable[bytes], answer: bytes) -> bytes:
+    await handled
+    return answer
 
 
 def _guarded(handler: Handler) -> Handler:
@@ -663,7 +669,8 @@ async def _marked(pending: Awaitable[bytes]) -> bytes:
     return await pending
 
 
-def _set_fields(settings: ContainerSettings) -> list[str]:
+def _set_fields(decided: adjustment.Adjustment) -> list[str]:
+    settings = decided.settings
     fields = [name for name in ("rdt_class", "memory_limit", "memory_reservation",
                                 "oom_score_adj") if getattr(settings, name) is not None]
     fields += [f"unified.{key}" for key in settings.unified]

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any
 
 import structlog
 
@@ -90,6 +91,8 @@ class TtrpcPeer:
         self._server_streams = ServerStreams()
         self._client_streams = ClientStreams()
         self._pending: dict[int, asyncio.Future[bytes]] = {}
+        # Handlers that have to wait run as tasks of this group, which lives as long as run().
+        self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self.end_reason = ""
@@ -108,24 +111,36 @@ class TtrpcPeer:
         """Read and dispatch until EOF, a protocol error or :meth:`close`."""
         reason = "connection closed by peer"
         try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                try:
+                    reason = await self._read_until_end()
+                finally:
+                    self._end(reason)
+        finally:
+            self._group = None
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
+
+    async def _read_until_end(self) -> str:
+        """Feed the demultiplexer until the connection ends; why it ended."""
+        try:
             while True:
                 data = await self._reader.read(READ_SIZE)
                 if not data:
                     if self._closed:
-                        reason = self.end_reason or "closed locally"
-                    break
+                        return self.end_reason or "closed locally"
+                    return "connection closed by peer"
                 for conn_id, frame in self._demux.feed(data):
                     if conn_id == self._serve_conn:
                         self._on_serve_frame(frame)
                     elif conn_id == self._call_conn:
                         self._on_call_frame(frame)
         except ProtocolError as exc:
-            reason = f"protocol error: {exc}"
             log.warning("protocol_error", error=str(exc))
+            return f"protocol error: {exc}"
         except OSError as exc:
-            reason = f"socket error: {exc}"
-        finally:
-            await self._shutdown(reason)
+            return f"socket error: {exc}"
 
     def _on_serve_frame(self, frame: Frame) -> None:
         if frame.type != MessageType.REQUEST:
@@ -184,8 +199,11 @@ class TtrpcPeer:
         else:
             future.set_exception(RpcError(reply.code, reply.message))
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self._group is None:
+            coro.close()
+            return
+        task = self._group.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -292,7 +310,9 @@ class TtrpcPeer:
             self.end_reason = reason
             self._writer.close()
 
-    async def _shutdown(self, reason: str) -> None:
+    def _end(self, reason: str) -> None:
+        """Close, fail every pending call and cancel every running handler (the task group
+        then waits for them)."""
         self.close(reason)
         if not self.end_reason:
             self.end_reason = reason
@@ -301,12 +321,8 @@ class TtrpcPeer:
             if not future.done():
                 future.set_exception(error)
         self._pending.clear()
-        tasks = [task for task in self._tasks if task is not asyncio.current_task()]
-        for task in tasks:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(OSError):
-            await self._writer.wait_closed()
 
 
 def _failure(exc: BaseException, method: str) -> tuple[int, str]:

@@ -19,6 +19,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
@@ -28,11 +29,35 @@ from kubernetes import config as k8s_config
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
-from nri_plugin.audit import AuditLog
-from nri_plugin.config.schema import KubernetesConfig
+from hooks.config_fields import setting
+from reconciler.aio import Backoff, done_or_stopped, sleep_until
+from reconciler.audit import AuditLog
 from reconciler.podmeta import PodMeta, pod_meta_from_object
 
 _log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    enabled: bool = setting(True, "Watch this node's pods and use the Eviction and Node APIs.")
+    kubeconfig: str = setting(
+        "", "Path of a kubeconfig; empty means in-cluster config, then ~/.kube/config."
+    )
+    node_name: str = setting(
+        "", "This node's name; empty means the NODE_NAME variable, then the hostname."
+    )
+    request_timeout_s: float = setting(
+        10.0, "Timeout of one API request.", unit="seconds", minimum=0.1, maximum=300
+    )
+    watch_timeout_s: int = setting(
+        300, "Server-side timeout of one pod watch before it is renewed.", unit="seconds",
+        minimum=10, maximum=3600,
+    )
+    retry_max_s: float = setting(
+        30.0, "Cap of the backoff between failed list/watch attempts.", unit="seconds",
+        minimum=0.1, maximum=600,
+    )
+
 
 _T = TypeVar("_T")
 
@@ -116,23 +141,6 @@ class _Gone(Exception):
     """The watch's resourceVersion is too old (410); only a fresh list can continue."""
 
 
-class _Backoff:
-    """Exponential delays from ``initial`` doubling up to ``maximum``."""
-
-    def __init__(self, initial: float, maximum: float) -> None:
-        self._initial = min(initial, maximum)
-        self._maximum = maximum
-        self._next = self._initial
-
-    def reset(self) -> None:
-        self._next = self._initial
-
-    def next(self) -> float:
-        delay = self._next
-        self._next = min(self._next * 2, self._maximum)
-        return delay
-
-
 class _LineReader:
     """Splits a streaming (chunked) HTTP response into JSON lines; used from one worker thread."""
 
@@ -203,8 +211,7 @@ class PodWatcher:
             return
         core = k8s_client.CoreV1Api(self._api)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pod-watch-{self._node}")
-        stopped = asyncio.ensure_future(stop.wait())
-        backoff = _Backoff(self._initial_backoff_s, self._cfg.retry_max_s)
+        backoff = Backoff(self._initial_backoff_s, self._cfg.retry_max_s)
         loop = asyncio.get_running_loop()
         self._resume_from = None
         try:
@@ -213,8 +220,8 @@ class PodWatcher:
                 relisting = self._resume_from is None
                 try:
                     if relisting:
-                        await self._list(core, on_event, executor, stopped)
-                    events = await self._watch(core, on_event, executor, stopped)
+                        await self._list(core, on_event, executor, stop)
+                    events = await self._watch(core, on_event, executor, stop)
                     if events or loop.time() - started >= MIN_HEALTHY_WATCH_S:
                         backoff.reset()
                         continue
@@ -232,16 +239,15 @@ class PodWatcher:
                     reason = _describe(exc)
                 delay = backoff.next()
                 _log.warning("pod_watch_retry", node=self._node, reason=reason, delay_s=delay)
-                await asyncio.wait({stopped}, timeout=delay)
+                await sleep_until(delay, stop)
         finally:
-            stopped.cancel()
             executor.shutdown(wait=False)
 
     async def _call(
         self,
         fn: Callable[[], _T],
         executor: ThreadPoolExecutor,
-        stopped: asyncio.Future[Any],
+        stop: asyncio.Event,
         discard: Callable[[_T], None] | None = None,
     ) -> _T:
         """Runs ``fn`` in the worker thread; on stop, interrupts an open stream and gives up.
@@ -251,11 +257,11 @@ class PodWatcher:
         """
         work = asyncio.get_running_loop().run_in_executor(executor, fn)
         try:
-            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            done = await done_or_stopped(work, stop)
         except asyncio.CancelledError:
             self._abandon(work, discard)
             raise
-        if work.done():
+        if done:
             return work.result()
         self._abandon(work, discard)
         raise _Stopped
@@ -280,7 +286,7 @@ class PodWatcher:
         core: Any,
         on_event: Callable[[PodMeta], None],
         executor: ThreadPoolExecutor,
-        stopped: asyncio.Future[Any],
+        stop: asyncio.Event,
     ) -> None:
         def fetch() -> Any:
             response = core.list_pod_for_all_namespaces(
@@ -293,7 +299,7 @@ class PodWatcher:
             finally:
                 response.release_conn()
 
-        body = await self._call(fetch, executor, stopped)
+        body = await self._call(fetch, executor, stop)
         if not isinstance(body, dict):
             raise ValueError("pod list is not a JSON object")
         resource_version = _resource_version(body)
@@ -318,7 +324,7 @@ class PodWatcher:
         core: Any,
         on_event: Callable[[PodMeta], None],
         executor: ThreadPoolExecutor,
-        stopped: asyncio.Future[Any],
+        stop: asyncio.Event,
     ) -> int:
         """Follows one watch stream from ``_resume_from``; returns the number of events."""
 
@@ -341,7 +347,7 @@ class PodWatcher:
 
         try:
             stream = await self._call(
-                open_stream, executor, stopped, discard=lambda late: late.close()
+                open_stream, executor, stop, discard=lambda late: late.close()
             )
         except ApiException as exc:
             if exc.status == HTTP_GONE:
@@ -351,7 +357,7 @@ class PodWatcher:
         events = 0
         try:
             while True:
-                lines = await self._call(stream.read_lines, executor, stopped)
+                lines = await self._call(stream.read_lines, executor, stop)
                 if not lines:
                     return events
                 for line in lines:

@@ -7,6 +7,7 @@ that does not parse) must cost only that field, never the watch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
+
+from hooks.model import ReadKeys
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -50,6 +53,11 @@ class PodMeta:
     memory_limits: Mapping[str, int]
     # True when the pod was deleted from the API (a DELETED watch event or gone at a relist)
     deleted: bool = False
+
+    def trimmed(self, keys: ReadKeys) -> PodMeta:
+        """This pod with only the annotations the agent reads, and bounded labels."""
+        return dataclasses.replace(self, annotations=keys.annotations_of(self.annotations),
+                                   labels=keys.labels_of(self.labels))
 
 
 def parse_quantity(text: str | int | float) -> int:

@@ -17,47 +17,39 @@ from typing import Protocol
 
 import structlog
 
-from nri_plugin.audit import AuditLog
-from nri_plugin.config.schema import Config
-from reconciler.cgroups import layout_for
+from hooks.model import ReadKeys
+from hooks.resctrl_config import ResctrlConfig
+from reconciler.audit import AuditLog
+from reconciler.host.probe import HostInfo
+from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, run_loop
-from reconciler.loops.drift import DriftLoop
-from reconciler.loops.memory_guard import MemoryGuardLoop
-from reconciler.loops.numa_binding import NumaBindingLoop
+from reconciler.loops.drift import DriftConfig, DriftLoop
+from reconciler.loops.memory_guard import MemoryGuardLoop, MemoryGuardSections
+from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.resctrlfs import ResctrlFs
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs
 
 log = structlog.get_logger("nri_qos.reconciler")
 
 
-class ConfigSource(Protocol):
-    """Anything holding the configuration in force (the daemon's ConfigStore)."""
+class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Protocol):
+    """Every section some loop reads (the node configuration has them all)."""
 
     @property
-    def current(self) -> Config: ...
+    def resctrl(self) -> ResctrlConfig: ...
 
 
-def sysfs_for(cfg: Config, audit: AuditLog) -> SysFs:
-    """The sysfs layer as the configuration asks for it (root directory, write retries)."""
-    return SysFs(cfg.reconciler.root, audit, retries=cfg.reconciler.write_retries)
-
-
-def build_loops(config_store: ConfigSource, state: NodeState, sysfs: SysFs,
-                resctrl: ResctrlFs | None, audit: AuditLog) -> list[Loop]:
+def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysfs: SysFs,
+                host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount."""
-    def config() -> Config:
-        return config_store.current
-
-    cfg = config()
-    layout = layout_for(sysfs, cfg.memory.cgroup_version, cfg.reconciler.cgroup_driver)
+    layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
-             root=str(sysfs.root))
+             root=host.root)
     loops: list[Loop] = [
-        DriftLoop(config, state, sysfs, layout),
+        DriftLoop(config, state, sysfs, layout, host.memory_total_bytes),
         MemoryGuardLoop(config, sysfs, layout, audit),
         NumaBindingLoop(config, state, sysfs, layout, audit),
     ]
@@ -66,34 +58,31 @@ def build_loops(config_store: ConfigSource, state: NodeState, sysfs: SysFs,
     return loops
 
 
-async def run_reconciler(config_store: ConfigSource, state: NodeState, sysfs: SysFs,
-                         resctrl: ResctrlFs | None, audit: AuditLog, stop: asyncio.Event,
-                         watcher: PodWatcher | None) -> None:
-    """Run every loop, and the pod watch when given, until ``stop`` is set."""
-    cfg = config_store.current
-    if not cfg.reconciler.enabled:
-        log.info("reconciler_disabled", reason="reconciler.enabled is false")
-        return
+async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Event,
+                         watcher: PodWatcher | None, *, read_keys: Callable[[], ReadKeys],
+                         backoff_max: Callable[[], float]) -> None:
+    """Run every loop, and the pod watch when given, until ``stop`` is set. The pod watch keeps
+    of each pod only the annotations some policy reads (``read_keys``)."""
     if watcher is None:
         log.warning("reconciler_degraded", reason="no Kubernetes pod watch: NRI data only "
                     "(no priority, requests or annotation changes)")
-    loops = build_loops(config_store, state, sysfs, resctrl, audit)
     running = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(max_workers=len(loops), thread_name_prefix="nri-qos-reconcile")
+    executor = ThreadPoolExecutor(max_workers=max(len(loops), 1),
+                                  thread_name_prefix="nri-qos-reconcile")
     unsubscribe: list[Callable[[], None]] = []
     try:
         async with asyncio.TaskGroup() as group:
             if watcher is not None:
-                group.create_task(watcher.run(state.apply_meta, stop))
+                group.create_task(watcher.run(
+                    lambda meta: state.apply_meta(meta.trimmed(read_keys())), stop))
             for loop in loops:
                 wake = asyncio.Event()
                 unsubscribe.append(state.subscribe(_waker(running, wake),
                                                    events=loop.wake_events,
                                                    meta=loop.wake_on_meta))
-                group.create_task(run_loop(
-                    loop, stop=stop, wake=wake, executor=executor,
-                    backoff_max=lambda: config_store.current.reconciler.backoff_max_s,
-                ), name=f"reconciler-{loop.name}")
+                group.create_task(run_loop(loop, stop=stop, wake=wake, executor=executor,
+                                           backoff_max=backoff_max),
+                                  name=f"reconciler-{loop.name}")
     finally:
         for cancel in unsubscribe:
             cancel()

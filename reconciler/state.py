@@ -2,13 +2,18 @@
 
 Two sources, merged here and nowhere else:
 
-* **NRI** (authoritative for what runs): :class:`StateTracker` is a hook in the NRI chain; it
-  subscribes to every pod and container lifecycle event and to Synchronize, which replaces the
-  whole NRI view after each (re)connection.
+* **NRI** (authoritative for what runs): the NRI stub feeds every pod and container lifecycle
+  event in, and Synchronize replaces the whole NRI view after each (re)connection.
 * **The Kubernetes pod watch** (optional): :meth:`NodeState.apply_meta` takes a
   :class:`~reconciler.podmeta.PodMeta` per pod. It adds what NRI does not know (priority, owner
   kind, memory requests) and overrides the annotations and labels NRI saw at creation: the API
   server holds the current ones, so an annotation changed after creation reaches the policies.
+
+A pod's QoS level is decided here and nowhere else, from the merged view: the CreateContainer
+answer (:meth:`NodeState.pod_view`) and the loops (:meth:`NodeState.snapshot`) read the same
+:class:`PodView`, so creation and reconciliation never disagree about a pod's level, also after
+an annotation changed. A view is worked out once per pod and kept until the pod, its metadata or
+the ``[qos]`` section changes.
 
 Threading: the tracker runs on the event loop (or the stub's worker threads) and the loops'
 cycles in their own worker threads, so every mutation holds one :class:`threading.Lock`, briefly.
@@ -26,31 +31,31 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
-from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.chain import ContainerEvent, Hook, PodEvent
-from nri_plugin.events import Event
+from hooks.qos_level import LevelDecision, QosConfig, resolve_level
 from reconciler.podmeta import PodMeta
 
-POD_LIFECYCLE = frozenset({
-    Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX, Event.REMOVE_POD_SANDBOX,
-    Event.UPDATE_POD_SANDBOX,
-})
-CONTAINER_LIFECYCLE = frozenset({
-    Event.CREATE_CONTAINER, Event.START_CONTAINER, Event.UPDATE_CONTAINER,
-    Event.STOP_CONTAINER, Event.REMOVE_CONTAINER,
-})
-ALL_LIFECYCLE = POD_LIFECYCLE | CONTAINER_LIFECYCLE
-
 Callback = Callable[[], None]
+
+DEFAULT_POD_LIMIT = 4096
+"""Pods remembered at most: far above any node's pod count, so only pods whose removal was never
+seen (e.g. while disconnected from the runtime) are ever pushed out, oldest first."""
+
+_DEFAULT_QOS = QosConfig()
 
 
 @dataclass(frozen=True, slots=True)
 class PodView:
-    """A pod with the API's view merged in (``info`` is what policies get)."""
+    """A pod with the API's view merged in (``info`` is what policies get) and its level."""
 
     info: PodInfo
     meta: PodMeta | None
+    decision: LevelDecision
+
+    @property
+    def level(self) -> str:
+        return self.decision.level
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,8 @@ class Snapshot:
     pods: Mapping[str, PodView]
     containers: tuple[ContainerView, ...]
     pod_uids: frozenset[str]
+    # The [qos] section the levels were resolved with.
+    qos: QosConfig
 
     def running(self) -> tuple[ContainerView, ...]:
         return tuple(c for c in self.containers if c.running)
@@ -80,10 +87,21 @@ class _Subscription:
 
 
 class NodeState:
-    """Pods and containers from NRI, enriched by the pod watch; safe to use from any thread."""
+    """Pods and containers from NRI, enriched by the pod watch; safe to use from any thread.
 
-    def __init__(self) -> None:
+    ``qos`` returns the ``[qos]`` section in force (levels are resolved again when it is a new
+    object); at most ``pod_limit`` pods are remembered.
+    """
+
+    def __init__(self, qos: Callable[[], QosConfig] = lambda: _DEFAULT_QOS, *,
+                 pod_limit: int = DEFAULT_POD_LIMIT) -> None:
+        if pod_limit < 1:
+            raise ValueError("pod_limit must be at least 1")
+        self._qos = qos
+        self._pod_limit = pod_limit
         self._lock = threading.Lock()
+        # Sandbox id -> (NRI pod, its metadata, the [qos] section) the view was made from.
+        self._views: dict[str, tuple[PodInfo, PodMeta | None, QosConfig, PodView]] = {}
         self._pods: dict[str, PodInfo] = {}
         self._containers: dict[str, ContainerInfo] = {}
         self._stopped: set[str] = set()
@@ -93,6 +111,7 @@ class NodeState:
         self._synced = False
         self._snapshot: Snapshot | None = None
         self._subscriptions: list[_Subscription] = []
+        self._runtime_fields: frozenset[str] | None = None
 
     # -- subscriptions ---------------------------------------------------------------------------
 
@@ -124,32 +143,62 @@ class NodeState:
 
     def replace_all(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
         with self._lock:
-            self._pods = {p.id: p for p in pods}
+            self._pods = {p.id: p for p in pods[-self._pod_limit:]}
             self._containers = {c.id: c for c in containers if c.pod_sandbox_id in self._pods}
             self._stopped.clear()
             self._synced = True
             self._changed()
         self._notify(None, everyone=True)
 
+    def pod_view(self, pod_id: str, make: Callable[[], PodInfo]) -> PodView:
+        """The pod's view and level for an NRI event; ``make`` converts the runtime's message
+        into the pod, called only at the pod's first sight (CRI fixes a sandbox's labels,
+        annotations and cgroup parent when it creates it, so the first sight is the record).
+        Raises what ``make`` raises; such a pod is not remembered."""
+        with self._lock:
+            pod = self._pods.get(pod_id)
+        if pod is None:
+            pod = make()
+            with self._lock:
+                self._add_pod(pod)
+                self._changed()
+        return self._view(pod)
+
     def put_pod(self, pod: PodInfo, event: Event) -> None:
         with self._lock:
-            self._pods[pod.id] = pod
+            self._add_pod(pod)
             self._changed()
         self._notify(event)
 
-    def remove_pod(self, pod: PodInfo, event: Event) -> None:
+    def _add_pod(self, pod: PodInfo) -> None:
+        """Remember ``pod`` (lock held); beyond the limit the oldest pod goes."""
+        if pod.id not in self._pods and len(self._pods) >= self._pod_limit:
+            self._drop_pod(next(iter(self._pods)))
+        self._pods[pod.id] = pod
+
+    def pod_event(self, pod_id: str, event: Event) -> None:
+        """An NRI event about a known pod (started, stopped, updated): wakes its subscribers."""
+        self._notify(event)
+
+    def remove_pod(self, pod_id: str, event: Event) -> None:
         with self._lock:
-            self._pods.pop(pod.id, None)
-            for cid in [c.id for c in self._containers.values() if c.pod_sandbox_id == pod.id]:
-                del self._containers[cid]
-                self._stopped.discard(cid)
+            self._drop_pod(pod_id)
             self._changed()
         self._notify(event)
 
-    def put_container(self, pod: PodInfo, container: ContainerInfo, event: Event,
+    def _drop_pod(self, pod_id: str) -> None:
+        """Forget a pod and its containers (lock held)."""
+        self._pods.pop(pod_id, None)
+        self._views.pop(pod_id, None)
+        for cid in [c.id for c in self._containers.values() if c.pod_sandbox_id == pod_id]:
+            del self._containers[cid]
+            self._stopped.discard(cid)
+
+    def put_container(self, pod_id: str, container: ContainerInfo, event: Event,
                       *, running: bool = True) -> None:
+        """A container created, started, updated or stopped. Its pod is known from the pod's
+        view (:meth:`pod_view`); a container of an unknown pod is kept but not shown."""
         with self._lock:
-            self._pods.setdefault(pod.id, pod)
             self._containers[container.id] = container
             if running:
                 self._stopped.discard(container.id)
@@ -164,6 +213,15 @@ class NodeState:
             self._stopped.discard(container.id)
             self._changed()
         self._notify(event)
+
+    def set_runtime_fields(self, fields: frozenset[str]) -> None:
+        """The adjustment fields the connected runtime applies (its Configure)."""
+        self._runtime_fields = fields
+
+    @property
+    def runtime_fields(self) -> frozenset[str] | None:
+        """What the connected runtime applies; None before any runtime configured the plugin."""
+        return self._runtime_fields
 
     # -- pod watch side --------------------------------------------------------------------------
 
@@ -198,44 +256,54 @@ class NodeState:
         # (applied inline on the event loop) never wait for a snapshot of a large node.
         with self._lock:
             cached = self._snapshot
-            if cached is not None and cached.version == self._version:
+            if cached is not None and cached.version == self._version \
+                    and cached.qos is self._qos():
                 return cached
             version = self._version
-            pods, containers = dict(self._pods), list(self._containers.values())
-            stopped, meta = frozenset(self._stopped), dict(self._meta)
-        snapshot = _build(version, pods, containers, stopped, meta)
+            pods, containers = list(self._pods.values()), list(self._containers.values())
+            stopped = frozenset(self._stopped)
+        views = {pod.id: self._view(pod) for pod in pods}
+        merged = []
+        for c in containers:
+            pod_view = views.get(c.pod_sandbox_id)
+            if pod_view is not None:
+                merged.append(ContainerView(_merge_container(c, pod_view.meta), pod_view,
+                                            c.id not in stopped))
+        snapshot = Snapshot(version, MappingProxyType(views), tuple(merged),
+                            frozenset(p.info.uid for p in views.values()),
+                            qos=self._qos())
         with self._lock:
-            if self._snapshot is None or self._snapshot.version < version:
+            if self._snapshot is None or self._snapshot.version <= version:
                 self._snapshot = snapshot
         return snapshot
+
+    def _view(self, pod: PodInfo) -> PodView:
+        """The pod's merged view and level, worked out again only when the NRI pod, its metadata
+        or the ``[qos]`` section changed. Safe without the lock: the caches are only replaced
+        whole, and a race computes the same view twice."""
+        qos = self._qos()
+        meta = self._meta.get(pod.uid)
+        cached = self._views.get(pod.id)
+        if cached is not None and cached[0] is pod and cached[1] is meta and cached[2] is qos:
+            return cached[3]
+        info = _merge_pod(pod, meta)
+        view = PodView(info, meta, resolve_level(info, qos))
+        self._views[pod.id] = (pod, meta, qos, view)
+        return view
 
     def _changed(self) -> None:
         self._version += 1
 
 
-def _build(version: int, pods: Mapping[str, PodInfo], containers: Sequence[ContainerInfo],
-           stopped: frozenset[str], meta: Mapping[str, PodMeta]) -> Snapshot:
-    views = {pid: _merge_pod(pod, meta.get(pod.uid)) for pid, pod in pods.items()}
-    merged = []
-    for c in containers:
-        pod = views.get(c.pod_sandbox_id)
-        if pod is None:
-            continue
-        merged.append(ContainerView(_merge_container(c, pod.meta), pod, c.id not in stopped))
-    return Snapshot(version, MappingProxyType(views), tuple(merged),
-                    frozenset(p.info.uid for p in views.values()))
-
-
-def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodView:
+def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:
     if meta is None:
-        return PodView(pod, None)
-    merged = dataclasses.replace(
+        return pod
+    return dataclasses.replace(
         pod,
         annotations=MappingProxyType(dict(meta.annotations)),
         labels=MappingProxyType(dict(meta.labels)),
         priority=meta.priority if meta.priority is not None else pod.priority,
     )
-    return PodView(merged, meta)
 
 
 def _merge_container(container: ContainerInfo, meta: PodMeta | None) -> ContainerInfo:
@@ -248,40 +316,3 @@ def _merge_container(container: ContainerInfo, meta: PodMeta | None) -> Containe
     if request == container.memory_request and limit == container.memory_limit:
         return container
     return dataclasses.replace(container, memory_request=request, memory_limit=limit)
-
-
-class StateTracker(Hook):
-    """Feeds :class:`NodeState` from the NRI chain; never changes an adjustment."""
-
-    name = "state"
-    # Every handler only updates dicts under a briefly held lock: no thread hop needed.
-    events = inline_events = ALL_LIFECYCLE
-
-    def __init__(self, state: NodeState) -> None:
-        self.state = state
-
-    def run_pod_sandbox(self, event: PodEvent) -> None:
-        self.state.put_pod(event.pod, Event.RUN_POD_SANDBOX)
-
-    def remove_pod_sandbox(self, event: PodEvent) -> None:
-        self.state.remove_pod(event.pod, Event.REMOVE_POD_SANDBOX)
-
-    def create_container(self, event: ContainerEvent) -> ContainerSettings:
-        self.state.put_container(event.pod, event.container, Event.CREATE_CONTAINER)
-        return EMPTY_SETTINGS
-
-    def observe(self, event: Event, pod: PodInfo, container: ContainerInfo | None) -> None:
-        if container is None:
-            if event == Event.REMOVE_POD_SANDBOX:
-                self.state.remove_pod(pod, event)
-            elif event in POD_LIFECYCLE:
-                self.state.put_pod(pod, event)
-            return
-        if event == Event.REMOVE_CONTAINER:
-            self.state.remove_container(container, event)
-        elif event in CONTAINER_LIFECYCLE:
-            self.state.put_container(pod, container, event,
-                                     running=event != Event.STOP_CONTAINER)
-
-    def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
-        self.state.replace_all(pods, containers)

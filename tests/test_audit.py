@@ -12,16 +12,9 @@ from typing import Any
 
 import pytest
 
-from nri_plugin.audit import (
-    CATALOGUE,
-    RESERVED_FIELDS,
-    AuditFile,
-    AuditLog,
-    LogAuditSink,
-    MemoryAuditSink,
-    json_text,
-)
+from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
 from nri_plugin.log_context import bound_fields
+from reconciler.audit import CATALOGUE, RESERVED_FIELDS, AuditLog, MemoryAuditSink
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("nri_plugin", "hooks", "reconciler")

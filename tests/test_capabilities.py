@@ -1,4 +1,4 @@
-"""The capabilities as chain hooks: wiring, events, resctrl groups over a fake tree, strictness."""
+"""The capabilities: wiring, events, resctrl groups over a fake tree, strictness."""
 
 from __future__ import annotations
 
@@ -9,22 +9,21 @@ from types import MappingProxyType
 import pytest
 
 from hooks.errors import InvalidInput
+from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
 from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from hooks.resctrl import KOORDINATOR_ANNOTATION
+from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION
+from hooks.resctrl_groups import plan_class_groups
 from hooks.settings import HookStage, OciHookSpec
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.capabilities import (
-    ResctrlHook,
-    build_hooks,
-    setup_class_groups,
-    uses_cgroup_v2,
-)
-from nri_plugin.chain import ContainerEvent, Hook, PodEvent
+from nri_plugin.capabilities import build_capabilities
+from nri_plugin.capabilities.resctrl import ResctrlCapability
+from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
-from nri_plugin.events import Event
-from reconciler.resctrlfs import ResctrlFs
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.cgroups import detect_version
+from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.sysfs import SysFs
 from tests.resctrl_trees import intel_tree
 
 UID = "3f1c2a9e-0b7d-4a51-9c1e-5d2f6a7b8c90"
@@ -41,20 +40,23 @@ class World:
         self.sink = MemoryAuditSink()
         self.audit = AuditLog(self.sink)
         self.warnings: list[str] = []
-        fs = ResctrlFs.detect(self.root, prefix=self.config.resctrl.group_prefix,
-                              audit=self.audit, amd_mb_max=2048, warn=self.warnings.append)
+        fs = ResctrlFs.detect(SysFs("/", self.audit), str(self.root),
+                              prefix=self.config.resctrl.group_prefix, audit=self.audit,
+                              amd_mb_max=2048, warn=self.warnings.append)
         assert fs is not None
         self.fs = fs
 
-    def hooks(self, *, cgroup_v2: bool = True) -> list[Hook]:
-        return build_hooks(self.config, resctrl=self.fs, audit=self.audit, cgroup_v2=cgroup_v2)
+    def hooks(self, *, cgroup_v2: bool = True) -> list[Capability]:
+        return build_capabilities(self.config, resctrl=self.fs, audit=self.audit,
+                                  cgroup_v2=cgroup_v2, memory_total=0)
 
-    def setup(self) -> None:
-        setup_class_groups(self.config.resctrl, self.fs, warn=self.warnings.append)
+    def setup(self) -> set[str]:
+        plan = plan_class_groups(self.config.resctrl, self.fs.info, self.fs.our_groups())
+        return self.fs.apply_class_groups(plan, reason="config", warn=self.warnings.append)
 
-    def resctrl(self) -> ResctrlHook:
+    def resctrl(self) -> ResctrlCapability:
         hook = self.hooks()[0]
-        assert isinstance(hook, ResctrlHook)
+        assert isinstance(hook, ResctrlCapability)
         return hook
 
 
@@ -84,7 +86,8 @@ def test_default_chain_and_events(world: World) -> None:
 
 
 def test_without_resctrl_no_resctrl_hook(world: World) -> None:
-    hooks = build_hooks(world.config, resctrl=None, audit=world.audit, cgroup_v2=True)
+    hooks = build_capabilities(world.config, resctrl=None, audit=world.audit, cgroup_v2=True,
+                               memory_total=0)
     assert [h.name for h in hooks] == ["memory_qos", "oom_score"]
 
 
@@ -118,8 +121,12 @@ def test_oci_hooks_hook_only_with_configured_hooks(tmp_path: Path) -> None:
     ("auto", True, True), ("auto", False, False), ("v1", True, False), ("v2", False, True)])
 def test_cgroup_version_override(tmp_path: Path, setting: str, detected: bool, v2: bool) -> None:
     w = World(tmp_path, f'[memory]\ncgroup_version = "{setting}"\n')
-    assert uses_cgroup_v2(w.config.memory, detected) is v2
-    mem = next(h for h in w.hooks(cgroup_v2=detected) if h.name == "memory_qos")
+    host = tmp_path / "host"
+    (host / "sys/fs/cgroup").mkdir(parents=True)
+    if detected:
+        (host / "sys/fs/cgroup/cgroup.controllers").write_text("memory\n")
+    assert (detect_version(SysFs(host), w.config.memory.cgroup_version) == 2) is v2
+    mem = next(h for h in w.hooks(cgroup_v2=v2) if h.name == "memory_qos")
     settings = mem.create_container(ContainerEvent(pod(), ctr(), "reclaimed_cores", RUNTIME))
     assert bool(settings.unified) is v2
 
@@ -153,8 +160,8 @@ def test_class_groups_that_do_not_fit_are_skipped(tmp_path: Path) -> None:
     w = World(tmp_path)
     # A file in the way stands in for any kernel refusal.
     (w.root / "nriqos-shared_cores").write_text("")
-    groups = setup_class_groups(w.config.resctrl, w.fs, warn=w.warnings.append)
-    assert "shared_cores" not in groups
+    groups = w.setup()
+    assert "nriqos-shared_cores" not in groups
     assert len(groups) == 3
     assert len(w.warnings) == 1
     assert "nriqos-shared_cores" in w.warnings[0]
@@ -314,17 +321,18 @@ def test_problems_audited_per_container_without_strict(world: World) -> None:
 def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
     import dataclasses
 
+    from hooks.config_fields import frozen_map
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-    from nri_plugin.audit import AuditLog, MemoryAuditSink
-    from nri_plugin.capabilities import build_hooks
-    from nri_plugin.chain import ContainerEvent
-    from nri_plugin.config.creation import OomLevel
-    from nri_plugin.config.fields import frozen_map
+    from hooks.oom_score import OomLevel
+    from nri_plugin.capabilities import build_capabilities
+    from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
+    from reconciler.audit import AuditLog, MemoryAuditSink
 
     cfg = Config()
-    (oom,) = [h for h in build_hooks(cfg, resctrl=None, audit=AuditLog(MemoryAuditSink()),
-                                     cgroup_v2=False) if h.name == "oom_score"]
+    (oom,) = [h for h in build_capabilities(cfg, resctrl=None, audit=AuditLog(MemoryAuditSink()),
+                                            cgroup_v2=False, memory_total=0)
+              if h.name == "oom_score"]
     event = ContainerEvent(PodInfo("s", "u", "p", "ns"), ContainerInfo("c", "s", "n"),
                            "shared_cores", RuntimeInfo())
     assert oom.create_container(event).oom_score_adj is None
@@ -339,15 +347,15 @@ def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
 def test_reconfigure_reaches_oci_hooks() -> None:
     import dataclasses
 
+    from hooks.config_fields import frozen_map
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-    from nri_plugin.capabilities import OciHooksHook
-    from nri_plugin.chain import ContainerEvent
-    from nri_plugin.config.creation import OciHook, OciLevelHooks
-    from nri_plugin.config.fields import frozen_map
+    from hooks.oci_hooks import OciHook, OciLevelHooks
+    from nri_plugin.capabilities.oci_hooks import OciHooksCapability
+    from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
 
     cfg = Config()
-    hook = OciHooksHook(cfg.oci_hooks)
+    hook = OciHooksCapability(cfg.oci_hooks)
     event = ContainerEvent(PodInfo("s", "u", "p", "ns"), ContainerInfo("c", "s", "n"),
                            "reclaimed_cores", RuntimeInfo())
     assert hook.create_container(event).hooks == ()

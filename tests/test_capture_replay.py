@@ -9,6 +9,7 @@ per request, same stream id, status OK, split into mux frames by the 4096-then-r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import struct
@@ -19,17 +20,18 @@ from pathlib import Path
 
 import pytest
 
+from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.chain import ContainerEvent, Hook, PodEvent
+from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
 from nri_plugin.envelope import decode_request, decode_response
-from nri_plugin.events import Event
 from nri_plugin.mux import GO_BUFFER_SIZE, MuxDecoder
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import FrameDecoder, MessageType, StatusCode
 from protos import nri_api_pb2 as api
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.state import NodeState
 from tests.paths import CAPTURES, RECORDINGS
 
 pytestmark = pytest.mark.skipif(not RECORDINGS, reason=f"no recordings in {CAPTURES}")
@@ -59,7 +61,7 @@ EXPECTED = {
 REQUEST_TYPES = {"StateChange": api.StateChangeEvent, "Shutdown": api.Empty}
 
 
-class Seen(Hook):
+class Seen(Capability):
     """Subscribed to everything; remembers what the plugin handed it."""
 
     name = "seen"
@@ -160,8 +162,13 @@ async def test_replay_recording(recording: Path) -> None:
     ours, theirs = socket.socketpair()
     reader, writer = await asyncio.open_unix_connection(sock=ours)
     with ThreadPoolExecutor(max_workers=2) as executor:
-        stub = PluginStub(identity=PluginIdentity("replay", "10"), config=Config, hooks=[hook],
-                          audit=AuditLog(sink), executor=executor)
+        # The recorded pods carry a lab annotation; configured as the one the oom policy reads,
+        # it is kept, while the runtime's own io.kubernetes.cri.* annotations are dropped.
+        cfg = Config()
+        cfg = dataclasses.replace(cfg, oom=dataclasses.replace(cfg.oom, annotation="qos.lab/class"))
+        stub = PluginStub(identity=PluginIdentity("replay", "10"), config=lambda: cfg,
+                          capabilities=[hook], audit=AuditLog(sink), executor=executor,
+                          state=NodeState(), track_containers=True)
         serving = asyncio.create_task(stub.serve(reader, writer))
         loop = asyncio.get_running_loop()
         theirs.setblocking(False)
@@ -212,6 +219,7 @@ async def test_replay_recording(recording: Path) -> None:
         assert (pod.namespace, pod.name, pod.cgroup_parent) == (
             expected.namespace, expected.name, expected.cgroup_parent)
         assert expected.annotations.items() <= pod.annotations.items()
+        assert not any(key.startswith("io.kubernetes.cri.") for key in pod.annotations)
     assert not sink.named("event_failed")
     assert not sink.named("adjustment_skipped")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.cgroups import (
+from reconciler.host.cgroups import (
     CgroupLayout,
     CgroupPathError,
     expand_slice,
@@ -15,7 +15,7 @@ from reconciler.cgroups import (
     pod_rel,
     tier_rel,
 )
-from reconciler.sysfs import SysFs
+from reconciler.host.sysfs import SysFs
 from tests.fakesys import FakeHost
 
 UID = "0f3c5a2e-1b7d-4c1e-9a8b-2d6e4f0a1b2c"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import nri_plugin.daemon
-import nri_plugin.simulator
+import nri_plugin.simulate
 from nri_plugin.cli import main
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.render import render_toml
@@ -79,16 +79,19 @@ def test_run_hands_its_arguments_to_the_daemon(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_simulate_hands_its_arguments_to_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[str | None, str | None, str | None]] = []
+    calls: list[tuple[str | None, ...]] = []
 
-    def fake_simulate(scenario: str | None, config: str | None, level: str | None) -> int:
-        calls.append((scenario, config, level))
+    def fake_simulate(scenario: str | None, config: str | None, level: str | None,
+                      runtime: str | None, nri_version: str | None) -> int:
+        calls.append((scenario, config, level, runtime, nri_version))
         return 0
 
-    monkeypatch.setattr(nri_plugin.simulator, "main_simulate", fake_simulate)
+    monkeypatch.setattr(nri_plugin.simulate, "main_simulate", fake_simulate)
     assert main(["simulate"]) == 0
-    assert main(["simulate", "s.toml", "--config", "c.toml", "--log-level", "warning"]) == 0
-    assert calls == [(None, None, None), ("s.toml", "c.toml", "warning")]
+    assert main(["simulate", "s.toml", "--config", "c.toml", "--log-level", "warning",
+                 "--runtime", "containerd/v1.7.20", "--nri-version", "v0.6.1"]) == 0
+    assert calls == [(None, None, None, None, None),
+                     ("s.toml", "c.toml", "warning", "containerd/v1.7.20", "v0.6.1")]
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,13 +13,15 @@ from typing import Any
 
 import pytest
 
-from nri_plugin.config.background import NumaConfig
-from nri_plugin.config.creation import CacheOverride, MemoryLevel, OciHook, OciLevelHooks
-from nri_plugin.config.fields import frozen_map, meta_of
+from hooks.config_fields import frozen_map, meta_of
+from hooks.memory_qos import MemoryLevel
+from hooks.oci_hooks import OciHook, OciLevelHooks
+from hooks.resctrl_config import CacheOverride
 from nri_plugin.config.loader import ConfigError, load_file, parse_size, parse_toml
 from nri_plugin.config.render import render_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import EMBEDDED_DEFAULTS, load_config
+from reconciler.loops.numa_binding import NumaConfig
 
 REPO = Path(__file__).resolve().parent.parent
 # A root-owned executable that is not writable by others: what an OCI hook path must be.

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.convert import InvalidInput, container_info, fill_adjustment, pod_info, to_update
-from nri_plugin.versions import ClosField
+from nri_plugin.convert import MessageError, container_info, fill_adjustment, pod_info, to_update
+from nri_plugin.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
 
@@ -33,7 +33,7 @@ def test_pod_info() -> None:
 
 
 def test_pod_without_id_is_invalid() -> None:
-    with pytest.raises(InvalidInput, match="no id"):
+    with pytest.raises(MessageError, match="no id"):
         pod_info(api.PodSandbox(uid="u"))
 
 
@@ -76,7 +76,7 @@ def test_memory_min_preferred_over_reservation() -> None:
 
 
 def test_container_without_id_is_invalid() -> None:
-    with pytest.raises(InvalidInput):
+    with pytest.raises(MessageError):
         container_info(api.Container(name="x"))
 
 

@@ -1,8 +1,10 @@
-"""The daemon: config errors, the socket hint, extra services, signals."""
+"""The daemon and the agent it assembles: config errors, the socket hint, composition, signals."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import gc
 import json
 import signal
@@ -11,18 +13,23 @@ from pathlib import Path
 
 import pytest
 
+from hooks.events import Event
 from nri_plugin import daemon
-from nri_plugin.chain import Hook
-from nri_plugin.daemon import Backoff, ServiceContext
-from nri_plugin.events import Event
+from nri_plugin.agent import build_agent, load_store, probe, run_agent
+from nri_plugin.capability import Capability
+from nri_plugin.connection import run_external
+from nri_plugin.logs import LoggingSetup
 from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.stub import PluginIdentity, PluginStub
+from reconciler.aio import Backoff
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_backoff_doubles_up_to_the_cap_and_resets() -> None:
-    backoff = Backoff(100, 350)
+    backoff = Backoff(0.1, 0.35)
     assert [backoff.next() for _ in range(4)] == [0.1, 0.2, 0.35, 0.35]
+    assert backoff.failures == 4
     backoff.reset()
     assert backoff.next() == 0.1
 
@@ -40,11 +47,11 @@ async def test_missing_socket_is_explained_and_retried(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[plugin]\nreconnect_initial_ms = 10\nreconnect_max_ms = 20\n"
-                      "[resctrl]\nenabled = false\n")
+                      "[resctrl]\nenabled = false\n[reconciler]\nenabled = false\n")
     socket_path = tmp_path / "missing.sock"
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.serve(str(config), str(socket_path), None, stop=stop,
-                                            prelaunched=None, hooks=[]))
+                                            prelaunched=None))
     lines: list[dict[str, object]] = []
     while len([x for x in lines if x.get("event") == "runtime_socket_unavailable"]) < 2:
         await asyncio.sleep(0.02)
@@ -57,38 +64,46 @@ async def test_missing_socket_is_explained_and_retried(tmp_path: Path,
     assert "disable = false" in str(hint["hint"])
 
 
-class Tracker(Hook):
+class Tracker(Capability):
     name = "tracker"
     events = frozenset({Event.START_CONTAINER})
 
 
-async def test_extra_services_and_hooks_join_the_daemon(tmp_path: Path) -> None:
+async def test_services_and_capabilities_join_the_agent(tmp_path: Path) -> None:
     socket_path = tmp_path / "nri.sock"
     simulator = RuntimeSimulator(socket_path)
     await simulator.start()
     stop = asyncio.Event()
-    seen: list[ServiceContext] = []
-
+    logging_setup = LoggingSetup(level="warning")
+    store = load_store(None, logging_setup)
+    assert store is not None
+    host, sysfs = probe(store.current, logging_setup.audit)
+    agent = build_agent(store, logging_setup.audit, host, sysfs, PluginIdentity("nri-qos", "10"),
+                        run_background=False)
+    # A capability of its own and a service of its own, composed as the daemon composes.
+    stub = PluginStub(identity=agent.stub.identity, config=lambda: store.current,
+                      capabilities=[Tracker()], audit=agent.audit, executor=agent.executor,
+                      state=agent.state)
     frozen: list[int] = []
 
-    async def service(context: ServiceContext) -> None:
-        seen.append(context)
-        # Everything built at startup is out of the collector's way while the daemon runs.
+    async def service(stop: asyncio.Event) -> None:
+        # Everything built at startup is out of the collector's way while the agent runs.
         frozen.append(gc.get_freeze_count())
-        await context.stop.wait()
+        await stop.wait()
 
-    task = asyncio.create_task(daemon.serve(None, str(socket_path), "warning", stop=stop,
-                                            prelaunched=None, hooks=[], extra_services=[service],
-                                            extra_hooks=[Tracker()]))
-    connection = await simulator.wait_ready()
-    assert connection.subscribed(Event.START_CONTAINER)
-    assert seen[0].stub.connected
-    assert seen[0].store.current.plugin.name == "nri-qos"
+    agent = dataclasses.replace(agent, stub=stub, services=(*agent.services, service))
+    connection = functools.partial(run_external, socket_path=str(socket_path),
+                                   backoff=Backoff(0.05, 0.1))
+    task = asyncio.create_task(run_agent(agent, connection, stop))
+    conn = await simulator.wait_ready()
+    assert conn.subscribed(Event.START_CONTAINER)
+    assert stub.connected
     stop.set()
     assert await task == 0
     assert frozen[0] > 1000
     assert gc.get_freeze_count() == 0
     await simulator.stop()
+    logging_setup.close()
 
 
 async def test_sighup_reloads_and_sigterm_stops(tmp_path: Path) -> None:

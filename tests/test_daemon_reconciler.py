@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from hooks.events import Event
 from nri_plugin import daemon
-from nri_plugin.events import Event
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 from tests.fakesys import FakeHost, FakePod, read_ids
@@ -75,7 +75,7 @@ async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> N
     await simulator.start()
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "warning",
-                                            stop=stop, prelaunched=None, reconcile=True))
+                                            stop=stop, prelaunched=None))
     try:
         connection = await simulator.wait_ready()
         group_tasks = resctrl / "nriqos-reclaimed_cores" / "tasks"

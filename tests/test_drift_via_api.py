@@ -10,12 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.config.schema import Config, KubernetesConfig
-from reconciler.k8s import PodWatcher, build_api_client
-from reconciler.runner import run_reconciler
+from nri_plugin.config.schema import Config
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.probe import probe_host
+from reconciler.host.sysfs import SysFs
+from reconciler.k8s import KubernetesConfig, PodWatcher, build_api_client
+from reconciler.runner import build_loops, run_reconciler
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.fakesys import GIB, FakeHost
 
@@ -80,8 +81,10 @@ async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: P
         api = build_api_client(kube)
         assert api is not None
         watcher = PodWatcher(api, kube, "node-a", initial_backoff_s=0.01)
-        task = asyncio.create_task(run_reconciler(Store(cfg), state, sysfs, None, audit, stop,
-                                                  watcher))
+        loops = build_loops(lambda: cfg, state, sysfs, probe_host(sysfs), None, audit)
+        task = asyncio.create_task(run_reconciler(loops, state, stop, watcher,
+                                                  read_keys=cfg.read_keys,
+                                                  backoff_max=lambda: 60))
         try:
             # The API's view arrives: the request (256Mi) now comes from the pod spec.
             await until(lambda: state.snapshot().containers[0].info.memory_request == 256 << 20)

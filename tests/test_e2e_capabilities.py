@@ -15,19 +15,22 @@ from typing import Any
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.capabilities import build_hooks, setup_class_groups
+from hooks.resctrl_groups import plan_class_groups
+from nri_plugin.capabilities import build_capabilities
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.envelope import decode_request, decode_response
-from nri_plugin.events import Event
 from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
-from reconciler.resctrlfs import ResctrlFs
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.sysfs import SysFs
+from reconciler.state import NodeState
 from tests.paths import RECORDINGS
 from tests.resctrl_trees import intel_tree
 from tests.test_capture_replay import (
@@ -77,9 +80,12 @@ class Plugin:
     audit: AuditLog
 
     def stub(self, executor: ThreadPoolExecutor) -> PluginStub:
-        hooks = build_hooks(self.config, resctrl=self.fs, audit=self.audit, cgroup_v2=False)
+        capabilities = build_capabilities(self.config, resctrl=self.fs, audit=self.audit,
+                                          cgroup_v2=self.config.memory.cgroup_version == "v2",
+                                          memory_total=0)
         return PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: self.config,
-                          hooks=hooks, audit=self.audit, executor=executor)
+                          capabilities=capabilities, audit=self.audit, executor=executor,
+                          state=NodeState(qos=lambda: self.config.qos))
 
 
 def make_plugin(tmp_path: Path, tool: Path, extra: str = "") -> Plugin:
@@ -88,10 +94,12 @@ def make_plugin(tmp_path: Path, tool: Path, extra: str = "") -> Plugin:
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     warnings: list[str] = []
-    fs = ResctrlFs.detect(root, prefix=config.resctrl.group_prefix, audit=audit,
-                          amd_mb_max=config.resctrl.amd_mb_max, warn=warnings.append)
+    fs = ResctrlFs.detect(SysFs("/", audit), str(root), prefix=config.resctrl.group_prefix,
+                          audit=audit, amd_mb_max=config.resctrl.amd_mb_max,
+                          warn=warnings.append)
     assert fs is not None, warnings
-    setup_class_groups(config.resctrl, fs, warn=warnings.append)
+    fs.apply_class_groups(plan_class_groups(config.resctrl, fs.info, fs.our_groups()),
+                          reason="config", warn=warnings.append)
     assert warnings == []
     return Plugin(config, fs, sink, audit)
 
@@ -190,12 +198,13 @@ async def test_pod_group_lifecycle_through_the_runtime(session: tuple[Session, P
     adjust = await sess.create(p, container(uid))
     assert adjust == {
         "hooks": {"prestart": [{"path": str(tool), "timeout": {"value": "2"}, "args": [
-            "nri-qos-hook", "resctrl-join", "--root", str(plugin.fs.root), "--group", group]}]},
+            "nri-qos-hook", "resctrl-join", "--root", plugin.fs.mount, "--group", group]}]},
         "linux": {"rdt": {"closId": {"value": group}}},
     }
-    assert (plugin.fs.root / group / "schemata").read_text() == "L3:0=1fc;1=1fc\nMB:0=20;1=20\n"
+    schemata = (Path(plugin.fs.mount) / group / "schemata").read_text()
+    assert schemata == "L3:0=1fc;1=1fc\nMB:0=20;1=20\n"
     await sess.simulator.send(sess.conn, Event.REMOVE_POD_SANDBOX, p)
-    assert not (plugin.fs.root / group).exists()
+    assert not (Path(plugin.fs.mount) / group).exists()
     assert [r["group"] for r in plugin.sink.named("resctrl_group_removed")] == [group]
 
 
@@ -294,21 +303,20 @@ besteffort = "reclaimed_cores"
     rdt_field = ({"rdtClass": {"value": group}} if "1.7" in recording.name else None)
     if rdt_field is not None:
         assert linux["resources"]["rdtClass"] == {"value": group}
-        # containerd 1.7 applies no oom_score_adj adjustment: the plugin leaves it out.
-        assert "oomScoreAdj" not in linux
     else:
         assert linux["rdt"] == {"closId": {"value": group}}
-        assert linux["oomScoreAdj"] == {"value": "1000"}
+    # Both recorded runtimes apply oom_score_adj: containerd 1.7.27 vendors NRI v0.8.0.
+    assert linux["oomScoreAdj"] == {"value": "1000"}
     # The recorded Koordinator annotation (L3 20..80 %) exceeds reclaimed's 0..30 %: L3 stays
     # at the level's share, MB 20 % is honoured.
     assert "outside the allowed [0, 30]" in plugin.sink.named("adjustment_skipped")[0]["reason"]
     prestart = adjust["hooks"]["prestart"]
     assert prestart == [
         {"path": str(tool), "timeout": {"value": "2"}, "args": [
-            "nri-qos-hook", "resctrl-join", "--root", str(plugin.fs.root), "--group", group]},
+            "nri-qos-hook", "resctrl-join", "--root", plugin.fs.mount, "--group", group]},
         {"path": str(tool), "args": ["nri-qos-hook", "--version"], "timeout": {"value": "3"}},
     ]
     # RemovePodSandbox at the end of the recording removed the pod group.
-    assert not (plugin.fs.root / group).exists()
+    assert not (Path(plugin.fs.mount) / group).exists()
     created = [r["group"] for r in plugin.sink.named("resctrl_group_created")]
     assert group in created

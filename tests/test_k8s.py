@@ -14,12 +14,12 @@ import pytest
 from kubernetes import client as k8s_client
 from structlog.testing import capture_logs
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.config.schema import KubernetesConfig
+from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.k8s import (
     TAINT_UPDATE_ATTEMPTS,
     EvictionOutcome,
     KubeActions,
+    KubernetesConfig,
     PodWatcher,
     TaintOutcome,
     build_api_client,

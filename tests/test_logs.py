@@ -15,9 +15,14 @@ import pytest
 import structlog
 
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.config.schema import LoggingConfig
 from nri_plugin.log_context import bound_fields, current_fields, merge_fields
-from nri_plugin.logs import LoggingSetup, configure_logging, event_context, timed_event
+from nri_plugin.logs import (
+    LoggingConfig,
+    LoggingSetup,
+    configure_logging,
+    event_context,
+    timed_event,
+)
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 POD = PodInfo(id="sb1", uid="uid-1", name="web-0", namespace="shop")

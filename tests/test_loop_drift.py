@@ -7,14 +7,15 @@ import dataclasses
 from pathlib import Path
 from types import MappingProxyType
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.config.creation import MemoryLevel
+from hooks.memory_qos import MemoryLevel
 from nri_plugin.config.schema import Config
-from reconciler.cgroups import layout_for
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.cgroups import layout_for
+from reconciler.host.numa import read_meminfo
+from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
 from reconciler.podmeta import PodMeta
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs
 from tests.fakesys import GIB, MIB, FakeContainer, FakeHost
 
 UID = "33333333-0000-0000-0000-000000000003"
@@ -28,7 +29,8 @@ def build(tmp_path: Path, version: int, driver: str, cfg: Config | None = None
     sink = MemoryAuditSink()
     sysfs = SysFs(tmp_path, AuditLog(sink))
     config = cfg or Config()
-    loop = DriftLoop(lambda: config, state, sysfs, layout_for(sysfs))
+    loop = DriftLoop(lambda: config, state, sysfs, layout_for(sysfs), read_meminfo(sysfs).get(
+        "MemTotal", 0))
     return host, state, loop, sink
 
 
@@ -142,11 +144,13 @@ def test_v1_reservation_from_requests_known_through_the_api(tmp_path: Path) -> N
 
 
 def test_stopped_containers_are_left_alone(tmp_path: Path) -> None:
-    from nri_plugin.events import Event
+    from hooks.events import Event
 
     host, state, loop, sink = build(tmp_path, 1, "cgroupfs")
     pod = host.add_pod(UID, tier="besteffort")
-    state.put_container(pod.info, pod.containers[0].info, Event.STOP_CONTAINER, running=False)
+    state.put_pod(pod.info, Event.RUN_POD_SANDBOX)
+    state.put_container(pod.info.id, pod.containers[0].info, Event.STOP_CONTAINER, running=False)
+    assert state.snapshot().containers  # known, but not running
     loop.cycle(0.0)
     assert sink.records == []
 

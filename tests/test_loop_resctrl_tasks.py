@@ -9,14 +9,14 @@ from types import MappingProxyType
 import pytest
 
 from hooks.levels import LEVEL_NAMES
-from nri_plugin.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.cgroups import layout_for
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.cgroups import layout_for
+from reconciler.host.resctrlfs import ResctrlFs, read_info
+from reconciler.host.sysfs import SysFs
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.podmeta import PodMeta
-from reconciler.resctrlfs import ResctrlFs, read_info
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs
 from tests.fakesys import FakeHost, read_ids
 
 PREFIX = "nriqos-"
@@ -52,7 +52,8 @@ def world(tmp_path: Path, version: int = 1, driver: str = "cgroupfs", *,
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(tmp_path, audit)
-    fs = ResctrlFs(root, read_info(root, 2048), prefix=PREFIX, audit=audit)
+    mount = "/" + str(root.relative_to(tmp_path))
+    fs = ResctrlFs(sysfs, mount, read_info(sysfs, mount, 2048), prefix=PREFIX, audit=audit)
     state = NodeState()
     loop = ResctrlTasksLoop(lambda: cfg, state, sysfs, layout_for(sysfs), fs, audit)
     return World(host, state, loop, sink, root)
@@ -215,6 +216,8 @@ def test_removed_class_group_is_recreated_and_refilled(tmp_path: Path, level: st
     pod = w.host.add_pod(uid(1), tier=tier)
     w.sync()
     w.loop.cycle(0.0)
+    # The first cycle gave the fake tree's class groups their configured schemata.
+    w.sink.records.clear()
     group = w.resctrl / (PREFIX + level)
     for f in group.iterdir():
         f.unlink()
@@ -239,7 +242,11 @@ def test_disabled_level_is_not_managed(tmp_path: Path) -> None:
     w.host.add_pod(uid(1), tier="burstable")
     w.sync()
     w.loop.cycle(0.0)
-    assert w.tasks(PREFIX + "shared_cores") == set()
+    # As on a reload: the level's class group goes, and none of its tasks was moved anywhere.
+    assert not (w.resctrl / (PREFIX + "shared_cores")).exists()
+    assert [r["group"] for r in w.sink.named("resctrl_group_removed")] == [
+        PREFIX + "shared_cores"]
+    assert w.sink.named("tasks_moved") == []
 
 
 def test_monitor_group_made_after_its_group_is_used_from_the_next_full_scan(

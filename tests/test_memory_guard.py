@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.cgroups import layout_for
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.cgroups import layout_for
+from reconciler.host.numa import NumaNode
+from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import (
     MemoryGuardLoop,
     bounded_cap,
     parse_numa_stat,
     target_cap,
 )
-from reconciler.numa import NumaNode
-from reconciler.sysfs import SysFs
 from tests.fakesys import GIB, FakeHost
 
 STEP = 1 * GIB

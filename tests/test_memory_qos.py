@@ -7,10 +7,16 @@ from types import MappingProxyType
 
 import pytest
 
-from hooks.memory_qos import VOLCANO_ANNOTATION, Ratios, memory_settings, parse_volcano
+from hooks.config_fields import frozen_map
+from hooks.memory_qos import (
+    VOLCANO_ANNOTATION,
+    MemoryConfig,
+    MemoryLevel,
+    Ratios,
+    memory_settings,
+    parse_volcano,
+)
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.config.creation import MemoryConfig, MemoryLevel
-from nri_plugin.config.fields import frozen_map
 
 MI = 1 << 20
 GI = 1 << 30

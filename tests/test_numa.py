@@ -6,15 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.numa import (
+from reconciler.host.numa import (
     NumaFormatError,
     NumaNode,
-    mem_total,
     parse_meminfo,
     parse_zoneinfo_low,
+    read_meminfo,
     read_nodes,
 )
-from reconciler.sysfs import SysFs
+from reconciler.host.sysfs import SysFs
 from tests.fakesys import GIB, FakeHost, write
 
 # Shaped like a real /proc/zoneinfo of a two-node x86 host (trimmed).
@@ -116,12 +116,12 @@ def test_this_machine_parses() -> None:
     assert all(n.total_bytes > 0 and n.low_watermark_bytes > 0 for n in nodes)
 
 
-def test_mem_total_is_bytes_or_zero_when_unusable(tmp_path: Path) -> None:
+def test_meminfo_is_bytes_or_empty_when_unusable(tmp_path: Path) -> None:
     sysfs = SysFs(tmp_path)
-    assert mem_total(sysfs) == 0  # no /proc/meminfo
+    assert read_meminfo(sysfs) == {}  # no /proc/meminfo
     meminfo = tmp_path / "proc" / "meminfo"
     meminfo.parent.mkdir(parents=True)
     meminfo.write_text("MemTotal:       16384 kB\nMemFree:        8192 kB\n")
-    assert mem_total(sysfs) == 16384 * 1024
+    assert read_meminfo(sysfs) == {"MemTotal": 16384 * 1024, "MemFree": 8192 * 1024}
     meminfo.write_text("MemTotal: lots\n")
-    assert mem_total(sysfs) == 0
+    assert read_meminfo(sysfs) == {}

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.cgroups import layout_for
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.cgroups import layout_for
+from reconciler.host.numa import NumaNode
+from reconciler.host.sysfs import SysFs
 from reconciler.loops.numa_binding import NumaBindingLoop, choose_nodes
-from reconciler.numa import NumaNode
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs
 from tests.fakesys import GIB, FakeHost, FakePod
 
 LOW = 1000  # pages; the 4 GiB floor dominates

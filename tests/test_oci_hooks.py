@@ -8,9 +8,8 @@ from types import MappingProxyType
 
 import pytest
 
-from hooks.oci_hooks import any_hooks, level_hooks
+from hooks.oci_hooks import OciHooksConfig, any_hooks, level_hooks
 from hooks.settings import HookStage, OciHookSpec
-from nri_plugin.config.creation import OciHooksConfig
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
 

@@ -8,8 +8,7 @@ from types import MappingProxyType
 import pytest
 
 from hooks.model import ContainerInfo, PodInfo
-from hooks.oom_score import oom_score
-from nri_plugin.config.creation import OomConfig
+from hooks.oom_score import OomConfig, oom_score
 
 CFG = OomConfig()
 ANN = CFG.annotation

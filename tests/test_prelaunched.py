@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.daemon import ENV_INDEX, ENV_NAME, ENV_SOCKET, Prelaunched, take_prelaunched_env
-from nri_plugin.events import Event
+from hooks.events import Event
+from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET, Prelaunched, take_prelaunched_env
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 

@@ -7,10 +7,9 @@ from collections.abc import Mapping
 
 import pytest
 
+from hooks.config_fields import frozen_map
 from hooks.model import PodInfo
-from hooks.qos_level import LevelDecision, kubernetes_qos_class, resolve_level
-from nri_plugin.config.fields import frozen_map
-from nri_plugin.config.schema import QosConfig
+from hooks.qos_level import LevelDecision, QosConfig, kubernetes_qos_class, resolve_level
 
 UID = "0f6a3c1e-2b7d-4e59-9a61-5d0c8b1f2e34"
 SD_UID = UID.replace("-", "_")

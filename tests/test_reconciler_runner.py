@@ -8,15 +8,20 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
-from nri_plugin.audit import AuditLog, MemoryAuditSink
+from nri_plugin.agent import build_agent, probe
 from nri_plugin.config.schema import Config
-from nri_plugin.events import Event
-from reconciler.loops.base import Loop, backoff_delay, run_loop, sleep_until
-from reconciler.resctrlfs import ResctrlFs, read_info
-from reconciler.runner import build_loops, run_reconciler, sysfs_for
-from reconciler.state import NodeState, StateTracker
-from reconciler.sysfs import SysFs
+from nri_plugin.config.store import ConfigStore
+from nri_plugin.stub import PluginIdentity
+from reconciler.aio import Backoff, sleep_until
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.resctrlfs import ResctrlFs, read_info
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.base import Loop, run_loop
+from reconciler.runner import build_loops, run_reconciler
+from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost, read_ids
 
 
@@ -101,33 +106,36 @@ def test_default_wake_gap() -> None:
 
 
 def test_backoff_grows_and_is_capped() -> None:
-    assert backoff_delay(1.0, 0, 60) == 1.0
-    assert [backoff_delay(1.0, f, 60) for f in (1, 2, 3, 6, 7, 100)] == [2, 4, 8, 60, 60, 60]
-    assert backoff_delay(120.0, 3, 60) == 120.0  # never below the period itself
+    # A failing loop of period 1 s with a cap of 60 s: 2, 4, 8 ... 60 s.
+    backoff = Backoff(1.0 * 2, max(60, 1.0))
+    assert [backoff.next() for _ in range(7)] == [2, 4, 8, 16, 32, 60, 60]
+    # never below the period itself
+    assert Backoff(120.0 * 2, max(60, 120.0)).next() == 120.0
 
 
 async def test_sleep_returns_on_stop_or_wake() -> None:
     stop, wake = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(sleep_until(stop, wake, 3600))
+    task = asyncio.create_task(sleep_until(3600, stop, wake))
     await asyncio.sleep(0)
     wake.set()
-    await asyncio.wait_for(task, 5)
+    assert await asyncio.wait_for(task, 5) is True
     wake.clear()
-    task = asyncio.create_task(sleep_until(stop, wake, 3600))
+    task = asyncio.create_task(sleep_until(3600, stop, wake))
     await asyncio.sleep(0)
     stop.set()
-    await asyncio.wait_for(task, 5)
+    assert await asyncio.wait_for(task, 5) is True
+    assert await sleep_until(0.001, asyncio.Event()) is False
 
 
 async def test_wake_runs_a_cycle_at_once_and_stop_ends_the_loop() -> None:
     signal = Signal()
     loop, stop, wake = Counting(signal), asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(run_loop(loop, stop=stop, wake=wake, backoff_max=lambda: 60,
-                                        clock=lambda: 42.0))
+    task = asyncio.create_task(run_loop(loop, stop=stop, wake=wake, backoff_max=lambda: 60))
     await signal.until(lambda: len(loop.calls) == 1)
     wake.set()
     await signal.until(lambda: len(loop.calls) == 2)
-    assert loop.calls == [42.0, 42.0]
+    # Cycles get the event loop's time.
+    assert loop.calls[0] <= loop.calls[1] <= asyncio.get_running_loop().time()
     stop.set()
     await asyncio.wait_for(task, 5)
 
@@ -162,26 +170,37 @@ def make_host(tmp_path: Path, sink: MemoryAuditSink | None = None
     sink = sink or MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(tmp_path, audit)
-    resctrl = ResctrlFs(root, read_info(root, 2048), prefix="nriqos-", audit=audit)
+    mount = "/" + str(root.relative_to(tmp_path))
+    resctrl = ResctrlFs(sysfs, mount, read_info(sysfs, mount, 2048), prefix="nriqos-",
+                        audit=audit)
     return host, NodeState(), sysfs, resctrl, sink
+
+
+def host_of(sysfs: SysFs) -> HostInfo:
+    return probe_host(sysfs)
 
 
 class Store:
     def __init__(self, cfg: Config) -> None:
         self.current = cfg
 
+    def get(self) -> Config:
+        return self.current
+
 
 def test_sysfs_from_config(tmp_path: Path) -> None:
     cfg = Config()
     cfg = dataclasses.replace(cfg, reconciler=dataclasses.replace(
         cfg.reconciler, root=str(tmp_path)))
-    assert sysfs_for(cfg, AuditLog(MemoryAuditSink())).real("/proc") == f"{tmp_path}/proc"
+    host, sysfs = probe(cfg, AuditLog(MemoryAuditSink()))
+    assert sysfs.real("/proc") == f"{tmp_path}/proc"
+    assert host.root == str(tmp_path)
 
 
 def test_build_loops_without_resctrl(tmp_path: Path) -> None:
     _, state, sysfs, _, sink = make_host(tmp_path)
-    names = [loop.name for loop in build_loops(Store(Config()), state, sysfs, None,
-                                               AuditLog(sink))]
+    names = [loop.name for loop in build_loops(Store(Config()).get, state, sysfs,
+                                               host_of(sysfs), None, AuditLog(sink))]
     assert names == ["drift", "memory_guard", "numa_binding"]
 
 
@@ -189,17 +208,19 @@ async def test_reconciler_runs_every_loop_and_reacts_to_nri_events(tmp_path: Pat
     signal = Signal()
     host, state, sysfs, resctrl, sink = make_host(tmp_path, SignallingSink(signal))
     stop = asyncio.Event()
-    task = asyncio.create_task(run_reconciler(Store(Config()), state, sysfs, resctrl,
-                                              AuditLog(sink), stop, watcher=None))
+    loops = build_loops(Store(Config()).get, state, sysfs, host_of(sysfs), resctrl,
+                        AuditLog(sink))
+    task = asyncio.create_task(run_reconciler(loops, state, stop, None,
+                                              read_keys=Config().read_keys,
+                                              backoff_max=lambda: 60))
     # memory guard and everything else ran once at start
     await signal.until(lambda: bool(sink.named("memory_guard_cap")))
     # a container started through NRI is placed at once, not after the 1 s period
     pod = host.add_pod("44444444-0000-0000-0000-000000000004", tier="besteffort",
                        memory_limit=GIB)
-    tracker = StateTracker(state)
-    await asyncio.to_thread(tracker.synchronize, *host.nri())
-    await asyncio.to_thread(tracker.observe, Event.START_CONTAINER, pod.info,
-                            pod.containers[0].info)
+    await asyncio.to_thread(state.replace_all, *host.nri())
+    await asyncio.to_thread(state.put_container, pod.info.id, pod.containers[0].info,
+                            Event.START_CONTAINER)
     tasks = host.root / "sys/fs/resctrl/nriqos-reclaimed_cores/tasks"
     await signal.until(lambda: set(read_ids(tasks)) == set(pod.containers[0].tids)
                        and bool(sink.named("numa_binding")))
@@ -207,10 +228,16 @@ async def test_reconciler_runs_every_loop_and_reacts_to_nri_events(tmp_path: Pat
     await asyncio.wait_for(task, 5)
 
 
-async def test_disabled_reconciler_returns_at_once(tmp_path: Path) -> None:
-    _, state, sysfs, resctrl, sink = make_host(tmp_path)
+def test_disabled_reconciler_is_not_started(tmp_path: Path) -> None:
+    _, _, sysfs, _, sink = make_host(tmp_path)
+    audit = AuditLog(sink)
     cfg = Config()
-    cfg = dataclasses.replace(cfg, reconciler=dataclasses.replace(cfg.reconciler,
-                                                                  enabled=False))
-    await asyncio.wait_for(run_reconciler(Store(cfg), state, sysfs, resctrl, AuditLog(sink),
-                                          asyncio.Event(), watcher=None), 5)
+    for enabled in (True, False):
+        cfg = dataclasses.replace(cfg, reconciler=dataclasses.replace(cfg.reconciler,
+                                                                      enabled=enabled))
+        agent = build_agent(ConfigStore(audit, config=cfg), audit, host_of(sysfs), sysfs,
+                            PluginIdentity("nri-qos", "10"), run_background=True)
+        # The config watcher always; the reconciler only when enabled.
+        assert len(agent.services) == (2 if enabled else 1)
+        assert bool(agent.reconciler_fields) is enabled
+        agent.executor.shutdown()

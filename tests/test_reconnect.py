@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hooks.events import Event
 from nri_plugin import daemon
-from nri_plugin.events import Event
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 
@@ -18,6 +18,8 @@ CONFIG = """
 reconnect_initial_ms = 20
 reconnect_max_ms = 100
 [resctrl]
+enabled = false
+[reconciler]
 enabled = false
 """
 
@@ -33,7 +35,7 @@ async def plugin(tmp_path: Path) -> AsyncIterator[Start]:
 
     async def start(socket_path: Path) -> None:
         tasks.append(asyncio.create_task(daemon.serve(
-            str(config), str(socket_path), "warning", stop=stop, prelaunched=None, hooks=[])))
+            str(config), str(socket_path), "warning", stop=stop, prelaunched=None)))
 
     yield start
     stop.set()

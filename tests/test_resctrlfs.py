@@ -10,22 +10,46 @@ from pathlib import Path
 
 import pytest
 
-from hooks.resctrl import Allocation, build_schemata
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from reconciler.resctrlfs import GroupError, ResctrlFs, read_info
+from hooks.resctrl import Allocation, ResctrlInfo, build_schemata
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.resctrl_files import parse_schemata, schemata_matches, schemata_text
+from reconciler.host.resctrlfs import GroupError, ResctrlFs, read_info
+from reconciler.host.sysfs import SysFs
 from tests.resctrl_trees import amd_tree, intel_tree
 
 CLASS_GROUPS = ["nriqos-dedicated_cores", "nriqos-shared_cores", "nriqos-reclaimed_cores",
                 "nriqos-system_cores"]
 
 
+INTEL = ResctrlInfo(num_closids=16, cbm_mask=0x7FF, min_cbm_bits=1, l3_ids=(0, 1), mb_ids=(0, 1),
+                    mb_gran=10, mb_min=10, monitoring=True)
+
+
 class Env:
+    """A resctrl tree mounted at ``root`` itself: the sysfs layer is rooted there too."""
+
     def __init__(self, root: Path) -> None:
         self.sink = MemoryAuditSink()
         self.warnings: list[str] = []
         self.root = root
-        self.fs = ResctrlFs.detect(root, prefix="nriqos-", audit=AuditLog(self.sink),
+        audit = AuditLog(self.sink)
+        self.fs = ResctrlFs.detect(SysFs(root, audit), "/", prefix="nriqos-", audit=audit,
                                    amd_mb_max=2048, warn=self.warnings.append)
+
+
+def test_schemata_text_and_readback() -> None:
+    s = build_schemata(Allocation(l3=(0, 30), mb=20), INTEL)
+    assert schemata_text(s) == "L3:0=f;1=f\nMB:0=20;1=20\n"
+    # The kernel pads masks and right-aligns names; values, not text, are compared.
+    assert schemata_matches(s, parse_schemata("    L3:0=00f;1=00f\n    MB:0=20;1=20\n"))
+    assert not schemata_matches(s, parse_schemata("L3:0=00f;1=7ff\nMB:0=20;1=20\n"))
+    assert not schemata_matches(s, parse_schemata("L3:0=00f;1=00f\n"))
+    assert not schemata_matches(s, parse_schemata("L3:0=zz;1=00f\nMB:0=20;1=20\n"))
+
+
+def test_parse_schemata_skips_garbage() -> None:
+    assert parse_schemata("garbage\n:x\nL3:0=7ff;x=1;1=7ff\nMB:\n") == {
+        "L3": {0: "7ff", 1: "7ff"}, "MB": {}}
 
 
 @pytest.fixture
@@ -95,9 +119,9 @@ def test_unusable_resctrl_is_off_with_one_warning(tmp_path: Path, how: str, why:
 
 
 def test_read_info_on_missing_root_raises(tmp_path: Path) -> None:
-    from reconciler.resctrlfs import ResctrlUnavailable
+    from reconciler.host.resctrl_files import ResctrlUnavailable
     with pytest.raises(ResctrlUnavailable):
-        read_info(tmp_path / "nope", 2048)
+        read_info(SysFs(tmp_path), "/nope", 2048)
 
 
 # --- groups ----------------------------------------------------------------------------------

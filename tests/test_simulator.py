@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,20 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.chain import Hook
+from hooks.events import Event
+from nri_plugin.capability import Capability
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.envelope import RpcError
-from nri_plugin.events import Event
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.runtime_support import RuntimeSupport
 from nri_plugin.scenario import RuntimeSpec, load_scenario
-from nri_plugin.simulator import RuntimeSimulator, main_simulate, simulate
-from nri_plugin.stub import PLUGIN_SERVICE, RUNTIME_SERVICE, PluginIdentity, PluginStub
+from nri_plugin.simulate import main_simulate, simulate
+from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
-from nri_plugin.versions import RuntimeCapabilities
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.state import NodeState
+from tests.paths import REPO
 
 NO_RESCTRL = "[resctrl]\nenabled = false\n"
 
@@ -61,7 +67,7 @@ async def test_default_scenario_full_lifecycle(tmp_path: Path) -> None:
 
 OLD_SCENARIO = """
 [runtime]
-version = "v1.7.27"
+version = "v1.7.20"
 nri_version = ""
 [[pods]]
 id = "sb"
@@ -93,8 +99,42 @@ async def test_old_runtime_gets_state_change_and_legacy_mask(tmp_path: Path) -> 
     methods = [(a["event"], a["method"]) for a in answers]
     assert methods == [("run_pod_sandbox", "StateChange"), ("create_container", "CreateContainer"),
                        ("remove_container", "StateChange")]
-    # containerd 1.7 does not apply oom_score_adj: the plugin leaves it out.
+    # containerd before 1.7.26 does not apply oom_score_adj: the answer leaves it out (the
+    # reconciler applies it once the container runs).
     assert "oomScoreAdj" not in json.dumps(answers[1]["response"])
+
+
+async def test_containerd_1_7_26_and_later_get_oom_score_adj(tmp_path: Path) -> None:
+    answers = await run_scenario(tmp_path, OLD_SCENARIO.replace('"v1.7.20"', '"v1.7.27"'))
+    assert answers[1]["event"] == "create_container"
+    assert json.loads(json.dumps(answers[1]["response"]))["adjust"]["linux"][
+        "oomScoreAdj"]["value"] == "1000"
+
+
+@pytest.mark.parametrize(("runtime", "oom_in_answer"), [
+    ("containerd/v1.7.27", True), ("containerd/v1.7.20", False)])
+def test_simulate_previews_a_runtime(tmp_path: Path, runtime: str, oom_in_answer: bool) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(NO_RESCTRL)
+    done = subprocess.run(
+        [sys.executable, "-m", "nri_plugin", "simulate", "--runtime", runtime, "--config",
+         str(config), "--log-level", "error"],
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    header = [line for line in done.stdout.splitlines() if line.startswith("#")]
+    assert header[0].startswith(f"# simulated runtime: containerd {runtime.split('/')[1]}")
+    etl = next(line for line in done.stdout.splitlines()
+               if line.startswith("create_container") and " etl " in line)
+    assert ("oomScoreAdj" in etl) is oom_in_answer
+    reconciler = next(line for line in header if "reconciler applies" in line)
+    assert ("oom_score_adj" in reconciler) is not oom_in_answer
+
+
+def test_simulate_rejects_a_malformed_runtime(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "nri_plugin", "simulate", "--runtime", "x"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60, check=False)
+    assert done.returncode == 2
+    assert "NAME/VERSION" in done.stderr
 
 
 def test_scenario_errors_name_the_key(tmp_path: Path) -> None:
@@ -120,7 +160,7 @@ def test_main_simulate_rejects_bad_scenario(tmp_path: Path,
 
 
 class GreedyStub(PluginStub):
-    def subscription_mask(self, caps: RuntimeCapabilities) -> int:
+    def subscription_mask(self, caps: RuntimeSupport) -> int:
         return 0x7FF | Event.UPDATE_POD_SANDBOX.bit
 
 
@@ -136,8 +176,9 @@ async def test_runtime_rejects_unknown_mask_bits_like_containerd(
     simulator = RuntimeSimulator(tmp_path / "nri.sock", RuntimeSpec(version="1.7.27",
                                                                     nri_version=""))
     await simulator.start()
-    stub = GreedyStub(identity=PluginIdentity("greedy", "20"), config=Config, hooks=[],
-                      audit=AuditLog(MemoryAuditSink()), executor=executor)
+    stub = GreedyStub(identity=PluginIdentity("greedy", "20"), config=Config, capabilities=[],
+                      audit=AuditLog(MemoryAuditSink()), executor=executor,
+                      state=NodeState())
     reader, writer = await asyncio.open_unix_connection(simulator.socket_path)
     serving = asyncio.create_task(stub.serve(reader, writer))
     with pytest.raises(ConnectionClosed, match="invalid plugin events: 0x800"):
@@ -188,7 +229,7 @@ async def test_unimplemented_notification_falls_back_to_state_change(tmp_path: P
 
 
 async def test_runtime_drops_a_plugin_that_misses_the_request_timeout(tmp_path: Path) -> None:
-    class Stuck(Hook):
+    class Stuck(Capability):
         # Claims to only compute, then blocks the loop: exactly what the runtime punishes.
         name = "stuck"
         events = inline_events = frozenset({Event.RUN_POD_SANDBOX})
@@ -201,7 +242,8 @@ async def test_runtime_drops_a_plugin_that_misses_the_request_timeout(tmp_path: 
     await simulator.start()
     with ThreadPoolExecutor(1) as executor:
         stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
-                          hooks=[Stuck()], audit=AuditLog(MemoryAuditSink()), executor=executor)
+                          capabilities=[Stuck()], audit=AuditLog(MemoryAuditSink()),
+                          executor=executor, state=NodeState())
         reader, writer = await asyncio.open_unix_connection(str(socket_path))
         serving = asyncio.create_task(stub.serve(reader, writer))
         connection = await simulator.wait_ready()

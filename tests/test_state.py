@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from types import MappingProxyType
 
-from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from nri_plugin.chain import ContainerEvent, PodEvent
-from nri_plugin.events import Event
-from reconciler.podmeta import PodMeta
-from reconciler.state import NodeState, StateTracker
+import pytest
 
-RT = RuntimeInfo()
+from hooks.events import Event
+from hooks.model import ContainerInfo, PodInfo
+from hooks.qos_level import QosConfig
+from reconciler.podmeta import PodMeta
+from reconciler.state import NodeState
 
 
 def pod(n: int, **kw: object) -> PodInfo:
@@ -31,35 +32,31 @@ def meta(n: int, **kw: object) -> PodMeta:
     return PodMeta(**fields)  # type: ignore[arg-type]
 
 
+def started(state: NodeState, n: int, event: Event = Event.START_CONTAINER) -> None:
+    """What the NRI stub does at a container event: the pod's view, then the container."""
+    state.pod_view(f"s{n}", lambda: pod(n))
+    state.put_container(f"s{n}", ctr(n), event, running=event is not Event.STOP_CONTAINER)
+
+
 def test_synchronize_then_events() -> None:
     state = NodeState()
-    tracker = StateTracker(state)
-    tracker.synchronize([pod(1), pod(2)], [ctr(1), ctr(2), ctr(9)])  # c9: pod unknown
+    state.replace_all([pod(1), pod(2)], [ctr(1), ctr(2), ctr(9)])  # c9: pod unknown
     snap = state.snapshot()
     assert sorted(c.info.id for c in snap.containers) == ["c1-0", "c2-0"]
     assert snap.pod_uids == {"uid-1", "uid-2"}
 
-    tracker.run_pod_sandbox(PodEvent(pod(3), "shared_cores", RT))
-    tracker.create_container(ContainerEvent(pod(3), ctr(3), "shared_cores", RT))
-    tracker.observe(Event.START_CONTAINER, pod(3), ctr(3))
-    tracker.observe(Event.STOP_CONTAINER, pod(1), ctr(1))
+    state.put_pod(pod(3), Event.RUN_POD_SANDBOX)
+    started(state, 3, Event.CREATE_CONTAINER)
+    started(state, 3)
+    started(state, 1, Event.STOP_CONTAINER)
     snap = state.snapshot()
     assert sorted(c.info.id for c in snap.running()) == ["c2-0", "c3-0"]
 
-    tracker.observe(Event.REMOVE_CONTAINER, pod(2), ctr(2))
-    tracker.remove_pod_sandbox(PodEvent(pod(1), "shared_cores", RT))
+    state.remove_container(ctr(2), Event.REMOVE_CONTAINER)
+    state.remove_pod("s1", Event.REMOVE_POD_SANDBOX)
     snap = state.snapshot()
     assert sorted(c.info.id for c in snap.containers) == ["c3-0"]
     assert snap.pod_uids == {"uid-2", "uid-3"}
-
-
-def test_tracker_subscribes_to_every_lifecycle_event() -> None:
-    tracker = StateTracker(NodeState())
-    for event in (Event.RUN_POD_SANDBOX, Event.REMOVE_POD_SANDBOX, Event.CREATE_CONTAINER,
-                  Event.START_CONTAINER, Event.UPDATE_CONTAINER, Event.STOP_CONTAINER,
-                  Event.REMOVE_CONTAINER):
-        assert event in tracker.events
-    assert tracker.create_container(ContainerEvent(pod(1), ctr(1), "x", RT)).is_empty()
 
 
 def test_resynchronize_replaces_everything() -> None:
@@ -116,26 +113,24 @@ def test_subscriptions_filter_by_event_and_meta() -> None:
     stop_sub = state.subscribe(lambda: calls.append("start"), events=frozenset({
         Event.START_CONTAINER}))
     state.subscribe(lambda: calls.append("meta"), meta=True)
-    tracker = StateTracker(state)
-    tracker.observe(Event.START_CONTAINER, pod(1), ctr(1))
-    tracker.observe(Event.STOP_CONTAINER, pod(1), ctr(1))
+    started(state, 1)
+    started(state, 1, Event.STOP_CONTAINER)
     state.apply_meta(meta(1, priority=1))
     assert calls == ["start", "meta"]
-    tracker.synchronize([], [])
+    state.replace_all([], [])
     assert calls == ["start", "meta", "start", "meta"]
     stop_sub()
-    tracker.observe(Event.START_CONTAINER, pod(1), ctr(1))
+    started(state, 1)
     assert calls == ["start", "meta", "start", "meta"]
 
 
 def test_concurrent_writers_from_threads() -> None:
     state = NodeState()
-    tracker = StateTracker(state)
 
     def worker(base: int) -> None:
         for i in range(200):
             n = base + i
-            tracker.create_container(ContainerEvent(pod(n), ctr(n), "x", RT))
+            started(state, n, Event.CREATE_CONTAINER)
             state.snapshot()
 
     threads = [threading.Thread(target=worker, args=(k * 1000,)) for k in range(4)]
@@ -155,6 +150,82 @@ async def test_event_in_a_worker_thread_wakes_the_event_loop() -> None:
         running.call_soon_threadsafe(wake.set)
 
     state.subscribe(set_wake, events=frozenset({Event.START_CONTAINER}))
-    tracker = StateTracker(state)
-    await asyncio.to_thread(tracker.observe, Event.START_CONTAINER, pod(1), ctr(1))
+    await asyncio.to_thread(started, state, 1)
     await asyncio.wait_for(wake.wait(), timeout=5)
+
+
+# -- pod views: the one place a pod's level is decided ----------------------------------------
+
+def katalyst(n: int, level: str = "reclaimed_cores") -> PodInfo:
+    return pod(n, annotations=MappingProxyType({"katalyst.kubewharf.io/qos_level": level}),
+               cgroup_parent=f"/kubepods/burstable/poduid-{n}")
+
+
+def test_first_sight_converts_and_resolves() -> None:
+    state = NodeState()
+    view = state.pod_view("s1", lambda: katalyst(1))
+    assert (view.info.id, view.info.uid, view.level, view.decision.source) == (
+        "s1", "uid-1", "reclaimed_cores", "katalyst")
+    assert state.snapshot().pods["s1"] is view
+
+
+def test_later_events_reuse_the_view() -> None:
+    state = NodeState()
+    first = state.pod_view("s1", lambda: katalyst(1))
+    # The same sandbox: what CRI fixed at creation cannot have changed; nothing is converted.
+    assert state.pod_view("s1", lambda: pytest.fail("converted twice")) is first
+
+
+def test_a_new_qos_section_resolves_again_with_the_same_pod() -> None:
+    qos = QosConfig()
+    state = NodeState(qos=lambda: qos)
+    first = state.pod_view("s1", lambda: katalyst(1))
+    assert first.decision.source == "katalyst"
+    qos = dataclasses.replace(qos, sources=tuple(s for s in qos.sources if s != "katalyst"))
+    second = state.pod_view("s1", lambda: katalyst(1))
+    assert second.info is first.info
+    assert (second.level, second.decision.source) == ("shared_cores", "kubernetes_qos")
+    assert state.pod_view("s1", lambda: katalyst(1)) is second
+
+
+def test_an_annotation_change_through_the_api_changes_the_level_for_both_appliers() -> None:
+    state = NodeState()
+    state.pod_view("s1", lambda: katalyst(1))
+    state.apply_meta(meta(1, annotations={"katalyst.kubewharf.io/qos_level": "dedicated_cores"}))
+    assert state.pod_view("s1", lambda: katalyst(1)).level == "dedicated_cores"
+    assert state.snapshot().pods["s1"].level == "dedicated_cores"
+
+
+def test_removed_pods_are_forgotten() -> None:
+    state = NodeState()
+    first = state.pod_view("s1", lambda: katalyst(1))
+    state.pod_view("s2", lambda: katalyst(2))
+    state.remove_pod("s1", Event.REMOVE_POD_SANDBOX)
+    state.remove_pod("never-seen", Event.REMOVE_POD_SANDBOX)
+    assert set(state.snapshot().pods) == {"s2"}
+    assert state.pod_view("s1", lambda: katalyst(1)) is not first
+
+
+def test_oldest_pushed_out_beyond_the_limit() -> None:
+    state = NodeState(pod_limit=2)
+    first = state.pod_view("s1", lambda: katalyst(1))
+    state.pod_view("s2", lambda: katalyst(2))
+    state.pod_view("s3", lambda: katalyst(3))
+    assert set(state.snapshot().pods) == {"s2", "s3"}
+    assert state.pod_view("s1", lambda: katalyst(1)) is not first  # "s1" had been pushed out
+
+
+def test_a_pod_that_does_not_convert_is_not_remembered() -> None:
+    state = NodeState()
+
+    def broken() -> PodInfo:
+        raise ValueError("no id")
+
+    with pytest.raises(ValueError, match="no id"):
+        state.pod_view("s1", broken)
+    assert not state.snapshot().pods
+
+
+def test_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        NodeState(pod_limit=0)

@@ -15,27 +15,29 @@ from typing import Any
 
 import pytest
 
+from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from nri_plugin.chain import ContainerEvent, Hook, PodEvent
-from nri_plugin.config.schema import Config, LoggingConfig
+from nri_plugin.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.config.schema import Config
 from nri_plugin.envelope import RpcError
-from nri_plugin.events import Event
-from nri_plugin.logs import LoggingSetup
+from nri_plugin.logs import LoggingConfig, LoggingSetup
+from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PLUGIN_SERVICE, PluginIdentity, PluginStub, _run_to_end
+from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.state import NodeState
 
 OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
 ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,
                               registration_timeout_ms=0)
 
 
-class Recorder(Hook):
+class Recorder(Capability):
     """A hook that records its calls and answers CreateContainer with fixed settings."""
 
     def __init__(self, name: str, events: Sequence[Event] = (Event.CREATE_CONTAINER,), *,
@@ -119,18 +121,20 @@ def executor() -> Iterator[ThreadPoolExecutor]:
 async def make(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[object]:
     setups: list[Setup] = []
 
-    async def start(hooks: Sequence[Hook] = (), *, runtime: RuntimeSpec | None = None,
+    async def start(capabilities: Sequence[Capability] = (), *, runtime: RuntimeSpec | None = None,
                     cfg: Config | None = None, pods: Sequence[api.PodSandbox] = (),
                     containers: Sequence[api.Container] = (), wait: bool = True,
-                    identity: PluginIdentity | None = None) -> Setup:
+                    identity: PluginIdentity | None = None,
+                    reconciler_fields: frozenset[str] = frozenset()) -> Setup:
         socket_path = tmp_path / f"nri-{len(setups)}.sock"
         simulator = RuntimeSimulator(socket_path, runtime, pods=pods, containers=containers)
         await simulator.start()
         sink = MemoryAuditSink()
         current = cfg or Config()
         stub = PluginStub(identity=identity or PluginIdentity("nri-qos", "10"),
-                          config=lambda: current,
-                          hooks=hooks, audit=AuditLog(sink), executor=executor)
+                          config=lambda: current, capabilities=capabilities,
+                          audit=AuditLog(sink), executor=executor, state=NodeState(),
+                          reconciler_fields=reconciler_fields)
         reader, writer = await asyncio.open_unix_connection(str(socket_path))
         setup = Setup(simulator, stub, sink, asyncio.create_task(stub.serve(reader, writer)))
         setups.append(setup)
@@ -222,13 +226,39 @@ async def test_clos_field_follows_runtime(make, runtime: RuntimeSpec, field: str
         assert not adjust.linux.HasField("rdt")
 
 
+BEFORE_OOM = RuntimeSpec(version="v1.7.25", nri_version="", request_timeout_ms=0)
+
+
 async def test_oom_score_adj_dropped_where_runtime_ignores_it(make) -> None:
     hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
-    setup = await make([hook], runtime=OLD_RUNTIME)
+    setup = await make([hook], runtime=BEFORE_OOM)
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert isinstance(response, api.CreateContainerResponse)
     assert not response.adjust.linux.HasField("oom_score_adj")
     assert "oom_score_adj" in setup.sink.named("adjustment_skipped")[0]["reason"]
+
+
+async def test_oom_score_adj_answered_from_containerd_1_7_26(make) -> None:
+    # containerd 1.7.26+ vendors NRI 0.8.0, whose adaptation applies oom_score_adj.
+    hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
+    setup = await make([hook], runtime=OLD_RUNTIME)
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert response.adjust.linux.oom_score_adj.value == 1000
+    assert setup.sink.named("adjustment_skipped") == []
+
+
+async def test_oom_score_adj_left_to_the_reconciler_where_runtime_ignores_it(make) -> None:
+    hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000, annotations={"a": "b"}))
+    setup = await make([hook], runtime=BEFORE_OOM, reconciler_fields=frozenset({"oom_score_adj"}))
+    response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert isinstance(response, api.CreateContainerResponse)
+    assert not response.adjust.linux.HasField("oom_score_adj")
+    assert dict(response.adjust.annotations) == {"a": "b"}
+    (deferred,) = setup.sink.named("adjustment_deferred")
+    assert (deferred["field"], deferred["container"]) == ("oom_score_adj", "name-c1")
+    assert "reconciler" in deferred["applied_by"]
+    assert setup.sink.named("adjustment_skipped") == []
 
 
 async def test_slow_hook_answers_partial_adjustment_before_deadline(make) -> None:
@@ -373,16 +403,17 @@ async def test_update_containers_refused_inside_a_handler(make, executor) -> Non
     hook = Eager("eager", (Event.RUN_POD_SANDBOX,))
     setup = await make([hook])
     # Call from the handler's own task context, as a handler would.
-    original = setup.stub._event
+    original = setup.stub._finish_later
 
-    async def event_then_update(*args: object) -> object:
+    async def event_then_update(*args: Any) -> bytes:
         try:
             await setup.stub.update_containers([])
         except RuntimeError as exc:
             errors.append(exc)
-        return await original(*args)  # type: ignore[arg-type]
+        answer: bytes = await original(*args)
+        return answer
 
-    setup.stub._event = event_then_update  # type: ignore[method-assign]
+    setup.stub._finish_later = event_then_update  # type: ignore[method-assign]
     await setup.simulator.send(setup.conn, Event.RUN_POD_SANDBOX, pod())
     assert len(errors) == 1
     assert "must not be awaited" in str(errors[0])
@@ -425,7 +456,7 @@ async def test_one_canonical_log_line_per_event(make) -> None:
     assert isinstance(line["duration_ms"], float)
 
 
-class ThreadProbe(Hook):
+class ThreadProbe(Capability):
     """Records the thread its CreateContainer handler ran on."""
 
     def __init__(self, name: str, *, inline: bool) -> None:
@@ -451,7 +482,10 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert fast_a.threads == fast_b.threads == [loop_thread]
     # Handled, and answered, by the connection's reader itself: no task, no turn of the loop.
-    assert fast_a.tasks == fast_b.tasks == [setup.serving]
+    assert fast_a.tasks == fast_b.tasks
+    (reader,) = fast_a.tasks
+    assert reader is not None
+    assert reader.get_coro().__qualname__ == "TtrpcPeer.run"  # type: ignore[union-attr]
 
     # One hook that may block moves the whole chain, in order, to a worker thread.
     fast, slow = ThreadProbe("fast", inline=True), ThreadProbe("slow", inline=False)
@@ -472,33 +506,19 @@ async def assert_fails_open(setup: Setup, reason: str) -> None:
     assert reason in skipped["reason"]
 
 
-async def waits(*args: object, **kwargs: object) -> object:
-    await asyncio.sleep(0)
-    return None
-
-
-async def test_an_inline_event_that_waits_is_a_bug_not_a_hang(make) -> None:
-    with pytest.raises(RuntimeError, match="waited"):
-        _run_to_end(waits())  # type: ignore[arg-type]
-
-    # Should an inline chain ever wait, the event fails open like any failure outside the hooks.
-    setup = await make([ThreadProbe("a", inline=True)])
-    setup.stub._run_chain = waits  # type: ignore[method-assign]
-    await assert_fails_open(setup, "InlineWaited")
-
-
 async def test_inline_hook_raising_cancelled_error_fails_open(make) -> None:
     hook = Recorder("cancels", settings=ContainerSettings(oom_score_adj=900),
                     error=asyncio.CancelledError("hook code"), inline=True)
     setup = await make([hook])
-    await assert_fails_open(setup, "hook cancels failed: CancelledError")
+    await assert_fails_open(setup, "capability cancels failed: CancelledError")
 
 
 def test_failed_create_container_answers_an_empty_payload(executor: ThreadPoolExecutor) -> None:
     huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70), inline=True)
     sink = MemoryAuditSink()
-    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config, hooks=[huge],
-                      audit=AuditLog(sink), executor=executor)
+    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
+                      capabilities=[huge], audit=AuditLog(sink), executor=executor,
+                      state=NodeState())
     request = envelope.Request(
         service=PLUGIN_SERVICE, method="CreateContainer",
         payload=api.CreateContainerRequest(pod=pod(), container=container()).SerializeToString())
@@ -547,7 +567,7 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
     now = [0.0]
     release = threading.Event()
 
-    class SlowSync(Hook):
+    class SlowSync(Capability):
         name = "slow-sync"
 
         def synchronize(self, pods: Sequence[PodInfo],
@@ -555,8 +575,9 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
             release.wait(10)
 
     sink = MemoryAuditSink()
-    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config, hooks=[SlowSync()],
-                      audit=AuditLog(sink), executor=executor, clock=lambda: now[0])
+    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
+                      capabilities=[SlowSync()], audit=AuditLog(sink), executor=executor,
+                      state=NodeState(), clock=lambda: now[0])
     first = api.SynchronizeRequest(pods=[pod("uid-1")], more=True)
     last = api.SynchronizeRequest(pods=[pod("uid-2")], more=False)
     await stub._synchronize(envelope_request("Synchronize", first))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.audit import AuditLog, MemoryAuditSink
-from reconciler.sysfs import (
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.sysfs import (
     Outcome,
     SysFs,
     SysPathError,

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nri_plugin.config.fields import SettingMeta, frozen_map, meta_of
+from hooks.config_fields import SettingMeta, frozen_map, meta_of
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_FACTORS = {

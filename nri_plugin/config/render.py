@@ -22,7 +22,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from nri_plugin.config.fields import SettingMeta, meta_of
+from hooks.config_fields import SettingMeta, meta_of
 from nri_plugin.config.loader import _num
 from nri_plugin.config.schema import Config
 

@@ -1,30 +1,37 @@
-"""The root of the node configuration and its general sections.
+"""The node configuration: every section composed into :class:`Config`.
 
-Feature sections live beside this module (:mod:`.creation` for the creation-time hooks,
-:mod:`.background` for the reconciler and everything after it); this module assembles them into
-:class:`Config`, the one object every component receives.
+Each section is declared beside the policy or loop that reads it (``hooks/`` for the creation-time
+policies, ``reconciler/`` for the background half, :mod:`nri_plugin.logs` for logging); this
+module adds the sections of the NRI connection itself and assembles the root, the one object the
+daemon loads, reloads and hands down, section by section.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from hooks.levels import LEVEL_NAMES
-from nri_plugin.config.background import (
-    DetectionConfig,
-    EvictionConfig,
-    MemoryGuardConfig,
-    MitigationConfig,
-    NumaConfig,
-    ReconcilerConfig,
-)
-from nri_plugin.config.creation import MemoryConfig, OciHooksConfig, OomConfig, ResctrlConfig
-from nri_plugin.config.fields import section, setting
-
-QOS_SOURCES = ("annotation", "katalyst", "koordinator", "volcano", "kubernetes_qos")
+from hooks.config_fields import section, setting
+from hooks.memory_qos import VOLCANO_ANNOTATION as VOLCANO_COLOCATION_ANNOTATION
+from hooks.memory_qos import MemoryConfig
+from hooks.model import ReadKeys
+from hooks.oci_hooks import OciHook, OciHooksConfig
+from hooks.oom_score import OomConfig
+from hooks.qos_level import KATALYST_ANNOTATION, KOORDINATOR_KEY, QosConfig
+from hooks.qos_level import VOLCANO_ANNOTATION as VOLCANO_QOS_ANNOTATION
+from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION
+from hooks.resctrl_config import ResctrlConfig
+from nri_plugin.config.hook_paths import check_hook_path
+from nri_plugin.logs import LoggingConfig
+from reconciler.detection.config import DetectionConfig
+from reconciler.eviction.config import EvictionConfig
+from reconciler.k8s import KubernetesConfig
+from reconciler.loops.base import ReconcilerConfig
+from reconciler.loops.memory_guard import MemoryGuardConfig
+from reconciler.loops.numa_binding import NumaConfig
+from reconciler.mitigation.config import MitigationConfig
 
 
 def _plugin_name(value: Any) -> str | None:
@@ -37,18 +44,6 @@ def _plugin_index(value: Any) -> str | None:
     if not re.fullmatch(r"[0-9]{2}", value):
         return f"must be exactly two digits, got {value!r}"
     return None
-
-
-def _levels_only(value: Any) -> str | None:
-    bad = sorted({v for v in value.values() if v not in LEVEL_NAMES})
-    if bad:
-        return f"values must be QoS levels ({', '.join(LEVEL_NAMES)}), got {', '.join(bad)}"
-    return None
-
-
-def _unique(value: Any) -> str | None:
-    dupes = sorted({v for v in value if list(value).count(v) > 1})
-    return f"duplicate entries: {', '.join(dupes)}" if dupes else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,94 +92,6 @@ class PluginConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class QosConfig:
-    sources: tuple[str, ...] = setting(
-        QOS_SOURCES,
-        "Where a pod's QoS level comes from, tried in this order; the first known value wins.",
-        choices=QOS_SOURCES, check=_unique,
-    )
-    default_level: str = setting(
-        "shared_cores", "Level of a pod that no source classifies.", choices=LEVEL_NAMES
-    )
-    annotation: str = setting("qos.nri-qos.io/level", "Annotation holding a level name.")
-    koordinator: Mapping[str, str] = setting(
-        {
-            "LSE": "dedicated_cores",
-            "LSR": "dedicated_cores",
-            "LS": "shared_cores",
-            "BE": "reclaimed_cores",
-            "SYSTEM": "system_cores",
-        },
-        "koordinator.sh/qosClass (label or annotation) value -> level.",
-        check=_levels_only,
-    )
-    volcano: Mapping[str, str] = setting(
-        {
-            "LC": "dedicated_cores",
-            "HLS": "dedicated_cores",
-            "LS": "shared_cores",
-            "BE": "reclaimed_cores",
-        },
-        "volcano.sh/qos-level annotation value -> level.",
-        check=_levels_only,
-    )
-    kubernetes_qos: Mapping[str, str] = setting(
-        {
-            "guaranteed": "shared_cores",
-            "burstable": "shared_cores",
-            "besteffort": "reclaimed_cores",
-        },
-        "Kubernetes QoS class (read from the pod's cgroup parent) -> level.",
-        keys=("guaranteed", "burstable", "besteffort"),
-        check=_levels_only,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class KubernetesConfig:
-    enabled: bool = setting(True, "Watch this node's pods and use the Eviction and Node APIs.")
-    kubeconfig: str = setting(
-        "", "Path of a kubeconfig; empty means in-cluster config, then ~/.kube/config."
-    )
-    node_name: str = setting(
-        "", "This node's name; empty means the NODE_NAME variable, then the hostname."
-    )
-    request_timeout_s: float = setting(
-        10.0, "Timeout of one API request.", unit="seconds", minimum=0.1, maximum=300
-    )
-    watch_timeout_s: int = setting(
-        300, "Server-side timeout of one pod watch before it is renewed.", unit="seconds",
-        minimum=10, maximum=3600,
-    )
-    retry_max_s: float = setting(
-        30.0, "Cap of the backoff between failed list/watch attempts.", unit="seconds",
-        minimum=0.1, maximum=600,
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class LoggingConfig:
-    level: str = setting(
-        "info", "Log level of the operational log.",
-        choices=("debug", "info", "warning", "error"),
-    )
-    format: str = setting(
-        "auto", "auto: JSON when stderr is not a terminal, console otherwise.",
-        choices=("auto", "json", "console"),
-    )
-    audit_file: str = setting(
-        "", "Also write audit records (JSON lines) to this file; empty means the log stream only."
-    )
-    audit_max_bytes: int = setting(
-        16 << 20, "Rotate the audit file when it reaches this size.", unit="bytes",
-        minimum=4096, maximum=1 << 40,
-    )
-    audit_backups: int = setting(
-        5, "Rotated audit files kept.", minimum=0, maximum=1000,
-    )
-
-
-@dataclass(frozen=True, slots=True)
 class MetricsConfig:
     enabled: bool = setting(False, "Serve Prometheus metrics over HTTP.")
     address: str = setting("127.0.0.1", "Listen address of the metrics endpoint.")
@@ -210,3 +117,30 @@ class Config:
     kubernetes: KubernetesConfig = section(KubernetesConfig, "Kubernetes API access.")
     logging: LoggingConfig = section(LoggingConfig, "Operational log and audit trail.")
     metrics: MetricsConfig = section(MetricsConfig, "Prometheus metrics.")
+
+    def read_keys(self) -> ReadKeys:
+        """The pod annotations some policy reads with this configuration."""
+        return ReadKeys(frozenset({
+            self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
+            VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
+            self.oom.annotation,
+        }))
+
+    def validate(self) -> list[tuple[str, str]]:
+        """Hook executables named anywhere in the configuration must be trusted files."""
+        return [(key, problem) for key, path in self._hook_paths()
+                if (problem := check_hook_path(path)) is not None]
+
+    def _hook_paths(self) -> Iterator[tuple[str, str]]:
+        monitor = self.resctrl.monitor_hook
+        if monitor.enabled:
+            yield "resctrl.monitor_hook.path", monitor.path
+        for level, hooks in self.oci_hooks.levels.items():
+            for stage in _OCI_STAGES:
+                entries: tuple[OciHook, ...] = getattr(hooks, stage)
+                for i, hook in enumerate(entries):
+                    yield f"oci_hooks.levels.{level}.{stage}[{i}].path", hook.path
+
+
+_OCI_STAGES = ("prestart", "create_runtime", "create_container", "start_container", "poststart",
+               "poststop")

@@ -22,9 +22,10 @@ from typing import Any
 
 import structlog
 
-from nri_plugin.audit import AuditLog
 from nri_plugin.config.loader import ConfigError, load_file
 from nri_plugin.config.schema import Config
+from reconciler.aio import sleep_until
+from reconciler.audit import AuditLog
 
 DEFAULT_CONFIG_PATH = "/etc/nri-qos/config.toml"
 EMBEDDED_DEFAULTS = "embedded defaults"
@@ -138,7 +139,7 @@ class ConfigStore:
         clock = self._clock or asyncio.get_running_loop().time
         next_check = clock() + interval_s
         while not stop.is_set():
-            await self._wait(stop, max(0.0, next_check - clock()))
+            await sleep_until(max(0.0, next_check - clock()), stop, self._reload_requested)
             if stop.is_set():
                 return
             if self._reload_requested.is_set():
@@ -150,15 +151,6 @@ class ConfigStore:
                 if self.changed_on_disk():
                     self.reload()
 
-    async def _wait(self, stop: asyncio.Event, seconds: float) -> None:
-        """Sleep up to ``seconds``, cut short by ``stop`` or a reload request."""
-        waiters = {asyncio.ensure_future(stop.wait()),
-                   asyncio.ensure_future(self._reload_requested.wait())}
-        try:
-            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
 
     def _read(self) -> Config:
         """Read and check the file; a rejected one is audited (``config_rejected``) and raised."""

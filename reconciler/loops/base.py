@@ -6,21 +6,59 @@ must not hold up the event loop that serves NRI), then sleeps until the next per
 event, or the loop's wake event, whichever comes first (a woken cycle still keeps a short gap
 after the previous one, :meth:`Loop.wake_gap`). A cycle that raises is logged and retried after
 an exponentially growing delay (capped), without affecting the other loops. Time comes from the
-``clock`` passed in (the event loop's ``time()`` by default), never from the wall clock.
+event loop's clock, never from the wall clock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 
 import structlog
 
-from nri_plugin.events import Event
+from hooks.config_fields import setting
+from hooks.events import Event
+from reconciler.aio import Backoff, sleep_until
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilerConfig:
+    enabled: bool = setting(True, "Run the background reconciler next to the NRI stub.")
+    root: str = setting(
+        "/", "Directory under which /sys and /proc are found (for running in a container)."
+    )
+    cgroup_driver: str = setting(
+        "auto", "cgroup driver of kubelet/containerd; auto infers it from cgroup paths.",
+        choices=("auto", "cgroupfs", "systemd"),
+    )
+    resctrl_interval_s: float = setting(
+        1.0, "Period of the resctrl task-id loop.", unit="seconds", minimum=0.05, maximum=3600
+    )
+    drift_interval_s: float = setting(
+        10.0, "Period of the drift-repair loop.", unit="seconds", minimum=0.1, maximum=3600
+    )
+    gc_grace_s: float = setting(
+        60.0, "Age a resctrl group of a vanished pod must reach before it is removed.",
+        unit="seconds", minimum=0, maximum=86_400,
+    )
+    write_retries: int = setting(
+        3, "Attempts for a write that fails with EBUSY/EINVAL before it is audited as failed.",
+        minimum=1, maximum=20,
+    )
+    full_scan_every: int = setting(
+        10, "The task-id loop reads every managed container's thread list once per this many "
+        "cycles; in between it examines only tasks that newly appeared outside their group.",
+        minimum=1, maximum=3600,
+    )
+    backoff_max_s: float = setting(
+        60.0, "Cap of the backoff of a loop that keeps failing.", unit="seconds",
+        minimum=0.1, maximum=3600,
+    )
+
 
 
 class Loop:
@@ -46,28 +84,6 @@ class Loop:
         raise NotImplementedError
 
 
-def backoff_delay(interval: float, failures: int, cap: float) -> float:
-    """Delay after ``failures`` consecutive failed cycles: interval x 2^failures, capped."""
-    if failures <= 0:
-        return interval
-    return min(interval * float(1 << min(failures, 30)), max(cap, interval))
-
-
-async def sleep_until(stop: asyncio.Event, wake: asyncio.Event, delay: float) -> None:
-    """Sleep ``delay`` seconds or until ``stop`` or ``wake`` is set."""
-    if stop.is_set() or wake.is_set():
-        return
-    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(wake.wait())}
-    try:
-        await asyncio.wait(waiters, timeout=delay, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        for waiter in waiters:
-            with contextlib.suppress(asyncio.CancelledError):
-                await waiter
-
-
 async def run_loop(
     loop: Loop,
     *,
@@ -75,30 +91,29 @@ async def run_loop(
     wake: asyncio.Event,
     backoff_max: Callable[[], float],
     executor: Executor | None = None,
-    clock: Callable[[], float] | None = None,
 ) -> None:
-    """Run ``loop`` until ``stop`` is set."""
+    """Run ``loop`` until ``stop`` is set; time comes from the event loop's clock."""
     running = asyncio.get_running_loop()
-    now = clock or running.time
-    failures = 0
-    # While backing off, NRI events must not turn the backoff into a busy retry.
-    never = asyncio.Event()
+    backoff: Backoff | None = None
     while not stop.is_set():
         wake.clear()
-        started = now()
+        started = running.time()
         try:
             await running.run_in_executor(executor, loop.cycle, started)
         except Exception as exc:  # one loop's failure must not stop the others
-            failures += 1
-            delay = backoff_delay(loop.interval(), failures, backoff_max())
-            log.warning("reconciler_loop_failed", loop=loop.name, failures=failures,
+            if backoff is None:
+                # interval x 2, x 4 ... after each failure, never below the period itself.
+                backoff = Backoff(loop.interval() * 2, max(backoff_max(), loop.interval()))
+            delay = backoff.next()
+            log.warning("reconciler_loop_failed", loop=loop.name, failures=backoff.failures,
                         retry_in_s=round(delay, 3), error=repr(exc), exc_info=True)
-        else:
-            if failures:
-                log.info("reconciler_loop_recovered", loop=loop.name, after_failures=failures)
-            failures = 0
-            delay = loop.interval()
-        await sleep_until(stop, never if failures else wake, delay)
-        early = started + loop.wake_gap() - now()
+            # While backing off, NRI events must not turn the backoff into a busy retry.
+            await sleep_until(delay, stop)
+            continue
+        if backoff is not None:
+            log.info("reconciler_loop_recovered", loop=loop.name, after_failures=backoff.failures)
+            backoff = None
+        await sleep_until(loop.interval(), stop, wake)
+        early = started + loop.wake_gap() - running.time()
         if wake.is_set() and early > 0:
-            await sleep_until(stop, never, early)
+            await sleep_until(early, stop)

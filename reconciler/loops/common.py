@@ -1,7 +1,8 @@
 """What several loops need per state snapshot: each running container's level and cgroup.
 
-Resolving levels and parsing cgroup paths for thousands of containers every second would dominate
-an idle cycle, so the result is cached until the state or the QoS configuration changes.
+Parsing cgroup paths for thousands of containers every second would dominate an idle cycle, so
+the result is cached until the state changes. Levels come from the node state, the one place
+that decides them (for the NRI answers too).
 """
 
 from __future__ import annotations
@@ -10,9 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from hooks.qos_level import resolve_level
-from nri_plugin.config.schema import QosConfig
-from reconciler.cgroups import CgroupPathError, CgroupRef, parse_cgroups_path
+from reconciler.host.cgroups import CgroupPathError, CgroupRef, parse_cgroups_path
 from reconciler.state import ContainerView, Snapshot
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -31,15 +30,13 @@ class ManagedCache:
     """Running containers with their level and parsed cgroup, rebuilt only on change."""
 
     def __init__(self) -> None:
-        self._key: tuple[int, QosConfig] | None = None
+        self._key: Snapshot | None = None
         self._items: tuple[Managed, ...] = ()
         self._bad_paths: set[str] = set()
 
-    def get(self, snapshot: Snapshot, qos: QosConfig) -> tuple[Managed, ...]:
-        key = (snapshot.version, qos)
-        if self._key is not None and self._key[0] == key[0] and self._key[1] is qos:
+    def get(self, snapshot: Snapshot) -> tuple[Managed, ...]:
+        if self._key is snapshot:
             return self._items
-        levels: dict[str, str] = {}
         items: list[Managed] = []
         for view in snapshot.running():
             try:
@@ -50,10 +47,6 @@ class ManagedCache:
                     log.warning("container_skipped", reason="unusable cgroups path",
                                 container=view.info.id, error=str(exc))
                 continue
-            pod = view.pod.info
-            level = levels.get(pod.id)
-            if level is None:
-                level = levels[pod.id] = resolve_level(pod, qos).level
-            items.append(Managed(view, level, ref))
-        self._key, self._items = key, tuple(items)
+            items.append(Managed(view, view.pod.level, ref))
+        self._key, self._items = snapshot, tuple(items)
         return self._items

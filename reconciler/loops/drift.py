@@ -15,20 +15,19 @@ settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes`
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 
-from hooks.memory_qos import memory_settings
-from hooks.oom_score import oom_score
+from hooks.events import Event
+from hooks.memory_qos import MemoryConfig, memory_settings
+from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings, merge
-from nri_plugin.config.schema import Config
-from nri_plugin.events import Event
-from reconciler.cgroups import CgroupLayout
-from reconciler.loops.base import Loop
+from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.sysfs import SysFs, same_bytes
+from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.numa import mem_total
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs, same_bytes
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -36,21 +35,37 @@ _V1_FILES = (("memory_limit", "memory.limit_in_bytes"),
              ("memory_reservation", "memory.soft_limit_in_bytes"))
 
 
+class DriftConfig(Protocol):
+    """The sections the drift loop reads."""
+
+    @property
+    def reconciler(self) -> ReconcilerConfig: ...
+
+    @property
+    def memory(self) -> MemoryConfig: ...
+
+    @property
+    def oom(self) -> OomConfig: ...
+
+
 class DriftLoop(Loop):
+    """``memory_total`` is the host's memory (bytes), as the creation hook reads it (the host
+    probe), so both compute the same memory.high for a container without a limit."""
+
     name = "drift"
     wake_events = frozenset({Event.START_CONTAINER, Event.UPDATE_CONTAINER})
     wake_on_meta = True
 
-    def __init__(self, config: Callable[[], Config], state: NodeState, sysfs: SysFs,
-                 layout: CgroupLayout) -> None:
+    def __init__(self, config: Callable[[], DriftConfig], state: NodeState, sysfs: SysFs,
+                 layout: CgroupLayout, memory_total: int) -> None:
         self._config = config
         self._state = state
         self._sysfs = sysfs
         self._layout = layout
+        self._memory_total = memory_total
         self._managed = ManagedCache()
-        self._desired_key: tuple[tuple[Managed, ...], Config] | None = None
+        self._desired_key: tuple[tuple[Managed, ...], DriftConfig] | None = None
         self._desired: list[tuple[Managed, ContainerSettings]] = []
-        self._allocatable: int | None = None
 
     def interval(self) -> float:
         return self._config().reconciler.drift_interval_s
@@ -59,7 +74,7 @@ class DriftLoop(Loop):
         cfg = self._config()
         if not cfg.reconciler.enabled or not (cfg.memory.enabled or cfg.oom.enabled):
             return
-        managed = self._managed.get(self._state.snapshot(), cfg.qos)
+        managed = self._managed.get(self._state.snapshot())
         for item, settings in self._desired_for(managed, cfg):
             # One container's odd cgroup must not keep the others from being repaired.
             try:
@@ -68,20 +83,12 @@ class DriftLoop(Loop):
                 log.warning("drift_container_failed", container=item.view.info.name,
                             pod_uid=item.view.pod.info.uid, error=str(exc))
 
-    def _node_allocatable(self, cfg: Config) -> int:
-        if cfg.memory.node_allocatable_bytes:
-            return cfg.memory.node_allocatable_bytes
-        if self._allocatable is None:
-            # As the creation hook reads it (daemon.host_setup), so both agree.
-            self._allocatable = mem_total(self._sysfs)
-        return self._allocatable
-
     def _desired_for(self, managed: tuple[Managed, ...],
-                     cfg: Config) -> list[tuple[Managed, ContainerSettings]]:
+                     cfg: DriftConfig) -> list[tuple[Managed, ContainerSettings]]:
         if self._desired_key is not None and self._desired_key[0] is managed \
                 and self._desired_key[1] is cfg:
             return self._desired
-        allocatable = self._node_allocatable(cfg)
+        allocatable = cfg.memory.node_allocatable_bytes or self._memory_total
         desired = []
         for item in managed:
             pod, container = item.view.pod.info, item.view.info

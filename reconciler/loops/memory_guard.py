@@ -10,6 +10,12 @@ watermark, never into the reserve kept for online pods. ``reclaimed_used(n)`` co
 cgroup's ``memory.numa_stat`` (v1: ``hierarchical_total`` pages; v2: ``anon`` + ``file`` bytes);
 without that file the tier's whole usage is used, which gives the same sum.
 
+When the NUMA nodes' ``MemTotal`` does not add up to ``/proc/meminfo``'s (hot-added or ballooned
+memory, see :mod:`reconciler.host.numa`), per-node free memory is not the machine's: the cap is
+then computed for the machine as one node (free and total from ``/proc/meminfo``, the zones'
+low watermarks summed, the floor once per NUMA node), and ``numa_view_inconsistent`` is audited
+once with both figures.
+
 The cap is written to the BestEffort QoS cgroup: ``memory.limit_in_bytes`` on v1, ``memory.max``
 and ``memory.high = high_ratio x cap`` on v2. A falling cap moves at most ``max_step_bytes`` per
 cycle, from the current limit and from the current usage, so the kernel reclaims gradually
@@ -20,17 +26,46 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
-from nri_plugin.audit import AuditLog
-from nri_plugin.config.schema import Config
-from reconciler.cgroups import BESTEFFORT, CgroupLayout
-from reconciler.loops.base import Loop
-from reconciler.numa import NumaNode, read_nodes
-from reconciler.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
+from hooks.config_fields import setting
+from reconciler.audit import AuditLog
+from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
+from reconciler.host.numa import NumaNode, check_view, read_meminfo, read_nodes, system_node
+from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
+from reconciler.loops.base import Loop, ReconcilerConfig
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryGuardConfig:
+    enabled: bool = setting(True, "Cap the memory of the reclaimed (BestEffort) tier.")
+    interval_s: float = setting(5.0, "Period of the guard loop.", unit="seconds",
+                                minimum=0.1, maximum=3600)
+    watermark_floor_bytes: int = setting(
+        4 << 30, "Lowest per-NUMA-node watermark kept free for online pods.", unit="bytes",
+        minimum=0, maximum=1 << 50,
+    )
+    watermark_scale_factor: float = setting(
+        1.0, "Multiplier of the kernel low watermark.", minimum=0.0, maximum=100.0
+    )
+    max_step_bytes: int = setting(
+        1 << 30, "Largest decrease of the cap in one cycle (no OOM cliff).", unit="bytes",
+        minimum=1 << 20, maximum=1 << 50,
+    )
+    high_ratio: float = setting(
+        0.95, "cgroup v2: memory.high = high_ratio x memory.max.", minimum=0.5, maximum=1.0
+    )
+    numa_view_tolerance_percent: float = setting(
+        10.0, "When the NUMA nodes' MemTotal differs from /proc/meminfo's by more than this, "
+        "node-wide figures come from /proc/meminfo (hot-added or ballooned memory).",
+        unit="percent", minimum=0, maximum=100,
+    )
+
 
 _NODE_FIELD = re.compile(r"N(\d+)=(\d+)")
 
@@ -69,16 +104,27 @@ def bounded_cap(target: int, previous: int | None, usage: int, step: int) -> int
     return max(target, floor, 0)
 
 
+class MemoryGuardSections(Protocol):
+    """The sections the memory guard reads."""
+
+    @property
+    def reconciler(self) -> ReconcilerConfig: ...
+
+    @property
+    def memory_guard(self) -> MemoryGuardConfig: ...
+
+
 class MemoryGuardLoop(Loop):
     name = "memory_guard"
 
-    def __init__(self, config: Callable[[], Config], sysfs: SysFs, layout: CgroupLayout,
-                 audit: AuditLog) -> None:
+    def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
+                 layout: CgroupLayout, audit: AuditLog) -> None:
         self._config = config
         self._sysfs = sysfs
         self._layout = layout
         self._audit = audit
         self._warned_missing = False
+        self._numa_consistent = True
 
     def interval(self) -> float:
         return self._config().memory_guard.interval_s
@@ -104,16 +150,16 @@ class MemoryGuardLoop(Loop):
         stat = sysfs.read(f"{tier}/memory.numa_stat")
         per_node = parse_numa_stat(stat, v2, page) if stat else {}
         reclaimed = sum(per_node.values()) if per_node else usage
-        target = target_cap(nodes, reclaimed, guard.watermark_floor_bytes,
-                            guard.watermark_scale_factor)
+        view_nodes, floor = self._node_view(nodes, guard)
+        target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor)
         limit_file = f"{tier}/{'memory.max' if v2 else 'memory.limit_in_bytes'}"
         current_text = sysfs.read(limit_file)
         if current_text is None:
             return
         previous = parse_bytes(current_text)
         cap = bounded_cap(target, previous, usage, guard.max_step_bytes) // page * page
-        reason = (f"memory guard: reclaimed {reclaimed} B + headroom over "
-                  f"{len(nodes)} NUMA node(s)")
+        where = f"{len(nodes)} NUMA node(s)" if view_nodes is nodes else "the machine"
+        reason = f"memory guard: reclaimed {reclaimed} B + headroom over {where}"
         if v2:
             high = int(cap * guard.high_ratio) // page * page
             high_file = f"{tier}/memory.high"
@@ -131,3 +177,24 @@ class MemoryGuardLoop(Loop):
         if changed:
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
                                previous_bytes=previous, target_bytes=target, usage_bytes=usage)
+
+    def _node_view(self, nodes: list[NumaNode],
+                   guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:
+        """The nodes the cap is computed over and the floor per node: the NUMA nodes, or the
+        machine as one node when their totals do not add up (audited when that starts)."""
+        meminfo = read_meminfo(self._sysfs)
+        view = check_view(nodes, meminfo.get("MemTotal", 0), guard.numa_view_tolerance_percent)
+        consistent = view.consistent or not meminfo
+        if consistent != self._numa_consistent:
+            self._numa_consistent = consistent
+            if consistent:
+                log.info("numa_view_consistent", nodes_total_bytes=view.nodes_total_bytes,
+                         system_total_bytes=view.system_total_bytes)
+            else:
+                self._audit.record("numa_view_inconsistent",
+                                   nodes_total_bytes=view.nodes_total_bytes,
+                                   system_total_bytes=view.system_total_bytes,
+                                   tolerance_percent=guard.numa_view_tolerance_percent)
+        if consistent:
+            return nodes, guard.watermark_floor_bytes
+        return [system_node(meminfo, nodes)], guard.watermark_floor_bytes * len(nodes)

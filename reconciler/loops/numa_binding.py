@@ -15,21 +15,39 @@ nobody; the memory guard and the mitigations deal with that). A single-node host
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
+from hooks.config_fields import setting
+from hooks.events import Event
 from hooks.levels import QosLevel
-from nri_plugin.audit import AuditLog
-from nri_plugin.config.schema import Config
-from nri_plugin.events import Event
-from reconciler.cgroups import CgroupLayout
-from reconciler.loops.base import Loop
+from reconciler.audit import AuditLog
+from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.numa import NumaNode, read_nodes
+from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
+from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.numa import NumaNode, read_nodes
+from reconciler.loops.memory_guard import MemoryGuardConfig
 from reconciler.state import NodeState
-from reconciler.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+
+@dataclass(frozen=True, slots=True)
+class NumaConfig:
+    enabled: bool = setting(True, "Bind reclaimed pods to the NUMA nodes with most headroom.")
+    interval_s: float = setting(10.0, "Period of the binding loop.", unit="seconds",
+                                minimum=0.1, maximum=3600)
+    migrate_memory: bool = setting(
+        True, "cgroup v1: set cpuset.memory_migrate so pages follow a new binding."
+    )
+    max_nodes: int = setting(
+        0, "Bind reclaimed pods to at most this many NUMA nodes, those with most headroom "
+        "(0: every node with free memory above its watermark).", minimum=0, maximum=1024,
+    )
+
 
 
 def choose_nodes(nodes: list[NumaNode], floor_bytes: int, scale_factor: float,
@@ -45,12 +63,25 @@ def choose_nodes(nodes: list[NumaNode], floor_bytes: int, scale_factor: float,
     return sorted(chosen[:max_nodes]) if max_nodes else sorted(chosen)
 
 
+class NumaBindingConfig(Protocol):
+    """The sections the NUMA binding loop reads (the guard's watermark decides the headroom)."""
+
+    @property
+    def reconciler(self) -> ReconcilerConfig: ...
+
+    @property
+    def numa(self) -> NumaConfig: ...
+
+    @property
+    def memory_guard(self) -> MemoryGuardConfig: ...
+
+
 class NumaBindingLoop(Loop):
     name = "numa_binding"
     wake_events = frozenset({Event.START_CONTAINER})
     wake_on_meta = True
 
-    def __init__(self, config: Callable[[], Config], state: NodeState, sysfs: SysFs,
+    def __init__(self, config: Callable[[], NumaBindingConfig], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog) -> None:
         self._config = config
         self._state = state
@@ -83,7 +114,7 @@ class NumaBindingLoop(Loop):
         reason = f"NUMA nodes with headroom: {mems}" + (
             f"; nodes under watermark or not chosen: {format_id_list(hot)}" if hot else "")
         migrate = not self._layout.v2 and cfg.numa.migrate_memory
-        for item in self._managed.get(self._state.snapshot(), cfg.qos):
+        for item in self._managed.get(self._state.snapshot()):
             if item.level != QosLevel.RECLAIMED_CORES:
                 continue
             # One container's odd cgroup must not keep the others from being bound.

@@ -21,29 +21,34 @@ Task ids are written one per write (the kernel's rule); ids of tasks that exited
 (``ESRCH``) are skipped. A monitor group accepts only tasks of its control group, so a task goes to
 the control group first.
 
+Which group a container belongs to is decided by :func:`hooks.resctrl_groups.place_container`,
+the function the CreateContainer answer uses too, with the level the node state decided.
+
 Garbage collection: a pod group whose pod is no longer known is removed once it has been orphaned
-for ``gc_grace_s`` (never before the first NRI state arrived). A class group that someone removed
-is created again with its configured schemata.
+for ``gc_grace_s`` (never before the first NRI state arrived). The class groups are kept as
+:func:`hooks.resctrl_groups.plan_class_groups` wants them, as at start and on a reload: one that
+someone removed is created again with its configured schemata.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
+from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
-from hooks.resctrl import class_group_name, class_schemata, parse_group_name, pod_group_name
-from nri_plugin.audit import AuditLog
-from nri_plugin.config.schema import Config
-from nri_plugin.events import Event
-from reconciler.cgroups import CgroupLayout
-from reconciler.loops.base import Loop
+from hooks.resctrl_config import ResctrlConfig
+from hooks.resctrl_groups import parse_group_name, place_container, plan_class_groups
+from reconciler.audit import AuditLog
+from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.resctrlfs import GroupError, ResctrlFs
 from reconciler.state import NodeState
-from reconciler.sysfs import SysFs, read_file_bytes
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -73,12 +78,22 @@ class _Moves:
             (self.monitor if monitor else self.control).setdefault(group, []).append(tid)
 
 
+class ResctrlTasksConfig(Protocol):
+    """The sections the task-id loop reads."""
+
+    @property
+    def reconciler(self) -> ReconcilerConfig: ...
+
+    @property
+    def resctrl(self) -> ResctrlConfig: ...
+
+
 class ResctrlTasksLoop(Loop):
     name = "resctrl_tasks"
     wake_events = frozenset({Event.START_CONTAINER, Event.RUN_POD_SANDBOX})
     wake_on_meta = True
 
-    def __init__(self, config: Callable[[], Config], state: NodeState, sysfs: SysFs,
+    def __init__(self, config: Callable[[], ResctrlTasksConfig], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, resctrl: ResctrlFs, audit: AuditLog) -> None:
         self._config = config
         self._state = state
@@ -97,11 +112,12 @@ class ResctrlTasksLoop(Loop):
         # group the ids of the control group missing from its monitor group.
         self._seen_root: frozenset[int] = frozenset()
         self._seen_unmonitored: dict[str, frozenset[int]] = {}
-        # Task lists by real path: the bytes read last time and their parse. Only a parse cache:
+        # Task lists by path: the bytes read last time and their parse. Only a parse cache:
         # every list is read again each cycle, so a reused id is never trusted from memory.
         self._id_cache: dict[str, tuple[bytes, frozenset[int]]] = {}
         self._read_now: set[str] = set()
         self._orphaned_since: dict[str, float] = {}
+        self._class_problems: set[str] = set()
 
     def interval(self) -> float:
         return self._config().reconciler.resctrl_interval_s
@@ -114,9 +130,9 @@ class ResctrlTasksLoop(Loop):
             return
         snapshot = self._state.snapshot()
         existing = set(self._resctrl.control_groups())
-        recreated = self._recreate_class_groups(cfg, existing)
+        recreated = self._keep_class_groups(cfg, existing)
         self._collect_garbage(existing, snapshot.pod_uids, now, synced=self._state.synced)
-        managed = self._managed.get(snapshot, cfg.qos)
+        managed = self._managed.get(snapshot)
         full = self._cycles % cfg.reconciler.full_scan_every == 0
         self._cycles += 1
         if full:
@@ -128,7 +144,7 @@ class ResctrlTasksLoop(Loop):
         monitored = {t.group for t in targets.values() if t.monitor}
         control = {g: self._group_tasks(g, monitor=False) for g in in_use}
         monitors = {g: self._group_tasks(g, monitor=True) for g in monitored}
-        root = self._ids(str(self._resctrl.root / "tasks"))
+        root = self._ids(self._resctrl.tasks_file(None))
         unmonitored = {g: control[g] - monitors[g] for g in monitored}
         self._id_cache = {path: self._id_cache[path] for path in self._read_now}
         self._read_now = set()
@@ -157,30 +173,27 @@ class ResctrlTasksLoop(Loop):
     # -- targets ---------------------------------------------------------------------------------
 
     def _targets_for(self, managed: tuple[Managed, ...], existing: frozenset[str],
-                     cfg: Config) -> dict[str, Target]:
+                     cfg: ResctrlTasksConfig) -> dict[str, Target]:
         key = (managed, existing)
         if self._targets_key is not None and self._targets_key[0] is managed \
                 and self._targets_key[1] == existing:
             return self._targets
-        prefix = self._resctrl.prefix
         targets: dict[str, Target] = {}
         by_cgroup: dict[str, str] = {}
         monitor_cache: dict[str, bool] = {}
         threads = self._layout.threads_file
         controller = self._layout.task_controller
         for item in managed:
-            pod_group = pod_group_name(prefix, item.view.pod.info.uid)
-            if pod_group is not None and pod_group in existing:
-                group = pod_group
+            placement = place_container(item.view.pod.info.uid, item.level, cfg.resctrl,
+                                        existing.__contains__)
+            group = placement.group
+            if group is None:
+                continue
+            monitor = False
+            if placement.pod_group:
                 if group not in monitor_cache:
                     monitor_cache[group] = self._resctrl.has_monitor(group)
                 monitor = monitor_cache[group]
-            else:
-                level_cfg = cfg.resctrl.levels.get(item.level)
-                group = class_group_name(prefix, item.level)
-                if level_cfg is None or not level_cfg.enabled or group not in existing:
-                    continue
-                monitor = False
             cgroup = self._layout.dir(controller, item.ref.rel)
             targets[item.view.info.id] = Target(group, monitor, f"{cgroup}/{threads}")
             by_cgroup["/" + item.ref.rel] = item.view.info.id
@@ -188,18 +201,17 @@ class ResctrlTasksLoop(Loop):
         return targets
 
     def _group_tasks(self, group: str, *, monitor: bool) -> frozenset[int]:
-        base = self._resctrl.monitor_path(group) if monitor else self._resctrl.group_path(group)
-        return self._ids(str(base / "tasks"))
+        return self._ids(self._resctrl.tasks_file(group, monitor=monitor))
 
-    def _ids(self, real: str) -> frozenset[int]:
+    def _ids(self, path: str) -> frozenset[int]:
         """A task list, read every cycle; parsed again only when its bytes changed."""
-        self._read_now.add(real)
-        data = read_file_bytes(real) or b""
-        cached = self._id_cache.get(real)
+        self._read_now.add(path)
+        data = self._resctrl.sysfs.read_bytes(path) or b""
+        cached = self._id_cache.get(path)
         if cached is not None and cached[0] == data:
             return cached[1]
         ids = frozenset(map(int, data.split()))
-        self._id_cache[real] = (data, ids)
+        self._id_cache[path] = (data, ids)
         return ids
 
     # -- finding missing ids ---------------------------------------------------------------------
@@ -262,23 +274,22 @@ class ResctrlTasksLoop(Loop):
 
     # -- group maintenance -----------------------------------------------------------------------
 
-    def _recreate_class_groups(self, cfg: Config, existing: set[str]) -> set[str]:
-        prefix = self._resctrl.prefix
-        recreated: set[str] = set()
-        for level, level_cfg in cfg.resctrl.levels.items():
-            group = class_group_name(prefix, level)
-            if not level_cfg.enabled or group in existing:
-                continue
-            try:
-                self._resctrl.ensure_group(group, class_schemata(level_cfg, self._resctrl.info),
-                                           reason="class group was missing; recreated")
-            except GroupError as exc:
-                log.warning("resctrl_class_group_not_recreated", group=group,
-                            error=str(exc))
-                continue
-            existing.add(group)
-            recreated.add(group)
+    def _keep_class_groups(self, cfg: ResctrlTasksConfig, existing: set[str]) -> set[str]:
+        """Repair the class groups (a removed one is made again); the groups that were made."""
+        plan = plan_class_groups(cfg.resctrl, self._resctrl.info, existing)
+        changed = self._resctrl.apply_class_groups(
+            plan, reason="class group repair: missing or its schemata changed",
+            warn=self._warn_class_group)
+        recreated = changed - existing
+        existing |= recreated
+        existing.difference_update(plan.remove)
         return recreated
+
+    def _warn_class_group(self, problem: str) -> None:
+        # Once per distinct problem: the loop retries every second.
+        if problem not in self._class_problems:
+            self._class_problems.add(problem)
+            log.warning("resctrl_class_group_not_recreated", error=problem)
 
     def _collect_garbage(self, existing: set[str], live_uids: frozenset[str], now: float,
                          *, synced: bool) -> None:

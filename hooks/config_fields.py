@@ -1,8 +1,9 @@
 """Declaring configuration settings: a default, a documentation line, a unit and a valid range.
 
 Every setting of the node configuration is a dataclass field built with :func:`setting` or
-:func:`section`. The metadata drives validation (:mod:`nri_plugin.config.loader`) and the commented
-default file (:mod:`nri_plugin.config.render`), so documentation and checks cannot drift apart.
+:func:`section`, declared beside the policy or loop that reads it. The metadata drives both the
+validation and the commented default file of the configuration loader, so documentation and checks
+cannot drift apart.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import structlog
 
-from nri_plugin.audit import AuditLog
+from reconciler.audit import AuditLog
 
 log = structlog.get_logger("nri_qos.sysfs")
 
@@ -205,9 +205,13 @@ class SysFs:
         """A ``tasks`` / ``cgroup.procs`` / ``cgroup.threads`` file; ``None`` when gone.
 
         The hot path of the task-id loop: ``path`` must come from already validated parts
-        (:mod:`reconciler.cgroups` checks every component), so it is not checked again here.
+        (:mod:`reconciler.host.cgroups` checks every component), so it is not checked again here.
         """
         return read_id_file(self._prefix + path)
+
+    def read_bytes(self, path: str) -> bytes | None:
+        """The file's bytes, or ``None`` when it is gone."""
+        return read_file_bytes(self.real(path))
 
     def list_dir(self, path: str) -> list[str]:
         """Entry names of a directory; empty when it does not exist."""
@@ -217,6 +221,83 @@ class SysFs:
             if exc.errno in _GONE_ERRNOS or exc.errno == errno.ENOTDIR:
                 return []
             raise
+
+    def list_subdirs(self, path: str) -> list[str]:
+        """Names of the directories in a directory (symlinks not followed); empty when it does
+        not exist or cannot be read."""
+        try:
+            with os.scandir(self.real(path)) as entries:
+                return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+        except OSError:
+            return []
+
+    def make_dir(self, path: str) -> bool:
+        """Create a directory (a cgroup or resctrl group); False when it already existed."""
+        try:
+            os.mkdir(self.real(path))
+        except FileExistsError:
+            return False
+        return True
+
+    def remove_dir(self, path: str) -> bool:
+        """Remove a directory; False when it did not exist.
+
+        On cgroupfs and resctrl one ``rmdir`` removes a group with its files and sub-groups
+        (the kernel hands the tasks back to the parent); a plain directory tree standing in for
+        one is emptied first.
+        """
+        real = self.real(path)
+        try:
+            os.rmdir(real)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        for dirpath, dirnames, filenames in os.walk(real, topdown=False):
+            for name in filenames:
+                os.unlink(os.path.join(dirpath, name))
+            for name in dirnames:
+                os.rmdir(os.path.join(dirpath, name))
+        os.rmdir(real)
+        return True
+
+    def open_trigger(self, path: str, spec: str) -> int:
+        """Arm a PSI trigger (``some 150000 1000000``) on a pressure file; the open descriptor,
+        which signals POLLPRI when the trigger fires and disarms it when closed. Raises
+        :class:`OSError` when the kernel refuses (EINVAL for a window it does not accept,
+        EPERM without the privilege some kernels require)."""
+        fd = os.open(self.real(path), os.O_RDWR | os.O_NONBLOCK)
+        try:
+            os.write(fd, spec.encode("ascii") + b"\0")
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    def append_ids(self, path: str, ids: Iterable[int], *, create: bool = False) -> int:
+        """Write task ids into a ``tasks``-like file, one id per write as the kernel requires;
+        ids of tasks that exited meanwhile (ESRCH) are skipped. Returns the ids written.
+
+        ``create``: the file belongs to a group this process made, which the kernel fills with
+        its files; a plain directory tree standing in for it needs the file created.
+        """
+        flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
+        fd = os.open(self.real(path), flags, 0o644)
+        written = 0
+        try:
+            for tid in ids:
+                if tid <= 0:
+                    continue
+                try:
+                    os.write(fd, b"%d\n" % tid)
+                except ProcessLookupError:
+                    continue
+                written += 1
+        finally:
+            os.close(fd)
+        return written
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -232,15 +313,18 @@ class SysFs:
             return Outcome.UNCHANGED
         return self.write(path, value, reason)
 
-    def write(self, path: str, value: str, reason: str) -> Outcome:
-        """Write unconditionally, with the retry policy; one audit record when it succeeds."""
+    def write(self, path: str, value: str, reason: str, *, create: bool = False) -> Outcome:
+        """Write unconditionally, with the retry policy; one audit record when it succeeds.
+
+        ``create`` as for :meth:`append_ids`.
+        """
         real = self.real(path)
         data = value.encode("ascii")
         attempt = 0
         while True:
             attempt += 1
             try:
-                self._write_once(real, data)
+                self._write_once(real, data, create)
             except OSError as exc:
                 if exc.errno in _GONE_ERRNOS:
                     log.debug("write_skipped", reason="target gone", path=path,
@@ -257,11 +341,11 @@ class SysFs:
             return Outcome.WRITTEN
 
     @staticmethod
-    def _write_once(real: str, data: bytes) -> None:
-        # Never O_CREAT: cgroup and proc files exist or their cgroup/process is gone, and a file
-        # tree built by a test must report that the same way (ENOENT). O_TRUNC is ignored by
-        # the kernel's files and makes a plain file hold exactly the value written.
-        fd = os.open(real, os.O_WRONLY | os.O_TRUNC)
+    def _write_once(real: str, data: bytes, create: bool) -> None:
+        # No O_CREAT unless asked: cgroup and proc files exist or their cgroup/process is gone,
+        # and a file tree built by a test must report that the same way (ENOENT). O_TRUNC is
+        # ignored by the kernel's files and makes a plain file hold exactly the value written.
+        fd = os.open(real, os.O_WRONLY | os.O_TRUNC | (os.O_CREAT if create else 0), 0o644)
         try:
             os.write(fd, data)
         finally:

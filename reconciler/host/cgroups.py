@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from reconciler.sysfs import SysFs
+from reconciler.host.sysfs import SysFs
 
 CGROUP_MOUNT = "/sys/fs/cgroup"
 

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hooks.hook_main import run
+from nri_plugin.hook_command import run
+from reconciler.host.sysfs import SysFs
 from tests.paths import REPO
 from tests.resctrl_trees import intel_tree
 
@@ -42,7 +43,7 @@ def tree(tmp_path: Path) -> Path:
 
 def hook(args: list[str], stdin: bytes) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "hooks.hook_main", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "nri_plugin.hook_command", *args], input=stdin,
                           capture_output=True, env=env, cwd=REPO, timeout=30, check=False)
 
 
@@ -94,12 +95,12 @@ def test_errors_exit_zero_and_explain(tree: Path, args: list[str], stdin: bytes,
                                       why: str) -> None:
     argv = [a.replace("{root}", str(tree)) for a in args]
     out = io.StringIO()
-    assert run(argv, io.BytesIO(stdin), out) == 0
+    assert run(argv, io.BytesIO(stdin), out, SysFs("/")) == 0
     assert why in out.getvalue()
     assert (tree / GROUP / "mon_groups" / GROUP / "tasks").read_text() == ""
     # Strict: the same error fails the hook.
     strict = io.StringIO()
-    assert run([*argv, "--strict"], io.BytesIO(stdin), strict) == 1
+    assert run([*argv, "--strict"], io.BytesIO(stdin), strict, SysFs("/")) == 1
     assert why in strict.getvalue()
 
 
@@ -107,7 +108,7 @@ def test_oversized_state_is_refused(tree: Path) -> None:
     out = io.StringIO()
     big = b'{"pid": 1, "pad": "' + b"x" * (2 << 20) + b'"}'
     assert run(["resctrl-join", "--root", str(tree), "--group", GROUP],
-               io.BytesIO(big), out) == 0
+               io.BytesIO(big), out, SysFs("/")) == 0
     assert "larger than" in out.getvalue()
 
 

@@ -12,14 +12,13 @@ A broken hook must not kill pods: on any error it explains on stderr and exits 0
 from __future__ import annotations
 
 import argparse
-import errno
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import IO, NoReturn
 
-from hooks.resctrl import valid_group_name
+from hooks.resctrl_groups import valid_group_name
+from reconciler.host.sysfs import SysFs, SysPathError
 
 MAX_STATE_BYTES = 1 << 20
 
@@ -63,37 +62,33 @@ def read_pid(stream: IO[bytes]) -> int:
 
 
 def tasks_path(root: str, group: str, target: str) -> str:
-    if not os.path.isabs(root) or ".." in root.split("/"):
+    if not root.startswith("/") or ".." in root.split("/"):
         raise HookError(f"--root must be an absolute path without '..', got {root!r}")
     if not valid_group_name(group):
         raise HookError(f"--group is not a valid group name: {group!r}")
-    base = os.path.join(root, group)
+    base = f"{root.rstrip('/')}/{group}"
     if target == "monitor":
-        base = os.path.join(base, "mon_groups", group)
-    return os.path.join(base, "tasks")
+        base = f"{base}/mon_groups/{group}"
+    return f"{base}/tasks"
 
 
-def join(root: str, group: str, target: str, pid: int) -> None:
+def join(sysfs: SysFs, root: str, group: str, target: str, pid: int) -> None:
     path = tasks_path(root, group, target)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-    except OSError as exc:
-        raise HookError(f"{path}: {exc.strerror}") from exc
-    try:
-        os.write(fd, f"{pid}\n".encode())
-    except OSError as exc:
-        why = "the process is gone" if exc.errno == errno.ESRCH else exc.strerror
-        raise HookError(f"{path}: writing pid {pid}: {why}") from exc
-    finally:
-        os.close(fd)
+        written = sysfs.append_ids(path, [pid])
+    except (OSError, SysPathError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise HookError(f"{path}: {why}") from exc
+    if not written:
+        raise HookError(f"{path}: writing pid {pid}: the process is gone")
 
 
-def run(argv: Sequence[str], stdin: IO[bytes], stderr: IO[str]) -> int:
+def run(argv: Sequence[str], stdin: IO[bytes], stderr: IO[str], sysfs: SysFs) -> int:
     strict = "--strict" in argv
     try:
         args = _parser().parse_args(list(argv))
         strict = args.strict
-        join(args.root, args.group, args.target, read_pid(stdin))
+        join(sysfs, args.root, args.group, args.target, read_pid(stdin))
     except HookError as exc:
         print(f"nri-qos-hook: {exc}", file=stderr)
         return 1 if strict else 0
@@ -101,7 +96,8 @@ def run(argv: Sequence[str], stdin: IO[bytes], stderr: IO[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run(sys.argv[1:] if argv is None else argv, sys.stdin.buffer, sys.stderr)
+    # The runtime runs the hook in the host's mount namespace: paths are the host's.
+    return run(sys.argv[1:] if argv is None else argv, sys.stdin.buffer, sys.stderr, SysFs("/"))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,8 @@
-"""The audit trail: a fixed catalogue of event names, each with its required fields.
+"""Where audit records go: the log stream and, optionally, a JSON-lines file rotated by size.
 
 Audit records go through their own logger (``nri_qos.audit``, every line marked ``audit=true``)
-and, optionally, to a JSON-lines file rotated by size (:class:`AuditFile`). A record whose name is
-not in :data:`CATALOGUE`, that lacks a required field or that uses a field name the record itself
-needs (:data:`RESERVED_FIELDS`), is a programming error and raises, so the catalogue and the code
-cannot drift apart. ``docs/audit.md`` documents the catalogue; a test keeps the two in sync.
+and, when ``logging.audit_file`` is set, to :class:`AuditFile`. The catalogue of records lives
+with :class:`reconciler.audit.AuditLog`, which hands each checked record to one of these sinks.
 """
 
 from __future__ import annotations
@@ -16,104 +14,13 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from types import MappingProxyType
 from typing import Any, Protocol
 
 import orjson
 
 from nri_plugin.log_context import current_fields
-
-AUDIT_LOGGER = "nri_qos.audit"
-# Keys every audit line carries itself; a record's fields must not use them.
-RESERVED_FIELDS = frozenset({"event", "timestamp", "logger", "audit", "level"})
-
-
-@dataclass(frozen=True, slots=True)
-class AuditEvent:
-    name: str
-    required: tuple[str, ...]
-    description: str
-
-
-def _catalogue(*events: AuditEvent) -> Mapping[str, AuditEvent]:
-    return MappingProxyType({e.name: e for e in events})
-
-
-CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
-    AuditEvent("config_loaded", ("source",), "A configuration was validated and took effect."),
-    AuditEvent("config_rejected", ("source", "errors"),
-               "A configuration was invalid; the previous one stays in force."),
-    AuditEvent("adjustment_applied", ("pod_uid", "container", "qos_level", "fields"),
-               "A CreateContainer answer carried these settings."),
-    AuditEvent("adjustment_skipped", ("pod_uid", "container", "reason"),
-               "A setting was left out (invalid input, missing feature, deadline, error)."),
-    AuditEvent("adjustment_conflict", ("pod_uid", "container", "field", "kept_owner",
-                                       "rejected_owner"),
-               "Two capabilities asked for different values of one field."),
-    AuditEvent("event_failed", ("nri_event", "reason"),
-               "An NRI event handler failed; the answer was empty, partial or an error."),
-    AuditEvent("cgroup_write", ("path", "value", "reason"), "A cgroup or procfs file was written."),
-    AuditEvent("cgroup_write_failed", ("path", "value", "reason", "error"),
-               "A write failed after its retries."),
-    AuditEvent("resctrl_group_created", ("group", "schemata", "reason"),
-               "A resctrl control group was created or its schemata rewritten."),
-    AuditEvent("resctrl_group_removed", ("group", "reason"), "A resctrl group was removed."),
-    AuditEvent("resctrl_fallback", ("pod_uid", "group", "reason"),
-               "A pod-level group could not be had; the level's class group is used."),
-    AuditEvent("tasks_moved", ("group", "count"), "Task ids were written into a resctrl group."),
-    AuditEvent("memory_guard_cap", ("path", "cap_bytes", "previous_bytes"),
-               "The reclaimed tier's memory cap changed."),
-    AuditEvent("numa_binding", ("pod_uid", "container", "mems", "reason"),
-               "A container's cpuset.mems was changed."),
-    AuditEvent("drop_cache_started", ("path", "reason"), "A drop-cache action started."),
-    AuditEvent("drop_cache_finished", ("path", "duration_s", "result"),
-               "A drop-cache action ended."),
-    AuditEvent("eviction_requested", ("pod", "reason", "dry_run"), "An eviction was asked for."),
-    AuditEvent("eviction_blocked", ("pod", "reason"),
-               "The API refused an eviction (e.g. 429 from a PodDisruptionBudget)."),
-    AuditEvent("eviction_done", ("pod",), "The API accepted an eviction."),
-    AuditEvent("taint_added", ("node", "taint", "reason"), "A node taint was added."),
-    AuditEvent("taint_removed", ("node", "taint", "reason"), "A node taint was removed."),
-)
-
-
-class AuditSink(Protocol):
-    def __call__(self, event: str, fields: Mapping[str, Any]) -> None: ...
-
-
-class AuditLog:
-    """Checks records against the catalogue and hands them to a sink (structlog in production)."""
-
-    def __init__(self, sink: AuditSink) -> None:
-        self._sink = sink
-
-    def record(self, event: str, /, **fields: Any) -> None:
-        spec = CATALOGUE.get(event)
-        if spec is None:
-            raise ValueError(f"audit event {event!r} is not in the catalogue")
-        missing = [name for name in spec.required if name not in fields]
-        if missing:
-            raise ValueError(f"audit event {event!r} lacks required fields: {', '.join(missing)}")
-        reserved = sorted(RESERVED_FIELDS.intersection(fields))
-        if reserved:
-            raise ValueError(f"audit event {event!r} uses reserved field names: "
-                             f"{', '.join(reserved)}")
-        self._sink(event, fields)
-
-
-class MemoryAuditSink:
-    """Keeps records in a list; for tests and the simulator's report."""
-
-    def __init__(self) -> None:
-        self.records: list[tuple[str, dict[str, Any]]] = []
-
-    def __call__(self, event: str, fields: Mapping[str, Any]) -> None:
-        self.records.append((event, dict(fields)))
-
-    def named(self, event: str) -> list[dict[str, Any]]:
-        return [fields for name, fields in self.records if name == event]
+from reconciler.audit import AUDIT_LOGGER
 
 
 def json_default(value: Any) -> Any:

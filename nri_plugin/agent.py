@@ -1,0 +1,191 @@
+"""Assembling the agent: every component built once, from the configuration and the probed host.
+
+:func:`build_agent` is where dependencies are wired: the node state, the resctrl filesystem, the
+capabilities, the NRI stub and the background services (the config watcher, the reconciler with
+its pod watch), each handed exactly what it needs. :func:`run_agent` runs them all in one
+:class:`asyncio.TaskGroup` until stop. The daemon (``nri-qos run``) and the simulation
+(``nri-qos simulate``) are two callers, with a real host and a simulated one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from hooks.resctrl_groups import plan_class_groups
+from nri_plugin.capabilities import build_capabilities
+from nri_plugin.capability import Capability
+from nri_plugin.config.loader import ConfigError
+from nri_plugin.config.schema import Config
+from nri_plugin.config.store import ConfigStore
+from nri_plugin.logs import LoggingSetup
+from nri_plugin.stub import PluginIdentity, PluginStub
+from reconciler.audit import AuditLog
+from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.sysfs import SysFs
+from reconciler.k8s import PodWatcher, build_api_client, node_name
+from reconciler.runner import build_loops, run_reconciler
+from reconciler.state import NodeState
+
+HOOK_THREADS = 4
+"""Worker threads running capabilities that may block; more than one so one stuck past its
+deadline does not hold up the next event."""
+RECONCILER_FIELDS = frozenset({"oom_score_adj", "unified", "memory_limit", "memory_reservation",
+                               "rdt_class"})
+"""Settings the loops apply to running containers: drift (memcg values, oom_score_adj) and the
+task-id loop (the resctrl group)."""
+
+log = structlog.get_logger("nri_qos.daemon")
+
+Service = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+"""A long-running part of the agent; it returns once the stop event is set."""
+Connection = Callable[[PluginStub, asyncio.Event], Coroutine[Any, Any, bool]]
+"""How the stub reaches the runtime (:mod:`nri_plugin.connection`); False when it never could."""
+
+
+@dataclass(frozen=True, slots=True)
+class Agent:
+    store: ConfigStore
+    audit: AuditLog
+    host: HostInfo
+    state: NodeState
+    stub: PluginStub
+    services: tuple[Service, ...]
+    executor: ThreadPoolExecutor
+    # Settings fields the background loops apply to running containers.
+    reconciler_fields: frozenset[str]
+
+
+def probe(cfg: Config, audit: AuditLog) -> tuple[HostInfo, SysFs]:
+    """Probe this host once, through the sysfs layer rooted at ``reconciler.root``."""
+    sysfs = SysFs(cfg.reconciler.root, audit, retries=cfg.reconciler.write_retries)
+    host = probe_host(
+        sysfs, cgroup_version=cfg.memory.cgroup_version, cgroup_driver=cfg.reconciler.cgroup_driver,
+        resctrl_mount=cfg.resctrl.root if cfg.resctrl.enabled else None,
+        amd_mb_max=cfg.resctrl.amd_mb_max,
+        numa_tolerance_percent=cfg.memory_guard.numa_view_tolerance_percent,
+    )
+    for warning in host.warnings:
+        log.warning("host_probe", warning=warning)
+    return host, sysfs
+
+
+def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs,
+             audit: AuditLog) -> ResctrlFs | None:
+    """The resctrl filesystem when usable, its class groups set up now and on every reload."""
+    cfg = store.current
+    if not cfg.resctrl.enabled:
+        return None
+    if host.resctrl is None:
+        log.warning("resctrl_unavailable", reason=f"resctrl disabled: {host.resctrl_problem}")
+        return None
+    fs = ResctrlFs(sysfs, cfg.resctrl.root, host.resctrl, prefix=cfg.resctrl.group_prefix,
+                   audit=audit)
+
+    def warn(message: str) -> None:
+        log.warning("resctrl_unavailable", reason=message)
+
+    def setup(new: Config) -> None:
+        fs.apply_class_groups(plan_class_groups(new.resctrl, fs.info, fs.our_groups()),
+                              reason="config", warn=warn)
+
+    setup(cfg)
+    store.subscribe(lambda old, new: setup(new))
+    return fs
+
+
+def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigStore | None:
+    """The configuration at ``config_path`` (embedded defaults without one), with logging set
+    up from it; None, after logging every error, when it is invalid."""
+    store = ConfigStore(logging_setup.audit)
+    try:
+        store.load_initial(config_path)
+    except ConfigError as exc:
+        log.error("config_invalid", source=exc.source or config_path, errors=list(exc.errors),
+                  hint="check the file with: nri-qos check-config PATH")
+        return None
+    logging_setup.apply(store.current.logging)
+    store.subscribe(lambda old, new: logging_setup.apply(new.logging))
+    return store
+
+
+def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysFs,
+                identity: PluginIdentity, *, run_background: bool) -> Agent:
+    """Every component of the agent. ``run_background``: run the reconciler (with the pod
+    watch) when the configuration enables it; off for a simulation, whose pods are not on this
+    host (its answers still say what the reconciler would apply)."""
+    cfg = store.current
+    state = NodeState(qos=lambda: store.current.qos)
+    resctrl = _resctrl(store, host, sysfs, audit)
+    capabilities = build_capabilities(cfg, resctrl=resctrl, audit=audit,
+                                      cgroup_v2=host.cgroup.v2,
+                                      memory_total=host.memory_total_bytes)
+    reconcile = cfg.reconciler.enabled
+    if not reconcile:
+        log.info("reconciler_disabled", reason="reconciler.enabled is false")
+    store.subscribe(_reconfigurer(capabilities))
+    executor = ThreadPoolExecutor(max_workers=HOOK_THREADS, thread_name_prefix="nri-qos-hook")
+    reconciler_fields = RECONCILER_FIELDS if reconcile else frozenset()
+    stub = PluginStub(identity=identity, config=lambda: store.current, capabilities=capabilities,
+                      audit=audit, executor=executor, state=state, track_containers=reconcile,
+                      reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2)
+    services: list[Service] = [store.watch]
+    if reconcile and run_background:
+        services.append(_reconciler(store, state, sysfs, host, resctrl, audit))
+    log.info("starting", plugin=f"{identity.index}-{identity.name}",
+             capabilities=[c.name for c in capabilities], config=store.source,
+             cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}",
+             memory_total_bytes=host.memory_total_bytes,
+             reconciler=reconcile and run_background)
+    return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields)
+
+
+def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], None]:
+    def reconfigure(old: Config, new: Config) -> None:
+        for capability in capabilities:
+            capability.reconfigure(new)
+
+    return reconfigure
+
+
+def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
+                resctrl: ResctrlFs | None, audit: AuditLog) -> Service:
+    async def run(stop: asyncio.Event) -> None:
+        cfg = store.current
+        api = build_api_client(cfg.kubernetes)
+        watcher = None if api is None else PodWatcher(api, cfg.kubernetes,
+                                                      node_name(cfg.kubernetes))
+        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit)
+        await run_reconciler(loops, state, stop, watcher,
+                             read_keys=lambda: store.current.read_keys(),
+                             backoff_max=lambda: store.current.reconciler.backoff_max_s)
+
+    return run
+
+
+async def run_agent(agent: Agent, connection: Connection, stop: asyncio.Event) -> int:
+    """Run the connection and every service in one TaskGroup until ``stop`` is set; the exit
+    status (1 when the connection could never be used)."""
+    # What exists by now (modules, the Kubernetes client, config, capabilities) lives as long
+    # as the process. Out of the collector's generations, it is never scanned again: a full
+    # collection would otherwise walk it all (some 30 ms), in the middle of whichever
+    # CreateContainer triggered it. Garbage is collected first so that none of it is kept.
+    gc.collect()
+    gc.freeze()
+    try:
+        async with asyncio.TaskGroup() as group:
+            connected = group.create_task(connection(agent.stub, stop))
+            for service in agent.services:
+                group.create_task(service(stop))
+    finally:
+        gc.unfreeze()
+        agent.executor.shutdown(wait=False, cancel_futures=True)
+        log.info("stopped")
+    return 0 if connected.result() else 1

@@ -1,0 +1,207 @@
+"""``nri-qos probe``: what the agent sees on this host, and which features will run.
+
+Runs the host probe the agent runs at start (no runtime connection needed) and reports it with,
+for every feature of the node configuration, whether it will run and, if not, why. ``--json``
+prints one object with at least ``memory_total_bytes`` (what node-wide limits use),
+``numa_nodes``, ``cgroup``, ``resctrl``, ``psi``, ``features`` and ``warnings``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+from nri_plugin.agent import probe
+from nri_plugin.config.loader import ConfigError
+from nri_plugin.config.schema import Config
+from nri_plugin.config.store import load_config
+from nri_plugin.logs import LoggingSetup
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.host.probe import HostInfo, TriggerSupport
+from reconciler.k8s import build_api_client
+
+
+@dataclass(frozen=True, slots=True)
+class Feature:
+    runs: bool
+    detail: str
+
+
+def _resctrl(cfg: Config, host: HostInfo) -> Feature:
+    if not cfg.resctrl.enabled:
+        return Feature(False, "resctrl.enabled is false")
+    if host.resctrl is None:
+        return Feature(False, host.resctrl_problem or "resctrl is not mounted")
+    return Feature(True, f"{host.resctrl.num_closids} CLOS; class groups per level, CLOS ids at "
+                         "creation, task ids kept by the reconciler")
+
+
+def _memory_qos(cfg: Config, host: HostInfo) -> Feature:
+    if not cfg.memory.enabled:
+        return Feature(False, "memory.enabled is false")
+    if host.cgroup.v2:
+        return Feature(True, "cgroup v2: memory.min/low/high per container")
+    if any(level.v1_reservation for level in cfg.memory.levels.values()):
+        return Feature(True, "cgroup v1: memory reservation (soft limit) where v1_reservation")
+    return Feature(False, "cgroup v1 has no memory.min/low/high; set v1_reservation on a level "
+                          "to use the soft limit")
+
+
+def _oom(cfg: Config, host: HostInfo) -> Feature:
+    if not cfg.oom.enabled:
+        return Feature(False, "oom.enabled is false")
+    return Feature(True, "in the CreateContainer answer where the runtime applies it (containerd "
+                         "1.7.26+), else by the reconciler right after the container starts")
+
+
+def _oci_hooks(cfg: Config, host: HostInfo) -> Feature:
+    levels = sorted(level for level, hooks in cfg.oci_hooks.levels.items()
+                    if any(getattr(hooks, stage) for stage in hooks.__dataclass_fields__))
+    if not levels:
+        return Feature(False, "no hooks configured")
+    return Feature(True, f"hooks for {', '.join(levels)}")
+
+
+def _loop(enabled: Callable[[Config], bool], what: str) -> Callable[[Config, HostInfo], Feature]:
+    def check(cfg: Config, host: HostInfo) -> Feature:
+        if not cfg.reconciler.enabled:
+            return Feature(False, "reconciler.enabled is false")
+        if not enabled(cfg):
+            return Feature(False, f"{what} is switched off in the configuration")
+        return Feature(True, what)
+
+    return check
+
+
+def _memory_guard(cfg: Config, host: HostInfo) -> Feature:
+    base = _loop(lambda c: c.memory_guard.enabled, "memory guard")(cfg, host)
+    if not base.runs:
+        return base
+    where = "/proc/meminfo (the NUMA view does not add up)" if not host.numa_view.consistent \
+        else f"{len(host.numa_nodes)} NUMA node(s)"
+    return Feature(True, f"caps the BestEffort tier from the free memory of {where}")
+
+
+def _numa_binding(cfg: Config, host: HostInfo) -> Feature:
+    base = _loop(lambda c: c.numa.enabled, "NUMA binding")(cfg, host)
+    if base.runs and len(host.numa_nodes) < 2:
+        return Feature(False, "one NUMA node: nothing to bind")
+    return base
+
+
+def _resctrl_tasks(cfg: Config, host: HostInfo) -> Feature:
+    base = _loop(lambda c: c.resctrl.enabled, "resctrl task ids")(cfg, host)
+    if base.runs and host.resctrl is None:
+        return Feature(False, host.resctrl_problem or "resctrl is not mounted")
+    return base
+
+
+def _kubernetes(cfg: Config, host: HostInfo) -> Feature:
+    if not cfg.kubernetes.enabled:
+        return Feature(False, "kubernetes.enabled is false: NRI data only")
+    if build_api_client(cfg.kubernetes) is None:
+        return Feature(False, "no usable API credentials (in-cluster or kubeconfig): no pod "
+                              "priorities or requests, no taints, no evictions")
+    return Feature(True, "credentials found (not contacted by the probe)")
+
+
+FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
+    "resctrl": _resctrl,
+    "memory_qos": _memory_qos,
+    "oom_score": _oom,
+    "oci_hooks": _oci_hooks,
+    "reconciler.drift": _loop(lambda c: c.memory.enabled or c.oom.enabled, "drift repair"),
+    "reconciler.resctrl_tasks": _resctrl_tasks,
+    "reconciler.memory_guard": _memory_guard,
+    "reconciler.numa_binding": _numa_binding,
+    "kubernetes": _kubernetes,
+}
+"""Every feature the probe reports on, with the check that says whether it runs here."""
+
+
+def _trigger(support: TriggerSupport | None) -> dict[str, Any] | None:
+    if support is None:
+        return None
+    return {"path": support.path, "accepted": support.window_us is not None,
+            "window_us": support.window_us, "problem": support.problem or None}
+
+
+def report(cfg: Config, host: HostInfo) -> dict[str, Any]:
+    """The probe's findings as one JSON-ready object."""
+    resctrl: dict[str, Any] = {"mounted": host.resctrl is not None,
+                               "problem": host.resctrl_problem or None}
+    if host.resctrl is not None:
+        info = host.resctrl
+        resctrl.update(num_closids=info.num_closids, l3=info.has_l3, l3_cache_ids=info.l3_ids,
+                       cbm_mask=f"{info.cbm_mask:x}", mba=info.has_mb, mb_cache_ids=info.mb_ids,
+                       mb_absolute=info.mb_absolute, monitoring=info.monitoring)
+    return {
+        "kernel": host.kernel,
+        "root": host.root,
+        "memory_total_bytes": host.memory_total_bytes,
+        "meminfo_total_bytes": host.meminfo_total_bytes,
+        "numa_nodes": [{"id": n.id, "total_bytes": n.total_bytes, "free_bytes": n.free_bytes,
+                        "low_watermark_bytes": n.low_watermark_bytes} for n in host.numa_nodes],
+        "numa_view_consistent": host.numa_view.consistent,
+        "cgroup": {"version": host.cgroup.version, "driver": host.cgroup.driver,
+                   "mount": host.cgroup.mount},
+        "memcg": asdict(host.memcg),
+        "resctrl": resctrl,
+        "psi": {"readable": host.psi.readable, "system_trigger": _trigger(host.psi.system),
+                "cgroup_trigger": _trigger(host.psi.cgroup)},
+        "features": {name: asdict(check(cfg, host)) for name, check in FEATURES.items()},
+        "warnings": list(host.warnings),
+    }
+
+
+def _print(found: dict[str, Any], out: TextIO) -> None:
+    cgroup = found["cgroup"]
+    out.write(f"kernel            {found['kernel']}\n")
+    out.write(f"cgroup            v{cgroup['version']}, {cgroup['driver']} driver\n")
+    out.write(f"memory            {found['memory_total_bytes']} bytes for node-wide limits\n")
+    for node in found["numa_nodes"]:
+        out.write(f"  NUMA node {node['id']:<5} {node['total_bytes']} bytes, "
+                  f"{node['free_bytes']} free, low watermark {node['low_watermark_bytes']}\n")
+    knobs = [name for name, present in found["memcg"].items() if present is True]
+    out.write(f"memcg knobs       {', '.join(knobs) or 'none'} (in {found['memcg']['where']})\n")
+    resctrl = found["resctrl"]
+    out.write("resctrl           " + (f"{resctrl['num_closids']} CLOS, L3 {resctrl['l3']}, MBA "
+                                     f"{resctrl['mba']}, monitoring {resctrl['monitoring']}"
+                                     if resctrl["mounted"] else f"off: {resctrl['problem']}")
+              + "\n")
+    psi = found["psi"]
+    trigger = psi["system_trigger"]
+    out.write(f"PSI               {'readable' if psi['readable'] else 'not available'}; "
+              + (f"triggers accepted (window {trigger['window_us']} us)" if trigger["accepted"]
+                 else f"triggers refused: {trigger['problem']}") + "\n")
+    out.write("features\n")
+    for name, feature in found["features"].items():
+        mark = "on " if feature["runs"] else "off"
+        out.write(f"  {mark} {name:<26} {feature['detail']}\n")
+    for warning in found["warnings"]:
+        out.write(f"warning: {warning}\n")
+
+
+def main_probe(config_path: str | None, *, as_json: bool, out: TextIO = sys.stdout) -> int:
+    # Only errors on stderr: the findings are the output. The probe changes nothing on the host,
+    # so it has nothing to audit either.
+    logging_setup = LoggingSetup(level="error")
+    try:
+        try:
+            cfg, _ = load_config(config_path)
+        except ConfigError as exc:
+            for error in exc.errors:
+                sys.stderr.write(f"{exc.source or config_path}: {error}\n")
+            return 2
+        host, _ = probe(cfg, AuditLog(MemoryAuditSink()))
+        found = report(cfg, host)
+    finally:
+        logging_setup.close()
+    if as_json:
+        out.write(json.dumps(found, indent=2, sort_keys=True) + "\n")
+    else:
+        _print(found, out)
+    return 0

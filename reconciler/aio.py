@@ -1,0 +1,74 @@
+"""The asyncio toolkit every long-running part uses: one stop-aware sleep, one backoff.
+
+Waits never leave tasks behind: :func:`sleep_until` waits on its events in a task group of its
+own, which is gone when it returns (whether the time ran out, an event was set, or the caller was
+cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+
+async def sleep_until(seconds: float, *events: asyncio.Event) -> bool:
+    """Sleep ``seconds``, cut short as soon as any of ``events`` is set; True when one was."""
+    if any(event.is_set() for event in events):
+        return True
+    if seconds <= 0:
+        return False
+    if not events:
+        await asyncio.sleep(seconds)
+        return False
+    async with asyncio.TaskGroup() as group:
+        waiters = [group.create_task(event.wait()) for event in events]
+        try:
+            await asyncio.wait(waiters, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+    return any(event.is_set() for event in events)
+
+
+async def wait_for_event(event: asyncio.Event, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``event``; True when it was set."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    return event.is_set()
+
+
+async def done_or_stopped(future: asyncio.Future[Any], stop: asyncio.Event) -> bool:
+    """Wait until ``future`` is done or ``stop`` is set; True when the future is done."""
+    if not stop.is_set() and not future.done():
+        async with asyncio.TaskGroup() as group:
+            stopper = group.create_task(stop.wait())
+            try:
+                await asyncio.wait({future, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopper.cancel()
+    return future.done()
+
+
+class Backoff:
+    """Capped exponential delays: ``initial``, 2 x ``initial``, ... up to ``maximum`` (seconds)."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        if initial <= 0 or maximum <= 0:
+            raise ValueError("backoff delays must be positive")
+        self._initial = min(initial, maximum)
+        self._maximum = maximum
+        self._next = self._initial
+        self.failures = 0
+
+    def next(self) -> float:
+        """The delay after one more failure."""
+        delay = self._next
+        self._next = min(self._next * 2, self._maximum)
+        self.failures += 1
+        return delay
+
+    def reset(self) -> None:
+        self._next = self._initial
+        self.failures = 0

@@ -1,0 +1,1 @@
+"""Eviction through the Kubernetes API."""

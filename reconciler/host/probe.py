@@ -1,0 +1,165 @@
+"""What this host offers, probed once at start and handed to every component that needs it.
+
+The NRI capabilities (cgroup version for memory QoS, memory size, resctrl) and the reconciler's
+loops (cgroup layout, NUMA nodes, memcg knobs, PSI) receive the same :class:`HostInfo`, so they can
+never disagree about the host; ``nri-qos probe`` prints it. Nothing here raises for a missing
+feature: each absence is recorded with the reason, for the feature that needs it to say why it
+is off.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from hooks.resctrl import ResctrlInfo
+from reconciler.host.cgroups import CGROUP_MOUNT, CgroupLayout, layout_for
+from reconciler.host.numa import NumaNode, NumaView, check_view, read_meminfo, read_nodes
+from reconciler.host.resctrl_files import ResctrlUnavailable
+from reconciler.host.resctrlfs import read_info
+from reconciler.host.sysfs import PAGE_SIZE, SysFs
+
+KERNEL_RELEASE = "/proc/sys/kernel/osrelease"
+PSI_MEMORY = "/proc/pressure/memory"
+TRIGGER_WINDOWS_US = (500_000, 1_000_000, 2_000_000)
+"""Trigger windows tried, shortest first: the kernel takes 500 ms to 10 s, and without
+CAP_SYS_RESOURCE some kernels only whole multiples of 2 s on cgroup pressure files."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemcgKnobs:
+    """Memory-cgroup files found in one cgroup of the memory hierarchy."""
+
+    # The cgroup examined (a system path): kubelet's pods cgroup when there is one.
+    where: str
+    reclaim: bool = False  # v2 memory.reclaim: proactive reclaim of a given amount
+    high: bool = False  # v2 memory.high: throttling limit
+    wmark_ratio: bool = False  # memory.wmark_ratio (veLinux/Anolis): async reclaim watermark
+    force_empty: bool = False  # v1 memory.force_empty: reclaim everything reclaimable
+    pressure_level: bool = False  # v1 memory.pressure_level: eventfd notifications
+    numa_stat: bool = False  # memory.numa_stat: usage per NUMA node
+
+
+@dataclass(frozen=True, slots=True)
+class TriggerSupport:
+    """Whether a PSI trigger can be armed on a pressure file, and with which window."""
+
+    path: str
+    # The shortest window (µs) the kernel accepted; None when it accepted none.
+    window_us: int | None
+    # Why not ("" when accepted).
+    problem: str
+
+
+@dataclass(frozen=True, slots=True)
+class PsiSupport:
+    readable: bool
+    system: TriggerSupport
+    # On the memory.pressure file of kubelet's pods cgroup (cgroup v2 only), else None.
+    cgroup: TriggerSupport | None
+
+
+@dataclass(frozen=True, slots=True)
+class HostInfo:
+    root: str
+    kernel: str
+    cgroup: CgroupLayout
+    # /proc/meminfo MemTotal: what node-wide limits use (0 when unreadable).
+    meminfo_total_bytes: int
+    numa_nodes: tuple[NumaNode, ...]
+    numa_view: NumaView
+    resctrl: ResctrlInfo | None
+    # Why resctrl is unusable ("" when usable or not asked for).
+    resctrl_problem: str
+    memcg: MemcgKnobs
+    psi: PsiSupport
+    warnings: tuple[str, ...]
+
+    @property
+    def memory_total_bytes(self) -> int:
+        """The machine's memory for node-wide limits: /proc/meminfo, never the per-node sum
+        (which misses hot-added memory), unless /proc/meminfo is unreadable."""
+        return self.meminfo_total_bytes or self.numa_view.nodes_total_bytes
+
+
+def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str = "auto",
+               resctrl_mount: str | None = None, amd_mb_max: int = 2048,
+               numa_tolerance_percent: float = 10.0) -> HostInfo:
+    """Probe everything once. ``resctrl_mount`` None: resctrl is not wanted (not probed)."""
+    warnings: list[str] = []
+    layout = layout_for(sysfs, cgroup_version, cgroup_driver)
+    meminfo = read_meminfo(sysfs)
+    nodes = tuple(read_nodes(sysfs, PAGE_SIZE))
+    view = check_view(nodes, meminfo.get("MemTotal", 0), numa_tolerance_percent)
+    if not meminfo:
+        warnings.append("/proc/meminfo is unreadable: node-wide limits use the NUMA nodes' sum")
+    elif not view.consistent:
+        warnings.append(view.describe() + "; node-wide limits use /proc/meminfo")
+    resctrl: ResctrlInfo | None = None
+    resctrl_problem = ""
+    if resctrl_mount is not None:
+        try:
+            resctrl = read_info(sysfs, resctrl_mount, amd_mb_max)
+        except ResctrlUnavailable as exc:
+            resctrl_problem = str(exc)
+    kernel = (sysfs.read(KERNEL_RELEASE) or "").strip() or "unknown"
+    return HostInfo(
+        root=str(sysfs.root), kernel=kernel, cgroup=layout,
+        meminfo_total_bytes=meminfo.get("MemTotal", 0), numa_nodes=nodes, numa_view=view,
+        resctrl=resctrl, resctrl_problem=resctrl_problem, memcg=_memcg_knobs(sysfs, layout),
+        psi=_psi(sysfs, layout), warnings=tuple(warnings),
+    )
+
+
+def _probe_cgroup(sysfs: SysFs, layout: CgroupLayout) -> str:
+    """Where memcg files are looked for: kubelet's pods cgroup, else any child cgroup of the
+    memory hierarchy (the root lacks most files), else the root."""
+    pods = layout.tier_dir("memory", "guaranteed")
+    if sysfs.is_dir(pods):
+        return pods
+    root = layout.dir("memory", "")
+    children = sysfs.list_subdirs(root)
+    return f"{root}/{children[0]}" if children else root
+
+
+def _memcg_knobs(sysfs: SysFs, layout: CgroupLayout) -> MemcgKnobs:
+    where = _probe_cgroup(sysfs, layout)
+
+    def has(name: str) -> bool:
+        return sysfs.exists(f"{where}/{name}")
+
+    if layout.v2:
+        return MemcgKnobs(where, reclaim=has("memory.reclaim"), high=has("memory.high"),
+                          wmark_ratio=has("memory.wmark_ratio"), numa_stat=has("memory.numa_stat"))
+    return MemcgKnobs(where, wmark_ratio=has("memory.wmark_ratio"),
+                      force_empty=has("memory.force_empty"),
+                      pressure_level=sysfs.exists(f"{CGROUP_MOUNT}/memory/memory.pressure_level"),
+                      numa_stat=has("memory.numa_stat"))
+
+
+def _psi(sysfs: SysFs, layout: CgroupLayout) -> PsiSupport:
+    readable = sysfs.read(PSI_MEMORY) is not None
+    system = trigger_support(sysfs, PSI_MEMORY) if readable else TriggerSupport(
+        PSI_MEMORY, None, "PSI is not available (kernel without CONFIG_PSI, or psi=0)")
+    cgroup = None
+    if layout.v2:
+        path = f"{layout.tier_dir('memory', 'guaranteed')}/memory.pressure"
+        cgroup = trigger_support(sysfs, path) if sysfs.exists(path) else TriggerSupport(
+            path, None, "no memory.pressure file")
+    return PsiSupport(readable, system, cgroup)
+
+
+def trigger_support(sysfs: SysFs, path: str) -> TriggerSupport:
+    """Arm and at once disarm a trigger of each window in :data:`TRIGGER_WINDOWS_US`."""
+    problem = ""
+    for window in TRIGGER_WINDOWS_US:
+        try:
+            fd = sysfs.open_trigger(path, f"some {window // 10} {window}")
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            problem = f"{name}: {exc.strerror}"
+            continue
+        os.close(fd)
+        return TriggerSupport(path, window, "")
+    return TriggerSupport(path, None, f"the kernel refused every window tried ({problem})")

@@ -1,0 +1,111 @@
+"""What every detector says, and the one board where the latest readings are kept.
+
+A detector turns kernel file text into a :class:`Reading`: a :class:`Level` with the observed
+value, the threshold it was compared with and the scope it is about (the node, a NUMA node, a pod,
+a tier). The detection loop publishes each round's smoothed readings on the :class:`Board`; the
+mitigation ladder, the eviction manager's in-tree plugins, the metrics and ``nri-qos status``
+read them from there. Input that does not parse gives :attr:`Level.UNKNOWN` with the reason:
+never "no pressure" by silence.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+
+
+class Level(IntEnum):
+    """How bad it is; ordered, so ``max()`` of readings is the worst."""
+
+    UNKNOWN = -1
+    NONE = 0
+    LOW = 1
+    MEDIUM = 2
+    HIGH = 3
+
+
+NODE = "node"
+"""Scope of a node-wide reading."""
+
+
+def numa_scope(node: int) -> str:
+    return f"numa:{node}"
+
+
+def pod_scope(uid: str) -> str:
+    return f"pod:{uid}"
+
+
+def tier_scope(tier: str) -> str:
+    return f"tier:{tier}"
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One detector's verdict about one scope."""
+
+    detector: str
+    scope: str
+    level: Level
+    # The observed value and the threshold of the level reached (or of LOW, when NONE), in
+    # ``unit``; for UNKNOWN both are 0 and ``reason`` says why.
+    value: float
+    threshold: float
+    unit: str
+    reason: str = ""
+    # The pod concerned, for pod-scoped readings.
+    pod_uid: str | None = None
+    # The event loop's time of the sample.
+    at: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.detector, self.scope)
+
+
+class Board:
+    """The latest reading per (detector, scope); safe from any thread.
+
+    :meth:`publish` replaces a detector's readings as a whole (scopes it no longer reports are
+    gone) and calls the subscribers, outside the lock, when any level changed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._readings: dict[tuple[str, str], Reading] = {}
+        self._subscribers: list[Callable[[], None]] = []
+
+    def publish(self, detector: str, readings: Iterable[Reading]) -> None:
+        fresh = {r.key: r for r in readings}
+        with self._lock:
+            old = {k: r for k, r in self._readings.items() if k[0] == detector}
+            changed = {k: r.level for k, r in old.items()} != {
+                k: r.level for k, r in fresh.items()}
+            for key in old:
+                del self._readings[key]
+            self._readings.update(fresh)
+            subscribers = list(self._subscribers) if changed else []
+        for callback in subscribers:
+            callback()
+
+    def current(self) -> tuple[Reading, ...]:
+        with self._lock:
+            return tuple(self._readings.values())
+
+    def worst(self) -> Level:
+        """The worst level any detector reports now (NONE when none reports)."""
+        return max((r.level for r in self.current()), default=Level.NONE)
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (from the publishing thread) when a level changes."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe

@@ -40,6 +40,7 @@ from hooks.config_fields import frozen_map, percent, setting
 from hooks.levels import LEVEL_NAMES
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from hooks.untrusted import bounded_repr
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +149,7 @@ def parse_volcano(text: str) -> tuple[Ratios | None, tuple[str, ...]]:
     for key, value in qos.items():
         low = key.lower()
         if low not in _VOLCANO_DEFAULTS:
-            return None, (f"memoryQos: unknown key {key!r}",)
+            return None, (f"memoryQos: unknown key {bounded_repr(key)}",)
         if isinstance(value, bool) or not isinstance(value, int):
             return None, (f"memoryQos.{_RATIO_KEYS[low]}: must be an integer, "
                           f"got {type(value).__name__}",)

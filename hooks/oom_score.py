@@ -20,6 +20,7 @@ from hooks.config_fields import frozen_map, setting
 from hooks.levels import LEVEL_NAMES, QosLevel
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from hooks.untrusted import bounded_repr
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ def oom_score(pod: PodInfo, container: ContainerInfo, level_name: str,
         if container.oom_score_adj is not None:
             floor = max(floor, container.oom_score_adj)
         if not _INT_RE.fullmatch(text):
-            problems.append(f"{cfg.annotation}: not an integer: {raw[:40]!r}")
+            problems.append(f"{cfg.annotation}: not an integer: {bounded_repr(raw, 40)}")
         elif not floor <= int(text) <= OOM_MAX:
             problems.append(f"{cfg.annotation}: {int(text)} is outside [{floor}, {OOM_MAX}] "
                             f"allowed for {level_name}")

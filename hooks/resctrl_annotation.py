@@ -33,6 +33,7 @@ from hooks.resctrl import (
 )
 from hooks.resctrl_config import ResctrlConfig, ResctrlLevel
 from hooks.resctrl_groups import pod_group_name
+from hooks.untrusted import bounded_repr
 
 KOORDINATOR_ANNOTATION = "node.koordinator.sh/resctrl"
 # Larger annotations are refused before parsing: nothing legitimate comes close.
@@ -49,9 +50,9 @@ def _keys(obj: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> dict[
     for key, value in obj.items():
         low = key.lower()
         if low not in allowed:
-            raise _Bad(f"{where}: unknown key {key!r}")
+            raise _Bad(f"{where}: unknown key {bounded_repr(key)}")
         if low in out:
-            raise _Bad(f"{where}: duplicate key {key!r}")
+            raise _Bad(f"{where}: duplicate key {bounded_repr(key)}")
         out[low] = value
     return out
 
@@ -128,7 +129,7 @@ def parse_annotation(text: str) -> tuple[Allocation | None, tuple[str, ...]]:
     for key, value in doc.items():
         low = key.lower()
         if low not in ("llc", "mb") or low in parts:
-            problems.append(f"unknown or duplicate key {key!r}")
+            problems.append(f"unknown or duplicate key {bounded_repr(key)}")
             continue
         parts[low] = value
     l3: tuple[int, int] | None = None
@@ -240,7 +241,8 @@ def plan_pod_group(pod: PodInfo, level: str, cfg: ResctrlConfig, info: ResctrlIn
         return PodPlan(source=source, problems=problems)
     name = pod_group_name(cfg.group_prefix, pod.uid)
     if name is None:
-        return PodPlan(source=source, problems=(*problems, f"pod uid {pod.uid!r} is not a uid"))
+        return PodPlan(source=source,
+                       problems=(*problems, f"pod uid {bounded_repr(pod.uid)} is not a uid"))
     level_cfg = cfg.levels.get(level)
     bounded, more = _bounded(alloc, level_cfg, cfg, info)
     problems = (*problems, *more)

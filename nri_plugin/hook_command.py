@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import IO, NoReturn
 
 from hooks.resctrl_groups import valid_group_name
+from hooks.untrusted import bounded, bounded_repr
 from reconciler.host.sysfs import SysFs, SysPathError
 
 MAX_STATE_BYTES = 1 << 20
@@ -57,15 +58,15 @@ def read_pid(stream: IO[bytes]) -> int:
         raise HookError("OCI state is not a JSON object")
     pid = state.get("pid")
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 1 << 31:
-        raise HookError(f"OCI state has no valid pid: {pid!r}")
+        raise HookError(f"OCI state has no valid pid: {bounded(repr(pid))}")
     return pid
 
 
 def tasks_path(root: str, group: str, target: str) -> str:
     if not root.startswith("/") or ".." in root.split("/"):
-        raise HookError(f"--root must be an absolute path without '..', got {root!r}")
+        raise HookError(f"--root must be an absolute path without '..', got {bounded_repr(root)}")
     if not valid_group_name(group):
-        raise HookError(f"--group is not a valid group name: {group!r}")
+        raise HookError(f"--group is not a valid group name: {bounded_repr(group)}")
     base = f"{root.rstrip('/')}/{group}"
     if target == "monitor":
         base = f"{base}/mon_groups/{group}"

@@ -80,7 +80,8 @@ def _memory_guard(cfg: Config, host: HostInfo) -> Feature:
     base = _loop(lambda c: c.memory_guard.enabled, "memory guard")(cfg, host)
     if not base.runs:
         return base
-    where = "/proc/meminfo (the NUMA view does not add up)" if not host.numa_view.consistent \
+    where = "the machine's meminfo (the NUMA view does not add up)" \
+        if not host.numa_view.consistent \
         else f"{len(host.numa_nodes)} NUMA node(s)"
     return Feature(True, f"caps the BestEffort tier from the free memory of {where}")
 

@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Any
 
 from hooks.model import ReadKeys
+from hooks.untrusted import bounded_repr
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -69,11 +70,11 @@ def parse_quantity(text: str | int | float) -> int:
     if isinstance(text, bool) or not isinstance(text, str | int | float):
         raise ValueError(f"quantity must be a string or a number, got {type(text).__name__}")
     if isinstance(text, float) and not math.isfinite(text):
-        raise ValueError(f"quantity must be finite, got {text!r}")
+        raise ValueError(f"quantity must be finite, got {text}")
     raw = text if isinstance(text, str) else repr(text)
     match = _QUANTITY.fullmatch(raw)
     if match is None:
-        raise ValueError(f"not a Kubernetes quantity: {raw!r}")
+        raise ValueError(f"not a Kubernetes quantity: {bounded_repr(raw)}")
     number = Fraction(match["number"])
     suffix = match["suffix"]
     if suffix in _BINARY:
@@ -81,11 +82,11 @@ def parse_quantity(text: str | int | float) -> int:
     else:
         exponent = _DECIMAL[suffix] if suffix in _DECIMAL else int(suffix[1:])
         if abs(exponent) > _MAX_EXPONENT:
-            raise ValueError(f"quantity exponent out of range: {raw!r}")
+            raise ValueError(f"quantity exponent out of range: {bounded_repr(raw)}")
         value = number * Fraction(10) ** exponent
     result = math.ceil(value)
     if abs(result) > _INT64_MAX:
-        raise ValueError(f"quantity out of range: {raw!r}")
+        raise ValueError(f"quantity out of range: {bounded_repr(raw)}")
     return result
 
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
+
+import pytest
 
 from hooks.events import Event
 from nri_plugin import daemon
+from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 from tests.fakesys import FakeHost, FakePod, read_ids
@@ -106,3 +110,52 @@ async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> N
         status = await task
         await simulator.stop()
     assert status == 0
+
+
+async def test_old_containerd_gets_oom_score_adj_from_the_reconciler_after_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # containerd 1.7.20 (NRI 0.6.1) drops oom_score_adj from an adjustment: the answer leaves it
+    # out, and the drift loop, woken by StartContainer, writes it to the container's processes.
+    root = tmp_path / "host"
+    host = FakeHost(root)
+    host.make_resctrl()
+    pod = host.add_pod("0c0c0c0c-1111-2222-3333-444444444444", tier="besteffort",
+                       annotations={LEVEL: "reclaimed_cores"})
+    config = tmp_path / "config.toml"
+    config.write_text(config_for(root).replace("drift_interval_s = 0.1", "drift_interval_s = 600"))
+    simulator = RuntimeSimulator(tmp_path / "nri.sock", RuntimeSpec(
+        version="v1.7.20", nri_version="", request_timeout_ms=0, registration_timeout_ms=0))
+    await simulator.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "info",
+                                            stop=stop, prelaunched=None))
+    try:
+        connection = await simulator.wait_ready()
+        pod_msg, containers = messages(pod)
+        await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_msg)
+        response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_msg,
+                                        containers[0])
+        assert isinstance(response, api.CreateContainerResponse)
+        assert not response.adjust.linux.HasField("oom_score_adj")
+        pid = pod.containers[0].pids[0]
+        oom = root / f"proc/{pid}/oom_score_adj"
+        assert oom.read_text().strip() != "1000"
+        await simulator.send(connection, Event.START_CONTAINER, pod_msg, containers[0])
+        # The drift period is 10 minutes: only the StartContainer wake-up can do it in time.
+        await until(lambda: oom.read_text().strip() == "1000", "oom_score_adj after start")
+    finally:
+        stop.set()
+        status = await task
+        await simulator.stop()
+    assert status == 0
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+               if line.startswith("{")]
+    routes = next(r for r in records if r.get("event") == "runtime_fields")
+    assert "oom_score_adj" in routes["via_reconciler"]
+    deferred = [r for r in records if r.get("event") == "adjustment_deferred"]
+    assert [(r["field"], r["container"]) for r in deferred] == [
+        ("oom_score_adj", pod.containers[0].info.name)]
+    written = [r for r in records if r.get("event") == "cgroup_write"
+               and r["path"] == f"/proc/{pid}/oom_score_adj"]
+    assert written[0]["value"] == "1000"
+    assert "runtime does not apply oom_score_adj at creation" in written[0]["reason"]

@@ -158,3 +158,59 @@ def test_disabled_guard_writes_nothing(tmp_path: Path) -> None:
     sysfs = SysFs(tmp_path, AuditLog(sink))
     MemoryGuardLoop(lambda: off, sysfs, layout_for(sysfs), AuditLog(sink)).cycle(0.0)
     assert sink.records == []
+
+
+def hot_added(host: FakeHost, nodes: list[tuple[int, int, int]], system_total: int,
+              system_free: int) -> None:
+    """Nodes' meminfo that does not add up to /proc/meminfo: memory hot-added to a VM is online
+    but missing from the per-node totals (a real 24.7 GB VM shows 3.7 GB in node 0)."""
+    host.set_numa(nodes)
+    (host.root / "proc/meminfo").write_text(
+        f"MemTotal:       {system_total // 1024} kB\nMemFree:        {system_free // 1024} kB\n")
+
+
+def test_inconsistent_numa_view_caps_from_the_machine(tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 1, "cgroupfs")
+    hot_added(host, [(3 * GIB, 4 * GIB, 1000)], system_total=24 * GIB, system_free=20 * GIB)
+    host.set_tier_usage("besteffort", 1 * GIB, per_node=[1 * GIB])
+    loop.cycle(0.0)
+    # The machine as one node: 1 G used + (20 G free - 4 G floor); not 1 G + (3 G - 4 G)+.
+    assert int(limit_of(host)) == 1 * GIB + 16 * GIB
+    [seen] = sink.named("numa_view_inconsistent")
+    assert (seen["nodes_total_bytes"], seen["system_total_bytes"]) == (4 * GIB, 24 * GIB)
+    assert "headroom over the machine" in sink.named("cgroup_write")[0]["reason"]
+    loop.cycle(5.0)
+    assert len(sink.named("numa_view_inconsistent")) == 1  # audited once, not every cycle
+
+
+def test_inconsistent_view_floor_counts_once_per_numa_node(tmp_path: Path) -> None:
+    host, loop, _ = make(tmp_path, 1, "cgroupfs")
+    hot_added(host, [(1 * GIB, 2 * GIB, 0), (1 * GIB, 2 * GIB, 0)], system_total=64 * GIB,
+              system_free=30 * GIB)
+    host.set_tier_usage("besteffort", 0, per_node=[0, 0])
+    loop.cycle(0.0)
+    assert int(limit_of(host)) == 30 * GIB - 2 * 4 * GIB
+
+
+@pytest.mark.parametrize(("nodes_total", "consistent"), [
+    (9 * GIB, True),  # exactly 10 % apart: within the default tolerance
+    (9 * GIB - 1024, False),  # one more kB apart (meminfo's unit): out of it
+])
+def test_tolerance_boundary(tmp_path: Path, nodes_total: int, consistent: bool) -> None:
+    host, loop, sink = make(tmp_path, 1, "cgroupfs")
+    hot_added(host, [(nodes_total // 2, nodes_total, 0)], system_total=10 * GIB,
+              system_free=nodes_total // 2)
+    host.set_tier_usage("besteffort", 0, per_node=[0])
+    loop.cycle(0.0)
+    assert bool(sink.named("numa_view_inconsistent")) is not consistent
+
+
+def test_view_that_recovers_is_used_again(tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 1, "cgroupfs")
+    hot_added(host, [(3 * GIB, 4 * GIB, 0)], system_total=24 * GIB, system_free=20 * GIB)
+    host.set_tier_usage("besteffort", 0, per_node=[0])
+    loop.cycle(0.0)
+    host.set_numa([(20 * GIB, 24 * GIB, 0)])  # consistent again (e.g. after a reboot of the VM)
+    loop.cycle(5.0)
+    assert int(limit_of(host)) == 20 * GIB - 4 * GIB
+    assert len(sink.named("numa_view_inconsistent")) == 1

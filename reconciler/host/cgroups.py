@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from hooks.untrusted import bounded_repr
 from reconciler.host.sysfs import SysFs
 
 CGROUP_MOUNT = "/sys/fs/cgroup"
@@ -55,23 +56,24 @@ class CgroupRef:
 
 def _checked(parts: list[str], original: str) -> str:
     if not parts:
-        raise CgroupPathError(f"empty cgroups path {original!r}")
+        raise CgroupPathError(f"empty cgroups path {bounded_repr(original)}")
     for part in parts:
         # A leading dot is refused too, as the sysfs layer refuses such paths.
         if part.startswith(".") or not _COMPONENT.fullmatch(part):
-            raise CgroupPathError(f"cgroups path {original!r}: bad component {part!r}")
+            raise CgroupPathError(f"cgroups path {bounded_repr(original)}: bad component "
+                                  f"{bounded_repr(part)}")
     return "/".join(parts)
 
 
 def expand_slice(slice_name: str) -> list[str]:
     """``a-b-c.slice`` -> ``["a.slice", "a-b.slice", "a-b-c.slice"]`` (systemd's nesting)."""
     if not slice_name.endswith(".slice") or slice_name == ".slice":
-        raise CgroupPathError(f"not a slice name: {slice_name!r}")
+        raise CgroupPathError(f"not a slice name: {bounded_repr(slice_name)}")
     if slice_name == "-.slice":
         return []
     stem = slice_name[: -len(".slice")]
     if stem.startswith("-") or stem.endswith("-") or "--" in stem:
-        raise CgroupPathError(f"malformed slice name: {slice_name!r}")
+        raise CgroupPathError(f"malformed slice name: {bounded_repr(slice_name)}")
     words = stem.split("-")
     return ["-".join(words[: i + 1]) + ".slice" for i in range(len(words))]
 
@@ -80,7 +82,7 @@ def parse_cgroups_path(path: str) -> CgroupRef:
     """Parse NRI's ``cgroups_path`` (either driver); raises :class:`CgroupPathError`."""
     text = path.strip()
     if not text or "\0" in text:
-        raise CgroupPathError(f"empty cgroups path {path!r}")
+        raise CgroupPathError(f"empty cgroups path {bounded_repr(path)}")
     if text.startswith("/"):
         parts = text.split("/")[1:]
         rel = _checked(parts, path)
@@ -89,10 +91,10 @@ def parse_cgroups_path(path: str) -> CgroupRef:
     fields = text.split(":")
     if len(fields) != 3:
         raise CgroupPathError(
-            f"cgroups path {path!r}: expected /a/b/c or <slice>:<prefix>:<name>")
+            f"cgroups path {bounded_repr(path)}: expected /a/b/c or <slice>:<prefix>:<name>")
     parent, prefix, name = fields
     if "/" in parent or "/" in prefix or "/" in name or not name:
-        raise CgroupPathError(f"cgroups path {path!r}: '/' inside a systemd path")
+        raise CgroupPathError(f"cgroups path {bounded_repr(path)}: '/' inside a systemd path")
     parts = expand_slice(parent or "-.slice")
     unit = f"{prefix}-{name}" if prefix else name
     parts.append(unit if unit.endswith((".scope", ".slice")) else unit + ".scope")

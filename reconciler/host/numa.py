@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hooks.untrusted import bounded_repr
 from reconciler.host.sysfs import SysFs
 
 NODE_DIR = "/sys/devices/system/node"
@@ -61,11 +62,11 @@ def parse_meminfo(text: str) -> dict[str, int]:
         if words[0] == "Node":  # "Node 0 MemFree: 123 kB"
             words = words[2:]
         if len(words) < 2 or not words[0].endswith(":"):
-            raise NumaFormatError(f"meminfo line not understood: {line!r}")
+            raise NumaFormatError(f"meminfo line not understood: {bounded_repr(line)}")
         try:
             number = int(words[1])
         except ValueError as exc:
-            raise NumaFormatError(f"meminfo line not understood: {line!r}") from exc
+            raise NumaFormatError(f"meminfo line not understood: {bounded_repr(line)}") from exc
         scale = 1024 if len(words) > 2 and words[2] == "kB" else 1
         values[words[0][:-1]] = number * scale
     return values
@@ -127,7 +128,8 @@ def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
             try:
                 lows[node] += int(words[1]) * page_size
             except ValueError as exc:
-                raise NumaFormatError(f"zoneinfo line not understood: {line!r}") from exc
+                raise NumaFormatError(
+                    f"zoneinfo line not understood: {bounded_repr(line)}") from exc
     return lows
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from hooks.resctrl import ResctrlInfo, Schemata
+from hooks.untrusted import bounded_repr
 
 MBPS_MAX = (1 << 32) - 1
 """What the root schemata shows for MB under the ``mba_MBps`` mount option (MBA_MAX_MBPS,
@@ -63,7 +64,8 @@ def _int(files: Mapping[str, str | None], name: str, base: int = 10) -> int:
     try:
         return int(text.strip(), base)
     except ValueError as exc:
-        raise UnreadableInfo(f"info/{name} does not parse: {text.strip()[:40]!r}") from exc
+        raise UnreadableInfo(
+            f"info/{name} does not parse: {bounded_repr(text.strip(), 40)}") from exc
 
 
 def parse_info(root_schemata: str, info: Mapping[str, str | None], *,

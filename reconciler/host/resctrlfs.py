@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterable
 
 from hooks.resctrl import ResctrlInfo, Schemata
 from hooks.resctrl_groups import ClassGroupPlan, valid_group_name
+from hooks.untrusted import bounded_repr
 from reconciler.audit import AuditLog
 from reconciler.host.resctrl_files import (
     INFO_FILES,
@@ -83,7 +84,7 @@ class ResctrlFs:
     def group_path(self, group: str) -> str:
         """The system path of a control group."""
         if not valid_group_name(group):
-            raise ValueError(f"invalid resctrl group name {group!r}")
+            raise ValueError(f"invalid resctrl group name {bounded_repr(group)}")
         return f"{self.mount}/{group}"
 
     def monitor_path(self, group: str) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import structlog
 
+from hooks.untrusted import bounded_repr
 from reconciler.audit import AuditLog
 
 log = structlog.get_logger("nri_qos.sysfs")
@@ -118,7 +119,7 @@ def check_sys_path(path: str) -> str:
     for every file the loops touch."""
     if (not path.startswith("/") or "/." in path or "//" in path or "\0" in path
             or (path.endswith("/") and path != "/")):
-        raise SysPathError(f"not a plain absolute path: {path!r}")
+        raise SysPathError(f"not a plain absolute path: {bounded_repr(path)}")
     return path
 
 

@@ -10,6 +10,11 @@ applied the adjustment cost only reads.
 Files: cgroup v2 ``memory.min``/``memory.low``/``memory.high`` (the ``memory.*`` keys of the unified
 settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes``; and
 ``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``.
+
+The same loop is how oom_score_adj reaches containers on runtimes that do not apply it from the
+CreateContainer answer (containerd before 1.7.26): the answer leaves it out
+(``adjustment_deferred``), the loop wakes at StartContainer and writes it, with a reason that
+says so.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from hooks.memory_qos import MemoryConfig, memory_settings
 from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings, merge
 from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.procfs import set_oom_score_adj
 from reconciler.host.sysfs import SysFs, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
@@ -121,6 +127,10 @@ class DriftLoop(Loop):
                     sysfs.write_if_changed(f"{cgroup}/{filename}", str(value), reason,
                                            same=same_bytes)
         if settings.oom_score_adj is not None:
-            score = str(settings.oom_score_adj)
+            applied = self._state.runtime_fields
+            if applied is not None and "oom_score_adj" not in applied:
+                # Not a repair: the runtime never applies it at creation, this is how it gets in.
+                reason = f"{reason}: applied after start, the runtime does not apply " \
+                         "oom_score_adj at creation"
             for pid in sysfs.read_ids(f"{cgroup}/cgroup.procs") or ():
-                sysfs.write_if_changed(f"/proc/{pid}/oom_score_adj", score, reason)
+                set_oom_score_adj(sysfs, pid, settings.oom_score_adj, reason)

@@ -44,6 +44,7 @@ from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import parse_group_name, place_container, plan_class_groups
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.procfs import task_cgroups
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig
@@ -244,7 +245,7 @@ class ResctrlTasksLoop(Loop):
                 moves.add(target.group, tid, monitor=True)
 
     def _container_of(self, tid: int) -> str | None:
-        text = self._sysfs.read(f"/proc/{tid}/cgroup")
+        text = task_cgroups(self._sysfs, tid)
         if text is None:
             return None
         path = _cgroup_of(text, self._layout.v2, self._layout.task_controller)

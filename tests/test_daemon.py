@@ -53,9 +53,11 @@ async def test_missing_socket_is_explained_and_retried(tmp_path: Path,
     task = asyncio.create_task(daemon.serve(str(config), str(socket_path), None, stop=stop,
                                             prelaunched=None))
     lines: list[dict[str, object]] = []
-    while len([x for x in lines if x.get("event") == "runtime_socket_unavailable"]) < 2:
-        await asyncio.sleep(0.02)
-        lines += [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    async with asyncio.timeout(15):
+        # Only the log tells: poll it, within a bound.
+        while len([x for x in lines if x.get("event") == "runtime_socket_unavailable"]) < 2:
+            await asyncio.sleep(0.02)
+            lines += [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     stop.set()
     assert await task == 0
     hint = next(x for x in lines if x.get("event") == "runtime_socket_unavailable")

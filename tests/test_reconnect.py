@@ -47,8 +47,9 @@ async def test_waits_for_missing_socket_then_connects(tmp_path: Path, plugin: St
     socket_path = tmp_path / "nri.sock"
     await plugin(socket_path)
     # Let it fail at least once against the missing socket.
-    while "runtime_socket_unavailable" not in capsys.readouterr().err:  # noqa: ASYNC110
-        await asyncio.sleep(0.02)  # only the log tells; nothing to wait on
+    async with asyncio.timeout(15):
+        while "runtime_socket_unavailable" not in capsys.readouterr().err:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)  # only the log tells; nothing to wait on
     simulator = RuntimeSimulator(socket_path)
     await simulator.start()
     connection = await simulator.wait_ready()

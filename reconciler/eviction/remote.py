@@ -22,7 +22,7 @@ import re
 import stat
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -44,6 +44,8 @@ from reconciler.eviction.api import (
 )
 
 log = structlog.get_logger("nri_qos.eviction")
+
+M = TypeVar("M")
 
 SOCKET_SUFFIX = ".sock"
 PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -188,24 +190,31 @@ class RemotePlugin:
     def name(self) -> str:
         return self._name
 
-    async def _call(self, method: str, request: Any) -> Any:
+    async def _call(self, method: str, request: Any, answer: type[M]) -> M:
         try:
-            return await getattr(self._stub, method)(request, timeout=self._deadline())
+            found = await getattr(self._stub, method)(request, timeout=self._deadline())
         except grpc.aio.AioRpcError as exc:
             raise _error_kind(exc) from None
+        # grpc.aio hands over None when the bytes did not decode.
+        if not isinstance(found, answer):
+            raise _invalid(f"the answer is not a {answer.__name__}")
+        return found
 
     async def threshold_met(self) -> ThresholdMet:
-        return threshold_from(await self._call("ThresholdMet", pb.ThresholdMetRequest()))
+        return threshold_from(await self._call("ThresholdMet", pb.ThresholdMetRequest(),
+                                               pb.ThresholdMetResponse))
 
     async def get_top_eviction_pods(self, active: Sequence[ActivePod], top_n: int,
                                     scope: str) -> TopPods:
         request = pb.GetTopEvictionPodsRequest(
             active_pods=[pod_message(p) for p in active], top_n=top_n, eviction_scope=scope)
-        return top_pods_from(await self._call("GetTopEvictionPods", request), top_n)
+        return top_pods_from(await self._call("GetTopEvictionPods", request,
+                                              pb.GetTopEvictionPodsResponse), top_n)
 
     async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
         request = pb.GetEvictPodsRequest(active_pods=[pod_message(p) for p in active])
-        return evict_pods_from(await self._call("GetEvictPods", request))
+        return evict_pods_from(await self._call("GetEvictPods", request,
+                                                pb.GetEvictPodsResponse))
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

@@ -479,10 +479,8 @@ class KubeActions:
                 _preload_content=False,
                 _request_timeout=self._cfg.request_timeout_s,
             )
-            try:
-                return int(response.status)
-            finally:
-                response.release_conn()
+            _finish(response)
+            return int(response.status)
 
         try:
             status = await asyncio.to_thread(post)
@@ -612,7 +610,7 @@ class KubeActions:
                 pod.namespace, body, _preload_content=False,
                 _request_timeout=self._cfg.request_timeout_s,
             )
-            response.release_conn()
+            _finish(response)
 
         try:
             await asyncio.to_thread(post)
@@ -657,7 +655,7 @@ class KubeActions:
                 if exc.status == HTTP_CONFLICT:
                     return None
                 raise
-            written.release_conn()
+            _finish(written)
             return NodeOutcome.CHANGED
 
         for _ in range(NODE_UPDATE_ATTEMPTS):
@@ -679,6 +677,16 @@ def _emit(on_event: Callable[[PodMeta], None], meta: PodMeta) -> None:
         on_event(meta)
     except Exception:
         _log.exception("pod_event_failed", pod=f"{meta.namespace}/{meta.name}", uid=meta.uid)
+
+
+def _finish(response: Any) -> None:
+    """Reads the rest of a raw response, then hands its connection back to the pool. A
+    connection released with its body unread would give that body to the next request on it as
+    the start of its answer."""
+    try:
+        response.read()
+    finally:
+        response.release_conn()
 
 
 def _rfc3339() -> str:

@@ -140,7 +140,7 @@ class _Condition:
 @dataclass(slots=True)
 class _Failing:
     count: int = 0
-    last: tuple[str, str] | None = None
+    kinds: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -176,7 +176,8 @@ class EvictionManager:
         self._conditions: dict[str, _Condition] = {}
         self._flights: dict[str, _Flight] = {}
         self._retries: dict[str, _Retry] = {}
-        self._failing: dict[str, _Failing] = {}
+        # (plugin, call) -> its current streak of failures
+        self._failing: dict[tuple[str, str], _Failing] = {}
         self._said: set[tuple[str, ...]] = set()
         self._seen: set[tuple[str, ...]] = set()
         self._told_unavailable = False
@@ -239,8 +240,9 @@ class EvictionManager:
                                          if name in self._in_tree]
         plugins += remote
         names = [p.name for p in plugins]
-        for gone in [n for n in self._failing if n not in names]:
-            del self._failing[gone]
+        for key in [k for k in self._failing if k[0] not in names]:
+            del self._failing[key]
+        for gone in self._met.plugins() - set(names):
             self._met.forget(gone)
 
         snapshot = self._state.snapshot()
@@ -296,16 +298,17 @@ class EvictionManager:
             log.warning("eviction_plugin_bug", plugin=plugin.name, call=call, exc_info=True)
             self._failed(plugin.name, call, PluginCallError("error", repr(exc)))
         else:
-            failing = self._failing.pop(plugin.name, None)
-            if failing is not None and failing.count:
-                self._audit.record("eviction_plugin_recovered", plugin=plugin.name,
+            failing = self._failing.pop((plugin.name, call), None)
+            if failing is not None:
+                self._audit.record("eviction_plugin_recovered", plugin=plugin.name, call=call,
                                    failures=failing.count)
 
     def _failed(self, plugin: str, call: str, exc: PluginCallError) -> None:
-        failing = self._failing.setdefault(plugin, _Failing())
+        """Audited at the first failure of a streak of this call, and when its kind changes."""
+        failing = self._failing.setdefault((plugin, call), _Failing())
         failing.count += 1
-        if failing.last != (call, exc.kind):
-            failing.last = (call, exc.kind)
+        if exc.kind not in failing.kinds:
+            failing.kinds.add(exc.kind)
             self._audit.record("eviction_plugin_failed", plugin=plugin, call=call,
                                error=str(exc), kind=exc.kind, failures=failing.count)
 

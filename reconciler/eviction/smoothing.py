@@ -32,6 +32,10 @@ class MetSmoother:
     def forget(self, plugin: str) -> None:
         self._streaks.pop(plugin, None)
 
+    def plugins(self) -> set[str]:
+        """Plugins in a hard-met streak."""
+        return set(self._streaks)
+
 
 @dataclass
 class _State:

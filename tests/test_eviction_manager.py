@@ -530,4 +530,4 @@ async def test_disabled_manager_idles(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         assert env.system.calls
         stop.set()
-    assert env.manager.request_round("after stop") is None
+    env.manager.request_round("after stop")  # the loop is gone: nothing to wake, no error

@@ -218,7 +218,11 @@ class EvictionManager:
                 await sleep_until(delay, stop, self._wake)
         finally:
             self._loop = None
-            await self._directory.close()
+            await self.close()
+
+    async def close(self) -> None:
+        """Closes the channels to out-of-tree plugins (:meth:`run` does it when it ends)."""
+        await self._directory.close()
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()

@@ -226,8 +226,9 @@ class RemotePlugin:
 @dataclass(frozen=True, slots=True)
 class _Found:
     path: str
-    # (device, inode): a new socket under the same name is a restarted plugin.
-    identity: tuple[int, int]
+    # (device, inode, change time): a new socket under the same name is a restarted plugin (an
+    # inode number alone may be reused at once).
+    identity: tuple[int, int, int]
 
 
 class PluginDirectory:
@@ -236,7 +237,7 @@ class PluginDirectory:
     def __init__(self, audit: AuditLog, deadline: Callable[[], float]) -> None:
         self._audit = audit
         self._deadline = deadline
-        self._plugins: dict[str, tuple[RemotePlugin, tuple[int, int]]] = {}
+        self._plugins: dict[str, tuple[RemotePlugin, tuple[int, int, int]]] = {}
         # name -> reason, for sockets refused (audited once while they stay)
         self._refused: dict[str, str] = {}
         self._unreadable: str | None = None
@@ -278,7 +279,7 @@ class PluginDirectory:
             elif name in reserved:
                 why = "name of an in-tree plugin"
             else:
-                found[name] = _Found(path, (info.st_dev, info.st_ino))
+                found[name] = _Found(path, (info.st_dev, info.st_ino, info.st_ctime_ns))
                 continue
             refused[name] = why
         for name, why in refused.items():

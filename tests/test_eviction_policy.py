@@ -375,3 +375,27 @@ async def test_rss_overuse_proposes_offline_pods_over_their_threshold(board: Boa
         rss_overuse_levels=("reclaimed_cores", "shared_cores")))
     answer = await wide["rss_overuse"].get_evict_pods(ACTIVE)
     assert [(p.uid, p.grace_s) for p in answer.pods] == [("r-big", 1), ("shared", None)]
+
+
+# ---- nri-qos probe ------------------------------------------------------------------------------
+
+
+def test_probe_reports_the_eviction_manager() -> None:
+    from typing import cast
+
+    from nri_plugin.probe_command import FEATURES
+    from reconciler.host.probe import HostInfo
+
+    check = FEATURES["reconciler.eviction"]
+    host = cast(HostInfo, None)  # the check reads only the configuration
+    feature = check(Config(), host)
+    assert feature.runs
+    assert feature.detail.startswith("dry-run: decides and audits, writes nothing to the API")
+    assert "/var/lib/nri-qos/eviction-plugins/*.sock" in feature.detail
+    live = dataclasses.replace(Config(), eviction=EvictionConfig(
+        dry_run=False, dry_run_plugins=("rss_overuse",)))
+    assert check(live, host).detail.startswith(
+        "evicts through the Eviction API (dry-run for rss_overuse)")
+    off = dataclasses.replace(Config(), eviction=EvictionConfig(enabled=False))
+    assert check(off, host) == type(feature)(False, "eviction manager is switched off in the "
+                                                    "configuration")

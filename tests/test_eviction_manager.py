@@ -22,7 +22,7 @@ from reconciler.eviction.api import (
     TopPods,
 )
 from tests.eviction_env import GIB, NODE, forced, make_env
-from tests.fake_apiserver import FakeApiServer
+from tests.fake_apiserver import FakeApiServer, make_pod
 
 
 @pytest.fixture
@@ -395,3 +395,28 @@ async def test_disabled_manager_idles(tmp_path: Path) -> None:
         assert env.system.calls
         stop.set()
     env.manager.request_round("after stop")  # the loop is gone: nothing to wake, no error
+
+
+async def test_an_evicted_pod_still_on_the_node_is_asked_again_only_after_the_window(
+    tmp_path: Path, fake: FakeApiServer
+) -> None:
+    env = make_env(tmp_path, fake, reevict_after_s=300.0, rate_burst=10)
+    env.add_pod("stuck", fake=fake)
+    forced(env, "stuck")
+    assert await env.round() == [("batch/stuck", "evicted")]
+    # The API deleted it, but the runtime still runs it (a long grace period, a stuck kill).
+    fake.add_pod(make_pod("stuck", namespace="batch", uid=env.uid("stuck")))
+    env.clock.now += 299.999
+    assert await env.round() == []
+    env.clock.now += 0.001
+    assert await env.round() == [("batch/stuck", "evicted")]
+
+
+async def test_conditions_kept_at_most_32(tmp_path: Path) -> None:
+    env = make_env(tmp_path, None)
+    for i in range(40):
+        env.system.threshold = ThresholdMet(MetType.SOFT_MET,
+                                            condition=Condition(f"Invented{i}", True))
+        await env.round()
+    names = {c["condition"] for c in env.sink.named("eviction_condition")}
+    assert names == {f"Invented{i}" for i in range(32)}

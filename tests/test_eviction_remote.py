@@ -267,3 +267,13 @@ def fake() -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
         server.add_node("node-a")
         yield server
+
+
+def test_evict_pods_answer_size_limit() -> None:
+    from reconciler.eviction.remote import MAX_ANSWER_PODS
+
+    many = [pb.EvictPod(uid=f"u{i}") for i in range(MAX_ANSWER_PODS)]
+    assert len(evict_pods_from(pb.GetEvictPodsResponse(evict_pods=many)).pods) == MAX_ANSWER_PODS
+    many.append(pb.EvictPod(uid="one-more"))
+    with pytest.raises(PluginCallError, match=f"{MAX_ANSWER_PODS + 1} pods"):
+        evict_pods_from(pb.GetEvictPodsResponse(evict_pods=many))

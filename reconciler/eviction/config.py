@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hooks.config_fields import setting
@@ -21,21 +22,22 @@ _NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
-def _namespaces(value: object) -> str | None:
-    assert isinstance(value, tuple)
-    bad = [v for v in value if not _NAMESPACE.fullmatch(v)]
-    return f"not a namespace name: {bad[0]!r}" if bad else None
+def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None]:
+    def check(value: object) -> str | None:
+        items = value if isinstance(value, tuple) else (value,)
+        bad = [v for v in items if not (isinstance(v, str) and pattern.fullmatch(v))]
+        return f"not a {what}: {bad[0]!r}" if bad else None
+
+    return check
 
 
-def _plugin_names(value: object) -> str | None:
-    assert isinstance(value, tuple)
-    bad = [v for v in value if not _PLUGIN_NAME.fullmatch(v)]
-    return f"not a plugin name: {bad[0]!r}" if bad else None
+_namespaces = _names(_NAMESPACE, "namespace name")
+_plugin_names = _names(_PLUGIN_NAME, "plugin name")
 
 
 def _distinct(value: object) -> str | None:
-    assert isinstance(value, tuple)
-    return "each key at most once" if len(set(value)) != len(value) else None
+    items = value if isinstance(value, tuple) else (value,)
+    return "each key at most once" if len(set(items)) != len(items) else None
 
 
 @dataclass(frozen=True, slots=True)

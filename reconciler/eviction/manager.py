@@ -280,7 +280,7 @@ class EvictionManager:
                         plugin, "GetTopEvictionPods",
                         _top_pods_of(plugin, active, cfg.top_n, answer.scope),
                         deadline, answers.top))
-        candidates = self._candidates(plugins, hard, answers, facts)
+        candidates = self._candidates(plugins, hard, answers, facts, cfg)
         chosen = self._choose(candidates, facts, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
         self._said &= self._seen
@@ -357,7 +357,7 @@ class EvictionManager:
 
     def _candidates(self, plugins: Sequence[EvictionPlugin],
                     hard: Sequence[tuple[EvictionPlugin, ThresholdMet]], answers: _Answers,
-                    facts: Mapping[str, PodFacts]) -> list[Candidate]:
+                    facts: Mapping[str, PodFacts], cfg: EvictionConfig) -> list[Candidate]:
         """Every proposal of the round, resolved to a pod, audited, and filtered; one per pod
         (a forced proposal wins over a soft one, then the first plugin)."""
         proposals: list[tuple[str, str, str, int | None, bool]] = []
@@ -371,7 +371,6 @@ class EvictionManager:
             if wanted is not None:
                 proposals += [(req.uid, source.name, req.reason, req.grace_s, req.force)
                               for req in wanted.pods]
-        cfg = self._config().eviction
         need_description = self._actions.available
         chosen: dict[str, Candidate] = {}
         for uid, plugin, reason, grace, forced in proposals:

@@ -100,6 +100,21 @@ def _resctrl_tasks(cfg: Config, host: HostInfo) -> Feature:
     return base
 
 
+def _eviction(cfg: Config, host: HostInfo) -> Feature:
+    base = _loop(lambda c: c.eviction.enabled, "eviction manager")(cfg, host)
+    if not base.runs:
+        return base
+    evict = cfg.eviction
+    mode = "dry-run: decides and audits, writes nothing to the API" if evict.dry_run else (
+        "evicts through the Eviction API" + (
+            f" (dry-run for {', '.join(evict.dry_run_plugins)})" if evict.dry_run_plugins
+            else ""))
+    if not cfg.kubernetes.enabled:
+        mode += "; kubernetes.enabled is false, so it can only decide and audit"
+    return Feature(True, f"{mode}; in-tree plugins {', '.join(evict.plugins) or 'none'}; "
+                         f"out-of-tree plugins from {evict.plugin_dir}/*.sock")
+
+
 def _kubernetes(cfg: Config, host: HostInfo) -> Feature:
     if not cfg.kubernetes.enabled:
         return Feature(False, "kubernetes.enabled is false: NRI data only")
@@ -118,6 +133,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.resctrl_tasks": _resctrl_tasks,
     "reconciler.memory_guard": _memory_guard,
     "reconciler.numa_binding": _numa_binding,
+    "reconciler.eviction": _eviction,
     "kubernetes": _kubernetes,
 }
 """Every feature the probe reports on, with the check that says whether it runs here."""

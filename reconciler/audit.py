@@ -66,10 +66,36 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("drop_cache_started", ("path", "reason"), "A drop-cache action started."),
     AuditEvent("drop_cache_finished", ("path", "duration_s", "result"),
                "A drop-cache action ended."),
+    AuditEvent("eviction_candidate", ("pod", "plugin", "reason"),
+               "A plugin proposed the pod for eviction (once while it keeps proposing it)."),
+    AuditEvent("eviction_filtered", ("pod", "plugin", "why"),
+               "A proposed pod may not be evicted (system_cores, static, DaemonSet, priority, "
+               "excluded, terminating, already being evicted); once while it stays so."),
+    AuditEvent("eviction_deferred", ("pod", "plugin", "why"),
+               "A pod chosen for eviction waits: the rate limit has no token, or a refused or "
+               "failed eviction backs off; once while it stays so."),
+    AuditEvent("eviction_chosen", ("pod", "plugin", "reason", "dry_run"),
+               "The manager decided to evict the pod now (after filtering, ranking and the rate "
+               "limit)."),
+    AuditEvent("eviction_dry_run", ("pod", "plugin", "reason"),
+               "A chosen pod was not evicted: the manager or the plugin is in dry-run."),
     AuditEvent("eviction_requested", ("pod", "reason", "dry_run"), "An eviction was asked for."),
     AuditEvent("eviction_blocked", ("pod", "reason"),
-               "The API refused an eviction (e.g. 429 from a PodDisruptionBudget)."),
+               "The API refused an eviction (e.g. 429 from a PodDisruptionBudget), or it failed "
+               "or could not be sent."),
+    AuditEvent("eviction_gone", ("pod",), "The pod to evict no longer exists (404)."),
     AuditEvent("eviction_done", ("pod",), "The API accepted an eviction."),
+    AuditEvent("eviction_condition", ("node", "condition", "status", "reason"),
+               "A plugin's node condition changed (written to the node unless dry_run)."),
+    AuditEvent("eviction_plugin_registered", ("plugin", "socket"),
+               "An out-of-tree eviction plugin's socket appeared; the plugin is used."),
+    AuditEvent("eviction_plugin_dropped", ("plugin", "reason"),
+               "An out-of-tree plugin's socket disappeared or was refused; it is not used."),
+    AuditEvent("eviction_plugin_failed", ("plugin", "call", "error"),
+               "A plugin call missed its deadline, failed or answered something invalid; the "
+               "plugin is skipped for the round (once per streak of failures)."),
+    AuditEvent("eviction_plugin_recovered", ("plugin", "failures"),
+               "A plugin answered again after failing."),
     AuditEvent("taint_added", ("node", "taint", "reason"), "A node taint was added."),
     AuditEvent("taint_removed", ("node", "taint", "reason"), "A node taint was removed."),
 )

@@ -1,9 +1,10 @@
 """The one module that talks to the Kubernetes API server.
 
-Three things are read or written: this node's pods (list, then watch), evictions of pods
-(``policy/v1`` Eviction) and this node's taints. The official client is synchronous, so every
-request runs in a worker thread; each has a client-side timeout, and the pod watch also a
-server-side one, so that no thread outlives a stop by more than one request timeout.
+What is read or written: this node's pods (list, then watch), evictions of pods (``policy/v1``
+Eviction) with an Event on the evicted pod, and this node's taints and status conditions. The
+official client is synchronous, so every request runs in a worker thread; each has a client-side
+timeout, and the pod watch also a server-side one, so that no thread outlives a stop by more than
+one request timeout.
 
 Without usable credentials the agent runs degraded: :func:`build_api_client` returns ``None``
 after one warning, the pod watch idles until stop, and actions report ``unavailable``.
@@ -17,16 +18,18 @@ import enum
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import structlog
 import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
-from kubernetes.client import ApiClient
+from kubernetes.client import ApiClient as ApiClient  # re-exported: the client type callers hold
 from kubernetes.client.exceptions import ApiException
 
 from hooks.config_fields import setting
@@ -67,8 +70,12 @@ HTTP_NOT_FOUND = 404
 HTTP_TOO_MANY_REQUESTS = 429
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 MERGE_PATCH = "application/merge-patch+json"
-# Attempts of a read-modify-write of the node's taints that keeps losing to other writers.
-TAINT_UPDATE_ATTEMPTS = 5
+# Attempts of a read-modify-write of the node (taints, conditions) that keeps losing to other
+# writers.
+NODE_UPDATE_ATTEMPTS = 5
+TAINT_UPDATE_ATTEMPTS = NODE_UPDATE_ATTEMPTS
+# Who the Events and conditions the agent writes come from.
+COMPONENT = "nri-qos"
 # A watch that ends sooner than this without any event counts as a failure (backoff), so a
 # server that keeps closing streams at once cannot make the watcher spin.
 MIN_HEALTHY_WATCH_S = 1.0
@@ -403,20 +410,41 @@ class EvictionResult:
     message: str = ""
 
 
-class TaintOutcome(enum.StrEnum):
+class NodeOutcome(enum.StrEnum):
+    """How a change of the node (a taint, a status condition) went."""
+
     CHANGED = "changed"
     UNCHANGED = "unchanged"  # already as asked: nothing was written
     FAILED = "failed"
     UNAVAILABLE = "unavailable"
 
 
+TaintOutcome = NodeOutcome
+"""What :meth:`KubeActions.add_taint` and :meth:`KubeActions.remove_taint` return."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PodRef:
+    """The pod an Event is about."""
+
+    namespace: str
+    name: str
+    uid: str
+
+
 class KubeActions:
-    """Writes to the API: evictions and node taints, each audited."""
+    """Writes to the API: evictions (with an Event on the pod), node taints and node status
+    conditions; evictions and taints are audited here, conditions by their owner."""
 
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
         self._api = api
         self._cfg = cfg
         self._audit = audit
+
+    @property
+    def available(self) -> bool:
+        """False in degraded mode: every write reports ``unavailable``."""
+        return self._api is not None
 
     async def evict(
         self,
@@ -451,16 +479,15 @@ class KubeActions:
                 _preload_content=False,
                 _request_timeout=self._cfg.request_timeout_s,
             )
-            try:
-                return int(response.status)
-            finally:
-                response.release_conn()
+            _finish(response)
+            return int(response.status)
 
         try:
             status = await asyncio.to_thread(post)
         except ApiException as exc:
             message = _status_message(exc)
             if exc.status == HTTP_NOT_FOUND:
+                self._audit.record("eviction_gone", pod=pod, status=exc.status)
                 return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
             blocked = exc.status == HTTP_TOO_MANY_REQUESTS
             self._audit.record(
@@ -477,7 +504,7 @@ class KubeActions:
 
     async def add_taint(
         self, node: str, key: str, value: str, effect: str, *, reason: str = "unspecified"
-    ) -> TaintOutcome:
+    ) -> NodeOutcome:
         """Puts ``key=value:effect`` on the node, replacing a taint with the same key and effect."""
         if effect not in TAINT_EFFECTS:
             raise ValueError(f"taint effect must be one of {', '.join(TAINT_EFFECTS)}: {effect!r}")
@@ -492,13 +519,13 @@ class KubeActions:
             return [t for t in taints if t not in same] + [wanted]
 
         outcome, _ = await self._update_taints(node, change)
-        if outcome is TaintOutcome.CHANGED:
+        if outcome is NodeOutcome.CHANGED:
             self._audit.record("taint_added", node=node, taint=_taint_text(wanted), reason=reason)
         return outcome
 
     async def remove_taint(
         self, node: str, key: str, *, reason: str = "unspecified"
-    ) -> TaintOutcome:
+    ) -> NodeOutcome:
         """Removes every taint with ``key`` (whatever its value and effect) from the node."""
 
         def change(taints: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
@@ -512,57 +539,136 @@ class KubeActions:
 
     async def _update_taints(
         self, node: str, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]
-    ) -> tuple[TaintOutcome, list[dict[str, Any]]]:
-        """Read-modify-write of ``spec.taints`` guarded by the node's resourceVersion.
+    ) -> tuple[NodeOutcome, list[dict[str, Any]]]:
+        """Read-modify-write of ``spec.taints``; returns the outcome and the taints that were
+        dropped."""
+        dropped: list[dict[str, Any]] = []
 
-        Returns the outcome and the taints that were dropped. A 409 (someone else updated the
-        node in between) rereads and retries.
-        """
+        def patch(current: dict[str, Any]) -> dict[str, Any] | None:
+            spec = current.get("spec")
+            raw = spec.get("taints") if isinstance(spec, dict) else None
+            taints = [t for t in raw if isinstance(t, dict)] if isinstance(raw, list) else []
+            updated = change(taints)
+            if updated is None:
+                return None
+            dropped[:] = [t for t in taints if t not in updated]
+            return {"spec": {"taints": updated}}
+
+        outcome = await self._update_node(node, patch, status=False, what="taint")
+        return outcome, dropped if outcome is NodeOutcome.CHANGED else []
+
+    async def set_node_condition(
+        self, node: str, condition: str, status: bool, reason: str, message: str
+    ) -> NodeOutcome:
+        """Makes the node's ``status.conditions`` hold ``condition`` with ``status``, ``reason``
+        and ``message``; nothing is written when it already does. ``lastTransitionTime`` moves
+        only when the status changes, ``lastHeartbeatTime`` with every write."""
+        text = "True" if status else "False"
+
+        def patch(current: dict[str, Any]) -> dict[str, Any] | None:
+            found = current.get("status")
+            raw = found.get("conditions") if isinstance(found, dict) else None
+            conditions = [c for c in raw if isinstance(c, dict)] if isinstance(raw, list) else []
+            mine = next((c for c in conditions if c.get("type") == condition), None)
+            if mine is not None and (mine.get("status"), mine.get("reason"),
+                                     mine.get("message")) == (text, reason, message):
+                return None
+            now = _rfc3339()
+            transition = now if mine is None or mine.get("status") != text else \
+                mine.get("lastTransitionTime", now)
+            wanted = {"type": condition, "status": text, "reason": reason, "message": message,
+                      "lastHeartbeatTime": now, "lastTransitionTime": transition}
+            # A merge patch replaces the whole list: every other condition is written back as
+            # read, and the resourceVersion precondition makes sure nothing changed meanwhile.
+            kept = [c for c in conditions if c.get("type") != condition]
+            return {"status": {"conditions": [*kept, wanted]}}
+
+        return await self._update_node(node, patch, status=True, what="condition")
+
+    async def create_pod_event(self, pod: PodRef, node: str, reason: str,
+                               message: str) -> bool:
+        """Records a Warning Event on the pod (``kubectl describe pod`` shows it); False when it
+        could not be written (logged, never raised: the Event only tells what happened)."""
         if self._api is None:
-            _log.warning("taint_skipped", node=node, reason="no Kubernetes API access")
-            return TaintOutcome.UNAVAILABLE, []
+            return False
+        core = k8s_client.CoreV1Api(self._api)
+        now = _rfc3339()
+        body: Any = {
+            "apiVersion": "v1", "kind": "Event",
+            # kubelet's naming: the object's name and a unique hexadecimal suffix
+            "metadata": {"name": f"{pod.name}.{time.time_ns():x}", "namespace": pod.namespace},
+            "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": pod.namespace,
+                               "name": pod.name, "uid": pod.uid},
+            "reason": reason, "message": message, "type": "Warning",
+            "source": {"component": COMPONENT, "host": node},
+            "reportingComponent": COMPONENT, "reportingInstance": node,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+
+        def post() -> None:
+            response: Any = core.create_namespaced_event(
+                pod.namespace, body, _preload_content=False,
+                _request_timeout=self._cfg.request_timeout_s,
+            )
+            _finish(response)
+
+        try:
+            await asyncio.to_thread(post)
+        except (ApiException, urllib3.exceptions.HTTPError, OSError) as exc:
+            _log.warning("pod_event_failed", pod=f"{pod.namespace}/{pod.name}", reason=reason,
+                         error=_describe(exc))
+            return False
+        return True
+
+    async def _update_node(
+        self, node: str, patch_for: Callable[[dict[str, Any]], dict[str, Any] | None], *,
+        status: bool, what: str,
+    ) -> NodeOutcome:
+        """Read-modify-write of the node (``status``: through its status subresource) guarded by
+        its resourceVersion. ``patch_for`` gets the node as read and returns the merge patch to
+        apply, or None when nothing is to change. A 409 (someone else updated the node in
+        between) rereads and retries."""
+        if self._api is None:
+            _log.warning(f"{what}_skipped", node=node, reason="no Kubernetes API access")
+            return NodeOutcome.UNAVAILABLE
         core = k8s_client.CoreV1Api(self._api)
         timeout = self._cfg.request_timeout_s
 
-        def attempt() -> tuple[TaintOutcome, list[dict[str, Any]]] | None:
+        def attempt() -> NodeOutcome | None:
             response: Any = core.read_node(node, _preload_content=False, _request_timeout=timeout)
             try:
                 current = json.loads(response.data)
             finally:
                 response.release_conn()
-            spec = current.get("spec") if isinstance(current, dict) else None
-            raw = spec.get("taints") if isinstance(spec, dict) else None
-            taints = [t for t in raw if isinstance(t, dict)] if isinstance(raw, list) else []
-            updated = change(taints)
-            if updated is None:
-                return TaintOutcome.UNCHANGED, []
-            patch = {
-                "metadata": {"resourceVersion": _resource_version(current)},
-                "spec": {"taints": updated},
-            }
+            if not isinstance(current, dict):
+                raise ValueError("node is not a JSON object")
+            patch = patch_for(current)
+            if patch is None:
+                return NodeOutcome.UNCHANGED
+            patch["metadata"] = {"resourceVersion": _resource_version(current)}
+            options: dict[str, Any] = {"_content_type": MERGE_PATCH, "_preload_content": False,
+                                       "_request_timeout": timeout}
             try:
-                written: Any = core.patch_node(
-                    node, patch, _content_type=MERGE_PATCH,
-                    _preload_content=False, _request_timeout=timeout,
-                )
+                written: Any = core.patch_node_status(node, patch, **options) if status \
+                    else core.patch_node(node, patch, **options)
             except ApiException as exc:
                 if exc.status == HTTP_CONFLICT:
                     return None
                 raise
-            written.release_conn()
-            return TaintOutcome.CHANGED, [t for t in taints if t not in updated]
+            _finish(written)
+            return NodeOutcome.CHANGED
 
-        for _ in range(TAINT_UPDATE_ATTEMPTS):
+        for _ in range(NODE_UPDATE_ATTEMPTS):
             try:
                 result = await asyncio.to_thread(attempt)
             except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
-                _log.warning("taint_failed", node=node, reason=_describe(exc))
-                return TaintOutcome.FAILED, []
+                _log.warning(f"{what}_failed", node=node, reason=_describe(exc))
+                return NodeOutcome.FAILED
             if result is not None:
                 return result
-            _log.info("taint_conflict", node=node, detail="node changed meanwhile; retrying")
-        _log.warning("taint_failed", node=node, reason="resourceVersion conflicts persisted")
-        return TaintOutcome.FAILED, []
+            _log.info(f"{what}_conflict", node=node, detail="node changed meanwhile; retrying")
+        _log.warning(f"{what}_failed", node=node, reason="resourceVersion conflicts persisted")
+        return NodeOutcome.FAILED
 
 
 def _emit(on_event: Callable[[PodMeta], None], meta: PodMeta) -> None:
@@ -571,6 +677,21 @@ def _emit(on_event: Callable[[PodMeta], None], meta: PodMeta) -> None:
         on_event(meta)
     except Exception:
         _log.exception("pod_event_failed", pod=f"{meta.namespace}/{meta.name}", uid=meta.uid)
+
+
+def _finish(response: Any) -> None:
+    """Reads the rest of a raw response, then hands its connection back to the pool. A
+    connection released with its body unread would give that body to the next request on it as
+    the start of its answer."""
+    try:
+        response.read()
+    finally:
+        response.release_conn()
+
+
+def _rfc3339() -> str:
+    """Now, as the API writes times (RFC 3339, UTC, whole seconds)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _taint_text(taint: Mapping[str, Any]) -> str:

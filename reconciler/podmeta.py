@@ -54,6 +54,9 @@ class PodMeta:
     memory_limits: Mapping[str, int]
     # True when the pod was deleted from the API (a DELETED watch event or gone at a relist)
     deleted: bool = False
+    # True once metadata.deletionTimestamp is set: the pod is shutting down (graceful deletion,
+    # an accepted eviction)
+    terminating: bool = False
 
     def trimmed(self, keys: ReadKeys) -> PodMeta:
         """This pod with only the annotations the agent reads, and bounded labels."""
@@ -115,6 +118,7 @@ def pod_meta_from_object(obj: Mapping[str, Any], *, deleted: bool = False) -> Po
         memory_requests=MappingProxyType(requests),
         memory_limits=MappingProxyType(limits),
         deleted=deleted,
+        terminating=metadata.get("deletionTimestamp") is not None,
     )
 
 

@@ -1,10 +1,11 @@
 """An HTTP server on 127.0.0.1 that answers like the Kubernetes API server for what nri-qos uses.
 
 Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
-Eviction subresource, node GET and merge-PATCH. Tests change pods through :meth:`add_pod`,
-:meth:`modify_pod`, :meth:`delete_pod` (each change gets a resourceVersion and a watch event) and
-inject trouble: failing requests, dropped or ended watch streams, compacted history (410 Gone),
-disruption budgets (429) and concurrent node writers (409). Every request is recorded.
+Eviction subresource, Event creation, node GET and merge-PATCH (of the node and of its status
+subresource). Tests change pods through :meth:`add_pod`, :meth:`modify_pod`, :meth:`delete_pod`
+(each change gets a resourceVersion and a watch event) and inject trouble: failing requests,
+slow answers, dropped or ended watch streams, compacted history (410 Gone), disruption budgets
+(429) and concurrent node writers (409). Every request is recorded.
 """
 
 from __future__ import annotations
@@ -47,6 +48,14 @@ class _Failure:
 
 
 @dataclass
+class _Delay:
+    method: str
+    path_prefix: str
+    seconds: float
+    remaining: int
+
+
+@dataclass
 class _State:
     resource_version: int = 1
     # (namespace, name) -> pod object
@@ -57,6 +66,9 @@ class _State:
     # watches from a resourceVersion below this get 410 Gone
     oldest_rv: int = 1
     failures: list[_Failure] = field(default_factory=list)
+    delays: list[_Delay] = field(default_factory=list)
+    # Events created, in order
+    events: list[dict[str, Any]] = field(default_factory=list)
     pdb_blocked: set[tuple[str, str]] = field(default_factory=set)
     patch_conflicts: int = 0
     # bumped to end (gracefully) or drop (abruptly) the open watch streams
@@ -218,13 +230,15 @@ class FakeApiServer:
 
     # ---- nodes ------------------------------------------------------------------------------
 
-    def add_node(self, name: str, taints: list[dict[str, str]] | None = None) -> None:
+    def add_node(self, name: str, taints: list[dict[str, str]] | None = None,
+                 conditions: list[dict[str, str]] | None = None) -> None:
         with self._lock:
             self._state.resource_version += 1
             self._state.nodes[name] = {
                 "apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": name, "resourceVersion": str(self._state.resource_version)},
                 "spec": {"taints": list(taints or [])} if taints else {},
+                "status": {"conditions": copy.deepcopy(conditions or [])},
             }
 
     def node(self, name: str) -> dict[str, Any]:
@@ -233,6 +247,15 @@ class FakeApiServer:
 
     def taints(self, name: str) -> list[dict[str, Any]]:
         return list(self.node(name).get("spec", {}).get("taints") or [])
+
+    def conditions(self, name: str) -> dict[str, dict[str, Any]]:
+        """The node's status conditions by type."""
+        found = self.node(name).get("status", {}).get("conditions") or []
+        return {c["type"]: c for c in found}
+
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return copy.deepcopy(self._state.events)
 
     # ---- trouble ----------------------------------------------------------------------------
 
@@ -264,10 +287,20 @@ class FakeApiServer:
             self._state.drop_generation += 1
             self._lock.notify_all()
 
+    def delay_next(self, method: str, path_prefix: str, seconds: float, count: int = 1) -> None:
+        """The next ``count`` matching requests are answered only after ``seconds`` (a client
+        with a shorter timeout gives up first)."""
+        with self._lock:
+            self._state.delays.append(_Delay(method, path_prefix, seconds, count))
+
     def block_eviction(self, namespace: str, name: str) -> None:
         """Evictions of this pod answer 429, as with an exhausted PodDisruptionBudget."""
         with self._lock:
             self._state.pdb_blocked.add((namespace, name))
+
+    def unblock_eviction(self, namespace: str, name: str) -> None:
+        with self._lock:
+            self._state.pdb_blocked.discard((namespace, name))
 
     def conflict_next_patches(self, count: int) -> None:
         """Another writer updates the node before each of the next ``count`` patches (409)."""
@@ -305,6 +338,15 @@ class FakeApiServer:
                 self._lock.wait(min(left, 0.05))
 
     # ---- used by the handler (lock held by the caller where noted) -------------------------
+
+    def _take_delay(self, method: str, path: str) -> float:
+        for delay in self._state.delays:
+            if delay.method == method and path.startswith(delay.path_prefix):
+                delay.remaining -= 1
+                if delay.remaining <= 0:
+                    self._state.delays.remove(delay)
+                return delay.seconds
+        return 0.0
 
     def _take_failure(self, method: str, path: str, watch: bool) -> int | None:
         for failure in self._state.failures:
@@ -407,6 +449,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._status(record, 401, "Unauthorized", "Unauthorized")
                 return
             injected = api._take_failure(method, parts.path, query.get("watch") == "true")
+            delay = api._take_delay(method, parts.path)
+        if delay:
+            deadline = time.monotonic() + delay
+            with api._lock:
+                while not api._closing and time.monotonic() < deadline:
+                    api._lock.wait(deadline - time.monotonic())
         if injected is not None:
             self._status(record, injected, "InternalError" if injected >= 500 else "Injected",
                          f"injected failure {injected}")
@@ -418,10 +466,16 @@ class _Handler(BaseHTTPRequestHandler):
               and segments[:3] == ["api", "v1", "namespaces"]
               and segments[4] == "pods" and segments[6] == "eviction"):
             self._evict(record, segments[3], segments[5])
+        elif (method == "POST" and len(segments) == 5
+              and segments[:3] == ["api", "v1", "namespaces"] and segments[4] == "events"):
+            self._event(record, segments[3])
         elif len(segments) == 4 and segments[:3] == ["api", "v1", "nodes"] and method in (
             "GET", "PATCH"
         ):
             self._node(record, segments[3])
+        elif (len(segments) == 5 and segments[:3] == ["api", "v1", "nodes"]
+              and segments[4] == "status" and method in ("GET", "PATCH")):
+            self._node(record, segments[3], status=True)
         else:
             self._status(record, 404, "NotFound", f"no route for {method} {parts.path}")
 
@@ -551,9 +605,31 @@ class _Handler(BaseHTTPRequestHandler):
                 code, reason, message = 201, "", ""
         self._status(record, code, reason, message)
 
+    # ---- events -----------------------------------------------------------------------------
+
+    def _event(self, record: Recorded, namespace: str) -> None:
+        api = self.api
+        event = record.body if isinstance(record.body, dict) else {}
+        metadata = event.get("metadata") or {}
+        involved = event.get("involvedObject") or {}
+        if not metadata.get("name") or metadata.get("namespace", namespace) != namespace \
+                or involved.get("namespace") != namespace:
+            self._status(record, 422, "Invalid", "event name or namespace invalid")
+            return
+        with api._lock:
+            api._state.resource_version += 1
+            stored = copy.deepcopy(event)
+            stored["metadata"] = {**metadata, "namespace": namespace, "uid": str(uuid.uuid4()),
+                                  "resourceVersion": str(api._state.resource_version)}
+            api._state.events.append(stored)
+            api._lock.notify_all()
+        self._send_json(record, 201, stored)
+
     # ---- nodes ------------------------------------------------------------------------------
 
-    def _node(self, record: Recorded, name: str) -> None:
+    def _node(self, record: Recorded, name: str, *, status: bool = False) -> None:
+        """The node, or (``status``) its status subresource: as in the real API, a patch of the
+        node ignores its status, and a patch of the status only changes the status."""
         api = self.api
         with api._lock:
             state = api._state
@@ -573,6 +649,7 @@ class _Handler(BaseHTTPRequestHandler):
                 node["metadata"]["resourceVersion"] = str(state.resource_version)
             patch = record.body if isinstance(record.body, dict) else {}
             wanted_rv = patch.get("metadata", {}).get("resourceVersion")
+            patch = {k: v for k, v in patch.items() if (k == "status") is status}
             if wanted_rv is not None and wanted_rv != node["metadata"]["resourceVersion"]:
                 self._status(record, 409, "Conflict",
                              f'Operation cannot be fulfilled on nodes "{name}": the object has '

@@ -222,6 +222,17 @@ class FakeHost:
                     f"hierarchical_total={sum(per_node) // PAGE} {pages}\n")
         (d / "memory.numa_stat").write_text(text)
 
+    def set_pod_anon(self, pod: FakePod, anon: int, *, cache: int = 0) -> Path:
+        """The pod cgroup's ``memory.stat``: ``anon`` bytes of anonymous memory (and page cache),
+        shaped like the kernel's file of the host's cgroup version."""
+        d = self.cg("memory", self.pod_rel(pod.tier, pod.info.uid))
+        if self.version == 2:
+            text = f"anon {anon}\nfile {cache}\nkernel 0\nshmem 0\n"
+        else:
+            text = (f"cache 0\nrss 0\nrss_huge 0\nshmem 0\n"
+                    f"total_cache {cache}\ntotal_rss {anon}\ntotal_rss_huge 0\n")
+        return write(d / "memory.stat", text)
+
     # -- NUMA ------------------------------------------------------------------------------------
 
     def set_numa(self, nodes: Sequence[tuple[int, int, int]]) -> None:

@@ -12,6 +12,7 @@ from reconciler.host.cgroups import (
     expand_slice,
     layout_for,
     parse_cgroups_path,
+    pod_parent_rel,
     pod_rel,
     tier_rel,
 )
@@ -119,3 +120,28 @@ def test_fake_host_container_paths_resolve(tmp_path: Path) -> None:
         layout = CgroupLayout(version, driver)
         tasks = SysFs(host.root).read_ids(f"{layout.dir('cpu', ref.rel)}/{layout.threads_file}")
         assert tasks == container.tids
+
+
+@pytest.mark.parametrize(("parent", "rel"), [
+    ("/kubepods/besteffort/pod1234", "kubepods/besteffort/pod1234"),
+    ("/kubepods/pod1234", "kubepods/pod1234"),
+    ("kubepods-besteffort-pod12_34.slice",
+     "kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod12_34.slice"),
+    ("kubepods-pod12_34.slice", "kubepods.slice/kubepods-pod12_34.slice"),
+])
+def test_pod_parent_rel(parent: str, rel: str) -> None:
+    assert pod_parent_rel(parent) == rel
+
+
+@pytest.mark.parametrize("bad", ["", "  ", "/kubepods/../etc", "a/b", "x:y:z", "plain",
+                                 "/kubepods//pod1"])
+def test_pod_parent_rel_rejects(bad: str) -> None:
+    with pytest.raises(CgroupPathError):
+        pod_parent_rel(bad)
+
+
+@pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
+def test_fake_host_pod_parents_resolve(tmp_path: Path, version: int, driver: str) -> None:
+    host = FakeHost(tmp_path, version=version, driver=driver)
+    pod = host.add_pod("12345678-aaaa-bbbb-cccc-1234567890ab", tier="besteffort")
+    assert pod_parent_rel(pod.info.cgroup_parent) == host.pod_rel("besteffort", pod.info.uid)

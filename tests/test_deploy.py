@@ -25,6 +25,8 @@ API_CALLS = {
     "create_namespaced_pod_eviction": {("", "pods/eviction", "create")},
     "read_node": {("", "nodes", "get")},
     "patch_node": {("", "nodes", "patch")},
+    "patch_node_status": {("", "nodes/status", "patch")},
+    "create_namespaced_event": {("", "events", "create")},
 }
 
 
@@ -102,6 +104,14 @@ def test_resctrl_and_socket_are_mounted(
     assert _host_path_of(daemonset, inside) == shipped_config.resctrl.root == "/sys/fs/resctrl"
     socket = shipped_config.plugin.socket
     assert _host_path_of(daemonset, socket) == socket
+
+
+def test_eviction_plugin_sockets_are_shared_with_the_host(
+    daemonset: dict[str, Any], shipped_config: Config
+) -> None:
+    # Plugins running on the host (or in other pods mounting it) must reach the same directory.
+    directory = shipped_config.eviction.plugin_dir
+    assert _host_path_of(daemonset, f"{directory}/example.sock") == f"{directory}/example.sock"
 
 
 def test_daemonset_runs_the_agent(daemonset: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,13 @@ from structlog.testing import capture_logs
 
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.k8s import (
+    NODE_UPDATE_ATTEMPTS,
     TAINT_UPDATE_ATTEMPTS,
     EvictionOutcome,
     KubeActions,
     KubernetesConfig,
+    NodeOutcome,
+    PodRef,
     PodWatcher,
     TaintOutcome,
     build_api_client,
@@ -509,8 +513,24 @@ async def test_evict_blocked_by_disruption_budget(
 async def test_evict_unknown_pod_is_gone(actions: KubeActions, audit: MemoryAuditSink) -> None:
     result = await actions.evict("default", "ghost", None, False)
     assert (result.outcome, result.status) == (EvictionOutcome.GONE, 404)
+    assert audit.named("eviction_gone") == [{"pod": "default/ghost", "status": 404}]
     assert audit.named("eviction_blocked") == []
     assert audit.named("eviction_done") == []
+
+
+async def test_evict_timeout_fails_without_waiting_for_the_server(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, audit: MemoryAuditSink
+) -> None:
+    fake.add_pod(make_pod("slow"))
+    fake.delay_next("POST", "/api/v1/namespaces/default/pods/slow/eviction", 3.0)
+    actions = KubeActions(api, replace(cfg, request_timeout_s=0.2), AuditLog(audit))
+    started = asyncio.get_running_loop().time()
+    result = await actions.evict("default", "slow", None, False)
+    assert asyncio.get_running_loop().time() - started < 2.0
+    assert (result.outcome, result.status) == (EvictionOutcome.FAILED, None)
+    (blocked,) = audit.named("eviction_blocked")
+    assert blocked["reason"].startswith("transport:")
+    assert "timed out" in blocked["reason"].lower()
 
 
 async def test_evict_server_error_fails(
@@ -617,3 +637,114 @@ async def test_taint_on_unknown_node_fails(actions: KubeActions) -> None:
 async def test_taint_effect_is_checked(actions: KubeActions) -> None:
     with pytest.raises(ValueError, match="effect"):
         await actions.add_taint("node-a", KEY, "x", "Sometimes")
+
+
+# ---- Events -------------------------------------------------------------------------------------
+
+
+async def test_pod_event(fake: FakeApiServer, actions: KubeActions) -> None:
+    pod = PodRef("jobs", "batch", "uid-1")
+    assert await actions.create_pod_event(pod, "node-a", "NriQosEvicted", "plugin x: signal y")
+    (event,) = fake.events()
+    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "jobs",
+                                       "name": "batch", "uid": "uid-1"}
+    assert (event["reason"], event["message"], event["type"]) == (
+        "NriQosEvicted", "plugin x: signal y", "Warning")
+    assert event["source"] == {"component": "nri-qos", "host": "node-a"}
+    assert event["metadata"]["name"].startswith("batch.")
+    assert event["metadata"]["namespace"] == "jobs"
+    assert event["count"] == 1
+    assert event["firstTimestamp"] == event["lastTimestamp"]
+    stamp = datetime.fromisoformat(event["firstTimestamp"].replace("Z", "+00:00"))
+    assert stamp.utcoffset() == timedelta(0)
+    assert abs((datetime.now(UTC) - stamp).total_seconds()) < 60
+    (post,) = fake.requests("POST")
+    assert post.path == "/api/v1/namespaces/jobs/events"
+
+
+async def test_pod_event_failure_is_logged_not_raised(
+    fake: FakeApiServer, actions: KubeActions, cfg: KubernetesConfig
+) -> None:
+    fake.fail_next("POST", "/api/v1/namespaces/jobs/events", 500)
+    with capture_logs() as logs:
+        assert not await actions.create_pod_event(PodRef("jobs", "b", "u"), "n", "R", "m")
+    assert [e["event"] for e in logs] == ["pod_event_failed"]
+    assert fake.events() == []
+    offline = KubeActions(None, cfg, AuditLog(MemoryAuditSink()))
+    assert not await offline.create_pod_event(PodRef("jobs", "b", "u"), "n", "R", "m")
+
+
+# ---- node conditions ----------------------------------------------------------------------------
+
+KUBELET_READY = {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                 "message": "kubelet is posting ready status"}
+
+
+async def test_node_condition_set_once_then_flipped(
+    fake: FakeApiServer, actions: KubeActions
+) -> None:
+    fake.add_node("node-a", conditions=[KUBELET_READY])
+    assert await actions.set_node_condition(
+        "node-a", "NriQosSystemMemoryPressure", True, "NriQosThresholdMet", "free 1 < 2"
+    ) is NodeOutcome.CHANGED
+    conditions = fake.conditions("node-a")
+    assert conditions["Ready"] == KUBELET_READY  # the other writers' conditions are kept
+    mine = conditions["NriQosSystemMemoryPressure"]
+    assert (mine["status"], mine["reason"], mine["message"]) == (
+        "True", "NriQosThresholdMet", "free 1 < 2")
+    assert mine["lastTransitionTime"] == mine["lastHeartbeatTime"]
+    (patch,) = fake.requests("PATCH")
+    assert patch.path == "/api/v1/nodes/node-a/status"
+    assert patch.headers["content-type"] == "application/merge-patch+json"
+    assert patch.body["metadata"]["resourceVersion"]
+
+    # Unchanged: no write.
+    assert await actions.set_node_condition(
+        "node-a", "NriQosSystemMemoryPressure", True, "NriQosThresholdMet", "free 1 < 2"
+    ) is NodeOutcome.UNCHANGED
+    assert len(fake.requests("PATCH")) == 1
+
+    # A new message with the same status keeps the transition time.
+    fake_old = "2020-01-01T00:00:00Z"
+    node = fake.node("node-a")
+    with fake._lock:
+        fake._state.nodes["node-a"]["status"]["conditions"][1]["lastTransitionTime"] = fake_old
+    assert node["status"]["conditions"][1]["type"] == "NriQosSystemMemoryPressure"
+    assert await actions.set_node_condition(
+        "node-a", "NriQosSystemMemoryPressure", True, "NriQosThresholdMet", "free 0 < 2"
+    ) is NodeOutcome.CHANGED
+    assert fake.conditions("node-a")["NriQosSystemMemoryPressure"]["lastTransitionTime"] == (
+        fake_old)
+
+    assert await actions.set_node_condition(
+        "node-a", "NriQosSystemMemoryPressure", False, "NriQosThresholdNotMet", "calm"
+    ) is NodeOutcome.CHANGED
+    flipped = fake.conditions("node-a")["NriQosSystemMemoryPressure"]
+    assert flipped["status"] == "False"
+    assert flipped["lastTransitionTime"] != fake_old
+    assert fake.conditions("node-a")["Ready"] == KUBELET_READY
+
+
+async def test_node_condition_retries_on_conflict(
+    fake: FakeApiServer, actions: KubeActions
+) -> None:
+    fake.add_node("node-a")
+    fake.conflict_next_patches(2)
+    assert await actions.set_node_condition("node-a", "C", True, "R", "m") is NodeOutcome.CHANGED
+    assert [r.status for r in fake.requests("PATCH")] == [409, 409, 200]
+    fake.conflict_next_patches(NODE_UPDATE_ATTEMPTS)
+    assert await actions.set_node_condition("node-a", "C", False, "R", "m") is NodeOutcome.FAILED
+    assert fake.conditions("node-a")["C"]["status"] == "True"
+
+
+async def test_node_condition_failures(
+    fake: FakeApiServer, actions: KubeActions, cfg: KubernetesConfig
+) -> None:
+    assert await actions.set_node_condition("nowhere", "C", True, "R", "m") is NodeOutcome.FAILED
+    fake.add_node("node-a")
+    fake.fail_next("PATCH", "/api/v1/nodes/node-a/status", 500)
+    assert await actions.set_node_condition("node-a", "C", True, "R", "m") is NodeOutcome.FAILED
+    offline = KubeActions(None, cfg, AuditLog(MemoryAuditSink()))
+    assert not offline.available
+    assert await offline.set_node_condition("node-a", "C", True, "R", "m") is (
+        NodeOutcome.UNAVAILABLE)

@@ -84,6 +84,13 @@ def test_pod_meta_from_full_object() -> None:
         deleted=False,
     )
     assert pod_meta_from_object(pod, deleted=True).deleted
+    assert not meta.terminating
+
+
+def test_pod_with_a_deletion_timestamp_is_terminating() -> None:
+    pod = make_pod("going")
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert pod_meta_from_object(pod).terminating
 
 
 def test_pod_meta_is_immutable() -> None:

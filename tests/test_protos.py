@@ -103,9 +103,25 @@ def test_stub_keywords_become_comments() -> None:
     ast.parse(fixed)
 
 
-@pytest.mark.parametrize("stub", ["nri_api_pb2.pyi", "ttrpc_envelope_pb2.pyi"])
+@pytest.mark.parametrize("stub", ["nri_api_pb2.pyi", "ttrpc_envelope_pb2.pyi",
+                                  "eviction_pb2.pyi"])
 def test_checked_in_stubs_are_valid_python(stub: str) -> None:
     ast.parse((generate.PROTO_DIR / stub).read_text(), filename=stub)
+
+
+def test_grpc_modules_only_for_grpc_services() -> None:
+    names = generate.generated_names()
+    assert [n for n in names if n.endswith("_grpc.py")] == ["eviction_pb2_grpc.py"]
+    assert "nri_api_pb2_grpc.py" not in names  # NRI's services run over ttrpc
+
+
+def test_grpc_module_imports_its_messages_from_the_package() -> None:
+    fixed = generate.fix_grpc_imports("import grpc\nimport eviction_pb2 as eviction__pb2\n")
+    assert fixed == "import grpc\nfrom . import eviction_pb2 as eviction__pb2\n"
+    from protos import eviction_pb2_grpc
+
+    assert vars(eviction_pb2_grpc)["eviction__pb2"].__name__ == "protos.eviction_pb2"
+    assert hasattr(eviction_pb2_grpc, "EvictionPluginStub")
 
 
 # ---------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from hooks.resctrl_config import ResctrlConfig
 from nri_plugin.config.hook_paths import check_hook_path
 from nri_plugin.logs import LoggingConfig
 from reconciler.detection.config import DetectionConfig
+from reconciler.eviction.choice import READ_ANNOTATIONS as EVICTION_ANNOTATIONS
 from reconciler.eviction.config import EvictionConfig
 from reconciler.k8s import KubernetesConfig
 from reconciler.loops.base import ReconcilerConfig
@@ -123,7 +124,7 @@ class Config:
         return ReadKeys(frozenset({
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
-            self.oom.annotation,
+            self.oom.annotation, *EVICTION_ANNOTATIONS,
         }))
 
     def validate(self) -> list[tuple[str, str]]:

@@ -127,6 +127,20 @@ def pod_rel(ref: CgroupRef) -> str:
     return ref.rel.rsplit("/", 1)[0]
 
 
+def pod_parent_rel(cgroup_parent: str) -> str:
+    """The pod's cgroup, relative to a hierarchy root, from the sandbox's CRI cgroup parent:
+    ``/kubepods/besteffort/pod<uid>`` (cgroupfs) or ``kubepods-besteffort-pod<uid>.slice``
+    (systemd, nested as systemd nests slices). Raises :class:`CgroupPathError`."""
+    text = cgroup_parent.strip()
+    if not text or "\0" in text:
+        raise CgroupPathError(f"empty cgroup parent {cgroup_parent!r}")
+    if text.startswith("/"):
+        return _checked(text.split("/")[1:], cgroup_parent)
+    if "/" in text or ":" in text:
+        raise CgroupPathError(f"cgroup parent {cgroup_parent!r}: neither a path nor a slice")
+    return _checked(expand_slice(text), cgroup_parent)
+
+
 def tier_rel(driver: str, tier: str) -> str:
     """kubelet's QoS-tier cgroup for a driver, relative to a hierarchy root."""
     if tier not in TIERS:

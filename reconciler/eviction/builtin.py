@@ -1,0 +1,168 @@
+"""The in-tree plugins: the detectors' readings (on the :class:`Board`) turned into proposals.
+
+* ``system_pressure``: the node-wide detectors (free memory vs watermark, PSI, kswapd by default)
+  at their worst; condition ``NriQosSystemMemoryPressure``.
+* ``numa_pressure``: free memory vs watermark of the worst NUMA node; condition
+  ``NriQosNumaMemoryPressure``.
+* ``reclaimed_pressure``: the reclaimed tier's fulfillment (what the memory guard lets it have vs
+  what its pods request); condition ``NriQosReclaimedTierPressure``.
+* ``rss_overuse``: pods whose anonymous memory is over request x factor; proposes them as soft
+  candidates (no threshold, no condition).
+
+A pressure plugin's threshold is soft-met at the configured soft level and hard-met at the hard
+level (default medium and high); when hard-met, its top pods are the pods of the configured QoS
+levels (default reclaimed_cores only), largest anonymous memory first. The detectors smooth
+their own levels; UNKNOWN readings never count as pressure (nor as its absence: they are skipped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.eviction.api import (
+    NOT_MET,
+    ActivePod,
+    Condition,
+    EvictionPlugin,
+    EvictPods,
+    EvictRequest,
+    MetType,
+    Operator,
+    ThresholdMet,
+    TopPods,
+)
+from reconciler.eviction.config import EvictionConfig
+
+# Detectors whose value falls as things get worse (free memory, fulfillment); the others rise.
+_FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
+_LEVELS = {"low": Level.LOW, "medium": Level.MEDIUM, "high": Level.HIGH}
+
+RECLAIMED = "reclaimed_cores"
+RECLAIMED_TIER = "tier:reclaimed"
+
+Config = Callable[[], EvictionConfig]
+
+
+def _grace(seconds: int) -> int | None:
+    return None if seconds < 0 else seconds
+
+
+def largest_first(active: Sequence[ActivePod], levels: Sequence[str],
+                  top_n: int) -> list[ActivePod]:
+    """Pods of ``levels``, largest anonymous memory first (unknown last), at most ``top_n``."""
+    eligible = [pod for pod in active if pod.qos_level in levels]
+    eligible.sort(key=lambda pod: -(pod.memory_usage_bytes or 0))
+    return eligible[:top_n]
+
+
+class PressurePlugin:
+    """A plugin over the worst of some readings; see the module doc."""
+
+    def __init__(self, name: str, condition: str, board: Board, config: Config,
+                 wants: Callable[[Reading, EvictionConfig], bool],
+                 levels: Callable[[EvictionConfig], Sequence[str]]) -> None:
+        self._name = name
+        self._condition = condition
+        self._board = board
+        self._config = config
+        self._wants = wants
+        self._levels = levels
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def threshold_met(self) -> ThresholdMet:
+        cfg = self._config()
+        readings = [r for r in self._board.current()
+                    if r.level is not Level.UNKNOWN and self._wants(r, cfg)]
+        worst = max(readings, key=lambda r: r.level, default=None)
+        if worst is None:
+            return ThresholdMet(MetType.NOT_MET, condition=Condition(self._condition, False))
+        soft, hard = _LEVELS[cfg.soft_level], _LEVELS[cfg.hard_level]
+        met = MetType.HARD_MET if worst.level >= hard else \
+            MetType.SOFT_MET if worst.level >= soft else MetType.NOT_MET
+        operator = Operator.LESS_THAN if worst.detector in _FALLING else Operator.GREATER_THAN
+        return ThresholdMet(met, worst.threshold, worst.value, operator, worst.scope,
+                            Condition(self._condition, met is not MetType.NOT_MET),
+                            signal=worst.detector, unit=worst.unit)
+
+    async def get_top_eviction_pods(self, active: Sequence[ActivePod], top_n: int,
+                                    scope: str) -> TopPods:
+        cfg = self._config()
+        chosen = largest_first(active, self._levels(cfg), top_n)
+        every_reclaimed = bool(chosen) and all(p.qos_level == RECLAIMED for p in chosen)
+        grace = _grace(cfg.reclaimed_grace_period_s) if every_reclaimed else None
+        return TopPods(tuple(p.uid for p in chosen), grace)
+
+    async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
+        return EvictPods()
+
+
+class RssOverusePlugin:
+    """Pods over request x factor, as the rss_overuse detector reports them: soft candidates."""
+
+    name = "rss_overuse"
+
+    def __init__(self, board: Board, config: Config) -> None:
+        self._board = board
+        self._config = config
+
+    async def threshold_met(self) -> ThresholdMet:
+        return NOT_MET
+
+    async def get_top_eviction_pods(self, active: Sequence[ActivePod], top_n: int,
+                                    scope: str) -> TopPods:
+        return TopPods(())
+
+    async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
+        cfg = self._config()
+        by_uid = {pod.uid: pod for pod in active}
+        found = []
+        for reading in self._board.current():
+            if reading.detector != "rss_overuse" or reading.pod_uid is None:
+                continue
+            pod = by_uid.get(reading.pod_uid)
+            # The detector reports a level above none only while the pod is over its threshold;
+            # the values are checked too, so that a reading that contradicts itself never evicts.
+            if pod is None or reading.level <= Level.NONE or reading.value <= reading.threshold \
+                    or pod.qos_level not in cfg.rss_overuse_levels:
+                continue
+            grace = cfg.reclaimed_grace_period_s if pod.qos_level == RECLAIMED \
+                else cfg.grace_period_s
+            found.append(EvictRequest(
+                pod.uid, f"anonymous memory {int(reading.value)} B over {int(reading.threshold)} "
+                f"B (request x factor)", _grace(grace), force=False))
+        return EvictPods(tuple(found))
+
+
+def _system(reading: Reading, cfg: EvictionConfig) -> bool:
+    return reading.scope == NODE and reading.detector in cfg.system_detectors
+
+
+def _numa(reading: Reading, cfg: EvictionConfig) -> bool:
+    return reading.detector == "numa_free" and reading.scope.startswith("numa:")
+
+
+def _reclaimed(reading: Reading, cfg: EvictionConfig) -> bool:
+    return reading.detector == "fulfillment" and reading.scope == RECLAIMED_TIER
+
+
+def in_tree_plugins(board: Board, config: Config) -> dict[str, EvictionPlugin]:
+    """Every in-tree plugin by name; ``[eviction] plugins`` says which of them run."""
+
+    def pressure_levels(cfg: EvictionConfig) -> Sequence[str]:
+        return cfg.pressure_levels
+
+    plugins: list[EvictionPlugin] = [
+        PressurePlugin("system_pressure", "NriQosSystemMemoryPressure", board, config, _system,
+                       pressure_levels),
+        PressurePlugin("numa_pressure", "NriQosNumaMemoryPressure", board, config, _numa,
+                       pressure_levels),
+        RssOverusePlugin(board, config),
+        # The reclaimed tier's own shortage is only ever solved by its own pods.
+        PressurePlugin("reclaimed_pressure", "NriQosReclaimedTierPressure", board, config,
+                       _reclaimed, lambda cfg: (RECLAIMED,)),
+    ]
+    return {plugin.name: plugin for plugin in plugins}

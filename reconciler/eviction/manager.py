@@ -1,0 +1,570 @@
+"""The eviction manager: the one place that decides which pods leave the node.
+
+Every round (``[eviction] interval_s``, and at once when :meth:`EvictionManager.request_round`
+is called, the mitigation ladder's evict rung):
+
+1. the plugin directory is rescanned; the plugins are the enabled in-tree ones, then the
+   out-of-tree ones by name;
+2. ``ThresholdMet`` and ``GetEvictPods`` are asked of every plugin at once, each call under the
+   deadline; a plugin that misses it, fails or answers garbage is skipped for the round and
+   audited (once per streak);
+3. thresholds are smoothed (hard-met counts after ``met_rounds`` rounds in a row), node
+   conditions kept (true at once, false after ``condition_transition_s`` without being met);
+   plugins whose threshold is hard-met are asked ``GetTopEvictionPods``;
+4. proposals are filtered (:class:`~reconciler.eviction.choice.PodFilter`, pods in eviction,
+   pods backing off after a refusal), ranked (``sort_keys``), forced ones and hard-met targets
+   first, then at most ``soft_per_round`` soft candidates;
+5. each chosen pod takes a token of the shared bucket, then is evicted through ``policy/v1``
+   with an Event on the pod, or, in dry-run, only audited.
+
+Nothing here blocks the event loop: plugin calls are awaited with deadlines, pod usage is read
+in a worker thread, API calls run in threads inside :class:`~reconciler.k8s.KubeActions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import structlog
+
+from hooks.untrusted import bounded
+from reconciler.aio import Backoff, sleep_until
+from reconciler.audit import AuditLog
+from reconciler.eviction.api import (
+    ActivePod,
+    EvictionPlugin,
+    EvictPods,
+    MetType,
+    ThresholdMet,
+    TopPods,
+)
+from reconciler.eviction.choice import PodFacts, PodFilter, rank
+from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.ratelimit import TokenBucket
+from reconciler.eviction.remote import PluginCallError, PluginDirectory
+from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
+from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.memstat import pod_anon_bytes
+from reconciler.host.sysfs import SysFs
+from reconciler.k8s import EvictionOutcome, KubeActions, NodeOutcome, PodRef
+from reconciler.state import NodeState, Snapshot
+
+log = structlog.get_logger("nri_qos.eviction")
+
+EVENT_REASON = "NriQosEvicted"
+CONDITION_MET = "NriQosThresholdMet"
+CONDITION_NOT_MET = "NriQosThresholdNotMet"
+# Conditions kept at most: far above what the in-tree and any sane set of out-of-tree plugins
+# use; a plugin inventing names cannot make the agent grow without bound.
+MAX_CONDITIONS = 32
+# The asyncio guard around a plugin call is a little longer than the deadline the call itself
+# carries, so that a remote plugin's lateness is reported by gRPC as a missed deadline.
+DEADLINE_MARGIN_S = 0.05
+
+T = TypeVar("T")
+
+
+class EvictionSections(Protocol):
+    @property
+    def eviction(self) -> EvictionConfig: ...
+
+
+class Outcome(enum.StrEnum):
+    """What became of a chosen pod in a round."""
+
+    DRY_RUN = "dry_run"
+    EVICTED = "evicted"
+    BLOCKED = "blocked"
+    GONE = "gone"
+    FAILED = "failed"
+    UNAVAILABLE = "unavailable"
+    RATE_LIMITED = "rate_limited"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    facts: PodFacts
+    plugin: str
+    reason: str
+    grace_s: int | None
+    # Forced by its plugin, or the target of a hard-met plugin: evicted before soft candidates.
+    forced: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: str
+    plugin: str
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class RoundReport:
+    """What one round did: every chosen pod and its outcome, in order."""
+
+    decisions: tuple[Decision, ...] = ()
+    plugins: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A pod whose eviction was accepted, found gone, or dry-run: not asked again."""
+
+    at: float
+    plugin: str
+    dry: bool
+
+
+@dataclass(slots=True)
+class _Retry:
+    at: float
+    backoff: Backoff
+
+
+@dataclass(slots=True)
+class _Condition:
+    plugin: str
+    status: bool | None = None
+    written: bool | None = None
+    message: str = ""
+    next_try: float = 0.0
+    backoff: Backoff | None = None
+
+
+@dataclass(slots=True)
+class _Failing:
+    count: int = 0
+    kinds: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Answers:
+    threshold: dict[str, ThresholdMet] = field(default_factory=dict)
+    evict: dict[str, EvictPods] = field(default_factory=dict)
+    top: dict[str, TopPods] = field(default_factory=dict)
+
+
+class EvictionManager:
+    """See the module doc. ``in_tree``: every in-tree plugin by name (``[eviction] plugins``
+    chooses which run); ``node``: this node's name, for Events and conditions."""
+
+    def __init__(self, config: Callable[[], EvictionSections], state: NodeState,
+                 actions: KubeActions, node: str, audit: AuditLog, sysfs: SysFs,
+                 layout: CgroupLayout, in_tree: Mapping[str, EvictionPlugin], *,
+                 clock: Callable[[], float] | None = None) -> None:
+        self._config = config
+        self._state = state
+        self._actions = actions
+        self._node = node
+        self._audit = audit
+        self._sysfs = sysfs
+        self._layout = layout
+        self._in_tree = dict(in_tree)
+        self._clock = clock
+        cfg = config().eviction
+        self._directory = PluginDirectory(audit, lambda: self._config().eviction.call_timeout_s)
+        self._bucket: TokenBucket | None = None
+        self._filter = PodFilter(cfg)
+        self._met = MetSmoother()
+        self._tracker = ConditionTracker()
+        self._conditions: dict[str, _Condition] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._retries: dict[str, _Retry] = {}
+        # (plugin, call) -> its current streak of failures
+        self._failing: dict[tuple[str, str], _Failing] = {}
+        self._said: set[tuple[str, ...]] = set()
+        self._seen: set[tuple[str, ...]] = set()
+        self._told_unavailable = False
+        self._requests: collections.deque[str] = collections.deque(maxlen=64)
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def request_round(self, reason: str) -> None:
+        """Run a round now (safe from any thread); the ladder's evict rung calls this."""
+        self._requests.append(reason)
+        loop = self._loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the manager is gone
+                loop.call_soon_threadsafe(self._wake.set)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Rounds until ``stop`` is set; a round that fails is logged and retried later."""
+        self._loop = asyncio.get_running_loop()
+        backoff: Backoff | None = None
+        try:
+            while not stop.is_set():
+                cfg = self._config().eviction
+                delay = cfg.interval_s
+                if cfg.enabled:
+                    try:
+                        await self.run_round()
+                        backoff = None
+                    except Exception as exc:  # the next round starts clean
+                        backoff = backoff or Backoff(cfg.interval_s * 2, 60.0)
+                        delay = backoff.next()
+                        log.warning("eviction_round_failed", error=repr(exc),
+                                    retry_in_s=delay, exc_info=True)
+                else:
+                    await self._directory.close()
+                self._wake.clear()
+                await sleep_until(delay, stop, self._wake)
+        finally:
+            self._loop = None
+            await self.close()
+
+    async def close(self) -> None:
+        """Closes the channels to out-of-tree plugins (:meth:`run` does it when it ends)."""
+        await self._directory.close()
+
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    # ---- one round --------------------------------------------------------------------------
+
+    async def run_round(self) -> RoundReport:
+        cfg = self._config().eviction
+        now = self._now()
+        while self._requests:
+            log.info("eviction_round_requested", reason=bounded(self._requests.popleft()))
+        if self._filter.cfg is not cfg:
+            self._filter = PodFilter(cfg)
+        if self._bucket is None:
+            self._bucket = TokenBucket(cfg.rate_burst, cfg.rate_interval_s, now)
+        self._bucket.configure(cfg.rate_burst, cfg.rate_interval_s, now)
+        remote = await self._directory.scan(cfg.plugin_dir, reserved=self._in_tree)
+        plugins: list[EvictionPlugin] = [self._in_tree[name] for name in cfg.plugins
+                                         if name in self._in_tree]
+        plugins += remote
+        names = [p.name for p in plugins]
+        for key in [k for k in self._failing if k[0] not in names]:
+            del self._failing[key]
+        for gone in self._met.plugins() - set(names):
+            self._met.forget(gone)
+
+        snapshot = self._state.snapshot()
+        facts = await asyncio.to_thread(self._pod_facts, snapshot)
+        self._prune(facts, cfg, now)
+        active = [f.pod for uid, f in facts.items()
+                  if not f.terminating and uid not in self._flights]
+        self._seen = set()
+
+        answers = _Answers()
+        deadline = cfg.call_timeout_s
+        async with asyncio.TaskGroup() as group:
+            for plugin in plugins:
+                group.create_task(self._ask(plugin, "ThresholdMet", plugin.threshold_met,
+                                            deadline, answers.threshold))
+                group.create_task(self._ask(plugin, "GetEvictPods",
+                                            _evict_pods_of(plugin, active),
+                                            deadline, answers.evict))
+        hard = []
+        for plugin in plugins:
+            answer = answers.threshold.get(plugin.name)
+            met = self._met.observe(plugin.name, None if answer is None else answer.met,
+                                    cfg.met_rounds)
+            if met is MetType.HARD_MET and answer is not None:
+                hard.append((plugin, answer))
+        await self._keep_conditions(plugins, answers, cfg, now)
+        if hard:
+            async with asyncio.TaskGroup() as group:
+                for plugin, answer in hard:
+                    group.create_task(self._ask(
+                        plugin, "GetTopEvictionPods",
+                        _top_pods_of(plugin, active, cfg.top_n, answer.scope),
+                        deadline, answers.top))
+        candidates = self._candidates(plugins, hard, answers, facts, cfg)
+        chosen = self._choose(candidates, facts, cfg, now)
+        decisions = await self._evict(chosen, cfg, now)
+        self._said &= self._seen
+        return RoundReport(tuple(decisions), tuple(names))
+
+    async def _ask(self, plugin: EvictionPlugin, call: str, fn: Callable[[], Awaitable[T]],
+                   deadline: float, into: dict[str, T]) -> None:
+        """One plugin call under its deadline; the answer lands in ``into``, a failure in the
+        audit trail. Never raises (but for cancellation): one plugin cannot end a round."""
+        try:
+            async with asyncio.timeout(deadline + DEADLINE_MARGIN_S):
+                into[plugin.name] = await fn()
+        except TimeoutError:
+            self._failed(plugin.name, call, PluginCallError(
+                "deadline", f"no answer within {deadline} s"))
+        except PluginCallError as exc:
+            self._failed(plugin.name, call, exc)
+        except Exception as exc:  # an in-tree plugin's bug costs its round, nothing more
+            log.warning("eviction_plugin_bug", plugin=plugin.name, call=call, exc_info=True)
+            self._failed(plugin.name, call, PluginCallError("error", repr(exc)))
+        else:
+            failing = self._failing.pop((plugin.name, call), None)
+            if failing is not None:
+                self._audit.record("eviction_plugin_recovered", plugin=plugin.name, call=call,
+                                   failures=failing.count)
+
+    def _failed(self, plugin: str, call: str, exc: PluginCallError) -> None:
+        """Audited at the first failure of a streak of this call, and when its kind changes."""
+        failing = self._failing.setdefault((plugin, call), _Failing())
+        failing.count += 1
+        if exc.kind not in failing.kinds:
+            failing.kinds.add(exc.kind)
+            self._audit.record("eviction_plugin_failed", plugin=plugin, call=call,
+                               error=str(exc), kind=exc.kind, failures=failing.count)
+
+    # ---- pods -------------------------------------------------------------------------------
+
+    def _pod_facts(self, snapshot: Snapshot) -> dict[str, PodFacts]:
+        """Every pod with a running container, with its memory (read here: a worker thread)."""
+        requests: dict[str, int | None] = {}
+        for container in snapshot.running():
+            pod_id = container.pod.info.id
+            request = container.info.memory_request
+            if request is not None:
+                requests[pod_id] = (requests.get(pod_id) or 0) + request
+            else:
+                requests.setdefault(pod_id, None)
+        facts: dict[str, PodFacts] = {}
+        for pod_id, request in requests.items():
+            view = snapshot.pods[pod_id]
+            info, meta = view.info, view.meta
+            usage = pod_anon_bytes(self._sysfs, self._layout, info.cgroup_parent)
+            pod = ActivePod(info.uid, info.namespace, info.name, view.level, info.priority,
+                            request, usage)
+            facts[info.uid] = PodFacts(
+                pod, info.labels, info.annotations,
+                owner_kind=meta.owner_kind if meta is not None else None,
+                terminating=meta.terminating if meta is not None else False,
+                described=meta is not None)
+        return facts
+
+    def _dry(self, plugin: str, cfg: EvictionConfig) -> bool:
+        return cfg.dry_run or plugin in cfg.dry_run_plugins
+
+    def _prune(self, facts: Mapping[str, PodFacts], cfg: EvictionConfig, now: float) -> None:
+        """Forget evictions of pods that left (or long ago), dry-run ones whose plugin is no
+        longer dry, and retry state of pods that left."""
+        for uid, flight in list(self._flights.items()):
+            if uid not in facts or now - flight.at >= cfg.reevict_after_s \
+                    or (flight.dry and not self._dry(flight.plugin, cfg)):
+                del self._flights[uid]
+        for uid in [uid for uid in self._retries if uid not in facts]:
+            del self._retries[uid]
+
+    def _candidates(self, plugins: Sequence[EvictionPlugin],
+                    hard: Sequence[tuple[EvictionPlugin, ThresholdMet]], answers: _Answers,
+                    facts: Mapping[str, PodFacts], cfg: EvictionConfig) -> list[Candidate]:
+        """Every proposal of the round, resolved to a pod, audited, and filtered; one per pod
+        (a forced proposal wins over a soft one, then the first plugin)."""
+        proposals: list[tuple[str, str, str, int | None, bool]] = []
+        for source, threshold in hard:
+            top = answers.top.get(source.name)
+            if top is not None:
+                reason = f"threshold hard-met: {threshold.describe()}"
+                proposals += [(uid, source.name, reason, top.grace_s, True) for uid in top.uids]
+        for source in plugins:
+            wanted = answers.evict.get(source.name)
+            if wanted is not None:
+                proposals += [(req.uid, source.name, req.reason, req.grace_s, req.force)
+                              for req in wanted.pods]
+        need_description = self._actions.available
+        chosen: dict[str, Candidate] = {}
+        for uid, plugin, reason, grace, forced in proposals:
+            found = facts.get(uid)
+            pod = found.pod.ref if found is not None else f"uid {bounded(uid)}"
+            self._record_once("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
+                       reason=reason, force=forced)
+            flight = self._flights.get(uid)
+            if found is None:
+                why: str | None = "not a running pod of this node"
+            elif flight is not None:
+                why = "already being evicted" + (" (dry-run)" if flight.dry else "")
+            else:
+                why = self._filter.why_not(found, need_description=need_description)
+            if why is not None:
+                self._record_once("eviction_filtered", uid, plugin, why, pod=pod, plugin=plugin,
+                                  why=why)
+                continue
+            assert found is not None
+            earlier = chosen.get(uid)
+            if earlier is None or (forced and not earlier.forced):
+                grace = grace if grace is not None else (
+                    None if cfg.grace_period_s < 0 else cfg.grace_period_s)
+                chosen[uid] = Candidate(found, plugin, reason, grace, forced)
+        return list(chosen.values())
+
+    def _choose(self, candidates: Sequence[Candidate], facts: Mapping[str, PodFacts],
+                cfg: EvictionConfig, now: float) -> list[Candidate]:
+        """Forced and hard-met targets ranked, then the best ``soft_per_round`` soft ones;
+        pods backing off after a refusal wait."""
+        ready = []
+        for candidate in candidates:
+            retry = self._retries.get(candidate.facts.pod.uid)
+            if retry is not None and now < retry.at:
+                self._record_once("eviction_deferred", candidate.facts.pod.uid, "backoff",
+                           pod=candidate.facts.pod.ref, plugin=candidate.plugin,
+                           why=f"backing off after {retry.backoff.failures} refused or failed "
+                               f"eviction(s); next try in {retry.at - now:.1f} s")
+                continue
+            ready.append(candidate)
+        keys = cfg.sort_keys
+
+        def pod_of(candidate: Candidate) -> ActivePod:
+            return candidate.facts.pod
+
+        forced = rank([c for c in ready if c.forced], pod_of, keys)
+        soft = rank([c for c in ready if not c.forced], pod_of, keys)
+        return forced + soft[:cfg.soft_per_round]
+
+    # ---- evicting ---------------------------------------------------------------------------
+
+    async def _evict(self, chosen: Sequence[Candidate], cfg: EvictionConfig,
+                     now: float) -> list[Decision]:
+        bucket = self._bucket
+        assert bucket is not None
+        decisions = []
+        for index, candidate in enumerate(chosen):
+            pod, plugin = candidate.facts.pod, candidate.plugin
+            if not bucket.take(now):
+                wait = bucket.wait(now)
+                for late in chosen[index:]:
+                    self._record_once("eviction_deferred", late.facts.pod.uid, "rate limit",
+                               pod=late.facts.pod.ref, plugin=late.plugin,
+                               why=f"rate limit: next token in {wait:.1f} s")
+                    decisions.append(Decision(late.facts.pod.ref, late.plugin,
+                                              Outcome.RATE_LIMITED))
+                break
+            dry = self._dry(plugin, cfg)
+            self._audit.record("eviction_chosen", pod=pod.ref, plugin=plugin,
+                               reason=candidate.reason, dry_run=dry, uid=pod.uid,
+                               qos_level=pod.qos_level, priority=pod.priority,
+                               memory_usage_bytes=pod.memory_usage_bytes,
+                               grace_s=candidate.grace_s, forced=candidate.forced)
+            if dry:
+                self._audit.record("eviction_dry_run", pod=pod.ref, plugin=plugin,
+                                   reason=candidate.reason)
+                self._flights[pod.uid] = _Flight(now, plugin, dry=True)
+                decisions.append(Decision(pod.ref, plugin, Outcome.DRY_RUN))
+                continue
+            outcome = await self._send(candidate, cfg, now)
+            decisions.append(Decision(pod.ref, plugin, outcome))
+        return decisions
+
+    async def _send(self, candidate: Candidate, cfg: EvictionConfig, now: float) -> Outcome:
+        pod, plugin = candidate.facts.pod, candidate.plugin
+        bucket = self._bucket
+        assert bucket is not None
+        result = await self._actions.evict(pod.namespace, pod.name, candidate.grace_s, False,
+                                           reason=f"{plugin}: {candidate.reason}")
+        outcome = result.outcome
+        if outcome is EvictionOutcome.EVICTED:
+            self._retries.pop(pod.uid, None)
+            self._flights[pod.uid] = _Flight(now, plugin, dry=False)
+            await self._actions.create_pod_event(
+                PodRef(pod.namespace, pod.name, pod.uid), self._node, EVENT_REASON,
+                f"Evicted by nri-qos, plugin {plugin}: {candidate.reason}")
+            return Outcome.EVICTED
+        if outcome is EvictionOutcome.GONE:
+            bucket.give_back(now)
+            self._flights[pod.uid] = _Flight(now, plugin, dry=False)
+            return Outcome.GONE
+        if outcome is EvictionOutcome.UNAVAILABLE:
+            bucket.give_back(now)
+            if not self._told_unavailable:
+                self._told_unavailable = True
+                log.warning("eviction_unavailable",
+                            detail="no Kubernetes API access: evictions are decided and "
+                                   "audited, none can be made")
+        elif outcome is EvictionOutcome.BLOCKED:
+            # A disruption budget said no: nothing was disrupted, so the token is not spent.
+            bucket.give_back(now)
+        retry = self._retries.get(pod.uid)
+        if retry is None:
+            retry = self._retries[pod.uid] = _Retry(
+                now, Backoff(cfg.retry_initial_s, cfg.retry_max_s))
+        retry.at = now + retry.backoff.next()
+        return Outcome(outcome.value)
+
+    # ---- conditions -------------------------------------------------------------------------
+
+    async def _keep_conditions(self, plugins: Sequence[EvictionPlugin], answers: _Answers,
+                               cfg: EvictionConfig, now: float) -> None:
+        reported: dict[str, tuple[str, bool, str]] = {}
+        for plugin in plugins:
+            threshold = answers.threshold.get(plugin.name)
+            wanted = answers.evict.get(plugin.name)
+            for condition, detail in (
+                (threshold.condition if threshold else None,
+                 threshold.describe() if threshold else ""),
+                (wanted.condition if wanted else None, "pods to evict"),
+            ):
+                if condition is None:
+                    continue
+                owner = self._conditions.get(condition.name)
+                if owner is not None and owner.plugin != plugin.name:
+                    continue  # another plugin's condition: the first one keeps it
+                if owner is None and len(self._conditions) >= MAX_CONDITIONS:
+                    continue
+                if owner is None:
+                    self._conditions[condition.name] = _Condition(plugin.name)
+                _, met, message = reported.get(condition.name, (plugin.name, False, ""))
+                reported[condition.name] = (
+                    plugin.name, met or condition.met,
+                    message if met else f"{plugin.name}: {detail}")
+        for name, state in self._conditions.items():
+            _, met, message = reported.get(name, (state.plugin, False, ""))
+            status = self._tracker.observe(name, met, now, cfg.condition_transition_s)
+            dry = self._dry(state.plugin, cfg)
+            if status != state.status:
+                state.status = status
+                state.message = bounded(message, 256) if status else (
+                    f"{state.plugin}: not met for {cfg.condition_transition_s:g} s")
+                self._audit.record("eviction_condition", node=self._node, condition=name,
+                                   status=status, reason=self._reason(status),
+                                   plugin=state.plugin, message=state.message, dry_run=dry)
+            if dry or not self._actions.available or status == state.written \
+                    or now < state.next_try:
+                continue
+            written = await self._actions.set_node_condition(
+                self._node, name, status, self._reason(status), state.message)
+            if written in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+                state.written, state.backoff, state.next_try = status, None, 0.0
+            else:
+                state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
+                state.next_try = now + state.backoff.next()
+
+    @staticmethod
+    def _reason(status: bool) -> str:
+        return CONDITION_MET if status else CONDITION_NOT_MET
+
+    # ---- audit once ---------------------------------------------------------------------------
+
+    def _record_once(self, event: str, *key: str, **fields: object) -> None:
+        """Record ``event`` unless the same decision was recorded in the previous round too:
+        a pod proposed every second is audited when it starts being proposed."""
+        ident = (event, *key)
+        self._seen.add(ident)
+        if ident in self._said:
+            return
+        self._said.add(ident)
+        self._audit.record(event, **fields)
+
+
+def _evict_pods_of(plugin: EvictionPlugin,
+                   active: Sequence[ActivePod]) -> Callable[[], Awaitable[EvictPods]]:
+    def call() -> Awaitable[EvictPods]:
+        return plugin.get_evict_pods(active)
+
+    return call
+
+
+def _top_pods_of(plugin: EvictionPlugin, active: Sequence[ActivePod], top_n: int,
+                 scope: str) -> Callable[[], Awaitable[TopPods]]:
+    def call() -> Awaitable[TopPods]:
+        return plugin.get_top_eviction_pods(active, top_n, scope)
+
+    return call

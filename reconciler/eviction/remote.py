@@ -1,0 +1,321 @@
+"""Out-of-tree plugins: gRPC servers on unix sockets in the plugin directory.
+
+:class:`PluginDirectory` is the registry: every round it lists the directory, and a socket
+``<name>.sock`` that appears is a plugin named ``<name>``; one that disappears is dropped. A
+socket must belong to root or to the agent's own user (a socket anyone could create would let
+anyone evict pods), and its name must not be an in-tree plugin's. A socket replaced by a new one
+(the plugin restarted) gets a fresh channel, so the client does not sit out a reconnect backoff.
+
+:class:`RemotePlugin` adapts one socket to :class:`~reconciler.eviction.api.EvictionPlugin`
+with ``grpc.aio`` on the daemon's event loop. Every call carries the configured deadline, so
+the plugin knows it too. Answers are checked before use: an enum value the API does not define,
+a non-finite number, more pods than asked for, an unusable condition name or grace period make
+the whole answer invalid. Failures become :class:`PluginCallError` with a kind the audit
+record names (``deadline``, ``unavailable``, ``error``, ``invalid answer``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import structlog
+
+from hooks.untrusted import bounded
+from protos import eviction_pb2 as pb
+from protos import eviction_pb2_grpc as pb_grpc
+from reconciler.audit import AuditLog
+from reconciler.eviction.api import (
+    ActivePod,
+    Condition,
+    EvictPods,
+    EvictRequest,
+    MetType,
+    Operator,
+    ThresholdMet,
+    TopPods,
+)
+
+log = structlog.get_logger("nri_qos.eviction")
+
+M = TypeVar("M")
+
+SOCKET_SUFFIX = ".sock"
+PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+CONDITION_NAME = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
+KUBELET_CONDITIONS = frozenset({"Ready", "MemoryPressure", "DiskPressure", "PIDPressure",
+                                "NetworkUnavailable"})
+"""Condition types kubelet owns; a plugin may not set them."""
+MAX_GRACE_S = 86_400
+MAX_ANSWER_PODS = 10_000
+MAX_MESSAGE_BYTES = 4 << 20
+# A restarted plugin is found again within a few seconds, not after gRPC's default 2 minutes.
+CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.enable_retries", 0),
+)
+
+_LEVELS_TO_PB = {
+    "reclaimed_cores": pb.RECLAIMED_CORES,
+    "shared_cores": pb.SHARED_CORES,
+    "dedicated_cores": pb.DEDICATED_CORES,
+    "system_cores": pb.SYSTEM_CORES,
+}
+_MET = {pb.NOT_MET: MetType.NOT_MET, pb.SOFT_MET: MetType.SOFT_MET, pb.HARD_MET: MetType.HARD_MET}
+_OPERATORS = {pb.OPERATOR_UNSPECIFIED: Operator.UNSPECIFIED, pb.LESS_THAN: Operator.LESS_THAN,
+              pb.GREATER_THAN: Operator.GREATER_THAN}
+
+
+class PluginCallError(Exception):
+    """A call that gave no usable answer; ``kind`` is one of deadline, unavailable, error,
+    invalid answer."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def _invalid(detail: str) -> PluginCallError:
+    return PluginCallError("invalid answer", detail)
+
+
+# ---- messages -------------------------------------------------------------------------------
+
+
+def pod_message(pod: ActivePod) -> pb.Pod:
+    message = pb.Pod(uid=pod.uid, namespace=pod.namespace, name=pod.name,
+                     qos_level=_LEVELS_TO_PB.get(pod.qos_level, pb.QOS_LEVEL_UNSPECIFIED))
+    if pod.priority is not None:
+        message.priority = pod.priority
+    if pod.memory_request_bytes is not None:
+        message.memory_request_bytes = pod.memory_request_bytes
+    if pod.memory_usage_bytes is not None:
+        message.memory_usage_bytes = pod.memory_usage_bytes
+    return message
+
+
+def _condition(message: pb.Condition) -> Condition:
+    if message.type not in (pb.NODE_CONDITION, pb.CONDITION_TYPE_UNSPECIFIED):
+        raise _invalid(f"condition type {message.type} (only node conditions exist)")
+    name = message.name
+    if not CONDITION_NAME.fullmatch(name):
+        raise _invalid(f"condition name {bounded(name)!r} is not CamelCase letters and digits")
+    if name in KUBELET_CONDITIONS:
+        raise _invalid(f"condition {name} belongs to kubelet")
+    return Condition(name, message.met)
+
+
+def _grace(message: Any) -> int | None:
+    if not message.HasField("grace_period_seconds"):
+        return None
+    value = int(message.grace_period_seconds)
+    if not 0 <= value <= MAX_GRACE_S:
+        raise _invalid(f"grace period {value} s is outside 0..{MAX_GRACE_S}")
+    return value
+
+
+def threshold_from(message: pb.ThresholdMetResponse) -> ThresholdMet:
+    met = _MET.get(message.met_type)
+    if met is None:
+        raise _invalid(f"met_type {message.met_type} is not a MetType")
+    operator = _OPERATORS.get(message.threshold_operator)
+    if operator is None:
+        raise _invalid(f"threshold_operator {message.threshold_operator} is not an operator")
+    if not (math.isfinite(message.threshold_value) and math.isfinite(message.observed_value)):
+        raise _invalid("threshold or observed value is not a finite number")
+    condition = _condition(message.condition) if message.HasField("condition") else None
+    return ThresholdMet(met, message.threshold_value, message.observed_value, operator,
+                        bounded(message.eviction_scope, 64), condition)
+
+
+def top_pods_from(message: pb.GetTopEvictionPodsResponse, top_n: int) -> TopPods:
+    uids = tuple(message.target_pod_uids)
+    if len(uids) > top_n:
+        raise _invalid(f"{len(uids)} pods where at most {top_n} were asked for")
+    return TopPods(uids, _grace(message))
+
+
+def evict_pods_from(message: pb.GetEvictPodsResponse) -> EvictPods:
+    if len(message.evict_pods) > MAX_ANSWER_PODS:
+        raise _invalid(f"{len(message.evict_pods)} pods (more than {MAX_ANSWER_PODS})")
+    pods = []
+    for item in message.evict_pods:
+        if not item.uid:
+            raise _invalid("a pod without uid")
+        pods.append(EvictRequest(item.uid, bounded(item.reason) or "no reason given",
+                                 _grace(item), item.force))
+    condition = _condition(message.condition) if message.HasField("condition") else None
+    return EvictPods(tuple(pods), condition)
+
+
+# ---- one plugin -----------------------------------------------------------------------------
+
+
+def _error_kind(exc: grpc.aio.AioRpcError) -> PluginCallError:
+    code = exc.code()
+    details = bounded(exc.details() or "")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return PluginCallError("deadline", details or "deadline exceeded")
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return PluginCallError("unavailable", details or "unavailable")
+    # The client could not decode the answer.
+    if code is grpc.StatusCode.INTERNAL and "deserializ" in details.lower():
+        return _invalid(details)
+    return PluginCallError("error", f"{code.name}: {details}")
+
+
+class RemotePlugin:
+    """One out-of-tree plugin; see the module doc."""
+
+    def __init__(self, name: str, path: str, deadline: Callable[[], float]) -> None:
+        self._name = name
+        self.path = path
+        self._deadline = deadline
+        self._channel = grpc.aio.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
+        self._stub: Any = pb_grpc.EvictionPluginStub(self._channel)  # type: ignore[no-untyped-call]
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def _call(self, method: str, request: Any, answer: type[M]) -> M:
+        try:
+            found = await getattr(self._stub, method)(request, timeout=self._deadline())
+        except grpc.aio.AioRpcError as exc:
+            raise _error_kind(exc) from None
+        # grpc.aio hands over None when the bytes did not decode.
+        if not isinstance(found, answer):
+            raise _invalid(f"the answer is not a {answer.__name__}")
+        return found
+
+    async def threshold_met(self) -> ThresholdMet:
+        return threshold_from(await self._call("ThresholdMet", pb.ThresholdMetRequest(),
+                                               pb.ThresholdMetResponse))
+
+    async def get_top_eviction_pods(self, active: Sequence[ActivePod], top_n: int,
+                                    scope: str) -> TopPods:
+        request = pb.GetTopEvictionPodsRequest(
+            active_pods=[pod_message(p) for p in active], top_n=top_n, eviction_scope=scope)
+        return top_pods_from(await self._call("GetTopEvictionPods", request,
+                                              pb.GetTopEvictionPodsResponse), top_n)
+
+    async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
+        request = pb.GetEvictPodsRequest(active_pods=[pod_message(p) for p in active])
+        return evict_pods_from(await self._call("GetEvictPods", request,
+                                                pb.GetEvictPodsResponse))
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+
+# ---- the directory --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    path: str
+    # (device, inode, change time): a new socket under the same name is a restarted plugin (an
+    # inode number alone may be reused at once).
+    identity: tuple[int, int, int]
+
+
+class PluginDirectory:
+    """The out-of-tree plugins of one directory, kept in step with its sockets."""
+
+    def __init__(self, audit: AuditLog, deadline: Callable[[], float]) -> None:
+        self._audit = audit
+        self._deadline = deadline
+        self._plugins: dict[str, tuple[RemotePlugin, tuple[int, int, int]]] = {}
+        # name -> reason, for sockets refused (audited once while they stay)
+        self._refused: dict[str, str] = {}
+        self._unreadable: str | None = None
+
+    @property
+    def plugins(self) -> list[RemotePlugin]:
+        return [plugin for _, (plugin, _) in sorted(self._plugins.items())]
+
+    def _list(self, directory: str, reserved: Collection[str]) -> dict[str, _Found]:
+        try:
+            names = os.listdir(directory)
+            self._unreadable = None
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            problem = f"{type(exc).__name__}: {exc.strerror}"
+            if self._unreadable != problem:
+                self._unreadable = problem
+                log.warning("eviction_plugin_dir_unreadable", path=directory, error=problem)
+            return {}
+        found: dict[str, _Found] = {}
+        refused: dict[str, str] = {}
+        own = os.geteuid()
+        for entry in names:
+            if not entry.endswith(SOCKET_SUFFIX):
+                continue
+            name = entry.removesuffix(SOCKET_SUFFIX)
+            path = os.path.join(directory, entry)
+            try:
+                info = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISSOCK(info.st_mode):
+                why = "not a unix socket"
+            elif info.st_uid not in (0, own):
+                why = f"owned by uid {info.st_uid}, not root or the agent's user"
+            elif not PLUGIN_NAME.fullmatch(name):
+                why = "name is not [A-Za-z0-9_.-]{1,64}"
+            elif name in reserved:
+                why = "name of an in-tree plugin"
+            else:
+                found[name] = _Found(path, (info.st_dev, info.st_ino, info.st_ctime_ns))
+                continue
+            refused[name] = why
+        for name, why in refused.items():
+            if self._refused.get(name) != why:
+                self._audit.record("eviction_plugin_dropped", plugin=bounded(name),
+                                   reason=f"refused: {why}", socket=bounded(entry_path(
+                                       directory, name)))
+        self._refused = refused
+        return found
+
+    async def scan(self, directory: str, reserved: Collection[str]) -> list[RemotePlugin]:
+        """Registers new sockets, drops vanished ones; the plugins in name order."""
+        found = self._list(directory, reserved)
+        for name in [n for n in self._plugins if n not in found]:
+            plugin, _ = self._plugins.pop(name)
+            await plugin.close()
+            self._audit.record("eviction_plugin_dropped", plugin=name, reason="socket removed",
+                               socket=plugin.path)
+        for name, where in sorted(found.items()):
+            known = self._plugins.get(name)
+            if known is not None and known[1] == where.identity:
+                continue
+            if known is not None:
+                await known[0].close()
+                log.info("eviction_plugin_restarted", plugin=name, socket=where.path)
+            else:
+                self._audit.record("eviction_plugin_registered", plugin=name, socket=where.path)
+            self._plugins[name] = (RemotePlugin(name, where.path, self._deadline),
+                                   where.identity)
+        return self.plugins
+
+    async def close(self) -> None:
+        plugins, self._plugins = list(self._plugins.values()), {}
+        for plugin, _ in plugins:
+            await plugin.close()
+
+
+def entry_path(directory: str, name: str) -> str:
+    return os.path.join(directory, name + SOCKET_SUFFIX)

@@ -25,6 +25,8 @@ OWN_FILES = {
     ("nri_plugin/config/store.py", "stat"): "notices a changed configuration file",
     ("nri_plugin/config/store.py", "exists"): "falls back to the embedded defaults",
     ("nri_plugin/simulator.py", "unlink"): "removes the simulated runtime's own socket",
+    ("reconciler/eviction/remote.py", "listdir"): "lists the eviction plugins' socket directory",
+    ("reconciler/eviction/remote.py", "lstat"): "checks who owns an eviction plugin's socket",
     ("nri_plugin/config/hook_paths.py", "stat"): "checks an OCI hook executable",
     ("nri_plugin/audit_sinks.py", "open"): "writes the audit file",
     ("nri_plugin/audit_sinks.py", "exists"): "rotates the audit file",

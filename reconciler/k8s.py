@@ -1,7 +1,8 @@
 """The one module that talks to the Kubernetes API server.
 
-Three things are read or written: this node's pods (list, then watch), evictions of pods
-(``policy/v1`` Eviction) and this node's taints. The official client is synchronous, so every
+Four things are read or written: this node's pods (list, then watch), evictions of pods
+(``policy/v1`` Eviction), this node's taints and this node's conditions (the ``status``
+subresource). The official client is synchronous, so every
 request runs in a worker thread; each has a client-side timeout, and the pod watch also a
 server-side one, so that no thread outlives a stop by more than one request timeout.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import enum
 import json
 import os
@@ -35,6 +37,9 @@ from reconciler.audit import AuditLog
 from reconciler.podmeta import PodMeta, pod_meta_from_object
 
 _log = structlog.get_logger(__name__)
+
+Api = ApiClient
+"""The client handle :func:`build_api_client` returns, for callers that pass it on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +72,8 @@ HTTP_NOT_FOUND = 404
 HTTP_TOO_MANY_REQUESTS = 429
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 MERGE_PATCH = "application/merge-patch+json"
+# Node conditions merge by their type in a strategic merge patch: kubelet's stay untouched.
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"
 # Attempts of a read-modify-write of the node's taints that keeps losing to other writers.
 TAINT_UPDATE_ATTEMPTS = 5
 # A watch that ends sooner than this without any event counts as a failure (backoff), so a
@@ -404,6 +411,8 @@ class EvictionResult:
 
 
 class TaintOutcome(enum.StrEnum):
+    """How a write to the node (a taint, a condition) went."""
+
     CHANGED = "changed"
     UNCHANGED = "unchanged"  # already as asked: nothing was written
     FAILED = "failed"
@@ -411,7 +420,7 @@ class TaintOutcome(enum.StrEnum):
 
 
 class KubeActions:
-    """Writes to the API: evictions and node taints, each audited."""
+    """Writes to the API: evictions, node taints and node conditions, each audited."""
 
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
         self._api = api
@@ -454,7 +463,7 @@ class KubeActions:
             try:
                 return int(response.status)
             finally:
-                response.release_conn()
+                _discard(response)
 
         try:
             status = await asyncio.to_thread(post)
@@ -510,6 +519,71 @@ class KubeActions:
             self._audit.record("taint_removed", node=node, taint=_taint_text(taint), reason=reason)
         return outcome
 
+    async def set_condition(
+        self, node: str, kind: str, status: bool, reason: str, message: str
+    ) -> TaintOutcome:
+        """Keeps the node condition ``kind`` at ``status`` with ``reason`` and ``message``
+        (``status`` subresource). Written only when status or reason differ, so the condition's
+        ``lastTransitionTime`` is the time its status last changed; 409 rereads and retries."""
+        if self._api is None:
+            _log.warning("condition_skipped", node=node, reason="no Kubernetes API access")
+            return TaintOutcome.UNAVAILABLE
+        core = k8s_client.CoreV1Api(self._api)
+        timeout = self._cfg.request_timeout_s
+        wanted = "True" if status else "False"
+
+        def attempt() -> TaintOutcome | None:
+            response: Any = core.read_node(node, _preload_content=False, _request_timeout=timeout)
+            try:
+                current = json.loads(response.data)
+            finally:
+                response.release_conn()
+            state = current.get("status") if isinstance(current, dict) else None
+            raw = state.get("conditions") if isinstance(state, dict) else None
+            found = next((c for c in raw if isinstance(c, dict) and c.get("type") == kind),
+                         None) if isinstance(raw, list) else None
+            if found is not None and found.get("status") == wanted \
+                    and found.get("reason") == reason:
+                return TaintOutcome.UNCHANGED
+            now = _now_rfc3339()
+            transition = now if found is None or found.get("status") != wanted \
+                else found.get("lastTransitionTime", now)
+            patch = {
+                "metadata": {"resourceVersion": _resource_version(current)},
+                "status": {"conditions": [{
+                    "type": kind, "status": wanted, "reason": reason, "message": message,
+                    "lastHeartbeatTime": now, "lastTransitionTime": transition,
+                }]},
+            }
+            try:
+                written: Any = core.patch_node_status(
+                    node, patch, _content_type=STRATEGIC_MERGE_PATCH,
+                    _preload_content=False, _request_timeout=timeout,
+                )
+            except ApiException as exc:
+                if exc.status == HTTP_CONFLICT:
+                    return None
+                raise
+            _discard(written)
+            return TaintOutcome.CHANGED
+
+        for _ in range(TAINT_UPDATE_ATTEMPTS):
+            try:
+                result = await asyncio.to_thread(attempt)
+            except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+                _log.warning("condition_failed", node=node, condition=kind,
+                             reason=_describe(exc))
+                return TaintOutcome.FAILED
+            if result is TaintOutcome.CHANGED:
+                self._audit.record("node_condition", node=node, condition=kind, status=wanted,
+                                   reason=reason, message=message)
+            if result is not None:
+                return result
+            _log.info("condition_conflict", node=node, detail="node changed meanwhile; retrying")
+        _log.warning("condition_failed", node=node, condition=kind,
+                     reason="resourceVersion conflicts persisted")
+        return TaintOutcome.FAILED
+
     async def _update_taints(
         self, node: str, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]
     ) -> tuple[TaintOutcome, list[dict[str, Any]]]:
@@ -549,7 +623,7 @@ class KubeActions:
                 if exc.status == HTTP_CONFLICT:
                     return None
                 raise
-            written.release_conn()
+            _discard(written)
             return TaintOutcome.CHANGED, [t for t in taints if t not in updated]
 
         for _ in range(TAINT_UPDATE_ATTEMPTS):
@@ -565,6 +639,15 @@ class KubeActions:
         return TaintOutcome.FAILED, []
 
 
+def _discard(response: Any) -> None:
+    """Read what is left of a response before its connection goes back to the pool: a body left
+    unread would be taken for the next response's status line."""
+    try:
+        response.drain_conn()
+    finally:
+        response.release_conn()
+
+
 def _emit(on_event: Callable[[PodMeta], None], meta: PodMeta) -> None:
     """Hands one pod to the consumer; a failing consumer must not end or rewind the watch."""
     try:
@@ -576,6 +659,11 @@ def _emit(on_event: Callable[[PodMeta], None], meta: PodMeta) -> None:
 def _taint_text(taint: Mapping[str, Any]) -> str:
     value = taint.get("value")
     return f"{taint.get('key')}{'=' + str(value) if value else ''}:{taint.get('effect')}"
+
+
+def _now_rfc3339() -> str:
+    """The API's time format, to the second, UTC."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _resource_version(obj: Mapping[str, Any]) -> str:

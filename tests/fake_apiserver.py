@@ -1,10 +1,12 @@
 """An HTTP server on 127.0.0.1 that answers like the Kubernetes API server for what nri-qos uses.
 
 Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
-Eviction subresource, node GET and merge-PATCH. Tests change pods through :meth:`add_pod`,
-:meth:`modify_pod`, :meth:`delete_pod` (each change gets a resourceVersion and a watch event) and
-inject trouble: failing requests, dropped or ended watch streams, compacted history (410 Gone),
-disruption budgets (429) and concurrent node writers (409). Every request is recorded.
+Eviction subresource, node GET and merge-PATCH, and strategic-merge PATCH of the node's
+``status`` subresource (conditions merged by type, as the API server does). Tests change pods
+through :meth:`add_pod`, :meth:`modify_pod`, :meth:`delete_pod` (each change gets a
+resourceVersion and a watch event) and inject trouble: failing requests, dropped or ended watch
+streams, compacted history (410 Gone), disruption budgets (429) and concurrent node writers
+(409). Every request is recorded.
 """
 
 from __future__ import annotations
@@ -234,6 +236,17 @@ class FakeApiServer:
     def taints(self, name: str) -> list[dict[str, Any]]:
         return list(self.node(name).get("spec", {}).get("taints") or [])
 
+    def conditions(self, name: str) -> list[dict[str, Any]]:
+        return list(self.node(name).get("status", {}).get("conditions") or [])
+
+    def set_conditions(self, name: str, conditions: list[dict[str, Any]]) -> None:
+        """Another writer (kubelet) sets the node's conditions."""
+        with self._lock:
+            node = self._state.nodes[name]
+            self._state.resource_version += 1
+            node["metadata"]["resourceVersion"] = str(self._state.resource_version)
+            node.setdefault("status", {})["conditions"] = copy.deepcopy(conditions)
+
     # ---- trouble ----------------------------------------------------------------------------
 
     def fail_next(
@@ -355,6 +368,29 @@ def _pods_on(pods: Iterator[dict[str, Any]], node: str | None) -> list[dict[str,
     return [p for p in pods if node is None or p.get("spec", {}).get("nodeName") == node]
 
 
+def _strategic_merge(target: Any, patch: Any) -> Any:
+    """A strategic merge patch for what nri-qos sends: like a merge patch, except that
+    ``status.conditions`` entries merge into the list by their ``type``."""
+    result = _merge_patch(target, {k: v for k, v in patch.items() if k != "status"})
+    status = patch.get("status")
+    if not isinstance(status, dict):
+        return result
+    merged_status = _merge_patch(result.get("status"),
+                                 {k: v for k, v in status.items() if k != "conditions"})
+    if "conditions" in status:
+        conditions = list(merged_status.get("conditions") or [])
+        for entry in status["conditions"]:
+            kinds = [c.get("type") for c in conditions]
+            if entry.get("type") in kinds:
+                i = kinds.index(entry.get("type"))
+                conditions[i] = _merge_patch(conditions[i], entry)
+            else:
+                conditions.append(copy.deepcopy(entry))
+        merged_status["conditions"] = conditions
+    result["status"] = merged_status
+    return result
+
+
 def _merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386 JSON merge patch."""
     if not isinstance(patch, dict):
@@ -422,6 +458,9 @@ class _Handler(BaseHTTPRequestHandler):
             "GET", "PATCH"
         ):
             self._node(record, segments[3])
+        elif (len(segments) == 5 and segments[:3] == ["api", "v1", "nodes"]
+              and segments[4] == "status" and method == "PATCH"):
+            self._node(record, segments[3], status=True)
         else:
             self._status(record, 404, "NotFound", f"no route for {method} {parts.path}")
 
@@ -553,7 +592,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- nodes ------------------------------------------------------------------------------
 
-    def _node(self, record: Recorded, name: str) -> None:
+    def _node(self, record: Recorded, name: str, *, status: bool = False) -> None:
         api = self.api
         with api._lock:
             state = api._state
@@ -564,8 +603,11 @@ class _Handler(BaseHTTPRequestHandler):
             if record.method == "GET":
                 self._send_json(record, 200, node)
                 return
-            if record.headers.get("content-type") != "application/merge-patch+json":
-                self._status(record, 415, "UnsupportedMediaType", "only merge patches here")
+            wanted_type = ("application/strategic-merge-patch+json" if status
+                           else "application/merge-patch+json")
+            if record.headers.get("content-type") != wanted_type:
+                self._status(record, 415, "UnsupportedMediaType",
+                             f"only {wanted_type} here")
                 return
             if state.patch_conflicts > 0:
                 state.patch_conflicts -= 1
@@ -579,7 +621,11 @@ class _Handler(BaseHTTPRequestHandler):
                              "been modified; please apply your changes to the latest version "
                              "and try again")
                 return
-            updated = _merge_patch(node, patch)
+            if status:
+                # The status subresource changes status only, whatever else the patch says.
+                updated = _strategic_merge(node, {"status": patch.get("status", {})})
+            else:
+                updated = _merge_patch(node, patch)
             state.resource_version += 1
             updated["metadata"]["resourceVersion"] = str(state.resource_version)
             state.nodes[name] = updated

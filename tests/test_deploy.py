@@ -25,6 +25,7 @@ API_CALLS = {
     "create_namespaced_pod_eviction": {("", "pods/eviction", "create")},
     "read_node": {("", "nodes", "get")},
     "patch_node": {("", "nodes", "patch")},
+    "patch_node_status": {("", "nodes/status", "patch")},
 }
 
 

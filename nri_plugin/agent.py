@@ -2,7 +2,9 @@
 
 :func:`build_agent` is where dependencies are wired: the node state, the resctrl filesystem, the
 capabilities, the NRI stub and the background services (the config watcher, the reconciler with
-its pod watch), each handed exactly what it needs. :func:`run_agent` runs them all in one
+its pod watch, interference detection and the mitigation ladder), each handed exactly what it
+needs. The readings board is made here, once: detection publishes on it, the ladder (and
+whatever else reads readings) reads it. :func:`run_agent` runs them all in one
 :class:`asyncio.TaskGroup` until stop. The daemon (``nri-qos run``) and the simulation
 (``nri-qos simulate``) are two callers, with a real host and a simulated one.
 """
@@ -27,10 +29,14 @@ from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.audit import AuditLog
+from reconciler.detection.service import Detection
+from reconciler.detection.signals import Board
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import PodWatcher, build_api_client, node_name
+from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
+from reconciler.loops.memory_guard import GuardSqueeze
+from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, run_reconciler
 from reconciler.state import NodeState
 
@@ -61,6 +67,10 @@ class Agent:
     executor: ThreadPoolExecutor
     # Settings fields the background loops apply to running containers.
     reconciler_fields: frozenset[str]
+    # The latest detector readings (empty while detection does not run).
+    board: Board
+    # The mitigation ladder, when the background services run.
+    mitigation: Mitigation | None = None
 
 
 def probe(cfg: Config, audit: AuditLog) -> tuple[HostInfo, SysFs]:
@@ -137,14 +147,25 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                       audit=audit, executor=executor, state=state, track_containers=reconcile,
                       reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2)
     services: list[Service] = [store.watch]
+    board = Board()
+    mitigation = None
     if reconcile and run_background:
-        services.append(_reconciler(store, state, sysfs, host, resctrl, audit))
+        api = build_api_client(cfg.kubernetes)
+        squeeze = GuardSqueeze()
+        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, squeeze))
+        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit).run)
+        kube = None if api is None else KubeActions(api, cfg.kubernetes, audit)
+        mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
+                                      kube=kube, node=node_name(cfg.kubernetes),
+                                      squeeze=squeeze, evictor=None)
+        services.append(mitigation.run)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",
              capabilities=[c.name for c in capabilities], config=store.source,
              cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}",
              memory_total_bytes=host.memory_total_bytes,
              reconciler=reconcile and run_background)
-    return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields)
+    return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
+                 board, mitigation)
 
 
 def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], None]:
@@ -156,13 +177,13 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 
 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
-                resctrl: ResctrlFs | None, audit: AuditLog) -> Service:
+                resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None,
+                squeeze: GuardSqueeze) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
-        api = build_api_client(cfg.kubernetes)
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes,
                                                       node_name(cfg.kubernetes))
-        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit)
+        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s)

@@ -63,15 +63,31 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "memory); node-wide limits use /proc/meminfo."),
     AuditEvent("numa_binding", ("pod_uid", "container", "mems", "reason"),
                "A container's cpuset.mems was changed."),
-    AuditEvent("drop_cache_started", ("path", "reason"), "A drop-cache action started."),
-    AuditEvent("drop_cache_finished", ("path", "duration_s", "result"),
-               "A drop-cache action ended."),
+    AuditEvent("detector_unknown", ("detector", "scope", "reason"),
+               "A detector could not read its kernel file (missing, malformed, truncated); its "
+               "level is unknown, never taken for no pressure. Once per cause."),
+    AuditEvent("mitigation_level", ("ladder_level", "previous", "reason"),
+               "The mitigation ladder's level changed (the worst level of its detectors)."),
+    AuditEvent("mitigation_action", ("action", "step", "ladder_level", "result", "dry_run",
+                                     "reason"),
+               "A rung of the ladder was engaged, repeated or released, with its cause "
+               "(detector, scope, value, threshold) and result (done, unchanged, dry_run, "
+               "skipped, failed, timeout)."),
+    AuditEvent("drop_cache_started", ("path", "reason", "pod_uid", "usage_before_bytes"),
+               "A drop-cache write to a reclaimed pod's memcg started."),
+    AuditEvent("drop_cache_finished", ("path", "duration_s", "result", "pod_uid",
+                                       "usage_before_bytes", "usage_after_bytes",
+                                       "freed_bytes"),
+               "A drop-cache write ended (done, failed, timeout, skipped), with the pod's "
+               "memory usage before and after."),
     AuditEvent("eviction_requested", ("pod", "reason", "dry_run"), "An eviction was asked for."),
     AuditEvent("eviction_blocked", ("pod", "reason"),
                "The API refused an eviction (e.g. 429 from a PodDisruptionBudget)."),
     AuditEvent("eviction_done", ("pod",), "The API accepted an eviction."),
     AuditEvent("taint_added", ("node", "taint", "reason"), "A node taint was added."),
     AuditEvent("taint_removed", ("node", "taint", "reason"), "A node taint was removed."),
+    AuditEvent("node_condition", ("node", "condition", "status", "reason"),
+               "A node condition was set (its status or reason changed)."),
 )
 
 

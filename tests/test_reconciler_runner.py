@@ -237,7 +237,8 @@ def test_disabled_reconciler_is_not_started(tmp_path: Path) -> None:
                                                                       enabled=enabled))
         agent = build_agent(ConfigStore(audit, config=cfg), audit, host_of(sysfs), sysfs,
                             PluginIdentity("nri-qos", "10"), run_background=True)
-        # The config watcher always; the reconciler only when enabled.
-        assert len(agent.services) == (2 if enabled else 1)
+        # The config watcher always; the reconciler, detection and the ladder only when enabled.
+        assert len(agent.services) == (4 if enabled else 1)
+        assert (agent.mitigation is not None) is enabled
         assert bool(agent.reconciler_fields) is enabled
         agent.executor.shutdown()

@@ -123,7 +123,7 @@ class Config:
         return ReadKeys(frozenset({
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
-            self.oom.annotation,
+            self.oom.annotation, self.detection.rss_overuse_annotation,
         }))
 
     def validate(self) -> list[tuple[str, str]]:

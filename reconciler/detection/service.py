@@ -291,22 +291,25 @@ class NodePsi:
                 log.warning("psi_path", path="poll", reason=f"arming the trigger failed: {exc}")
                 self.mode = "poll"
         if trigger is not None:
+            armed = trigger
+
             def on_ready() -> None:
-                assert trigger is not None
-                got, gone = trigger.consume()
-                if got or gone:
-                    fired.set()
+                if armed.gone():
+                    log.warning("psi_path", path="poll", reason="the trigger's file went away")
+                    loop.remove_reader(armed.fileno())
+                    self.mode = "poll"
+                    return
+                fired.set()
 
             loop.add_reader(trigger.fileno(), on_ready)
         try:
-            await self._sample(stop, trigger, fired)
+            await self._sample(stop, fired)
         finally:
             if trigger is not None:
                 loop.remove_reader(trigger.fileno())
                 trigger.close()
 
-    async def _sample(self, stop: asyncio.Event, trigger: TriggerWatch | None,
-                      fired: asyncio.Event) -> None:
+    async def _sample(self, stop: asyncio.Event, fired: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         before: d.Stall | None = None
         while not stop.is_set():
@@ -316,9 +319,9 @@ class NodePsi:
                 self._publisher.withdraw(PSI, NODE)
                 await sleep_until(cfg.detection.interval_s, stop)
                 continue
-            if trigger is not None and self._publisher.level(PSI, NODE) > Level.NONE:
+            if self.mode == "trigger" and self._publisher.level(PSI, NODE) > Level.NONE:
                 fired.clear()  # fired again while under pressure: nothing new to learn
-            elif trigger is not None:
+            elif self.mode == "trigger":
                 # Quiet: nothing to read until the kernel says the stall crossed the threshold.
                 before = None
                 if not await sleep_until(cfg.detection.interval_s, stop, fired):

@@ -45,14 +45,14 @@ class TriggerWatch:
         """The descriptor to wait on for readability."""
         return self._epoll.fileno()
 
-    def consume(self) -> tuple[bool, bool]:
-        """(fired, gone): whether the trigger fired since the last call, and whether its file
-        went away (a cgroup removed under it: the trigger is dead)."""
-        fired = gone = False
-        for _fd, mask in self._epoll.poll(0):
-            fired = fired or bool(mask & select.EPOLLPRI)
-            gone = gone or bool(mask & (select.EPOLLERR | select.EPOLLHUP))
-        return fired, gone
+    def gone(self) -> bool:
+        """Called when :meth:`fileno` was readable, which means the trigger fired: the event
+        loop's own poll of this descriptor already consumed the kernel's one-shot POLLPRI (a
+        nested poll reads it), so the readiness itself is the news. True when, instead, the
+        pressure file went away (a cgroup removed under it: the trigger is dead), a condition
+        that stays."""
+        return any(mask & (select.EPOLLERR | select.EPOLLHUP)
+                   for _fd, mask in self._epoll.poll(0))
 
     def close(self) -> None:
         self._epoll.close()

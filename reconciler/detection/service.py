@@ -49,7 +49,7 @@ from reconciler.detection.publisher import Publisher
 from reconciler.detection.signals import NODE, Board, Level, pod_scope, tier_scope
 from reconciler.host.cgroups import BESTEFFORT, BURSTABLE, GUARANTEED
 from reconciler.host.numa import MEMINFO, NODE_DIR, ZONEINFO, node_ids
-from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, TriggerWatch
+from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, PsiWatch
 from reconciler.host.probe import PSI_MEMORY, HostInfo
 from reconciler.host.sysfs import PAGE_SIZE, SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig, run_loop
@@ -274,70 +274,41 @@ class NodePsi:
         return path
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.mode = self.choose(self._config().detection)
+        cfg = self._config().detection
+        self.mode = self.choose(cfg)
         if self.mode == "off":
             await stop.wait()
             return
-        trigger: TriggerWatch | None = None
-        fired = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        if self.mode == "trigger":
-            cfg = self._config().detection
-            window_us = cfg.psi_trigger_window_ms * 1000
-            try:
-                trigger = TriggerWatch(self._sysfs, PSI_MEMORY,
-                                       int(window_us * cfg.psi_some_low_percent / 100), window_us)
-            except OSError as exc:
-                log.warning("psi_path", path="poll", reason=f"arming the trigger failed: {exc}")
-                self.mode = "poll"
-        if trigger is not None:
-            armed = trigger
+        window_us = cfg.psi_trigger_window_ms * 1000
+        trigger = (int(window_us * cfg.psi_some_low_percent / 100), window_us) \
+            if self.mode == "trigger" else None
+        watch = PsiWatch(self._sysfs, PSI_MEMORY, trigger)
+        before: list[d.Stall | None] = [None]
 
-            def on_ready() -> None:
-                if armed.gone():
-                    log.warning("psi_path", path="poll", reason="the trigger's file went away")
-                    loop.remove_reader(armed.fileno())
-                    self.mode = "poll"
-                    return
-                fired.set()
-
-            loop.add_reader(trigger.fileno(), on_ready)
-        try:
-            await self._sample(stop, fired)
-        finally:
-            if trigger is not None:
-                loop.remove_reader(trigger.fileno())
-                trigger.close()
-
-    async def _sample(self, stop: asyncio.Event, fired: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        before: d.Stall | None = None
-        while not stop.is_set():
-            cfg = self._config()
-            if not _active(cfg, PSI):
-                before = None
+        def pause() -> None:
+            before[0] = None
+            if not _active(self._config(), PSI):
                 self._publisher.withdraw(PSI, NODE)
-                await sleep_until(cfg.detection.interval_s, stop)
-                continue
-            if self.mode == "trigger" and self._publisher.level(PSI, NODE) > Level.NONE:
-                fired.clear()  # fired again while under pressure: nothing new to learn
-            elif self.mode == "trigger":
-                # Quiet: nothing to read until the kernel says the stall crossed the threshold.
-                before = None
-                if not await sleep_until(cfg.detection.interval_s, stop, fired):
-                    continue
-                if stop.is_set():
-                    return
-                fired.clear()
-                self._publisher.offer(PSI, [d.psi_trigger_sample(
-                    NODE, cfg.detection.psi_trigger_window_ms, cfg.detection, loop.time())],
-                    covers=None, triggered=True)
-            before = self._poll_once(cfg.detection, before, loop.time())
-            await sleep_until(cfg.detection.psi_poll_interval_ms / 1000, stop)
 
-    def _poll_once(self, cfg: DetectionConfig, before: d.Stall | None,
-                   now: float) -> d.Stall | None:
-        text = self._sysfs.read(PSI_MEMORY)
+        def on_trigger(at: float) -> None:
+            now = self._config().detection
+            self._publisher.offer(PSI, [d.psi_trigger_sample(
+                NODE, now.psi_trigger_window_ms, now, at)], covers=None, triggered=True)
+
+        def on_text(text: str | None, at: float) -> None:
+            before[0] = self._sample(self._config().detection, before[0], text, at)
+            self.mode = watch.mode
+
+        await watch.run(
+            stop, interval=lambda: self._config().detection.psi_poll_interval_ms / 1000,
+            idle=lambda: self._config().detection.interval_s,
+            active=lambda: _active(self._config(), PSI),
+            keep_reading=lambda: self._publisher.level(PSI, NODE) > Level.NONE,
+            on_trigger=on_trigger, on_text=on_text, on_pause=pause)
+
+    def _sample(self, cfg: DetectionConfig, before: d.Stall | None, text: str | None,
+                now: float) -> d.Stall | None:
+        """One read of the counters: the stall share since the previous read, published."""
         try:
             if text is None:
                 raise ParseError(f"{PSI_MEMORY} is missing")

@@ -252,3 +252,13 @@ def test_page_cache_of_each_version() -> None:
     assert page_cache("cache 7\nrss 1\n", v2=False) == 7
     with pytest.raises(ParseError, match="lacks file"):
         page_cache("anon 5\n", v2=True)
+
+
+def test_pod_names_from_the_runtime_are_bounded(v2: Tree) -> None:
+    v2.pod("x" * 40, "reclaimed_cores", 300 * MIB)
+    long_name = v2.pods["x" * 40].info
+    v2.host.pods[0].info = dataclasses.replace(long_name, name="n" * 500)
+    v2.state.replace_all(*v2.host.nri())
+    [pod] = PodIndex(v2.state, probe_host(v2.sysfs).cgroup).pods()
+    assert len(pod.name) < 200
+    assert "(508 chars, sha256" in pod.name

@@ -329,3 +329,8 @@ def test_cause_text_names_the_reading(level: Level) -> None:
     assert Cause(level).text() == f"level {level.name.lower()}: no detector reports pressure"
     text = Cause(level, reading("psi", level)).text()
     assert text.startswith(f"level {level.name.lower()}: psi node 42 percent vs 10")
+
+
+def test_cause_text_shows_bytes_whole() -> None:
+    free = Reading("system_free", NODE, Level.LOW, 23446401024.0, 2147483648.0, "bytes", "r")
+    assert "system_free node 23446401024 bytes vs 2147483648 (r)" in Cause(Level.LOW, free).text()

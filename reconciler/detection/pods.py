@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hooks.untrusted import bounded
 from reconciler.host.cgroups import CgroupLayout, pod_rel
 from reconciler.loops.common import ManagedCache
 from reconciler.state import NodeState, Snapshot
@@ -19,7 +20,7 @@ from reconciler.state import NodeState, Snapshot
 @dataclass(frozen=True, slots=True)
 class PodMemory:
     uid: str
-    name: str  # namespace/name
+    name: str  # namespace/name, bounded for logs and audit records (it comes from the runtime)
     level: str
     # The pod's memory cgroup, a system path.
     cgroup: str
@@ -50,7 +51,7 @@ class PodIndex:
                 managed.view.info.memory_request or 0)
             if info.uid not in found:
                 found[info.uid] = PodMemory(
-                    info.uid, f"{info.namespace}/{info.name}", managed.level,
+                    info.uid, bounded(f"{info.namespace}/{info.name}"), managed.level,
                     self._layout.dir("memory", pod_rel(managed.ref)), 0, info.annotations)
         self._pods = tuple(PodMemory(p.uid, p.name, p.level, p.cgroup, requests[p.uid],
                                      p.annotations) for p in found.values())

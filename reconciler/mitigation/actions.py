@@ -46,8 +46,14 @@ class Cause:
         r = self.reading
         if r is None:
             return f"level {self.level.name.lower()}: {self.note}"
-        return (f"level {self.level.name.lower()}: {r.detector} {r.scope} {r.value:g} "
-                f"{r.unit} vs {r.threshold:g} ({r.reason})")
+        return (f"level {self.level.name.lower()}: {r.detector} {r.scope} "
+                f"{_number(r.value, r.unit)} {r.unit} vs {_number(r.threshold, r.unit)} "
+                f"({r.reason})")
+
+
+def _number(value: float, unit: str) -> str:
+    """Bytes as whole numbers (23446401024, not 2.34464e+10), the rest as short as exact."""
+    return str(int(value)) if unit == "bytes" else f"{value:g}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -154,7 +154,8 @@ class Mitigation:
         wanted = set(self._config().mitigation.detectors)
         worst: Reading | None = None
         worst_level = Level.NONE
-        for reading in self._board.current():
+        readings = self._board.current()
+        for reading in readings:
             if reading.detector not in wanted:
                 continue
             level = reading.level
@@ -164,7 +165,7 @@ class Mitigation:
                 self._last_known[reading.key] = level
             if level > worst_level:
                 worst, worst_level = reading, level
-        present = {r.key for r in self._board.current()}
+        present = {r.key for r in readings}
         for key in [k for k in self._last_known if k not in present]:
             del self._last_known[key]
         return Cause(worst_level, worst)

@@ -1,12 +1,13 @@
 """Assembling the agent: every component built once, from the configuration and the probed host.
 
-:func:`build_agent` is where dependencies are wired: the node state, the detection board, the
+:func:`build_agent` is where dependencies are wired: the node state, the readings board, the
 resctrl filesystem, the capabilities, the NRI stub and the background services (the config
-watcher, the reconciler with its pod watch, the eviction manager), each handed exactly what it
-needs. The Kubernetes client is built once and shared by whatever talks to the API.
-:func:`run_agent` runs them all in one :class:`asyncio.TaskGroup` until stop. The daemon
-(``nri-qos run``) and the simulation (``nri-qos simulate``) are two callers, with a real host and
-a simulated one.
+watcher, the reconciler with its pod watch, interference detection, the mitigation ladder and the
+eviction manager), each handed exactly what it needs. The board and the Kubernetes client are
+made here, once: detection publishes on the board, the ladder and the eviction manager's
+in-tree plugins read it. :func:`run_agent` runs them all in one :class:`asyncio.TaskGroup` until
+stop. The daemon (``nri-qos run``) and the simulation (``nri-qos simulate``) are two callers,
+with a real host and a simulated one.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.audit import AuditLog
+from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board
 from reconciler.eviction.builtin import in_tree_plugins
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import ApiClient, KubeActions, PodWatcher, build_api_client, node_name
+from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
+from reconciler.loops.memory_guard import GuardSqueeze
+from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, run_reconciler
 from reconciler.state import NodeState
 
@@ -66,10 +70,12 @@ class Agent:
     executor: ThreadPoolExecutor
     # Settings fields the background loops apply to running containers.
     reconciler_fields: frozenset[str]
-    # Where the detectors publish their readings; the eviction plugins (and the ladder) read it.
+    # The latest detector readings (empty while detection does not run).
     board: Board
     # The one place that evicts pods; None when the background half does not run.
-    evictor: EvictionManager | None
+    evictor: EvictionManager | None = None
+    # The mitigation ladder, when the background services run.
+    mitigation: Mitigation | None = None
 
 
 def probe(cfg: Config, audit: AuditLog) -> tuple[HostInfo, SysFs]:
@@ -148,21 +154,30 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     services: list[Service] = [store.watch]
     board = Board()
     evictor = None
+    mitigation = None
     if reconcile and run_background:
         api = build_api_client(cfg.kubernetes)
         node = node_name(cfg.kubernetes)
-        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node))
+        kube = KubeActions(api, cfg.kubernetes, audit)
+        squeeze = GuardSqueeze()
+        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
+                                    squeeze))
+        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit).run)
         evictor = EvictionManager(
-            lambda: store.current, state, KubeActions(api, cfg.kubernetes, audit), node, audit,
-            sysfs, host.cgroup, in_tree_plugins(board, lambda: store.current.eviction))
+            lambda: store.current, state, kube, node, audit, sysfs, host.cgroup,
+            in_tree_plugins(board, lambda: store.current.eviction))
         services.append(evictor.run)
+        mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
+                                      kube=None if api is None else kube, node=node,
+                                      squeeze=squeeze, evictor=evictor)
+        services.append(mitigation.run)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",
              capabilities=[c.name for c in capabilities], config=store.source,
              cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}",
              memory_total_bytes=host.memory_total_bytes,
              reconciler=reconcile and run_background)
     return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
-                 board, evictor)
+                 board, evictor, mitigation)
 
 
 def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], None]:
@@ -174,12 +189,12 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 
 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
-                resctrl: ResctrlFs | None, audit: AuditLog, api: ApiClient | None,
-                node: str) -> Service:
+                resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None,
+                node: str, squeeze: GuardSqueeze) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
-        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit)
+        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s)

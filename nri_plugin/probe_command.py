@@ -20,8 +20,19 @@ from nri_plugin.config.schema import Config
 from nri_plugin.config.store import load_config
 from nri_plugin.logs import LoggingSetup
 from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.config import (
+    FULFILLMENT,
+    KSWAPD,
+    NUMA_FREE,
+    PRESSURE_LEVEL,
+    PSI,
+    RSS_OVERUSE,
+    SYSTEM_FREE,
+)
+from reconciler.detection.service import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo, TriggerSupport
 from reconciler.k8s import build_api_client
+from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +126,98 @@ def _eviction(cfg: Config, host: HostInfo) -> Feature:
                          f"out-of-tree plugins from {evict.plugin_dir}/*.sock")
 
 
+def _detector(name: str, what: Callable[[Config, HostInfo], Feature]
+              ) -> Callable[[Config, HostInfo], Feature]:
+    def check(cfg: Config, host: HostInfo) -> Feature:
+        if not cfg.reconciler.enabled:
+            return Feature(False, "reconciler.enabled is false")
+        if not cfg.detection.enabled:
+            return Feature(False, "detection.enabled is false")
+        if name in cfg.detection.disabled:
+            return Feature(False, f"{name} is in detection.disabled")
+        return what(cfg, host)
+
+    return check
+
+
+def _numa_free(cfg: Config, host: HostInfo) -> Feature:
+    if not host.numa_view.consistent:
+        return Feature(False, f"{host.numa_view.describe()}: system_free covers the machine")
+    if not host.numa_nodes:
+        return Feature(False, "no NUMA nodes in sysfs: system_free covers the machine")
+    return Feature(True, f"free memory of {len(host.numa_nodes)} NUMA node(s) vs their "
+                         "watermarks")
+
+
+def _psi(cfg: Config, host: HostInfo) -> Feature:
+    path, reason = psi_path(cfg.detection, host)
+    pods = "; each online pod's memory.pressure" if host.cgroup.v2 else ""
+    return Feature(path != "off", f"{reason}{pods}")
+
+
+def _pressure_level(cfg: Config, host: HostInfo) -> Feature:
+    problem = pressure_level_problem(host)
+    if problem:
+        return Feature(False, problem)
+    return Feature(True, "eventfds on the root memcg and kubelet's pods and burstable cgroups "
+                         f"({cfg.detection.pressure_level_mode})")
+
+
+def _always(detail: str) -> Callable[[Config, HostInfo], Feature]:
+    return lambda cfg, host: Feature(True, detail)
+
+
+def _rung(name: str, what: Callable[[Config, HostInfo], Feature]
+          ) -> Callable[[Config, HostInfo], Feature]:
+    def check(cfg: Config, host: HostInfo) -> Feature:
+        rung = getattr(cfg.mitigation, name)
+        if not cfg.reconciler.enabled:
+            return Feature(False, "reconciler.enabled is false")
+        if not (cfg.mitigation.enabled and rung.enabled):
+            return Feature(False, f"mitigation.{name} is switched off")
+        found = what(cfg, host)
+        if found.runs and rung.dry_run:
+            return Feature(True, f"dry-run (decides and audits, writes nothing): {found.detail}")
+        return found
+
+    return check
+
+
+def _taint(cfg: Config, host: HostInfo) -> Feature:
+    rung = cfg.mitigation.taint
+    if not cfg.kubernetes.enabled or build_api_client(cfg.kubernetes) is None:
+        return Feature(False, "no Kubernetes API access: audited as skipped")
+    return Feature(True, f"taint {rung.key}:{rung.effect} and condition {rung.condition} from "
+                         f"level {rung.level}")
+
+
+def _tune(cfg: Config, host: HostInfo) -> Feature:
+    knobs = []
+    if cfg.memory_guard.enabled:
+        knobs.append("squeeze of the reclaimed tier's " +
+                     ("memory.high" if host.cgroup.v2 else "memory limit") + " by the guard")
+    if host.memcg.wmark_ratio:
+        knobs.append("memory.wmark_ratio of reclaimed pods")
+    if not knobs:
+        return Feature(False, "memory guard off and no memory.wmark_ratio in this kernel")
+    return Feature(True, "; ".join(knobs))
+
+
+def _drop_cache(cfg: Config, host: HostInfo) -> Feature:
+    problem = drop_cache_problem(host)
+    if problem:
+        return Feature(False, problem)
+    return Feature(True, f"{drop_file(host)} of reclaimed pods, largest cache first, from level "
+                         f"{cfg.mitigation.drop_cache.level}")
+
+
+def _evict(cfg: Config, host: HostInfo) -> Feature:
+    manager = _eviction(cfg, host)
+    if not manager.runs:
+        return Feature(False, f"the eviction manager does not run: {manager.detail}")
+    return Feature(True, "asks the eviction manager for a round at once")
+
+
 def _kubernetes(cfg: Config, host: HostInfo) -> Feature:
     if not cfg.kubernetes.enabled:
         return Feature(False, "kubernetes.enabled is false: NRI data only")
@@ -133,6 +236,20 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.resctrl_tasks": _resctrl_tasks,
     "reconciler.memory_guard": _memory_guard,
     "reconciler.numa_binding": _numa_binding,
+    "detection.system_free": _detector(SYSTEM_FREE, _always(
+        "MemFree of /proc/meminfo vs max(floor, total x watermark_scale_factor, zones' low)")),
+    "detection.numa_free": _detector(NUMA_FREE, _numa_free),
+    "detection.psi": _detector(PSI, _psi),
+    "detection.pressure_level": _detector(PRESSURE_LEVEL, _pressure_level),
+    "detection.kswapd": _detector(KSWAPD, _always("pgsteal_kswapd rate from /proc/vmstat")),
+    "detection.rss_overuse": _detector(RSS_OVERUSE, _always(
+        "anonymous memory of shared/reclaimed pods vs request x factor")),
+    "detection.fulfillment": _detector(FULFILLMENT, _always(
+        "the memory guard's cap vs the reclaimed pods' requests")),
+    "mitigation.taint": _rung("taint", _taint),
+    "mitigation.tune": _rung("tune", _tune),
+    "mitigation.drop_cache": _rung("drop_cache", _drop_cache),
+    "mitigation.evict": _rung("evict", _evict),
     "reconciler.eviction": _eviction,
     "kubernetes": _kubernetes,
 }

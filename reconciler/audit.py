@@ -63,9 +63,23 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "memory); node-wide limits use /proc/meminfo."),
     AuditEvent("numa_binding", ("pod_uid", "container", "mems", "reason"),
                "A container's cpuset.mems was changed."),
-    AuditEvent("drop_cache_started", ("path", "reason"), "A drop-cache action started."),
-    AuditEvent("drop_cache_finished", ("path", "duration_s", "result"),
-               "A drop-cache action ended."),
+    AuditEvent("detector_unknown", ("detector", "scope", "reason"),
+               "A detector could not read its kernel file (missing, malformed, truncated); its "
+               "level is unknown, never taken for no pressure. Once per cause."),
+    AuditEvent("mitigation_level", ("ladder_level", "previous", "reason"),
+               "The mitigation ladder's level changed (the worst level of its detectors)."),
+    AuditEvent("mitigation_action", ("action", "step", "ladder_level", "result", "dry_run",
+                                     "reason"),
+               "A rung of the ladder was engaged, repeated or released, with its cause "
+               "(detector, scope, value, threshold) and result (done, unchanged, dry_run, "
+               "skipped, failed, timeout)."),
+    AuditEvent("drop_cache_started", ("path", "reason", "pod_uid", "usage_before_bytes"),
+               "A drop-cache write to a reclaimed pod's memcg started."),
+    AuditEvent("drop_cache_finished", ("path", "duration_s", "result", "pod_uid",
+                                       "usage_before_bytes", "usage_after_bytes",
+                                       "freed_bytes"),
+               "A drop-cache write ended (done, failed, timeout, skipped), with the pod's "
+               "memory usage before and after."),
     AuditEvent("eviction_candidate", ("pod", "plugin", "reason"),
                "A plugin proposed the pod for eviction (once while it keeps proposing it)."),
     AuditEvent("eviction_filtered", ("pod", "plugin", "why"),
@@ -98,6 +112,8 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "A plugin answered again after failing."),
     AuditEvent("taint_added", ("node", "taint", "reason"), "A node taint was added."),
     AuditEvent("taint_removed", ("node", "taint", "reason"), "A node taint was removed."),
+    AuditEvent("node_condition", ("node", "condition", "status", "reason"),
+               "A node condition was set (its status or reason changed)."),
 )
 
 

@@ -29,7 +29,7 @@ import structlog
 import urllib3
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
-from kubernetes.client import ApiClient as ApiClient  # re-exported: the client type callers hold
+from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
 from hooks.config_fields import setting
@@ -38,6 +38,9 @@ from reconciler.audit import AuditLog
 from reconciler.podmeta import PodMeta, pod_meta_from_object
 
 _log = structlog.get_logger(__name__)
+
+Api = ApiClient
+"""The client handle :func:`build_api_client` returns, for callers that pass it on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,8 +573,9 @@ class KubeActions:
             raw = found.get("conditions") if isinstance(found, dict) else None
             conditions = [c for c in raw if isinstance(c, dict)] if isinstance(raw, list) else []
             mine = next((c for c in conditions if c.get("type") == condition), None)
-            if mine is not None and (mine.get("status"), mine.get("reason"),
-                                     mine.get("message")) == (text, reason, message):
+            # Status and reason, not the message: a message carrying the observed value would
+            # otherwise rewrite the node at every change of that value.
+            if mine is not None and (mine.get("status"), mine.get("reason")) == (text, reason):
                 return None
             now = _rfc3339()
             transition = now if mine is None or mine.get("status") != text else \

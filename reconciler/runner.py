@@ -26,7 +26,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, run_loop
 from reconciler.loops.drift import DriftConfig, DriftLoop
-from reconciler.loops.memory_guard import MemoryGuardLoop, MemoryGuardSections
+from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, MemoryGuardSections
 from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.state import NodeState
@@ -42,15 +42,17 @@ class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Pr
 
 
 def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysfs: SysFs,
-                host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog) -> list[Loop]:
+                host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
+                squeeze: GuardSqueeze | None = None) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
-    reload can switch them on again. The resctrl loop needs a usable resctrl mount."""
+    reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
+    the mitigation ladder's handle on the memory guard."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes),
-        MemoryGuardLoop(config, sysfs, layout, audit),
+        MemoryGuardLoop(config, sysfs, layout, audit, squeeze),
         NumaBindingLoop(config, state, sysfs, layout, audit),
     ]
     if resctrl is not None:
@@ -80,6 +82,7 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
                 unsubscribe.append(state.subscribe(_waker(running, wake),
                                                    events=loop.wake_events,
                                                    meta=loop.wake_on_meta))
+                unsubscribe.append(loop.subscribe_wake(_waker(running, wake)))
                 group.create_task(run_loop(loop, stop=stop, wake=wake, executor=executor,
                                            backoff_max=backoff_max),
                                   name=f"reconciler-{loop.name}")

@@ -1,11 +1,13 @@
 """An HTTP server on 127.0.0.1 that answers like the Kubernetes API server for what nri-qos uses.
 
 Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
-Eviction subresource, Event creation, node GET and merge-PATCH (of the node and of its status
-subresource). Tests change pods through :meth:`add_pod`, :meth:`modify_pod`, :meth:`delete_pod`
-(each change gets a resourceVersion and a watch event) and inject trouble: failing requests,
-slow answers, dropped or ended watch streams, compacted history (410 Gone), disruption budgets
-(429) and concurrent node writers (409). Every request is recorded.
+Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
+Eviction subresource, Event creation, node GET and PATCH (of the node and of its status
+subresource; a merge patch replaces lists, a strategic merge patch merges the status conditions
+by type, as the API server does). Tests change pods through :meth:`add_pod`, :meth:`modify_pod`,
+:meth:`delete_pod` (each change gets a resourceVersion and a watch event) and inject trouble:
+failing requests, slow answers, dropped or ended watch streams, compacted history (410 Gone),
+disruption budgets (429) and concurrent node writers (409). Every request is recorded.
 """
 
 from __future__ import annotations
@@ -253,6 +255,18 @@ class FakeApiServer:
         found = self.node(name).get("status", {}).get("conditions") or []
         return {c["type"]: c for c in found}
 
+    def condition_types(self, name: str) -> list[str]:
+        """The types of the node's status conditions, in the order the node holds them."""
+        return [c["type"] for c in self.node(name).get("status", {}).get("conditions") or []]
+
+    def set_conditions(self, name: str, conditions: list[dict[str, Any]]) -> None:
+        """Another writer (kubelet) sets the node's conditions."""
+        with self._lock:
+            node = self._state.nodes[name]
+            self._state.resource_version += 1
+            node["metadata"]["resourceVersion"] = str(self._state.resource_version)
+            node.setdefault("status", {})["conditions"] = copy.deepcopy(conditions)
+
     def events(self) -> list[dict[str, Any]]:
         with self._lock:
             return copy.deepcopy(self._state.events)
@@ -395,6 +409,29 @@ class _Server(ThreadingHTTPServer):
 
 def _pods_on(pods: Iterator[dict[str, Any]], node: str | None) -> list[dict[str, Any]]:
     return [p for p in pods if node is None or p.get("spec", {}).get("nodeName") == node]
+
+
+def _strategic_merge(target: Any, patch: Any) -> Any:
+    """A strategic merge patch for what nri-qos sends: like a merge patch, except that
+    ``status.conditions`` entries merge into the list by their ``type``."""
+    result = _merge_patch(target, {k: v for k, v in patch.items() if k != "status"})
+    status = patch.get("status")
+    if not isinstance(status, dict):
+        return result
+    merged_status = _merge_patch(result.get("status"),
+                                 {k: v for k, v in status.items() if k != "conditions"})
+    if "conditions" in status:
+        conditions = list(merged_status.get("conditions") or [])
+        for entry in status["conditions"]:
+            kinds = [c.get("type") for c in conditions]
+            if entry.get("type") in kinds:
+                i = kinds.index(entry.get("type"))
+                conditions[i] = _merge_patch(conditions[i], entry)
+            else:
+                conditions.append(copy.deepcopy(entry))
+        merged_status["conditions"] = conditions
+    result["status"] = merged_status
+    return result
 
 
 def _merge_patch(target: Any, patch: Any) -> Any:
@@ -640,7 +677,9 @@ class _Handler(BaseHTTPRequestHandler):
             if record.method == "GET":
                 self._send_json(record, 200, node)
                 return
-            if record.headers.get("content-type") != "application/merge-patch+json":
+            kind = record.headers.get("content-type")
+            strategic = kind == "application/strategic-merge-patch+json"
+            if kind != "application/merge-patch+json" and not strategic:
                 self._status(record, 415, "UnsupportedMediaType", "only merge patches here")
                 return
             if state.patch_conflicts > 0:
@@ -656,7 +695,9 @@ class _Handler(BaseHTTPRequestHandler):
                              "been modified; please apply your changes to the latest version "
                              "and try again")
                 return
-            updated = _merge_patch(node, patch)
+            # The status subresource changes status only, whatever else the patch says.
+            merge = _strategic_merge if strategic else _merge_patch
+            updated = merge(node, {"status": patch.get("status", {})} if status else patch)
             state.resource_version += 1
             updated["metadata"]["resourceVersion"] = str(state.resource_version)
             state.nodes[name] = updated

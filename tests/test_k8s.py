@@ -704,15 +704,22 @@ async def test_node_condition_set_once_then_flipped(
     ) is NodeOutcome.UNCHANGED
     assert len(fake.requests("PATCH")) == 1
 
-    # A new message with the same status keeps the transition time.
+    # A new message alone is no reason to rewrite the node (it carries the observed value).
+    assert await actions.set_node_condition(
+        "node-a", "NriQosSystemMemoryPressure", True, "NriQosThresholdMet", "free 0 < 2"
+    ) is NodeOutcome.UNCHANGED
+    assert len(fake.requests("PATCH")) == 1
+
+    # A new reason with the same status is written and keeps the transition time.
     fake_old = "2020-01-01T00:00:00Z"
     node = fake.node("node-a")
     with fake._lock:
         fake._state.nodes["node-a"]["status"]["conditions"][1]["lastTransitionTime"] = fake_old
     assert node["status"]["conditions"][1]["type"] == "NriQosSystemMemoryPressure"
     assert await actions.set_node_condition(
-        "node-a", "NriQosSystemMemoryPressure", True, "NriQosThresholdMet", "free 0 < 2"
+        "node-a", "NriQosSystemMemoryPressure", True, "NriQosKswapdActive", "free 0 < 2"
     ) is NodeOutcome.CHANGED
+    assert fake.conditions("node-a")["NriQosSystemMemoryPressure"]["message"] == "free 0 < 2"
     assert fake.conditions("node-a")["NriQosSystemMemoryPressure"]["lastTransitionTime"] == (
         fake_old)
 

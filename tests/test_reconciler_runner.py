@@ -237,8 +237,10 @@ def test_disabled_reconciler_is_not_started(tmp_path: Path) -> None:
                                                                       enabled=enabled))
         agent = build_agent(ConfigStore(audit, config=cfg), audit, host_of(sysfs), sysfs,
                             PluginIdentity("nri-qos", "10"), run_background=True)
-        # The config watcher always; the reconciler and the eviction manager only when enabled.
-        assert len(agent.services) == (3 if enabled else 1)
+        # The config watcher always; the reconciler, detection, the eviction manager and the
+        # ladder only when enabled.
+        assert len(agent.services) == (5 if enabled else 1)
         assert (agent.evictor is not None) is enabled
+        assert (agent.mitigation is not None) is enabled
         assert bool(agent.reconciler_fields) is enabled
         agent.executor.shutdown()

@@ -124,7 +124,7 @@ class Config:
         return ReadKeys(frozenset({
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
-            self.oom.annotation, *EVICTION_ANNOTATIONS,
+            self.oom.annotation, self.detection.rss_overuse_annotation, *EVICTION_ANNOTATIONS,
         }))
 
     def validate(self) -> list[tuple[str, str]]:

@@ -27,6 +27,8 @@ from reconciler.host.sysfs import SysFs
 NODE_DIR = "/sys/devices/system/node"
 ZONEINFO = "/proc/zoneinfo"
 MEMINFO = "/proc/meminfo"
+VMSTAT = "/proc/vmstat"
+WATERMARK_SCALE_FACTOR = "/proc/sys/vm/watermark_scale_factor"
 
 _NODE_NAME = re.compile(r"node(\d+)")
 _ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")

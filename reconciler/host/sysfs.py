@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -48,6 +50,18 @@ class Outcome(Enum):
     WRITTEN = "written"
     GONE = "gone"
     FAILED = "failed"
+    TIMEOUT = "timeout"
+
+
+_CHILD_WRITER = (
+    "import os, sys\n"
+    "try:\n"
+    "    fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+    "    os.write(fd, sys.argv[2].encode('ascii'))\n"
+    "except OSError as exc:\n"
+    "    sys.exit(exc.errno or 1)\n"
+)
+"""What a child process runs to write one value: its exit status is the errno (0: written)."""
 
 
 class SysPathError(ValueError):
@@ -276,6 +290,55 @@ class SysFs:
             os.close(fd)
             raise
         return fd
+
+    def register_memcg_event(self, cgroup: str, file: str, args: str) -> int:
+        """Ask the kernel (cgroup v1) to signal an eventfd on a memcg event: ``file`` names the
+        event in ``cgroup`` (``memory.pressure_level``, ``memory.oom_control`` ...) and
+        ``args`` is what that file takes (``low,local``). Returns the eventfd (non-blocking;
+        reading it returns the count of events since the last read); closing it ends the
+        registration. The kernel also signals it once when the cgroup is removed. Raises
+        :class:`OSError` when refused."""
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            # The kernel keeps its own reference to the event file: it may be closed at once.
+            target = os.open(self.real(f"{cgroup}/{file}"), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                control = os.open(self.real(f"{cgroup}/cgroup.event_control"),
+                                  os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(control, f"{efd} {target} {args}".encode("ascii"))
+                finally:
+                    os.close(control)
+            finally:
+                os.close(target)
+        except OSError:
+            os.close(efd)
+            raise
+        return efd
+
+    def write_bounded(self, path: str, value: str, timeout_s: float) -> tuple[Outcome, str]:
+        """Write ``value`` from a child process that is killed after ``timeout_s``: for writes
+        that make the kernel work for long (``memory.force_empty``, ``memory.reclaim``), which a
+        thread could not abandon but a killed writer interrupts (the kernel checks for a
+        pending signal while it reclaims). Not audited here: the caller records the action.
+
+        Returns the outcome (WRITTEN, GONE, FAILED or TIMEOUT) and, unless written, why."""
+        try:
+            done = subprocess.run(
+                [sys.executable, "-I", "-S", "-c", _CHILD_WRITER, self.real(path), value],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            return Outcome.TIMEOUT, f"no answer within {timeout_s:g} s: the writer was killed"
+        except OSError as exc:
+            return Outcome.FAILED, f"could not start the writer: {exc}"
+        code = done.returncode
+        if code == 0:
+            return Outcome.WRITTEN, ""
+        if code < 0:
+            return Outcome.FAILED, f"the writer died of signal {-code}"
+        error = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+        return (Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED), error
 
     def append_ids(self, path: str, ids: Iterable[int], *, create: bool = False) -> int:
         """Write task ids into a ``tasks``-like file, one id per write as the kernel requires;

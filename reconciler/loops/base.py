@@ -83,6 +83,11 @@ class Loop:
         """One pass; ``now`` is the runner's clock."""
         raise NotImplementedError
 
+    def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Call ``wake`` (from any thread) when something of the loop's own, beyond the node
+        state, wants a cycle now; returns the function that ends the subscription."""
+        return lambda: None
+
 
 async def run_loop(
     loop: Loop,

@@ -20,11 +20,26 @@ The cap is written to the BestEffort QoS cgroup: ``memory.limit_in_bytes`` on v1
 and ``memory.high = high_ratio x cap`` on v2. A falling cap moves at most ``max_step_bytes`` per
 cycle, from the current limit and from the current usage, so the kernel reclaims gradually
 instead of OOM-killing the tier at once.
+
+While the mitigation ladder squeezes the tier (:class:`GuardSqueeze`, its "tune memcg" rung),
+the tier is held below its current usage::
+
+    tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes,
+                anonymous memory of the tier + squeeze.step_bytes)
+
+as the v1 limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high,
+tight)``, ``memory.max`` unchanged), every cycle: the offline tier reclaims its own page cache
+(v1) or is throttled and reclaims (v2) instead of pushing the node into reclaim that hits online
+pods. The squeeze takes page cache, not anonymous memory (which without swap cannot be
+reclaimed: the kernel would refuse the limit, or OOM-kill offline pods for a rung meant to be
+mild): the tight value stays a step above it. Clearing the squeeze wakes
+the guard, which writes the unsqueezed values at once (a rising cap is not limited).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -104,6 +119,70 @@ def bounded_cap(target: int, previous: int | None, usage: int, step: int) -> int
     return max(target, floor, 0)
 
 
+@dataclass(frozen=True, slots=True)
+class Squeeze:
+    """A tighter reclaimed tier, asked for by the mitigation ladder while interference lasts."""
+
+    # How far below its current usage the tier is held.
+    step_bytes: int
+    # Never below this.
+    floor_bytes: int
+    # Why (the detector and its reading), for the audit trail.
+    reason: str
+
+
+class GuardSqueeze:
+    """The ladder's handle on the guard; safe from any thread. A change calls the subscribers
+    (the guard's wake-up), so it takes effect at once rather than at the next period."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: Squeeze | None = None
+        self._subscribers: list[Callable[[], None]] = []
+
+    def current(self) -> Squeeze | None:
+        with self._lock:
+            return self._current
+
+    def set(self, squeeze: Squeeze | None) -> bool:
+        """Squeeze (or, with None, release) the tier; True when that changed something."""
+        with self._lock:
+            changed = self._current != squeeze
+            self._current = squeeze
+            subscribers = list(self._subscribers) if changed else []
+        for callback in subscribers:
+            callback()
+        return changed
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._subscribers:
+                    self._subscribers.remove(callback)
+
+        return unsubscribe
+
+
+def squeezed(usage: int, anonymous: int, squeeze: Squeeze) -> int:
+    """The tier's tight limit (see the module doc), in whole pages."""
+    tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes, anonymous + squeeze.step_bytes)
+    return tight // PAGE_SIZE * PAGE_SIZE
+
+
+def tier_anonymous(stat: str | None, v2: bool) -> int:
+    """The tier's anonymous memory from its memory.stat (v2 ``anon``, v1 ``total_rss``, which
+    includes huge pages); 0 when unreadable (the floor then still holds)."""
+    wanted = "anon" if v2 else "total_rss"
+    for line in (stat or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == wanted and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
 class MemoryGuardSections(Protocol):
     """The sections the memory guard reads."""
 
@@ -118,13 +197,21 @@ class MemoryGuardLoop(Loop):
     name = "memory_guard"
 
     def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
-                 layout: CgroupLayout, audit: AuditLog) -> None:
+                 layout: CgroupLayout, audit: AuditLog,
+                 squeeze: GuardSqueeze | None = None) -> None:
         self._config = config
         self._sysfs = sysfs
         self._layout = layout
         self._audit = audit
+        self._squeeze = squeeze
         self._warned_missing = False
         self._numa_consistent = True
+
+    def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """A squeeze set or released wakes the guard."""
+        if self._squeeze is None:
+            return super().subscribe_wake(wake)
+        return self._squeeze.subscribe(wake)
 
     def interval(self) -> float:
         return self._config().memory_guard.interval_s
@@ -157,11 +244,23 @@ class MemoryGuardLoop(Loop):
         if current_text is None:
             return
         previous = parse_bytes(current_text)
-        cap = bounded_cap(target, previous, usage, guard.max_step_bytes) // page * page
+        squeeze = self._squeeze.current() if self._squeeze is not None else None
+        tight = None if squeeze is None else squeezed(
+            usage, tier_anonymous(sysfs.read(f"{tier}/memory.stat"), v2), squeeze)
+        cap = bounded_cap(target, previous, usage, guard.max_step_bytes)
+        if tight is not None and not v2:
+            # At once, not one step per cycle from the previous cap: only the usage bound (no
+            # OOM cliff) still holds.
+            cap = max(min(cap, tight), usage - guard.max_step_bytes)
+        cap = cap // page * page
         where = f"{len(nodes)} NUMA node(s)" if view_nodes is nodes else "the machine"
         reason = f"memory guard: reclaimed {reclaimed} B + headroom over {where}"
+        if squeeze is not None:
+            reason += f"; squeezed to {tight} B ({squeeze.reason})"
         if v2:
             high = int(cap * guard.high_ratio) // page * page
+            if tight is not None:
+                high = min(high, tight)
             high_file = f"{tier}/memory.high"
             # Lower memory.high before memory.max so the tier is throttled before it is capped,
             # and raise memory.max first for the same reason.
@@ -170,13 +269,16 @@ class MemoryGuardLoop(Loop):
                 else [(limit_file, cap), (high_file, high)]
             outcomes = {path: sysfs.write_if_changed(path, str(value), reason, same=same_bytes)
                         for path, value in order}
-            changed = outcomes[limit_file] == Outcome.WRITTEN
+            changed = Outcome.WRITTEN in outcomes.values()
+            extra = {"high_bytes": high}
         else:
             changed = sysfs.write_if_changed(limit_file, str(cap), reason,
                                              same=same_bytes) == Outcome.WRITTEN
+            extra = {}
         if changed:
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
-                               previous_bytes=previous, target_bytes=target, usage_bytes=usage)
+                               previous_bytes=previous, target_bytes=target, usage_bytes=usage,
+                               squeezed=squeeze is not None, **extra)
 
     def _node_view(self, nodes: list[NumaNode],
                    guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:

@@ -1,18 +1,119 @@
-"""Configuration of the mitigation ladder."""
+"""Configuration of the mitigation ladder (``[mitigation]`` and one table per rung).
+
+The ladder maps the worst level the chosen detectors report to actions, least harmful first;
+each rung names the level from which it acts, can be switched off, and can run in dry-run
+(decide and audit, write nothing). Reasons for the defaults: ``docs/detection.md``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hooks.config_fields import setting
+from hooks.config_fields import section, setting
+from reconciler.detection.config import (
+    DETECTORS,
+    KSWAPD,
+    NUMA_FREE,
+    PRESSURE_LEVEL,
+    PSI,
+    SYSTEM_FREE,
+)
+
+LEVELS = ("low", "medium", "high")
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+@dataclass(frozen=True, slots=True)
+class TaintRung:
+    enabled: bool = setting(True, "Forbid scheduling: taint the node and set its condition.")
+    level: str = setting("low", "Level from which the node is tainted: the mildest action, "
+                         "so from the first sign.", choices=LEVELS)
+    dry_run: bool = setting(False, "Decide and audit only; no API call.")
+    key: str = setting("nri-qos.io/memory-pressure", "Taint key.")
+    value: str = setting("", "Taint value (may be empty).")
+    effect: str = setting(
+        "NoSchedule", "Taint effect. NoSchedule: new pods go elsewhere, running ones stay.",
+        choices=TAINT_EFFECTS)
+    condition: str = setting(
+        "NriQosMemoryPressure", "Node condition kept True while the rung is engaged, False "
+        "after (with reason and message).")
+
+
+@dataclass(frozen=True, slots=True)
+class TuneRung:
+    enabled: bool = setting(True, "Tune memcg: squeeze the reclaimed tier through the memory "
+                            "guard; memory.wmark_ratio of reclaimed pods where the kernel has it.")
+    level: str = setting("low", "Level from which memcg is tuned: throttling offline "
+                         "allocation costs offline work only.", choices=LEVELS)
+    dry_run: bool = setting(False, "Decide and audit only; write nothing.")
+    squeeze_bytes: int = setting(
+        64 << 20, "How far below its current usage the reclaimed tier is held (v1 limit, v2 "
+        "memory.high), again at each guard cycle while engaged. 64 MiB: on a 2-core cgroup v1 VM "
+        "holding offline 64 MiB below its usage ended the reclaim that reached online pods "
+        "(online p99 14-28 ms -> 0.6-0.9 ms).", unit="bytes", minimum=1 << 20, maximum=1 << 40)
+    floor_bytes: int = setting(
+        256 << 20, "Never squeeze the tier below this.", unit="bytes", minimum=0,
+        maximum=1 << 50)
+    wmark_ratio: int = setting(
+        80, "memory.wmark_ratio written on reclaimed pods where the kernel has it (veLinux, "
+        "Anolis): background reclaim from 80 % of their limit (Koordinator's normal value is "
+        "95); the previous value is restored on release.", unit="percent", minimum=1,
+        maximum=100)
+
+
+@dataclass(frozen=True, slots=True)
+class DropCacheRung:
+    enabled: bool = setting(True, "Drop the page cache of reclaimed_cores pods.")
+    level: str = setting("medium", "Level from which caches are dropped: offline pods lose "
+                         "cached data and re-read it later.", choices=LEVELS)
+    dry_run: bool = setting(False, "Decide and audit only; write nothing.")
+    timeout_s: float = setting(
+        30.0, "A drop that takes longer is killed (the kernel stops reclaiming). Katalyst's "
+        "timeout; measured on v1: 1 GiB of cache in 0.06-0.17 s.", unit="seconds", minimum=1,
+        maximum=600)
+    workers: int = setting(
+        2, "Drops running at once (one per pod at most); read at start.", minimum=1,
+        maximum=32)
+    min_cache_bytes: int = setting(
+        16 << 20, "Pods with less page cache are left alone: too little to matter.",
+        unit="bytes", minimum=0, maximum=1 << 50)
+    max_pods: int = setting(
+        8, "Pods dropped per round, largest cache first.", minimum=1, maximum=1000)
+    reclaim_bytes: int = setting(
+        1 << 30, "cgroup v2: at most this much asked of memory.reclaim per pod (the pod's "
+        "page cache if smaller). v1 memory.force_empty takes no amount: all of it.",
+        unit="bytes", minimum=1 << 20, maximum=1 << 50)
+    repeat_s: float = setting(
+        30.0, "While the level holds, drop again this often (caches refill).",
+        unit="seconds", minimum=1, maximum=3600)
+
+
+@dataclass(frozen=True, slots=True)
+class EvictRung:
+    enabled: bool = setting(True, "Ask the eviction manager for a round.")
+    level: str = setting("high", "Level from which eviction is asked for.", choices=LEVELS)
+    dry_run: bool = setting(
+        True, "Decide and audit only. On by default: evicting is the one action that ends "
+        "work; turn it on after the audit trail showed what it would do.")
+    repeat_s: float = setting(
+        5.0, "While the level holds, ask again this often (the manager rate-limits).",
+        unit="seconds", minimum=0.5, maximum=3600)
 
 
 @dataclass(frozen=True, slots=True)
 class MitigationConfig:
-    enabled: bool = setting(False, "Act on detected interference (taint, drop cache).")
-    drop_cache_timeout_s: float = setting(
-        30.0, "Deadline of one drop-cache action.", unit="seconds", minimum=1, maximum=600
-    )
-    taint_key: str = setting(
-        "nri-qos.io/memory-pressure", "Taint put on the node to stop scheduling offline pods."
-    )
+    enabled: bool = setting(True, "Act on detected interference through the rungs below.")
+    detectors: tuple[str, ...] = setting(
+        (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD),
+        "Detectors whose worst level drives the ladder. rss_overuse (one pod's overuse) and "
+        "fulfillment (the reclaimed tier's own shortage) are not node pressure: the eviction "
+        "manager reads them.", choices=DETECTORS)
+    cooldown_s: float = setting(
+        60.0, "A rung is undone after the level stayed below it this long, so pressure that "
+        "comes back within a minute does not toggle the node. kubelet and Katalyst hold "
+        "conditions 5 min; these actions are milder and detection is faster.",
+        unit="seconds", minimum=0, maximum=86_400)
+    taint: TaintRung = section(TaintRung, "Forbid scheduling (node taint and condition).")
+    tune: TuneRung = section(TuneRung, "Tune memcg.")
+    drop_cache: DropCacheRung = section(DropCacheRung, "Drop cache of reclaimed pods.")
+    evict: EvictRung = section(EvictRung, "Eviction through the eviction manager.")

@@ -1,0 +1,346 @@
+"""Reaction time: memory-pressure onset to the agent's first mitigation, as a distribution.
+
+For every onset a fresh agent is built by the agent's own composition root
+(:func:`nri_plugin.agent.build_agent`, the background services of ``nri-qos run``) with the
+default configuration, except where the host is (``reconciler.root``) and where the API server is
+(a fake one on loopback, so the taint and the node condition are real API writes). Once it has
+settled, pressure starts; the reaction is the time from the onset to the first write the ladder
+causes (the taint, the node condition, the squeezed reclaimed tier, a wmark_ratio write or a
+drop-cache write), taken from the audit trail on the same clock (CLOCK_MONOTONIC).
+
+* **fake tree, PSI**: a fake ``/proc/pressure/memory`` whose stall counters start growing (40 %
+  "some", 20 % "full") at the onset; the node's PSI path (the stall-counter poll there).
+* **fake tree, free memory**: ``/proc/meminfo`` MemFree falls far below the watermark at the
+  onset; the periodic detectors (``detection.interval_s``).
+* **real kernel** (root and the cgroup v1 memory controller): the agent's cgroup root is a child
+  memcg limited to 256 MiB (:mod:`tests.realroot`); a reclaimed pod in it streams a file larger
+  than the limit through the page cache; the onset is the first charge that hits the limit
+  (failcnt moves). ``--paths`` adds the same with ``memory.pressure_level`` switched off (what a
+  host without it gets: the PSI path), with dirty page cache so that reclaim stalls.
+
+The last line is ``reaction p50=<ms> ms p99=<ms> ms n=<count>`` for the default configuration on
+the real kernel (``n=0`` where it cannot run).
+
+    python bench/reaction.py [--onsets 50] [--paths] [--skip-fake] [--skip-real] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nri_plugin.agent import build_agent, probe
+from nri_plugin.config.schema import Config
+from nri_plugin.config.store import ConfigStore
+from nri_plugin.logs import LoggingSetup
+from nri_plugin.stub import PluginIdentity
+from reconciler.audit import AuditLog
+from tests.fake_apiserver import FakeApiServer, write_kubeconfig
+from tests.fakesys import GIB, FakeHost
+from tests.polling import eventually
+from tests.realroot import MIB, RealRoot, Worker, data_file, unavailable
+
+NODE = "bench-node"
+SETTLE_S = 0.4
+"""After the agent cleared leftovers: time for the first PSI sample and the event registrations."""
+WAIT_S = 6.0
+"""An onset without any action within this long counts as missed."""
+
+
+def first_write(event: str, fields: Mapping[str, Any]) -> bool:
+    """Whether an audit record is a write the ladder caused."""
+    if event in ("taint_added", "drop_cache_started"):
+        return True
+    if event == "node_condition":
+        return fields.get("status") == "True"
+    if event == "memory_guard_cap":
+        return bool(fields.get("squeezed"))
+    if event == "cgroup_write":
+        return str(fields.get("reason", "")).startswith("tune memcg")
+    return False
+
+
+class Recorder:
+    """An audit sink stamping each record with the monotonic clock as it arrives."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records: list[tuple[float, str, dict[str, Any]]] = []
+
+    def __call__(self, event: str, fields: Mapping[str, Any]) -> None:
+        with self.lock:
+            self.records.append((time.monotonic(), event, dict(fields)))
+
+    def after(self, t: float) -> list[tuple[float, str, dict[str, Any]]]:
+        with self.lock:
+            return [r for r in self.records if r[0] >= t]
+
+    def count(self, event: str) -> int:
+        with self.lock:
+            return sum(1 for r in self.records if r[1] == event)
+
+
+@dataclasses.dataclass
+class Onset:
+    reaction_ms: float | None
+    path: str  # the detector whose reading raised the ladder
+    action: str  # the first write
+    taint_ms: float | None = None  # onset -> the taint on the node (two API requests)
+
+
+def agent_config(root: Path, kubeconfig: Path, **detection: Any) -> Config:
+    cfg = Config()
+    return dataclasses.replace(
+        cfg,
+        reconciler=dataclasses.replace(cfg.reconciler, root=str(root)),
+        kubernetes=dataclasses.replace(cfg.kubernetes, kubeconfig=str(kubeconfig),
+                                       node_name=NODE),
+        detection=dataclasses.replace(cfg.detection, **detection),
+    )
+
+
+async def one_onset(cfg: Config, start: Callable[[], Awaitable[float | None]]) -> Onset:
+    """Build and start an agent, let it settle, start pressure (``start`` returns the onset on
+    the monotonic clock, or None when none happened), and wait for its first write."""
+    recorder = Recorder()
+    audit = AuditLog(recorder)
+    host, sysfs = probe(cfg, audit)
+    agent = build_agent(ConfigStore(audit, config=cfg), audit, host, sysfs,
+                        PluginIdentity("nri-qos", "10"), run_background=True)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(service(stop)) for service in agent.services]
+    try:
+        # the start's release of every rung (leftovers), then time to settle
+        await eventually(lambda: recorder.count("mitigation_action") >= 4, WAIT_S)
+        await asyncio.sleep(SETTLE_S)
+        onset = await start()
+        if onset is None:
+            return Onset(None, "no onset", "")
+        deadline = time.monotonic() + WAIT_S
+        found: Onset | None = None
+        while time.monotonic() < deadline:
+            after = recorder.after(onset)
+            writes = [r for r in after if first_write(r[1], r[2])]
+            if writes and found is None:
+                t, event, _ = writes[0]
+                levels = [r[2] for r in after if r[1] == "mitigation_level"]
+                path = levels[0]["reason"].split(":", 1)[1].split()[0] if levels else "?"
+                found = Onset((t - onset) * 1000, path, event)
+            taints = [r[0] for r in after if r[1] == "taint_added"]
+            if found is not None and taints:
+                found.taint_ms = (taints[0] - onset) * 1000
+                return found
+            await asyncio.sleep(0.005)
+        return found or Onset(None, "missed", "")
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        agent.executor.shutdown(wait=False, cancel_futures=True)
+
+
+# -- fake trees -----------------------------------------------------------------------------------
+
+def fake_host(directory: Path) -> FakeHost:
+    host = FakeHost(directory, version=1, driver="cgroupfs")
+    host.set_numa([(40 * GIB, 64 * GIB, 4000)])
+    (directory / "proc/vmstat").write_text("pgsteal_kswapd 0\npgscan_kswapd 0\n")
+    write_pressure(directory, 0, 0)
+    (directory / "proc/sys/vm").mkdir(parents=True, exist_ok=True)
+    (directory / "proc/sys/vm/watermark_scale_factor").write_text("10\n")
+    return host
+
+
+def write_pressure(root: Path, some: int, full: int) -> None:
+    path = root / "proc/pressure/memory"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".new")
+    tmp.write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={some}\n"
+                   f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full}\n")
+    os.replace(tmp, path)  # as the kernel's file: a reader never sees half of it
+
+
+async def fake_psi(directory: Path, kubeconfig: Path) -> Onset:
+    fake_host(directory)
+    stalling = threading.Event()
+    started: list[float] = []
+
+    def kernel() -> None:
+        """The stall counters, advancing as the kernel's do under pressure."""
+        some = full = 0
+        while not stalling.is_set():
+            some += 4000  # 4 ms of 'some' stall per 10 ms
+            full += 2000
+            write_pressure(directory, some, full)
+            if not started:
+                started.append(time.monotonic())
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=kernel)
+
+    async def start() -> float:
+        thread.start()
+        await eventually(lambda: bool(started), WAIT_S, every_s=0.001)
+        return started[0]
+
+    try:
+        return await one_onset(agent_config(directory, kubeconfig), start)
+    finally:
+        stalling.set()
+        if thread.is_alive():
+            thread.join()
+
+
+async def fake_free(directory: Path, kubeconfig: Path) -> Onset:
+    fake_host(directory)
+
+    async def start() -> float:
+        onset = time.monotonic()
+        # 200 MiB free: under half of the 1 GiB watermark
+        (directory / "proc/meminfo").write_text(
+            f"MemTotal:       {64 * GIB // 1024} kB\nMemFree:        {200 * 1024} kB\n")
+        return onset
+
+    return await one_onset(agent_config(directory, kubeconfig), start)
+
+
+# -- the real kernel ------------------------------------------------------------------------------
+
+async def real(directory: Path, kubeconfig: Path, data: Path, *, dirty: bool,
+               **detection: Any) -> Onset:
+    root = RealRoot(directory, "bench", 256 * MIB)
+    try:
+        memcg, _ = root.container("besteffort", "77777777-0000-4000-8000-000000000007", "d" * 64)
+        worker: Worker = root.spawn_worker(memcg)
+
+        async def start() -> float | None:
+            command = f"dirty {directory / 'dirty.bin'} 0.6 256" if dirty else f"read {data} 0.6"
+            answer = await asyncio.to_thread(worker.ask, command)
+            onset = answer["onset"]
+            return None if onset is None else onset / 1e9
+
+        return await one_onset(agent_config(root.root, kubeconfig, **detection), start)
+    finally:
+        root.close()
+
+
+# -- driving --------------------------------------------------------------------------------------
+
+def percentiles(values: list[float]) -> tuple[float, float, float]:
+    """p50, p90, p99 (inclusive quantiles)."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[49], cuts[89], cuts[98]
+
+
+def summary(name: str, onsets: list[Onset]) -> dict[str, Any]:
+    times = sorted(o.reaction_ms for o in onsets if o.reaction_ms is not None)
+    taints = sorted(o.taint_ms for o in onsets if o.taint_ms is not None)
+    paths: dict[str, int] = {}
+    actions: dict[str, int] = {}
+    for o in onsets:
+        paths[o.path] = paths.get(o.path, 0) + 1
+        if o.action:
+            actions[o.action] = actions.get(o.action, 0) + 1
+    found: dict[str, Any] = {"name": name, "n": len(times), "missed": len(onsets) - len(times),
+                             "paths": paths, "first_write": actions}
+    if times:
+        p50, p90, p99 = percentiles(times)
+        found.update(p50=round(p50, 1), p90=round(p90, 1), p99=round(p99, 1),
+                     min=round(times[0], 1), max=round(times[-1], 1))
+    if taints:
+        p50, _, p99 = percentiles(taints)
+        found.update(taint_p50=round(p50, 1), taint_p99=round(p99, 1))
+    return found
+
+
+def show(found: Mapping[str, Any]) -> None:
+    if not found["n"]:
+        print(f"{found['name']:<46} no reaction measured (missed {found['missed']})")
+        return
+    taint = (f"taint p50 {found['taint_p50']:.1f} p99 {found['taint_p99']:.1f}"
+             if "taint_p50" in found else "taint -")
+    print(f"{found['name']:<46} p50 {found['p50']:7.1f}  p90 {found['p90']:7.1f}  "
+          f"p99 {found['p99']:7.1f}  max {found['max']:7.1f} ms  n={found['n']} "
+          f"missed={found['missed']}  ({taint})  via {found['paths']}  first "
+          f"{found['first_write']}")
+
+
+async def series(name: str, count: int, run: Callable[[Path], Awaitable[Onset]]) -> dict[str, Any]:
+    onsets = []
+    for _ in range(count):
+        with tempfile.TemporaryDirectory(prefix="nri-qos-reaction-") as tmp:
+            onsets.append(await run(Path(tmp)))
+    found = summary(name, onsets)
+    show(found)
+    return found
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    results: list[dict[str, Any]] = []
+    with FakeApiServer() as api, tempfile.TemporaryDirectory(prefix="nri-qos-bench-") as work:
+        api.add_node(NODE)
+        kubeconfig = write_kubeconfig(Path(work) / "kubeconfig", api.url)
+        print(f"onset -> first mitigation write, default configuration, {args.onsets} onsets "
+              "each (ms)")
+        if not args.skip_fake:
+            results.append(await series("fake tree: PSI stall counters",
+                                        args.onsets, lambda d: fake_psi(d, kubeconfig)))
+            results.append(await series("fake tree: free memory under the watermark",
+                                        max(args.onsets // 5, 5),
+                                        lambda d: fake_free(d, kubeconfig)))
+        problem = unavailable()
+        default: dict[str, Any] | None = None
+        if args.skip_real or problem:
+            print(f"real kernel: not measured ({problem or '--skip-real'})")
+        else:
+            data = data_file(Path(work) / "stream.bin", 512)
+            if args.paths:
+                results.append(await series(
+                    "real kernel: PSI path only (no pressure_level)", max(args.onsets // 2, 10),
+                    lambda d: real(d, kubeconfig, data, dirty=True,
+                                   disabled=("pressure_level",))))
+            default = await series("real kernel, default configuration", args.onsets,
+                                   lambda d: real(d, kubeconfig, data, dirty=False))
+            results.append(default)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    if default and default["n"]:
+        print(f"reaction p50={default['p50']:.1f} ms p99={default['p99']:.1f} ms "
+              f"n={default['n']}")
+    else:
+        print("reaction p50=- ms p99=- ms n=0")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--onsets", type=int, default=50)
+    parser.add_argument("--paths", action="store_true",
+                        help="also the real kernel's PSI path alone (pressure_level off)")
+    parser.add_argument("--skip-fake", action="store_true")
+    parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    logging = LoggingSetup(level="error")
+    try:
+        return asyncio.run(main_async(args))
+    finally:
+        logging.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

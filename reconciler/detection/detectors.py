@@ -1,0 +1,365 @@
+"""The detectors: kernel file text in, a graded :class:`Sample` out; pure, no I/O.
+
+Each function grades one observation against the thresholds of the three levels; the detection
+service smooths the samples (:mod:`.smoothing`) into the readings it publishes. Text that does
+not parse gives an ``unknown`` sample with the reason, never ``none``. Formulas and defaults:
+``docs/detection.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hooks.untrusted import bounded_repr
+from reconciler.detection.config import (
+    FULFILLMENT,
+    KSWAPD,
+    NUMA_FREE,
+    PRESSURE_LEVEL,
+    PSI,
+    RSS_OVERUSE,
+    SYSTEM_FREE,
+    DetectionConfig,
+)
+from reconciler.detection.parse import (
+    ParseError,
+    Zone,
+    parse_counters,
+    parse_int,
+    parse_psi,
+    parse_zoneinfo,
+    require,
+)
+from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
+from reconciler.host.numa import MEMINFO, VMSTAT, NumaFormatError, parse_meminfo
+from reconciler.host.sysfs import parse_bytes
+
+GRADED = (Level.LOW, Level.MEDIUM, Level.HIGH)
+Thresholds = tuple[float | None, float | None, float | None]
+"""The thresholds of LOW, MEDIUM and HIGH; None where a detector does not use the level."""
+
+RECLAIMED_TIER = "tier:reclaimed_cores"
+"""Scope of the fulfillment reading: the reclaimed tier as the memory guard supplies it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """A detector's raw verdict on one observation, before smoothing."""
+
+    detector: str
+    scope: str
+    level: Level
+    value: float
+    unit: str
+    thresholds: Thresholds
+    reason: str = ""
+    pod_uid: str | None = None
+    at: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.detector, self.scope)
+
+    def threshold(self, level: Level) -> float:
+        """The threshold of ``level`` (of LOW for NONE; 0 for UNKNOWN or an unused level)."""
+        if level is Level.UNKNOWN:
+            return 0.0
+        index = max(int(level), int(Level.LOW)) - 1
+        found = self.thresholds[index]
+        return 0.0 if found is None else found
+
+    def reading(self, level: Level) -> Reading:
+        """The published reading, at the (smoothed) ``level``."""
+        return Reading(self.detector, self.scope, level, self.value, self.threshold(level),
+                       self.unit, self.reason, self.pod_uid, self.at)
+
+
+def unknown(detector: str, scope: str, reason: str, at: float,
+            pod_uid: str | None = None) -> Sample:
+    return Sample(detector, scope, Level.UNKNOWN, 0.0, "", (None, None, None), reason,
+                  pod_uid, at)
+
+
+def grade_rising(value: float, thresholds: Thresholds) -> Level:
+    """The highest level whose threshold ``value`` reaches (higher is worse)."""
+    reached = [lvl for lvl, t in zip(GRADED, thresholds, strict=True)
+               if t is not None and value >= t]
+    return max(reached, default=Level.NONE)
+
+
+def grade_falling(value: float, thresholds: Thresholds) -> Level:
+    """The highest level whose threshold ``value`` is below (lower is worse)."""
+    reached = [lvl for lvl, t in zip(GRADED, thresholds, strict=True)
+               if t is not None and value < t]
+    return max(reached, default=Level.NONE)
+
+
+# -- free memory against the watermark ------------------------------------------------------------
+
+def watermark(total: int, wsf: int, zone_low: int, floor: int, cfg: DetectionConfig) -> int:
+    """W = max(floor, total x watermark_scale_factor / 10000 x wsf_factor,
+    zones' low watermarks x zone_low_factor), in bytes."""
+    return int(max(floor, total * wsf / 10000 * cfg.free_wsf_factor,
+                   zone_low * cfg.free_zone_low_factor))
+
+
+def _free_sample(detector: str, scope: str, free: int, mark: int, cfg: DetectionConfig,
+                 at: float) -> Sample:
+    thresholds: Thresholds = (mark * cfg.free_low_margin, float(mark),
+                              mark * cfg.free_high_fraction)
+    return Sample(detector, scope, grade_falling(free, thresholds), float(free), "bytes",
+                  thresholds, f"free {free} B, watermark {mark} B", at=at)
+
+
+def _wsf(text: str | None) -> int:
+    """vm.watermark_scale_factor; a kernel without it (before 4.6) has no such term."""
+    return 0 if text is None else parse_int(text)
+
+
+def system_free(meminfo: str, zoneinfo: str, wsf: str | None, numa_nodes: int,
+                cfg: DetectionConfig, page_size: int, at: float) -> Sample:
+    """``/proc/meminfo`` MemFree (page cache is not free) against W for the whole machine (the
+    floor once per NUMA node)."""
+    try:
+        info = parse_meminfo(meminfo)
+        free, total = info["MemFree"], info["MemTotal"]
+        zone_low = sum(z.low_pages for z in parse_zoneinfo(zoneinfo)) * page_size
+        mark = watermark(total, _wsf(wsf), zone_low, cfg.free_floor_bytes * max(numa_nodes, 1),
+                         cfg)
+    except (ParseError, NumaFormatError) as exc:
+        return unknown(SYSTEM_FREE, NODE, str(exc), at)
+    except KeyError as exc:
+        return unknown(SYSTEM_FREE, NODE, f"{MEMINFO} lacks {exc.args[0]}", at)
+    return _free_sample(SYSTEM_FREE, NODE, free, mark, cfg, at)
+
+
+def numa_free(node_meminfo: Mapping[int, str | None], zoneinfo: str, wsf: str | None,
+              cfg: DetectionConfig, page_size: int, at: float) -> list[Sample]:
+    """Each NUMA node's MemFree against its own W (its zones' low watermarks, its total)."""
+    try:
+        zones: Sequence[Zone] = parse_zoneinfo(zoneinfo)
+        scale = _wsf(wsf)
+    except ParseError as exc:
+        return [unknown(NUMA_FREE, numa_scope(n), str(exc), at) for n in sorted(node_meminfo)]
+    samples = []
+    for node in sorted(node_meminfo):
+        text = node_meminfo[node]
+        scope = numa_scope(node)
+        if text is None:
+            samples.append(unknown(NUMA_FREE, scope, "node meminfo is gone", at))
+            continue
+        try:
+            info = parse_meminfo(text)
+            free, total = info["MemFree"], info["MemTotal"]
+        except NumaFormatError as exc:
+            samples.append(unknown(NUMA_FREE, scope, str(exc), at))
+            continue
+        except KeyError as exc:
+            samples.append(unknown(NUMA_FREE, scope, f"node meminfo lacks {exc.args[0]}", at))
+            continue
+        low = sum(z.low_pages for z in zones if z.node == node) * page_size
+        samples.append(_free_sample(NUMA_FREE, scope,
+                                    free, watermark(total, scale, low, cfg.free_floor_bytes,
+                                                    cfg), cfg, at))
+    return samples
+
+
+# -- PSI ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Stall:
+    """The cumulative stall counters of a pressure file at one moment."""
+
+    at: float
+    some_us: int
+    full_us: int | None
+
+
+def read_stall(text: str, at: float) -> Stall:
+    """Raises :class:`ParseError`."""
+    psi = parse_psi(text)
+    return Stall(at, psi.some_total_us, psi.full_total_us)
+
+
+def psi_thresholds(cfg: DetectionConfig) -> Thresholds:
+    return (cfg.psi_some_low_percent, cfg.psi_some_medium_percent, cfg.psi_full_high_percent)
+
+
+def psi_sample(scope: str, before: Stall, now: Stall, cfg: DetectionConfig,
+               pod_uid: str | None = None) -> Sample | None:
+    """The stall shares between two readings of the cumulative counters, graded: ``some`` for
+    LOW and MEDIUM, ``full`` for HIGH. None when no rate can be had (no time passed, or the
+    counters went back: the cgroup was made anew)."""
+    elapsed_us = (now.at - before.at) * 1e6
+    if elapsed_us <= 0 or now.some_us < before.some_us:
+        return None
+    some = (now.some_us - before.some_us) * 100 / elapsed_us
+    full = 0.0
+    if now.full_us is not None and before.full_us is not None and now.full_us >= before.full_us:
+        full = (now.full_us - before.full_us) * 100 / elapsed_us
+    thresholds = psi_thresholds(cfg)
+    high = thresholds[2]
+    level = max(grade_rising(some, (thresholds[0], thresholds[1], None)),
+                Level.HIGH if high is not None and full >= high else Level.NONE)
+    value = full if level is Level.HIGH else some
+    return Sample(PSI, scope, level, round(value, 3), "percent", thresholds,
+                  f"some {some:.1f} % full {full:.1f} % over {elapsed_us / 1000:.0f} ms",
+                  pod_uid, now.at)
+
+
+def psi_trigger_sample(scope: str, window_ms: int, cfg: DetectionConfig, at: float) -> Sample:
+    """A PSI trigger fired: the 'some' stall reached the low share of its window."""
+    stall_ms = window_ms * cfg.psi_some_low_percent / 100
+    return Sample(PSI, scope, Level.LOW, cfg.psi_some_low_percent, "percent",
+                  psi_thresholds(cfg),
+                  f"PSI trigger: some stall >= {stall_ms:g} ms within {window_ms} ms", at=at)
+
+
+# -- cgroup v1 memory.pressure_level --------------------------------------------------------------
+
+KERNEL_LEVELS: Mapping[str, Level] = {"low": Level.LOW, "medium": Level.MEDIUM,
+                                      "critical": Level.HIGH}
+"""The kernel's vmpressure levels: low = reclaiming, medium = reclaim is hitting the working
+set (swapping, refaults), critical = about to OOM."""
+
+
+def pressure_event_sample(scope: str, kernel_level: str, count: int, at: float) -> Sample:
+    return Sample(PRESSURE_LEVEL, scope, KERNEL_LEVELS[kernel_level], float(count), "events",
+                  (1.0, 1.0, 1.0), f"memory.pressure_level {kernel_level} ({count} events)",
+                  at=at)
+
+
+def pressure_quiet_sample(scope: str, at: float) -> Sample:
+    return Sample(PRESSURE_LEVEL, scope, Level.NONE, 0.0, "events", (1.0, 1.0, 1.0),
+                  "no memory.pressure_level event since the last sample", at=at)
+
+
+# -- kswapd ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Reclaim:
+    """kswapd's cumulative reclaim counters (pages) at one moment."""
+
+    at: float
+    steal: int
+    scan: int
+
+
+def read_reclaim(vmstat: str, at: float) -> Reclaim:
+    """``pgsteal_kswapd`` and ``pgscan_kswapd`` (older kernels split them per zone:
+    ``pgsteal_kswapd_normal`` ...; summed). Raises :class:`ParseError`."""
+    values = parse_counters(vmstat)
+    steal = [v for k, v in values.items() if k.startswith("pgsteal_kswapd")]
+    scan = [v for k, v in values.items() if k.startswith("pgscan_kswapd")]
+    if not steal or not scan:
+        raise ParseError(f"{VMSTAT} lacks pgsteal_kswapd/pgscan_kswapd")
+    return Reclaim(at, sum(steal), sum(scan))
+
+
+def kswapd_sample(history: Sequence[Reclaim], cfg: DetectionConfig) -> Sample | None:
+    """kswapd's reclaim rate (pages/s) over the last ``kswapd_window_s``. A counter that went
+    back (a reset or wrap) starts the history afresh: never a spike. None without two samples."""
+    start = 0
+    for i in range(1, len(history)):
+        if history[i].steal < history[i - 1].steal or history[i].scan < history[i - 1].scan:
+            start = i
+    usable = history[start:]
+    if len(usable) < 2:
+        return None
+    last = usable[-1]
+    base = usable[0]
+    for sample in usable[:-1]:
+        if sample.at <= last.at - cfg.kswapd_window_s:
+            base = sample
+    elapsed = last.at - base.at
+    if elapsed <= 0:
+        return None
+    steal = (last.steal - base.steal) / elapsed
+    scan = (last.scan - base.scan) / elapsed
+
+    def used(value: float) -> float | None:
+        return value if value > 0 else None
+
+    thresholds: Thresholds = (used(cfg.kswapd_low_pages_per_s),
+                              used(cfg.kswapd_medium_pages_per_s),
+                              used(cfg.kswapd_high_pages_per_s))
+    return Sample(KSWAPD, NODE, grade_rising(steal, thresholds), round(steal, 1), "pages/s",
+                  thresholds, f"kswapd stole {steal:.0f} and scanned {scan:.0f} pages/s over "
+                  f"{elapsed:.1f} s", at=last.at)
+
+
+# -- RSS overuse ----------------------------------------------------------------------------------
+
+def anonymous_bytes(stat: str, v2: bool) -> int:
+    """A pod's anonymous memory from its cgroup's ``memory.stat``, page cache excluded.
+
+    v2: ``anon``. v1: ``total_rss`` (the pod's cgroup holds its containers' cgroups, so the
+    hierarchical total; ``rss`` on a leaf). v1 ``rss`` already includes ``rss_huge``
+    (measured on kernel 6.18: 32 MiB of THP showed as rss 49 MiB,
+    rss_huge 32 MiB), so adding them would count huge pages twice. Raises ParseError."""
+    values = parse_counters(stat)
+    if v2:
+        return require(values, ("anon",), "memory.stat")[0]
+    if "total_rss" in values:
+        return values["total_rss"]
+    return require(values, ("rss",), "memory.stat")[0]
+
+
+def pod_factor(annotations: Mapping[str, str], key: str,
+               node_factor: float) -> tuple[float, str]:
+    """The RSS overuse factor for a pod: its annotation when valid and stricter than the node's,
+    else the node's; the second item says why an annotation was not used ("" when it was, or
+    when there is none)."""
+    raw = annotations.get(key)
+    if raw is None:
+        return node_factor, ""
+    try:
+        factor = float(raw.strip())
+    except ValueError:
+        return node_factor, f"annotation {key}={bounded_repr(raw)} is not a number"
+    if not 0 < factor <= node_factor:
+        return node_factor, (f"annotation {key}={bounded_repr(raw)} is not stricter than the "
+                             f"node's {node_factor:g}")
+    return factor, ""
+
+
+def rss_overuse(pod_uid: str, stat: str | None, v2: bool, request_bytes: int, factor: float,
+                at: float) -> Sample:
+    """Anonymous memory against the request (LOW at it) and request x factor (HIGH)."""
+    scope = pod_scope(pod_uid)
+    if stat is None:
+        return unknown(RSS_OVERUSE, scope, "memory.stat is gone", at, pod_uid)
+    try:
+        anon = anonymous_bytes(stat, v2)
+    except ParseError as exc:
+        return unknown(RSS_OVERUSE, scope, str(exc), at, pod_uid)
+    thresholds: Thresholds = (float(request_bytes), None, request_bytes * factor)
+    return Sample(RSS_OVERUSE, scope, grade_rising(anon, thresholds), float(anon), "bytes",
+                  thresholds, f"anonymous {anon} B, request {request_bytes} B, factor "
+                  f"{factor:g}", pod_uid, at)
+
+
+# -- reclaimed-tier fulfillment -------------------------------------------------------------------
+
+def fulfillment(limit: str | None, requests_bytes: int, cfg: DetectionConfig,
+                at: float) -> Sample | None:
+    """The memory guard's cap on the reclaimed tier (its limit file) against the sum of the
+    reclaimed pods' requests; None when they request nothing or the tier has no cap."""
+    if requests_bytes <= 0:
+        return None
+    if limit is None:
+        return unknown(FULFILLMENT, RECLAIMED_TIER, "the tier's limit file is gone", at)
+    try:
+        supply = parse_bytes(limit)
+    except ValueError:
+        return unknown(FULFILLMENT, RECLAIMED_TIER,
+                       f"limit not understood: {bounded_repr(limit.strip(), 40)}", at)
+    if supply is None:
+        return None  # no cap: the tier may take what it asked for and more
+    thresholds: Thresholds = (cfg.fulfillment_low_ratio, cfg.fulfillment_medium_ratio,
+                              cfg.fulfillment_high_ratio)
+    ratio = supply / requests_bytes
+    return Sample(FULFILLMENT, RECLAIMED_TIER, grade_falling(ratio, thresholds),
+                  round(ratio, 4), "ratio", thresholds,
+                  f"cap {supply} B for requests of {requests_bytes} B", at=at)

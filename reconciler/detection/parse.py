@@ -1,0 +1,151 @@
+"""Parsers of the kernel files the detectors read; pure, and strict about what they accept.
+
+Each raises :class:`ParseError` (a :class:`ValueError`) with a short reason when the text is not
+what the kernel writes: a detector turns that into an ``unknown`` reading, never into "no
+pressure".
+
+* ``/proc/pressure/memory`` and cgroup v2 ``memory.pressure``::
+
+      some avg10=0.00 avg60=0.01 avg300=0.25 total=7297477
+      full avg10=0.00 avg60=0.00 avg300=0.16 total=5679473
+
+  ``total`` is the cumulative stall time in microseconds; the averages are percentages.
+* ``/proc/zoneinfo``: a block per zone headed ``Node <n>, zone <name>``; ``pages free <n>`` and
+  the watermarks ``min``/``low``/``high`` in pages.
+* ``/proc/vmstat`` and ``memory.stat``: ``<name> <integer>`` per line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hooks.untrusted import bounded
+
+_ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+
+
+class ParseError(ValueError):
+    """Kernel file text that does not parse."""
+
+
+def _quote(line: str) -> str:
+    return repr(bounded(line, 60))
+
+
+@dataclass(frozen=True, slots=True)
+class Psi:
+    """One pressure file's cumulative stall times (µs). The averages are not kept: a 10-second
+    average cannot say what happened in the last 100 ms."""
+
+    some_total_us: int
+    # None where the file has no "full" line (kernels before 5.13 for cpu; memory always has it).
+    full_total_us: int | None
+
+
+def parse_psi(text: str) -> Psi:
+    rows: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0] not in ("some", "full"):
+            raise ParseError(f"pressure line not understood: {_quote(line)}")
+        fields = dict(w.partition("=")[::2] for w in words[1:])
+        rows[words[0]] = fields
+    if "some" not in rows:
+        raise ParseError("no 'some' line" if text.strip() else "empty pressure file")
+
+    def total(kind: str) -> int:
+        raw = rows[kind].get("total")
+        if raw is None or not raw.isdigit():
+            raise ParseError(f"'{kind}' line has no total=<µs>")
+        return int(raw)
+
+    return Psi(total("some"), total("full") if "full" in rows else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Zone:
+    node: int
+    name: str
+    free_pages: int
+    min_pages: int
+    low_pages: int
+    high_pages: int
+
+
+def parse_zoneinfo(text: str) -> list[Zone]:
+    """Every zone with its free pages and watermarks; zones without them are an error."""
+    zones: list[Zone] = []
+    header: tuple[int, str] | None = None
+    values: dict[str, int] = {}
+
+    def close() -> None:
+        if header is None:
+            return
+        missing = [k for k in ("free", "min", "low", "high") if k not in values]
+        if missing:
+            raise ParseError(f"zone {header[1]} of node {header[0]} lacks {', '.join(missing)}")
+        zones.append(Zone(header[0], header[1], values["free"], values["min"], values["low"],
+                          values["high"]))
+
+    for line in text.splitlines():
+        match = _ZONE_HEADER.match(line)
+        if match:
+            close()
+            header, values = (int(match.group(1)), match.group(2)), {}
+            continue
+        words = line.split()
+        if header is None or not words:
+            continue
+        if words[:2] == ["pages", "free"] and len(words) == 3:
+            key, raw = "free", words[2]
+        elif len(words) == 2 and words[0] in ("min", "low", "high"):
+            key, raw = words
+        else:
+            continue
+        if key in values:
+            continue  # the first occurrence inside the zone block is the watermark line
+        if not raw.isdigit():
+            raise ParseError(f"zoneinfo line not understood: {_quote(line)}")
+        values[key] = int(raw)
+    close()
+    if not zones:
+        raise ParseError("no zones" if text.strip() else "empty zoneinfo")
+    return zones
+
+
+def parse_counters(text: str) -> dict[str, int]:
+    """``<name> <integer>`` lines (``/proc/vmstat``, ``memory.stat``)."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if len(words) != 2:
+            raise ParseError(f"counter line not understood: {_quote(line)}")
+        try:
+            values[words[0]] = int(words[1])
+        except ValueError as exc:
+            raise ParseError(f"counter line not understood: {_quote(line)}") from exc
+    if not values:
+        raise ParseError("empty counter file")
+    return values
+
+
+def parse_int(text: str) -> int:
+    value = text.strip()
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise ParseError(f"not an integer: {_quote(value)}") from exc
+
+
+def require(values: dict[str, int], names: Sequence[str], what: str) -> list[int]:
+    """The named counters, or a ParseError naming the first one missing."""
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise ParseError(f"{what} lacks {missing[0]}")
+    return [values[n] for n in names]

@@ -1,0 +1,252 @@
+"""What each rung does: engage, repeat, release; each idempotent, each honouring dry-run.
+
+An action reports a :class:`Result` and never raises for an expected failure (no API access, a
+refused write); the ladder's service audits every step with its cause (the detector, its value
+and threshold) and result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from hooks.levels import QosLevel
+from reconciler.audit import AuditLog
+from reconciler.detection.pods import PodIndex
+from reconciler.detection.signals import Level, Reading
+from reconciler.host.probe import HostInfo
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.k8s import KubeActions, NodeOutcome
+from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
+from reconciler.mitigation.config import MitigationConfig
+
+log = structlog.get_logger("nri_qos.mitigation")
+
+DONE = "done"
+UNCHANGED = "unchanged"
+DRY_RUN = "dry_run"
+SKIPPED = "skipped"
+FAILED = "failed"
+TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class Cause:
+    """Why the ladder acts: its level and the reading that set it."""
+
+    level: Level
+    reading: Reading | None = None
+    # Said instead of the reading when there is none.
+    note: str = "no detector reports pressure"
+
+    def text(self) -> str:
+        r = self.reading
+        if r is None:
+            return f"level {self.level.name.lower()}: {self.note}"
+        return (f"level {self.level.name.lower()}: {r.detector} {r.scope} "
+                f"{_number(r.value, r.unit)} {r.unit} vs {_number(r.threshold, r.unit)} "
+                f"({r.reason})")
+
+
+def _number(value: float, unit: str) -> str:
+    """Bytes as whole numbers (23446401024, not 2.34464e+10), the rest as short as exact."""
+    return str(int(value)) if unit == "bytes" else f"{value:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    result: str
+    detail: str = ""
+
+
+class Action(Protocol):
+    async def engage(self, cause: Cause, dry_run: bool) -> Result: ...
+
+    async def repeat(self, cause: Cause, dry_run: bool) -> Result: ...
+
+    async def release(self, cause: Cause, dry_run: bool) -> Result: ...
+
+
+class Evictor(Protocol):
+    """The eviction manager, as the ladder's last rung sees it."""
+
+    def request_round(self, reason: str) -> None:
+        """Run an eviction round now (the manager decides whom, and rate-limits)."""
+
+
+class MitigationSections(Protocol):
+    @property
+    def mitigation(self) -> MitigationConfig: ...
+
+    @property
+    def memory_guard(self) -> MemoryGuardConfig: ...
+
+
+def _node_result(outcomes: list[NodeOutcome], what: str) -> Result:
+    if NodeOutcome.UNAVAILABLE in outcomes:
+        return Result(SKIPPED, "no Kubernetes API access")
+    if NodeOutcome.FAILED in outcomes:
+        return Result(FAILED, f"{what}: the API refused or did not answer (see the log)")
+    if NodeOutcome.CHANGED in outcomes:
+        return Result(DONE, what)
+    return Result(UNCHANGED, f"{what}: already so")
+
+
+class TaintAction:
+    """Forbid scheduling: the node taint and the node condition."""
+
+    def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions | None,
+                 node: str, audit: AuditLog) -> None:
+        self._config = config
+        self._kube = kube
+        self._node = node
+        self._audit = audit
+
+    async def engage(self, cause: Cause, dry_run: bool) -> Result:
+        rung = self._config().mitigation.taint
+        what = f"taint {rung.key}:{rung.effect}, {rung.condition}=True"
+        if dry_run:
+            return Result(DRY_RUN, f"would {what}")
+        if self._kube is None:
+            return Result(SKIPPED, "no Kubernetes API access")
+        reason = cause.text()
+        taint = await self._kube.add_taint(self._node, rung.key, rung.value, rung.effect,
+                                           reason=reason)
+        condition = await self._condition(rung.condition, True, "MemoryInterference", reason)
+        return _node_result([taint, condition], what)
+
+    async def repeat(self, cause: Cause, dry_run: bool) -> Result:
+        return await self.engage(cause, dry_run)
+
+    async def release(self, cause: Cause, dry_run: bool) -> Result:
+        rung = self._config().mitigation.taint
+        what = f"remove taint {rung.key}, {rung.condition}=False"
+        if dry_run:
+            return Result(DRY_RUN, f"would {what}")
+        if self._kube is None:
+            return Result(SKIPPED, "no Kubernetes API access")
+        reason = cause.text()
+        taint = await self._kube.remove_taint(self._node, rung.key, reason=reason)
+        condition = await self._condition(rung.condition, False, "NoMemoryInterference",
+                                          reason)
+        return _node_result([taint, condition], what)
+
+    async def _condition(self, kind: str, status: bool, reason: str,
+                         message: str) -> NodeOutcome:
+        assert self._kube is not None
+        outcome = await self._kube.set_node_condition(self._node, kind, status, reason, message)
+        if outcome is NodeOutcome.CHANGED:
+            self._audit.record("node_condition", node=self._node, condition=kind,
+                               status="True" if status else "False", reason=reason,
+                               message=message)
+        return outcome
+
+
+class TuneAction:
+    """Tune memcg: squeeze the reclaimed tier through the memory guard (v1 limit, v2
+    memory.high) and, where the kernel has it, lower memory.wmark_ratio of reclaimed pods."""
+
+    def __init__(self, config: Callable[[], MitigationSections], squeeze: GuardSqueeze,
+                 sysfs: SysFs, host: HostInfo, pods: PodIndex,
+                 reconciler_enabled: Callable[[], bool]) -> None:
+        self._config = config
+        self._squeeze = squeeze
+        self._sysfs = sysfs
+        self._pods = pods
+        self._reconciler_enabled = reconciler_enabled
+        self._wmark = host.memcg.wmark_ratio
+        self._v2 = host.cgroup.v2
+        # wmark_ratio file -> the value it had before the rung engaged
+        self._saved: dict[str, str] = {}
+        target = "memory.high" if self._v2 else "memory limit"
+        log.info("tune_memcg_variants", squeeze=f"the reclaimed tier's {target}",
+                 wmark_ratio="reclaimed pods" if self._wmark else
+                 "unavailable: the kernel has no memory.wmark_ratio (veLinux/Anolis only)")
+
+    def _guard_on(self) -> bool:
+        return self._reconciler_enabled() and self._config().memory_guard.enabled
+
+    async def engage(self, cause: Cause, dry_run: bool) -> Result:
+        rung = self._config().mitigation.tune
+        parts = []
+        guard = self._guard_on()
+        target = "memory.high" if self._v2 else "limit"
+        if guard:
+            parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B below its usage "
+                         f"(floor {rung.floor_bytes} B)")
+        if self._wmark:
+            parts.append(f"memory.wmark_ratio {rung.wmark_ratio} on reclaimed pods")
+        if not parts:
+            return Result(SKIPPED, "no knob: the memory guard is off and the kernel has no "
+                                   "memory.wmark_ratio")
+        what = "; ".join(parts)
+        if dry_run:
+            return Result(DRY_RUN, f"would set {what}")
+        if guard:
+            self._squeeze.set(Squeeze(rung.squeeze_bytes, rung.floor_bytes, cause.text()))
+        else:
+            what += " (memory guard off: no squeeze)"
+        if self._wmark:
+            failed = await asyncio.to_thread(self._set_wmark, rung.wmark_ratio, cause.text())
+            if failed:
+                return Result(FAILED, f"{what}; wmark_ratio not written on {failed} pod(s)")
+        return Result(DONE, what)
+
+    async def repeat(self, cause: Cause, dry_run: bool) -> Result:
+        return await self.engage(cause, dry_run)
+
+    async def release(self, cause: Cause, dry_run: bool) -> Result:
+        if dry_run:
+            return Result(DRY_RUN, "would release the squeeze and restore memory.wmark_ratio")
+        released = self._squeeze.set(None)
+        restored = await asyncio.to_thread(self._restore_wmark, cause.text())
+        if not released and not restored:
+            return Result(UNCHANGED, "nothing was tuned")
+        return Result(DONE, f"squeeze released; wmark_ratio restored on {restored} pod(s)")
+
+    def _set_wmark(self, ratio: int, reason: str) -> int:
+        failed = 0
+        for pod in self._pods.pods():
+            if pod.level != QosLevel.RECLAIMED_CORES:
+                continue
+            path = f"{pod.cgroup}/memory.wmark_ratio"
+            current = self._sysfs.read(path)
+            if current is None:
+                continue
+            self._saved.setdefault(path, current.strip())
+            outcome = self._sysfs.write_if_changed(path, str(ratio), f"tune memcg: {reason}")
+            failed += outcome is Outcome.FAILED
+        return failed
+
+    def _restore_wmark(self, reason: str) -> int:
+        restored = 0
+        for path, value in list(self._saved.items()):
+            outcome = self._sysfs.write_if_changed(path, value, f"tune memcg released: {reason}")
+            restored += outcome is Outcome.WRITTEN
+            del self._saved[path]
+        return restored
+
+
+class EvictAction:
+    """The last rung: ask the eviction manager for a round."""
+
+    def __init__(self, evictor: Evictor | None) -> None:
+        self._evictor = evictor
+
+    async def engage(self, cause: Cause, dry_run: bool) -> Result:
+        if dry_run:
+            return Result(DRY_RUN, "would ask the eviction manager for a round")
+        if self._evictor is None:
+            return Result(SKIPPED, "no evictor")
+        self._evictor.request_round(cause.text())
+        return Result(DONE, "eviction round requested")
+
+    async def repeat(self, cause: Cause, dry_run: bool) -> Result:
+        return await self.engage(cause, dry_run)
+
+    async def release(self, cause: Cause, dry_run: bool) -> Result:
+        return Result(UNCHANGED, "nothing to undo")

@@ -1,0 +1,262 @@
+"""Running the ladder: readings in, actions out, every step audited.
+
+The service wakes when a level on the readings board changes (the board calls it from the
+publishing thread; the wake-up is handed to the event loop) and when a repeat or a release falls
+due. The ladder's level is the worst level of the detectors named in ``mitigation.detectors``.
+A reading that turned ``unknown`` counts at the level it last had: an unreadable file is never
+taken for the end of pressure (a detector unknown from the start counts as none: it never
+reported pressure).
+
+Each rung's action runs in a task of its own, one step at a time per rung (a step that comes
+while the previous one runs waits, and only the latest waits: actions are idempotent), so an
+action that hangs or fails stalls neither the ladder nor the other rungs. Every step is audited
+as ``mitigation_action`` with the cause (detector, scope, value, threshold), the result and
+whether it was a dry run; a change of the ladder's level as ``mitigation_level``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import structlog
+
+from reconciler.aio import sleep_until
+from reconciler.audit import AuditLog
+from reconciler.detection.pods import PodIndex
+from reconciler.detection.signals import Board, Level, Reading
+from reconciler.host.probe import HostInfo
+from reconciler.host.sysfs import SysFs
+from reconciler.k8s import KubeActions
+from reconciler.loops.base import ReconcilerConfig
+from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
+from reconciler.mitigation.actions import (
+    FAILED,
+    Action,
+    Cause,
+    EvictAction,
+    Evictor,
+    Result,
+    TaintAction,
+    TuneAction,
+)
+from reconciler.mitigation.config import MitigationConfig
+from reconciler.mitigation.drop_cache import DropCacheAction
+from reconciler.mitigation.ladder import LEVEL_NAMES, Ladder, Rung, Step
+from reconciler.state import NodeState
+
+log = structlog.get_logger("nri_qos.mitigation")
+
+RUNGS = ("taint", "tune", "drop_cache", "evict")
+"""The rungs, least harmful first."""
+
+IDLE_RECHECK_S = 5.0
+"""With nothing due, the service still looks again this often (a configuration reload may have
+switched a rung off that must be released)."""
+
+
+class LadderSections(Protocol):
+    @property
+    def reconciler(self) -> ReconcilerConfig: ...
+
+    @property
+    def mitigation(self) -> MitigationConfig: ...
+
+    @property
+    def memory_guard(self) -> MemoryGuardConfig: ...
+
+
+def rungs_of(cfg: LadderSections) -> list[Rung]:
+    """The rungs switched on, least harmful first."""
+    m = cfg.mitigation
+    if not (cfg.reconciler.enabled and m.enabled):
+        return []
+    specs = {"taint": (m.taint.enabled, m.taint.level, None),
+             "tune": (m.tune.enabled, m.tune.level, None),
+             "drop_cache": (m.drop_cache.enabled, m.drop_cache.level, m.drop_cache.repeat_s),
+             "evict": (m.evict.enabled, m.evict.level, m.evict.repeat_s)}
+    return [Rung(name, LEVEL_NAMES[level], repeat) for name in RUNGS
+            for enabled, level, repeat in [specs[name]] if enabled]
+
+
+def dry_run_of(cfg: MitigationConfig, rung: str) -> bool:
+    return bool({"taint": cfg.taint.dry_run, "tune": cfg.tune.dry_run,
+                 "drop_cache": cfg.drop_cache.dry_run, "evict": cfg.evict.dry_run}[rung])
+
+
+@dataclass(frozen=True, slots=True)
+class LadderState:
+    """What the ladder is doing, for status and metrics."""
+
+    level: Level
+    cause: str
+    engaged: tuple[str, ...]
+    # rung -> (step, result, detail) of its last finished step
+    last: Mapping[str, tuple[str, str, str]]
+
+
+class _RungRunner:
+    """One rung's steps, one at a time; only the latest waiting step is kept."""
+
+    def __init__(self, name: str, action: Action, finish: Callable[[str, Step, Cause, bool,
+                                                                     Result], None]) -> None:
+        self.name = name
+        self._action = action
+        self._finish = finish
+        self._pending: tuple[Step, Cause, bool] | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def submit(self, step: Step, cause: Cause, dry_run: bool, group: asyncio.TaskGroup) -> None:
+        self._pending = (step, cause, dry_run)
+        if self.task is None or self.task.done():
+            self.task = group.create_task(self._drain(), name=f"mitigation-{self.name}")
+
+    async def _drain(self) -> None:
+        while self._pending is not None:
+            step, cause, dry_run = self._pending
+            self._pending = None
+            call = {Step.ENGAGE: self._action.engage, Step.REPEAT: self._action.repeat,
+                    Step.RELEASE: self._action.release}[step]
+            try:
+                result = await call(cause, dry_run)
+            except Exception as exc:  # an action's bug must not end the ladder
+                log.exception("mitigation_action_failed", action=self.name, step=str(step))
+                result = Result(FAILED, f"{type(exc).__name__}: {exc}")
+            self._finish(self.name, step, cause, dry_run, result)
+
+
+class Mitigation:
+    def __init__(self, config: Callable[[], LadderSections], board: Board,
+                 actions: Mapping[str, Action], audit: AuditLog,
+                 clock: Callable[[], float] | None = None,
+                 close: Callable[[], None] = lambda: None) -> None:
+        self._config = config
+        self._close = close
+        self._board = board
+        self._actions = actions
+        self._audit = audit
+        self._clock = clock
+        self._ladder = Ladder()
+        self._level = Level.NONE
+        self._cause = Cause(Level.NONE)
+        self._last_known: dict[tuple[str, str], Level] = {}
+        self._last: dict[str, tuple[str, str, str]] = {}
+
+    def state(self) -> LadderState:
+        return LadderState(self._level, self._cause.text(), self._ladder.engaged,
+                           dict(self._last))
+
+    def assess(self) -> Cause:
+        """The ladder's level and its cause from the board now."""
+        wanted = set(self._config().mitigation.detectors)
+        worst: Reading | None = None
+        worst_level = Level.NONE
+        readings = self._board.current()
+        for reading in readings:
+            if reading.detector not in wanted:
+                continue
+            level = reading.level
+            if level is Level.UNKNOWN:
+                level = self._last_known.get(reading.key, Level.NONE)
+            else:
+                self._last_known[reading.key] = level
+            if level > worst_level:
+                worst, worst_level = reading, level
+        present = {r.key for r in readings}
+        for key in [k for k in self._last_known if k not in present]:
+            del self._last_known[key]
+        return Cause(worst_level, worst)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        clock = self._clock or loop.time
+        changed = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                loop.call_soon_threadsafe(changed.set)
+
+        unsubscribe = self._board.subscribe(wake)
+        runners = {name: _RungRunner(name, action, self._finished)
+                   for name, action in self._actions.items()}
+        try:
+            async with asyncio.TaskGroup() as group:
+                self.evaluate(clock(), runners, group)
+                self._clear_leftovers(runners, group)
+                while not stop.is_set():
+                    changed.clear()
+                    now = clock()
+                    self.evaluate(now, runners, group)
+                    cfg = self._config()
+                    due = self._ladder.next_due(rungs_of(cfg), cfg.mitigation.cooldown_s)
+                    wait = IDLE_RECHECK_S if due is None else min(max(due - now, 0.0),
+                                                                  IDLE_RECHECK_S)
+                    await sleep_until(wait, stop, changed)
+                for runner in runners.values():
+                    if runner.task is not None:
+                        runner.task.cancel()
+        finally:
+            unsubscribe()
+            self._close()
+
+    def evaluate(self, now: float, runners: Mapping[str, _RungRunner],
+                 group: asyncio.TaskGroup) -> None:
+        cfg = self._config()
+        cause = self.assess()
+        if cause.level != self._level:
+            log.info("mitigation_level", level=cause.level.name.lower(),
+                     previous=self._level.name.lower(), reason=cause.text())
+            self._audit.record("mitigation_level", ladder_level=cause.level.name.lower(),
+                               previous=self._level.name.lower(), reason=cause.text())
+            self._level = cause.level
+        self._cause = cause
+        for name, step in self._ladder.step(cause.level, now, rungs_of(cfg),
+                                            cfg.mitigation.cooldown_s):
+            runner = runners.get(name)
+            if runner is not None:
+                runner.submit(step, cause, dry_run_of(cfg.mitigation, name), group)
+
+    def _clear_leftovers(self, runners: Mapping[str, _RungRunner],
+                         group: asyncio.TaskGroup) -> None:
+        """Release, once at start, every rung the ladder does not hold: a taint or condition
+        left by an earlier run of the agent (a crash, an upgrade) would otherwise stay until
+        pressure came and went. Releases are idempotent: usually nothing changes."""
+        cfg = self._config()
+        cause = Cause(Level.NONE, None, "start: clearing what an earlier run may have left")
+        for rung in rungs_of(cfg):
+            if rung.name not in self._ladder.engaged and rung.name in runners:
+                runners[rung.name].submit(Step.RELEASE, cause,
+                                          dry_run_of(cfg.mitigation, rung.name), group)
+
+    def _finished(self, name: str, step: Step, cause: Cause, dry_run: bool,
+                  result: Result) -> None:
+        self._last[name] = (str(step), result.result, result.detail)
+        reading = cause.reading
+        self._audit.record(
+            "mitigation_action", action=name, step=str(step),
+            ladder_level=cause.level.name.lower(),
+            result=result.result, dry_run=dry_run, reason=cause.text(), detail=result.detail,
+            detector=reading.detector if reading else None,
+            scope=reading.scope if reading else None,
+            value=reading.value if reading else None,
+            threshold=reading.threshold if reading else None)
+
+
+def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
+                     sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions | None,
+                     node: str, squeeze: GuardSqueeze, evictor: Evictor | None) -> Mitigation:
+    """The ladder with its four actions for this host. ``kube`` None: no API access (the taint
+    rung is audited as skipped); ``evictor`` None: no eviction manager (audited "no
+    evictor")."""
+    drop_cache = DropCacheAction(config, sysfs, host, PodIndex(state, host.cgroup), audit)
+    actions: dict[str, Action] = {
+        "taint": TaintAction(config, kube, node, audit),
+        "tune": TuneAction(config, squeeze, sysfs, host, PodIndex(state, host.cgroup),
+                           lambda: config().reconciler.enabled),
+        "drop_cache": drop_cache,
+        "evict": EvictAction(evictor),
+    }
+    return Mitigation(config, board, actions, audit, close=drop_cache.close)

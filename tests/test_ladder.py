@@ -1,0 +1,336 @@
+"""The mitigation ladder: pure transitions on an injected clock, and the service with actions
+that succeed, fail, hang, and run in dry-run."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import errno
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from nri_plugin.config.schema import Config
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
+from reconciler.mitigation.actions import DONE, DRY_RUN, Cause, EvictAction, Result
+from reconciler.mitigation.ladder import Ladder, Rung, Step
+from reconciler.mitigation.service import Mitigation, dry_run_of, rungs_of
+from tests.polling import BOUND_S, eventually
+
+TAINT, TUNE, DROP, EVICT = (Rung("taint", Level.LOW), Rung("tune", Level.LOW),
+                            Rung("drop_cache", Level.MEDIUM, 30.0), Rung("evict", Level.HIGH, 5.0))
+RUNGS = [TAINT, TUNE, DROP, EVICT]
+COOLDOWN = 60.0
+
+
+# -- the ladder, pure -----------------------------------------------------------------------------
+
+def test_escalation_engages_least_harmful_first() -> None:
+    ladder = Ladder()
+    assert ladder.step(Level.NONE, 0.0, RUNGS, COOLDOWN) == []
+    assert ladder.step(Level.LOW, 1.0, RUNGS, COOLDOWN) == [("taint", Step.ENGAGE),
+                                                            ("tune", Step.ENGAGE)]
+    assert ladder.step(Level.MEDIUM, 2.0, RUNGS, COOLDOWN) == [("drop_cache", Step.ENGAGE)]
+    assert ladder.step(Level.HIGH, 3.0, RUNGS, COOLDOWN) == [("evict", Step.ENGAGE)]
+    assert ladder.step(Level.HIGH, 4.0, RUNGS, COOLDOWN) == []  # nothing new, no repeat due
+
+
+def test_a_jump_engages_every_rung_in_order() -> None:
+    assert Ladder().step(Level.HIGH, 0.0, RUNGS, COOLDOWN) == [
+        (r.name, Step.ENGAGE) for r in RUNGS]
+
+
+def test_de_escalation_waits_for_the_cooldown_and_releases_most_harmful_first() -> None:
+    ladder = Ladder()
+    ladder.step(Level.HIGH, 0.0, RUNGS, COOLDOWN)
+    assert ladder.step(Level.NONE, 10.0, RUNGS, COOLDOWN) == []
+    assert ladder.step(Level.NONE, 69.9, RUNGS, COOLDOWN) == []
+    assert ladder.step(Level.NONE, 70.0, RUNGS, COOLDOWN) == [
+        ("evict", Step.RELEASE), ("drop_cache", Step.RELEASE), ("tune", Step.RELEASE),
+        ("taint", Step.RELEASE)]
+    assert ladder.engaged == ()
+
+
+def test_partial_de_escalation_keeps_the_lower_rungs() -> None:
+    ladder = Ladder()
+    ladder.step(Level.HIGH, 0.0, RUNGS, COOLDOWN)
+    ladder.step(Level.LOW, 1.0, RUNGS, COOLDOWN)
+    assert ladder.step(Level.LOW, 61.0, RUNGS, COOLDOWN) == [
+        ("evict", Step.RELEASE), ("drop_cache", Step.RELEASE)]
+    assert ladder.engaged == ("taint", "tune")
+
+
+def test_hysteresis_a_return_within_the_cooldown_keeps_the_rung() -> None:
+    ladder = Ladder()
+    ladder.step(Level.LOW, 0.0, RUNGS, COOLDOWN)
+    ladder.step(Level.NONE, 1.0, RUNGS, COOLDOWN)
+    assert ladder.step(Level.LOW, 50.0, RUNGS, COOLDOWN) == []  # back: no second engage
+    assert ladder.step(Level.NONE, 51.0, RUNGS, COOLDOWN) == []
+    assert ladder.step(Level.NONE, 110.9, RUNGS, COOLDOWN) == []  # 60 s from 51, not from 1
+    assert [s for _, s in ladder.step(Level.NONE, 111.0, RUNGS, COOLDOWN)] == [Step.RELEASE] * 2
+
+
+def test_flapping_input_engages_once_and_releases_once() -> None:
+    ladder = Ladder()
+    steps: list[tuple[str, Step]] = []
+    for t in range(120):
+        steps += ladder.step(Level.LOW if t % 2 else Level.NONE, float(t), RUNGS, COOLDOWN)
+    assert steps == [("taint", Step.ENGAGE), ("tune", Step.ENGAGE)]
+    # the last LOW was at t = 119: released 60 s after the level fell (t = 120), at 180
+    assert ladder.step(Level.NONE, 120.0, RUNGS, COOLDOWN) == []
+    assert ladder.step(Level.NONE, 179.9, RUNGS, COOLDOWN) == []
+    assert len(ladder.step(Level.NONE, 180.0, RUNGS, COOLDOWN)) == 2
+
+
+def test_repeats_while_the_level_holds_and_not_while_below() -> None:
+    ladder = Ladder()
+    ladder.step(Level.MEDIUM, 0.0, RUNGS, COOLDOWN)
+    assert ladder.step(Level.MEDIUM, 29.9, RUNGS, COOLDOWN) == []
+    assert ladder.step(Level.MEDIUM, 30.0, RUNGS, COOLDOWN) == [("drop_cache", Step.REPEAT)]
+    assert ladder.step(Level.LOW, 60.0, RUNGS, COOLDOWN) == []  # below: no repeat
+    assert ladder.next_due(RUNGS, COOLDOWN) == 120.0  # drop_cache's release
+    assert ladder.step(Level.MEDIUM, 61.0, RUNGS, COOLDOWN) == [("drop_cache", Step.REPEAT)]
+    assert ladder.next_due(RUNGS, COOLDOWN) == 91.0
+
+
+def test_a_rung_switched_off_is_released_at_once() -> None:
+    ladder = Ladder()
+    ladder.step(Level.LOW, 0.0, RUNGS, COOLDOWN)
+    assert ladder.step(Level.LOW, 1.0, [TUNE], COOLDOWN) == [("taint", Step.RELEASE)]
+    assert ladder.next_due([TUNE], COOLDOWN) is None
+
+
+def test_rungs_come_from_the_configuration() -> None:
+    cfg = Config()
+    assert [(r.name, r.level, r.repeat_s) for r in rungs_of(cfg)] == [
+        ("taint", Level.LOW, None), ("tune", Level.LOW, None),
+        ("drop_cache", Level.MEDIUM, 30.0), ("evict", Level.HIGH, 5.0)]
+    off = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, tune=dataclasses.replace(cfg.mitigation.tune, enabled=False),
+        evict=dataclasses.replace(cfg.mitigation.evict, level="medium")))
+    assert [(r.name, r.level) for r in rungs_of(off)] == [
+        ("taint", Level.LOW), ("drop_cache", Level.MEDIUM), ("evict", Level.MEDIUM)]
+    assert rungs_of(dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, enabled=False))) == []
+    assert rungs_of(dataclasses.replace(cfg, reconciler=dataclasses.replace(
+        cfg.reconciler, enabled=False))) == []
+
+
+# -- the service ----------------------------------------------------------------------------------
+
+class FakeAction:
+    """Records calls; can fail or hang on a step."""
+
+    def __init__(self, name: str, calls: list[tuple[str, str, bool]]) -> None:
+        self.name = name
+        self.calls = calls
+        self.fail: BaseException | None = None
+        self.hang = asyncio.Event()
+        self.hanging = False
+
+    async def _run(self, step: str, cause: Cause, dry_run: bool) -> Result:
+        self.calls.append((self.name, step, dry_run))
+        if self.hanging:
+            await self.hang.wait()
+        if self.fail is not None:
+            raise self.fail
+        return Result(DRY_RUN if dry_run else DONE, f"{self.name} {step}")
+
+    async def engage(self, cause: Cause, dry_run: bool) -> Result:
+        return await self._run("engage", cause, dry_run)
+
+    async def repeat(self, cause: Cause, dry_run: bool) -> Result:
+        return await self._run("repeat", cause, dry_run)
+
+    async def release(self, cause: Cause, dry_run: bool) -> Result:
+        return await self._run("release", cause, dry_run)
+
+
+def config(cooldown: float = 0.2, **rungs: dict[str, Any]) -> Config:
+    cfg = Config()
+    m = cfg.mitigation
+    changes = {name: dataclasses.replace(getattr(m, name), **values)
+               for name, values in rungs.items()}
+    return dataclasses.replace(cfg, mitigation=dataclasses.replace(m, cooldown_s=cooldown,
+                                                                   **changes))
+
+
+def reading(detector: str, level: Level, scope: str = NODE, value: float = 42.0) -> Reading:
+    return Reading(detector, scope, level, value, 10.0, "percent", "test reading")
+
+
+class Running:
+    def __init__(self, cfg: Config, names: tuple[str, ...] = ("taint", "tune", "drop_cache",
+                                                               "evict")) -> None:
+        self.cfg = cfg
+        self.board = Board()
+        self.sink = MemoryAuditSink()
+        self.calls: list[tuple[str, str, bool]] = []
+        self.actions = {name: FakeAction(name, self.calls) for name in names}
+        self.mitigation = Mitigation(lambda: self.cfg, self.board, self.actions,
+                                     AuditLog(self.sink))
+        self.stop = asyncio.Event()
+
+    async def __aenter__(self) -> Running:
+        self.task = asyncio.create_task(self.mitigation.run(self.stop))
+        # the start clears what an earlier run may have left: one release per rung
+        await self.until(lambda: len(self.calls) >= len(self.actions))
+        assert sorted(self.calls) == sorted((n, "release", dry_run_of(self.cfg.mitigation, n))
+                                            for n in self.actions)
+        self.calls.clear()
+        self.sink.records.clear()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        await asyncio.wait_for(self.task, BOUND_S)
+
+    async def until(self, check: Callable[[], bool]) -> None:
+        await eventually(check)
+
+    def actions_audited(self) -> list[tuple[str, str, str, bool]]:
+        return [(r["action"], r["step"], r["result"], r["dry_run"])
+                for r in self.sink.named("mitigation_action")]
+
+
+async def test_the_service_escalates_and_releases_with_audit() -> None:
+    async with Running(config()) as run:
+        run.board.publish("psi", [reading("psi", Level.LOW)])
+        await run.until(lambda: len(run.calls) == 2)
+        assert run.calls == [("taint", "engage", False), ("tune", "engage", False)]
+        [level] = run.sink.named("mitigation_level")
+        assert (level["ladder_level"], level["previous"]) == ("low", "none")
+        record = run.sink.named("mitigation_action")[0]
+        assert (record["detector"], record["scope"], record["value"], record["threshold"]) == (
+            "psi", NODE, 42.0, 10.0)
+        assert "psi node 42 percent vs 10" in record["reason"]
+        run.board.publish("psi", [reading("psi", Level.NONE)])
+        await run.until(lambda: len(run.calls) == 4)  # released after the 0.2 s cooldown
+        assert run.calls[2:] == [("tune", "release", False), ("taint", "release", False)]
+
+
+async def test_dry_run_is_per_rung() -> None:
+    cfg = config(taint={"dry_run": True})
+    async with Running(cfg) as run:
+        run.board.publish("system_free", [reading("system_free", Level.HIGH)])
+        await run.until(lambda: len(run.calls) == 4)
+        assert run.calls == [("taint", "engage", True), ("tune", "engage", False),
+                             ("drop_cache", "engage", False), ("evict", "engage", True)]
+        assert [(a, res, dry) for a, _, res, dry in run.actions_audited()] == [
+            ("taint", DRY_RUN, True), ("tune", DONE, False), ("drop_cache", DONE, False),
+            ("evict", DRY_RUN, True)]
+
+
+async def test_a_failing_action_is_audited_and_stops_nothing() -> None:
+    async with Running(config()) as run:
+        run.actions["taint"].fail = OSError(errno.EBUSY, "Device or resource busy")
+        run.board.publish("psi", [reading("psi", Level.MEDIUM)])
+        await run.until(lambda: len(run.sink.named("mitigation_action")) == 3)
+        results = {a: (res, r["detail"]) for (a, _, res, _), r in
+                   zip(run.actions_audited(), run.sink.named("mitigation_action"), strict=True)}
+        assert results["taint"] == ("failed", "OSError: [Errno 16] Device or resource busy")
+        assert results["tune"][0] == results["drop_cache"][0] == DONE
+
+
+async def test_a_hanging_action_stalls_neither_the_ladder_nor_the_other_rungs() -> None:
+    async with Running(config(drop_cache={"repeat_s": 1.0})) as run:
+        run.actions["taint"].hanging = True
+        run.board.publish("psi", [reading("psi", Level.MEDIUM)])
+        await run.until(lambda: ("drop_cache", "repeat", False) in run.calls)
+        assert [c for c in run.calls if c[0] == "taint"] == [("taint", "engage", False)]
+        # the ladder still de-escalates the other rungs while taint hangs
+        run.board.publish("psi", [reading("psi", Level.NONE)])
+        await run.until(lambda: ("tune", "release", False) in run.calls)
+        assert ("drop_cache", "release", False) in run.calls
+        # taint's release waits behind its hung engage; stop cancels both
+        assert ("taint", "release", False) not in run.calls
+    assert run.task.done()
+    assert not run.task.cancelled()
+
+
+async def test_a_hanging_action_finishes_then_its_latest_step_runs() -> None:
+    async with Running(config()) as run:
+        run.actions["taint"].hanging = True
+        run.board.publish("psi", [reading("psi", Level.LOW)])
+        await run.until(lambda: ("tune", "engage", False) in run.calls)
+        run.board.publish("psi", [reading("psi", Level.NONE)])
+        await run.until(lambda: ("tune", "release", False) in run.calls)
+        run.actions["taint"].hanging = False
+        run.actions["taint"].hang.set()
+        await run.until(lambda: ("taint", "release", False) in run.calls)
+        assert [c[1] for c in run.calls if c[0] == "taint"] == ["engage", "release"]
+
+
+async def test_unknown_holds_the_last_known_level() -> None:
+    async with Running(config()) as run:
+        run.board.publish("psi", [reading("psi", Level.LOW)])
+        await run.until(lambda: len(run.calls) == 2)
+        run.board.publish("psi", [reading("psi", Level.UNKNOWN)])
+        await asyncio.sleep(0.5)  # well past the 0.2 s cooldown
+        assert len(run.calls) == 2  # nothing released: unknown is not "no pressure"
+        assert run.mitigation.state().level is Level.LOW
+        run.board.publish("psi", [])  # the detector went away: nothing holds the level
+        await run.until(lambda: len(run.calls) == 4)
+
+
+async def test_a_detector_unknown_from_the_start_does_not_block_releases() -> None:
+    async with Running(config()) as run:
+        run.board.publish("kswapd", [reading("kswapd", Level.UNKNOWN)])
+        run.board.publish("psi", [reading("psi", Level.LOW)])
+        await run.until(lambda: len(run.calls) == 2)
+        run.board.publish("psi", [reading("psi", Level.NONE)])
+        await run.until(lambda: len(run.calls) == 4)
+
+
+async def test_only_the_configured_detectors_drive_the_ladder() -> None:
+    async with Running(config()) as run:
+        run.board.publish("rss_overuse", [reading("rss_overuse", Level.HIGH, pod_scope("u"))])
+        run.board.publish("fulfillment", [reading("fulfillment", Level.HIGH, "tier:x")])
+        await asyncio.sleep(0.2)
+        assert run.calls == []
+        assert run.mitigation.state().level is Level.NONE
+
+
+async def test_state_reports_level_engaged_rungs_and_last_results() -> None:
+    async with Running(config(cooldown=60.0)) as run:
+        run.board.publish("psi", [reading("psi", Level.LOW)])
+        await run.until(lambda: len(run.calls) == 2)
+        await run.until(lambda: len(run.mitigation.state().last) == 4)
+        state = run.mitigation.state()
+        assert state.level is Level.LOW
+        assert state.engaged == ("taint", "tune")
+        assert state.last["taint"] == ("engage", DONE, "taint engage")
+        assert "psi node" in state.cause
+
+
+async def test_evict_rung_without_an_evictor() -> None:
+    action = EvictAction(None)
+    cause = Cause(Level.HIGH)
+    assert await action.engage(cause, False) == Result("skipped", "no evictor")
+    assert (await action.engage(cause, True)).result == DRY_RUN
+
+    class Manager:
+        def __init__(self) -> None:
+            self.reasons: list[str] = []
+
+        def request_round(self, reason: str) -> None:
+            self.reasons.append(reason)
+
+    manager = Manager()
+    assert (await EvictAction(manager).repeat(cause, False)).result == DONE
+    assert manager.reasons == [cause.text()]
+    assert (await EvictAction(manager).release(cause, False)).result == "unchanged"
+
+
+@pytest.mark.parametrize("level", [Level.LOW, Level.HIGH])
+def test_cause_text_names_the_reading(level: Level) -> None:
+    assert Cause(level).text() == f"level {level.name.lower()}: no detector reports pressure"
+    text = Cause(level, reading("psi", level)).text()
+    assert text.startswith(f"level {level.name.lower()}: psi node 42 percent vs 10")
+
+
+def test_cause_text_shows_bytes_whole() -> None:
+    free = Reading("system_free", NODE, Level.LOW, 23446401024.0, 2147483648.0, "bytes", "r")
+    assert "system_free node 23446401024 bytes vs 2147483648 (r)" in Cause(Level.LOW, free).text()

@@ -1,0 +1,233 @@
+"""The tune-memcg rung: the memory guard squeezed (v1 limit, v2 memory.high) and released,
+woken at once; memory.wmark_ratio where the kernel has it; dry-run and missing knobs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+from nri_plugin.config.schema import Config
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.pods import PodIndex
+from reconciler.detection.signals import Level
+from reconciler.host.cgroups import layout_for
+from reconciler.host.probe import probe_host
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.memory_guard import (
+    GuardSqueeze,
+    MemoryGuardLoop,
+    Squeeze,
+    squeezed,
+    tier_anonymous,
+)
+from reconciler.mitigation.actions import Cause, TuneAction
+from reconciler.runner import run_reconciler
+from reconciler.state import NodeState
+from tests.fakesys import GIB, MIB, PAGE, FakeHost
+from tests.polling import eventually
+
+SQUEEZE = Squeeze(64 * MIB, 256 * MIB, "psi node 42 percent")
+
+
+def guard(tmp_path: Path, version: int, usage: int, anon: int = 0,
+          cfg: Config | None = None) -> tuple[FakeHost, MemoryGuardLoop, GuardSqueeze,
+                                              MemoryAuditSink]:
+    host = FakeHost(tmp_path, version=version, driver="systemd" if version == 2 else "cgroupfs")
+    host.set_numa([(60 * GIB, 64 * GIB, 0)])  # plenty of headroom: an unsqueezed cap is high
+    host.set_tier_usage("besteffort", usage)
+    (host.tier_dir("besteffort") / "memory.stat").write_text(
+        f"anon {anon}\nfile {usage - anon}\n" if version == 2
+        else f"cache 0\nrss 0\ntotal_cache {usage - anon}\ntotal_rss {anon}\n")
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs(tmp_path, audit)
+    squeeze = GuardSqueeze()
+    config = cfg or Config()
+    loop = MemoryGuardLoop(lambda: config, sysfs, layout_for(sysfs), audit, squeeze)
+    return host, loop, squeeze, sink
+
+
+def tier_file(host: FakeHost, name: str) -> int:
+    return int((host.tier_dir("besteffort") / name).read_text())
+
+
+def test_squeezed_formula() -> None:
+    assert squeezed(4 * GIB, 0, SQUEEZE) == 4 * GIB - 64 * MIB
+    assert squeezed(300 * MIB, 0, SQUEEZE) == 256 * MIB  # the floor
+    assert squeezed(GIB + 100 * MIB, GIB, SQUEEZE) == GIB + 64 * MIB  # a step above anonymous
+    assert squeezed(4 * GIB + 100, 0, SQUEEZE) % PAGE == 0
+
+
+def test_tier_anonymous_of_each_version() -> None:
+    assert tier_anonymous("cache 5\nrss 0\ntotal_rss 77\n", v2=False) == 77
+    assert tier_anonymous("anon 12\nfile 5\n", v2=True) == 12
+    assert tier_anonymous(None, v2=True) == tier_anonymous("garbage", v2=False) == 0
+
+
+def test_v1_limit_is_held_below_usage_then_restored(tmp_path: Path) -> None:
+    host, loop, squeeze, sink = guard(tmp_path, 1, 4 * GIB)
+    loop.cycle(0.0)
+    normal = tier_file(host, "memory.limit_in_bytes")
+    assert normal > 50 * GIB
+    squeeze.set(SQUEEZE)
+    loop.cycle(1.0)
+    # at once, not one max_step_bytes per cycle from the previous cap
+    assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 64 * MIB
+    record = sink.named("memory_guard_cap")[-1]
+    assert record["squeezed"] is True
+    assert record["previous_bytes"] == normal
+    assert "squeezed to" in sink.named("cgroup_write")[-1]["reason"]
+    # the tier reclaimed down to its limit: the next cycle holds it a step lower again
+    host.set_tier_usage("besteffort", 4 * GIB - 64 * MIB)
+    loop.cycle(6.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 128 * MIB
+    squeeze.set(None)
+    loop.cycle(7.0)
+    # restored at once to the unsqueezed cap: the tier's (now smaller) usage plus the headroom
+    assert tier_file(host, "memory.limit_in_bytes") == normal - 64 * MIB
+    assert sink.named("memory_guard_cap")[-1]["squeezed"] is False
+
+
+def test_v1_squeeze_spares_anonymous_memory_and_the_floor(tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, GIB + 32 * MIB, anon=GIB)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    assert tier_file(host, "memory.limit_in_bytes") == GIB + 64 * MIB
+    host2, loop2, squeeze2, _ = guard(tmp_path / "small", 1, 200 * MIB)
+    squeeze2.set(SQUEEZE)
+    loop2.cycle(0.0)
+    assert tier_file(host2, "memory.limit_in_bytes") == 256 * MIB
+
+
+def test_v1_squeeze_keeps_the_no_oom_cliff_bound(tmp_path: Path) -> None:
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(
+        cfg.memory_guard, max_step_bytes=16 * MIB))
+    host, loop, squeeze, _ = guard(tmp_path, 1, 4 * GIB, cfg=cfg)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 16 * MIB
+
+
+def test_v2_memory_high_is_squeezed_and_max_kept(tmp_path: Path) -> None:
+    host, loop, squeeze, sink = guard(tmp_path, 2, 4 * GIB)
+    loop.cycle(0.0)
+    cap = tier_file(host, "memory.max")
+    squeeze.set(SQUEEZE)
+    loop.cycle(1.0)
+    assert tier_file(host, "memory.max") == cap
+    assert tier_file(host, "memory.high") == 4 * GIB - 64 * MIB
+    record = sink.named("memory_guard_cap")[-1]
+    assert record["squeezed"] is True
+    assert record["high_bytes"] == 4 * GIB - 64 * MIB
+    squeeze.set(None)
+    loop.cycle(2.0)
+    assert tier_file(host, "memory.high") == int(cap * 0.95) // PAGE * PAGE
+
+
+def test_subscribers_hear_changes_only() -> None:
+    squeeze, calls = GuardSqueeze(), []
+    stop = squeeze.subscribe(lambda: calls.append(1))
+    assert squeeze.set(SQUEEZE) is True
+    assert squeeze.set(SQUEEZE) is False
+    assert squeeze.set(None) is True
+    assert calls == [1, 1]
+    stop()
+    squeeze.set(SQUEEZE)
+    assert calls == [1, 1]
+
+
+async def test_a_squeeze_wakes_the_guard_at_once(tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 4 * GIB)
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_reconciler(
+        [loop], NodeState(), stop, None, read_keys=lambda: Config().read_keys(),
+        backoff_max=lambda: 60.0))
+    await eventually(lambda: tier_file(host, "memory.limit_in_bytes") > 50 * GIB)
+    squeeze.set(SQUEEZE)  # the guard's period is 5 s: only the wake-up makes this quick
+    await eventually(lambda: tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 64 * MIB)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
+# -- the action -----------------------------------------------------------------------------------
+
+def tune(tmp_path: Path, *, wmark: bool, guard_on: bool = True
+         ) -> tuple[TuneAction, GuardSqueeze, FakeHost, MemoryAuditSink]:
+    host = FakeHost(tmp_path, version=2, driver="systemd")
+    if wmark:
+        (host.tier_dir("guaranteed") / "memory.wmark_ratio").write_text("0\n")
+    level = "qos.nri-qos.io/level"
+    for name, lvl, tier in (("batch", "reclaimed_cores", "besteffort"),
+                            ("web", "shared_cores", "burstable")):
+        pod = host.add_pod(f"{name}-0000-4000-8000-000000000000", tier=tier, name=name,
+                           annotations={level: lvl})
+        if wmark:
+            (host.cg("memory", host.pod_rel(tier, pod.info.uid)) / "memory.wmark_ratio"
+             ).write_text("95\n")
+    sink = MemoryAuditSink()
+    sysfs = SysFs(tmp_path, AuditLog(sink))
+    state = NodeState()
+    state.replace_all(*host.nri())
+    info = probe_host(sysfs)
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(cfg.memory_guard,
+                                                                    enabled=guard_on))
+    squeeze = GuardSqueeze()
+    action = TuneAction(lambda: cfg, squeeze, sysfs, info, PodIndex(state, info.cgroup),
+                        lambda: True)
+    return action, squeeze, host, sink
+
+
+def wmark_of(host: FakeHost, name: str, tier: str) -> str:
+    uid = f"{name}-0000-4000-8000-000000000000"
+    return (host.cg("memory", host.pod_rel(tier, uid)) / "memory.wmark_ratio").read_text()
+
+
+async def test_tune_engages_and_releases_the_squeeze(tmp_path: Path) -> None:
+    action, squeeze, _, _ = tune(tmp_path, wmark=False)
+    cause = Cause(Level.LOW)
+    result = await action.engage(cause, dry_run=False)
+    assert result.result == "done"
+    assert "memory.high held 67108864 B below" in result.detail
+    current = squeeze.current()
+    assert current is not None
+    assert (current.step_bytes, current.floor_bytes, current.reason) == (
+        64 * MIB, 256 * MIB, cause.text())
+    assert (await action.release(cause, dry_run=False)).result == "done"
+    assert squeeze.current() is None
+    assert (await action.release(cause, dry_run=False)).result == "unchanged"
+
+
+async def test_tune_dry_run_changes_nothing(tmp_path: Path) -> None:
+    action, squeeze, host, sink = tune(tmp_path, wmark=True)
+    result = await action.engage(Cause(Level.LOW), dry_run=True)
+    assert result.result == "dry_run"
+    assert "wmark_ratio 80" in result.detail
+    assert squeeze.current() is None
+    assert wmark_of(host, "batch", "besteffort") == "95\n"
+    assert sink.records == []
+
+
+async def test_wmark_ratio_on_reclaimed_pods_only_and_restored(tmp_path: Path) -> None:
+    action, _, host, sink = tune(tmp_path, wmark=True)
+    await action.engage(Cause(Level.LOW), dry_run=False)
+    assert wmark_of(host, "batch", "besteffort") == "80"
+    assert wmark_of(host, "web", "burstable") == "95\n"
+    assert [r["value"] for r in sink.named("cgroup_write")] == ["80"]
+    await action.release(Cause(Level.NONE), dry_run=False)
+    assert wmark_of(host, "batch", "besteffort") == "95"
+
+
+async def test_tune_without_any_knob_is_skipped(tmp_path: Path) -> None:
+    action, squeeze, _, _ = tune(tmp_path, wmark=False, guard_on=False)
+    result = await action.engage(Cause(Level.LOW), dry_run=False)
+    assert result.result == "skipped"
+    assert "memory guard is off" in result.detail
+    assert squeeze.current() is None
+    action2, squeeze2, _, _ = tune(tmp_path / "w", wmark=True, guard_on=False)
+    result2 = await action2.engage(Cause(Level.LOW), dry_run=False)
+    assert result2.result == "done"
+    assert "memory guard off: no squeeze" in result2.detail
+    assert squeeze2.current() is None

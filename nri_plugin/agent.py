@@ -1,8 +1,9 @@
 """Assembling the agent: every component built once, from the configuration and the probed host.
 
-:func:`build_agent` is where dependencies are wired: the node state, the resctrl filesystem, the
-capabilities, the NRI stub and the background services (the config watcher, the reconciler with
-its pod watch), each handed exactly what it needs. :func:`run_agent` runs them all in one
+:func:`build_agent` is where dependencies are wired: the metrics, the node state, the detection
+board, the resctrl filesystem, the capabilities, the NRI stub and the background services (the
+config watcher, the reconciler with its pod watch, the metrics endpoint, the status socket), each
+handed exactly what it needs. :func:`run_agent` runs them all in one
 :class:`asyncio.TaskGroup` until stop. The daemon (``nri-qos run``) and the simulation
 (``nri-qos simulate``) are two callers, with a real host and a simulated one.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,12 +27,18 @@ from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
+from nri_plugin.metrics_server import MetricsEndpoint
+from nri_plugin.status import StatusServer, StatusSources, status_document
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.audit import AuditLog
+from reconciler.detection.signals import Board
 from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher, build_api_client, node_name
+from reconciler.loops.base import LoopTracker
+from reconciler.metrics import Metrics
 from reconciler.runner import build_loops, run_reconciler
 from reconciler.state import NodeState
 
@@ -61,6 +69,19 @@ class Agent:
     executor: ThreadPoolExecutor
     # Settings fields the background loops apply to running containers.
     reconciler_fields: frozenset[str]
+    metrics: Metrics
+    # The latest detector readings (the detection loop publishes, the rest read).
+    board: Board
+    tracker: LoopTracker
+    endpoint: MetricsEndpoint | None
+    status: StatusServer | None
+
+
+@dataclass(slots=True)
+class _Learnt:
+    """What the agent finds out while it runs, for its status."""
+
+    kubernetes: bool | None = None
 
 
 def probe(cfg: Config, audit: AuditLog) -> tuple[HostInfo, SysFs]:
@@ -122,7 +143,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     watch) when the configuration enables it; off for a simulation, whose pods are not on this
     host (its answers still say what the reconciler would apply)."""
     cfg = store.current
+    metrics = Metrics()
+    sysfs = sysfs.metered(metrics)
     state = NodeState(qos=lambda: store.current.qos)
+    board = Board()
+    tracker = LoopTracker(metrics)
+    learnt = _Learnt()
     resctrl = _resctrl(store, host, sysfs, audit)
     capabilities = build_capabilities(cfg, resctrl=resctrl, audit=audit,
                                       cgroup_v2=host.cgroup.v2,
@@ -135,16 +161,44 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     reconciler_fields = RECONCILER_FIELDS if reconcile else frozenset()
     stub = PluginStub(identity=identity, config=lambda: store.current, capabilities=capabilities,
                       audit=audit, executor=executor, state=state, track_containers=reconcile,
-                      reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2)
+                      reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2,
+                      metrics=metrics)
+    metrics.watch_node(lambda: _counts(state))
+    metrics.watch_board(board)
+    if resctrl is not None:
+        metrics.watch_resctrl(lambda: read_usage(resctrl))
     services: list[Service] = [store.watch]
-    if reconcile and run_background:
-        services.append(_reconciler(store, state, sysfs, host, resctrl, audit))
+    background = reconcile and run_background
+    if background:
+        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, metrics, tracker,
+                                    learnt))
+    # Endpoints only for a real agent: a simulation must not take the node agent's port or
+    # socket.
+    endpoint = status = None
+    if run_background and cfg.metrics.enabled:
+        endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
+                                   ready=lambda: stub.connection_state == "synchronized")
+        services.append(endpoint.serve)
+    if run_background and cfg.status.enabled:
+        sources = StatusSources(
+            stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.current,
+            config_source=lambda: store.source, host=host,
+            kubernetes=lambda: learnt.kubernetes, reconciler_running=background,
+            wall_clock=time.time, started_unix=time.time())
+        status = StatusServer(cfg.status.socket, lambda: status_document(sources))
+        services.append(status.serve)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",
              capabilities=[c.name for c in capabilities], config=store.source,
              cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}",
              memory_total_bytes=host.memory_total_bytes,
              reconciler=reconcile and run_background)
-    return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields)
+    return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
+                 metrics, board, tracker, endpoint, status)
+
+
+def _counts(state: NodeState) -> tuple[int, int]:
+    snapshot = state.snapshot()
+    return len(snapshot.pods), len(snapshot.containers)
 
 
 def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], None]:
@@ -156,16 +210,19 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 
 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
-                resctrl: ResctrlFs | None, audit: AuditLog) -> Service:
+                resctrl: ResctrlFs | None, audit: AuditLog, metrics: Metrics,
+                tracker: LoopTracker, learnt: _Learnt) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         api = build_api_client(cfg.kubernetes)
+        learnt.kubernetes = api is not None
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes,
                                                       node_name(cfg.kubernetes))
-        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit)
+        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, metrics)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
-                             backoff_max=lambda: store.current.reconciler.backoff_max_s)
+                             backoff_max=lambda: store.current.reconciler.backoff_max_s,
+                             tracker=tracker)
 
     return run
 

@@ -32,7 +32,7 @@ from hooks.events import Event
 from hooks.untrusted import bounded
 from nri_plugin.config.schema import Config
 from nri_plugin.features import Feature, evaluate, kubernetes_feature
-from nri_plugin.stub import PluginStub, support_nri_text
+from nri_plugin.stub import PluginStub
 from reconciler.detection.signals import Board
 from reconciler.host.probe import HostInfo
 from reconciler.loops.base import LoopTracker
@@ -108,7 +108,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
                        "since_unix": round(wall - age, 3), "connections": stub.connections},
         "runtime": None if stub.connection_state == "disconnected" or not runtime.name else {
             "name": bounded(runtime.name), "version": bounded(runtime.version),
-            "nri_version": support_nri_text(stub.support, ""),
+            "nri_version": stub.nri_version_text,
             "request_timeout_ms": stub.request_timeout_ms,
             "event_mask": f"{stub.event_mask:#x}",
             "events": [e.name.lower() for e in Event if stub.event_mask & e.bit],

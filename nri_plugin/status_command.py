@@ -155,7 +155,9 @@ def socket_path(config_path: str | None) -> str:
 
 
 def main_status(config_path: str | None, socket: str | None, *, as_json: bool,
-                out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+                out: TextIO | None = None, err: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
     if socket is None:
         try:
             socket = socket_path(config_path)

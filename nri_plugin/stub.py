@@ -162,6 +162,8 @@ class PluginStub:
         self.runtime = RuntimeInfo(cgroup_v2=self._cgroup_v2)
         self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
         self.event_mask = 0
+        # The runtime's NRI version as stated in Configure, or as inferred.
+        self.nri_version_text = ""
         self.synchronized = asyncio.Event()
         self._sync_pods: list[api.PodSandbox] = []
         self._sync_containers: list[api.Container] = []
@@ -286,9 +288,10 @@ class PluginStub:
         self.request_timeout_ms = (timeout if 0 < timeout <= MAX_REQUEST_TIMEOUT_MS
                                    else DEFAULT_REQUEST_TIMEOUT_MS)
         self.event_mask = self.subscription_mask(support)
+        self.nri_version_text = support_nri_text(support, req.NRI_version)
         if self._metrics is not None:
             self._metrics.nri_runtime(bounded(req.runtime_name), bounded(req.runtime_version),
-                                      support_nri_text(support, req.NRI_version))
+                                      self.nri_version_text)
         log.info("configured", runtime=bounded(req.runtime_name),
                  runtime_version=bounded(req.runtime_version),
                  nri_version=bounded(req.NRI_version) or None, events=hex(self.event_mask),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import configparser
 import json
+import os
 import re
 import shutil
 import socket
@@ -39,6 +40,7 @@ from tests.paths import REPO
 DEPLOY = REPO / "deploy"
 BASE = DEPLOY / "kustomize" / "base"
 CANARY = DEPLOY / "kustomize" / "overlays" / "canary"
+COMPONENTS = DEPLOY / "kustomize" / "components"
 WRAPPER = DEPLOY / "preinstalled" / "10-nri-qos"
 
 Doc = dict[str, Any]
@@ -173,6 +175,34 @@ def test_canary_overlay_selects_canary_nodes_and_holds_actions_back() -> None:
     assert config.mitigation.enabled is False
     assert config.eviction.enabled is False
     assert config.eviction.dry_run is True
+
+
+def _with_component(tmp_path: Path, component: str) -> list[Doc]:
+    """The base with one component, as an overlay in ``tmp_path`` would use it."""
+    # kustomize takes only relative references.
+    base = os.path.relpath(BASE, tmp_path)
+    used = os.path.relpath(COMPONENTS / component, tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        f"resources: [{base}]\ncomponents: [{used}]\n")
+    return built(tmp_path)
+
+
+def test_no_resctrl_component_drops_only_the_resctrl_mount(tmp_path: Path) -> None:
+    docs = _with_component(tmp_path, "no-resctrl")
+    assert_parses_into_models(docs)
+    daemonset = _one(docs, "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths == {"/var/run/nri", "/sys/fs/cgroup", "/sys/devices/system/node", "/proc"}
+    mounts = {m["mountPath"] for m in _container(daemonset)["volumeMounts"]}
+    assert not any("resctrl" in m for m in mounts)
+    assert len(mounts) == len(_container(_one(base_docs(), "DaemonSet"))["volumeMounts"]) - 1
+
+
+def test_privileged_component_makes_the_agent_privileged(tmp_path: Path) -> None:
+    docs = _with_component(tmp_path, "privileged")
+    assert_parses_into_models(docs)
+    assert _container(_one(docs, "DaemonSet"))["securityContext"] == {"privileged": True}
 
 
 def test_canary_config_keeps_every_base_setting() -> None:

@@ -609,17 +609,17 @@ class PluginStub:
         seconds = self._clock() - started
         name = event.name.lower()
         extra = {"error": bounded(error, 512)} if error is not None else {}
-        loop = asyncio.get_running_loop()
-        loop.call_soon(functools.partial(
-            self._event_log().info,
-            "nri_event", nri_event=name,
-            pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
+        asyncio.get_running_loop().call_soon(functools.partial(
+            self._event_done, "fail-open" if failed_open else _METRIC_RESULT[result], seconds,
+            nri_event=name, pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
             container=bounded(container_msg.name) if container_msg is not None else None,
             duration_ms=round(seconds * 1000, 3), result=result, **extra,
         ))
+
+    def _event_done(self, metric_result: str, seconds: float, **fields: Any) -> None:
+        self._event_log().info("nri_event", **fields)
         if self._metrics is not None:
-            loop.call_soon(self._metrics.nri_request, name,
-                           "fail-open" if failed_open else _METRIC_RESULT[result], seconds)
+            self._metrics.nri_request(fields["nri_event"], metric_result, seconds)
 
     def _context(self, prepared: _Prepared) -> Any:
         """The event's fields on every log line and audit record written while it runs."""
@@ -654,8 +654,8 @@ class PluginStub:
                            qos_level=level, fields=fields)
         if self._metrics is not None:
             # Annotation keys are the admin's: one label value for all of them.
-            labels = {"annotations" if f.startswith("annotations.") else f for f in fields}
-            self._metrics.nri_adjusted(sorted(labels))
+            self._metrics.nri_adjusted(
+                {"annotations" if f.startswith("annotations.") else f for f in fields})
 
     def _read_keys(self, cfg: Config) -> ReadKeys:
         if cfg is not self._keys_config:

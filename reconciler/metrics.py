@@ -123,7 +123,9 @@ class Metrics:
             ["reason"], registry=r)
         for state in CONNECTION_STATES:
             self._nri_state.labels(state).set(1 if state == "disconnected" else 0)
+        # Labelled children resolved once: labels() costs more than the increment.
         self._nri_children: dict[tuple[str, str], tuple[Histogram, Counter]] = {}
+        self._adjusted_children: dict[str, Counter] = {}
         # -- reconciler ------------------------------------------------------------------------
         self._cycle_duration = Histogram(
             f"{PREFIX}_reconciler_cycle_duration_seconds",
@@ -177,8 +179,12 @@ class Metrics:
 
     def nri_adjusted(self, fields: Iterable[str]) -> None:
         """A CreateContainer answer set these fields (``rdt_class``, ``unified.memory.high``...)."""
+        children = self._adjusted_children
         for field in fields:
-            self._nri_adjusted.labels(field).inc()
+            child = children.get(field)
+            if child is None:
+                child = children[field] = self._nri_adjusted.labels(field)
+            child.inc()
 
     def nri_connection(self, state: str, since_unix: float) -> None:
         """The runtime connection entered ``state`` (one of :data:`CONNECTION_STATES`)."""

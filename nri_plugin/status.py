@@ -90,6 +90,9 @@ def status_document(src: StatusSources) -> dict[str, Any]:
         for name, feature in features.items():
             if name.startswith("reconciler.") and feature.runs:
                 features[name] = Feature(False, "the reconciler does not run")
+        if cfg.kubernetes.enabled:
+            features["kubernetes"] = Feature(
+                False, "not used: the reconciler, which holds the API client, does not run")
     runtime = stub.runtime
     loops = {
         name: {"ago_s": round(now - record.started, 3),

@@ -261,3 +261,29 @@ def test_printing_shows_extension_sections_whatever_their_shape() -> None:
     assert "mitigation ladder level=2, rung=drop_cache" in text
     assert "  pod=ns/p, result=evicted" in text
     assert "taints            none" in text
+
+
+async def test_without_the_reconciler_its_features_say_so(tmp_path: Path, short_dir: Path) -> None:
+    sock = short_dir / "status.sock"
+    config = tmp_path / "config.toml"
+    config.write_text(f'[reconciler]\nenabled = false\n[resctrl]\nenabled = false\n'
+                      f'[status]\nsocket = "{sock}"\n')
+    simulator = RuntimeSimulator(tmp_path / "nri.sock")
+    await simulator.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "warning",
+                                            stop=stop, prelaunched=None))
+    try:
+        await simulator.wait_ready()
+        doc = await document(sock)
+    finally:
+        stop.set()
+        await task
+        await simulator.stop()
+    assert doc["reconciler"] == {"running": False, "loops": {}}
+    features = doc["features"]
+    assert features["reconciler.drift"] == {"runs": False, "detail": "reconciler.enabled is false"}
+    assert features["kubernetes"]["runs"] is False
+    assert "the reconciler, which holds the API client, does not run" in \
+        features["kubernetes"]["detail"]
+    assert features["resctrl"] == {"runs": False, "detail": "resctrl.enabled is false"}

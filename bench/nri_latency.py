@@ -61,9 +61,12 @@ RECORDING = Path(os.environ.get(
 )) / "containerd-2.4-full-lifecycle.jsonl"
 IN_FLIGHT = 16
 
-# The background reconciler stays off: these figures are the NRI path's.
+# The background reconciler stays off: these figures are the NRI path's. So does the status
+# socket, which would take the node agent's path; the metrics are recorded all the same.
 ALL_HOOKS_CONFIG = """
 [reconciler]
+enabled = false
+[status]
 enabled = false
 [resctrl]
 root = "{resctrl}"
@@ -86,6 +89,8 @@ args = ["true"]
 """
 EMPTY_CHAIN_CONFIG = """
 [reconciler]
+enabled = false
+[status]
 enabled = false
 [resctrl]
 enabled = false

@@ -1,19 +1,21 @@
 """Assembling the agent: every component built once, from the configuration and the probed host.
 
-:func:`build_agent` is where dependencies are wired: the node state, the readings board, the
-resctrl filesystem, the capabilities, the NRI stub and the background services (the config
-watcher, the reconciler with its pod watch, interference detection, the mitigation ladder and the
-eviction manager), each handed exactly what it needs. The board and the Kubernetes client are
-made here, once: detection publishes on the board, the ladder and the eviction manager's
-in-tree plugins read it. :func:`run_agent` runs them all in one :class:`asyncio.TaskGroup` until
-stop. The daemon (``nri-qos run``) and the simulation (``nri-qos simulate``) are two callers,
-with a real host and a simulated one.
+:func:`build_agent` is where dependencies are wired: the metrics, the node state, the readings
+board, the resctrl filesystem, the capabilities, the NRI stub and the background services (the
+config watcher, the reconciler with its pod watch, interference detection, the mitigation ladder,
+the eviction manager, the metrics endpoint and the status socket), each handed exactly what it
+needs. The board and the Kubernetes client are made here, once: detection publishes on the board,
+the ladder, the eviction manager's in-tree plugins, the metrics and the status read it.
+:func:`run_agent` runs them all in one :class:`asyncio.TaskGroup` until stop. The daemon
+(``nri-qos run``) and the simulation (``nri-qos simulate``) are two callers, with a real host and
+a simulated one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
+from nri_plugin.metrics_server import MetricsEndpoint
+from nri_plugin.status import StatusServer, StatusSources, ladder_sections, status_document
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
@@ -35,10 +39,13 @@ from reconciler.detection.signals import Board
 from reconciler.eviction.builtin import in_tree_plugins
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
+from reconciler.loops.base import LoopTracker
 from reconciler.loops.memory_guard import GuardSqueeze
+from reconciler.metrics import Metrics
 from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, run_reconciler
 from reconciler.state import NodeState
@@ -70,8 +77,13 @@ class Agent:
     executor: ThreadPoolExecutor
     # Settings fields the background loops apply to running containers.
     reconciler_fields: frozenset[str]
-    # The latest detector readings (empty while detection does not run).
+    metrics: Metrics
+    # The latest detector readings (detection publishes, the rest read; empty while detection
+    # does not run).
     board: Board
+    tracker: LoopTracker
+    endpoint: MetricsEndpoint | None
+    status: StatusServer | None
     # The one place that evicts pods; None when the background half does not run.
     evictor: EvictionManager | None = None
     # The mitigation ladder, when the background services run.
@@ -137,7 +149,11 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     watch) when the configuration enables it; off for a simulation, whose pods are not on this
     host (its answers still say what the reconciler would apply)."""
     cfg = store.current
+    metrics = Metrics()
+    sysfs = sysfs.metered(metrics)
     state = NodeState(qos=lambda: store.current.qos)
+    board = Board()
+    tracker = LoopTracker(metrics)
     resctrl = _resctrl(store, host, sysfs, audit)
     capabilities = build_capabilities(cfg, resctrl=resctrl, audit=audit,
                                       cgroup_v2=host.cgroup.v2,
@@ -150,34 +166,65 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     reconciler_fields = RECONCILER_FIELDS if reconcile else frozenset()
     stub = PluginStub(identity=identity, config=lambda: store.current, capabilities=capabilities,
                       audit=audit, executor=executor, state=state, track_containers=reconcile,
-                      reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2)
+                      reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2,
+                      metrics=metrics)
+    metrics.watch_node(lambda: _counts(state))
+    metrics.watch_board(board)
+    if resctrl is not None:
+        metrics.watch_resctrl(lambda: read_usage(resctrl))
     services: list[Service] = [store.watch]
-    board = Board()
+    background = reconcile and run_background
     evictor = None
     mitigation = None
-    if reconcile and run_background:
+    # None: the Kubernetes API is not used (no background half); False: it is not reachable
+    # from here (no credentials), the agent runs without it.
+    kubernetes: bool | None = None
+    if background:
         api = build_api_client(cfg.kubernetes)
+        kubernetes = api is not None
         node = node_name(cfg.kubernetes)
         kube = KubeActions(api, cfg.kubernetes, audit)
         squeeze = GuardSqueeze()
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze))
+                                    squeeze, metrics, tracker))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit).run)
         evictor = EvictionManager(
             lambda: store.current, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.current.eviction))
+            in_tree_plugins(board, lambda: store.current.eviction), metrics=metrics)
         services.append(evictor.run)
         mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
                                       kube=None if api is None else kube, node=node,
-                                      squeeze=squeeze, evictor=evictor)
+                                      squeeze=squeeze, evictor=evictor, metrics=metrics)
         services.append(mitigation.run)
+    # Endpoints only for a real agent: a simulation must not take the node agent's port or
+    # socket.
+    endpoint = status = None
+    if run_background and cfg.metrics.enabled:
+        endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
+                                   ready=lambda: stub.connection_state == "synchronized")
+        services.append(endpoint.serve)
+    if run_background and cfg.status.enabled:
+        sources = StatusSources(
+            stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.current,
+            config_source=lambda: store.source, host=host,
+            kubernetes=lambda: kubernetes, reconciler_running=background,
+            wall_clock=time.time, started_unix=time.time(),
+            sections={} if mitigation is None or evictor is None else ladder_sections(
+                mitigation, evictor))
+        status = StatusServer(cfg.status.socket, lambda: status_document(sources))
+        services.append(status.serve)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",
              capabilities=[c.name for c in capabilities], config=store.source,
              cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}",
              memory_total_bytes=host.memory_total_bytes,
              reconciler=reconcile and run_background)
     return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
-                 board, evictor, mitigation)
+                 metrics, board, tracker, endpoint, status, evictor, mitigation)
+
+
+def _counts(state: NodeState) -> tuple[int, int]:
+    snapshot = state.snapshot()
+    return len(snapshot.pods), len(snapshot.containers)
 
 
 def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], None]:
@@ -189,15 +236,17 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 
 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
-                resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None,
-                node: str, squeeze: GuardSqueeze) -> Service:
+                resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
+                squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
-        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze)
+        loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze,
+                            metrics)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
-                             backoff_max=lambda: store.current.reconciler.backoff_max_s)
+                             backoff_max=lambda: store.current.reconciler.backoff_max_s,
+                             tracker=tracker)
 
     return run
 

@@ -1,5 +1,5 @@
-"""The ``nri-qos`` command: run the agent, simulate a runtime, probe the host, check or print the
-configuration."""
+"""The ``nri-qos`` command: run the agent, simulate a runtime, probe the host, ask the running
+agent for its status, check or print the configuration."""
 
 from __future__ import annotations
 
@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--config", metavar="PATH", help=config_help)
     probe.add_argument("--json", action="store_true", help="machine-readable output")
 
+    status = commands.add_parser(
+        "status", help="ask the running agent what it is doing (over its local status socket)"
+    )
+    status.add_argument("--config", metavar="PATH",
+                        help=config_help.replace("configuration file", "configuration file naming "
+                                                 "the socket ([status] socket)"))
+    status.add_argument("--socket", metavar="PATH", help="status socket, overriding the config")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
     check = commands.add_parser(
         "check-config",
         help="validate a configuration file; print the effective configuration or every error",
@@ -101,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nri_plugin.probe_command import main_probe
 
         return main_probe(args.config, as_json=args.json)
+    if args.command == "status":
+        from nri_plugin.status_command import main_status
+
+        return main_status(args.config, args.socket, as_json=args.json)
     if args.command == "check-config":
         return check_config(args.path)
     if args.command == "default-config":

@@ -43,6 +43,7 @@ from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog
+from reconciler.metrics import Metrics
 from reconciler.state import NodeState, PodView
 
 PLUGIN_NRI_VERSION = "v0.12.2"
@@ -64,6 +65,9 @@ LIFECYCLE_EVENTS = STATE_EVENTS | frozenset({
 """Events followed when the reconciler runs: it needs every container's state."""
 
 log = structlog.get_logger("nri_qos.nri")
+
+# The event log's result -> the metrics' result (an "error" answered empty is "fail-open").
+_METRIC_RESULT = {"ok": "ok", "partial": "fail-open", "invalid": "fail-open", "error": "error"}
 
 _in_handler: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_handler", default=False)
 
@@ -98,6 +102,8 @@ class PluginStub:
     ``track_containers`` every container's lifecycle is fed into it (the reconciler needs that).
     ``reconciler_fields`` names the settings fields a background loop applies to running
     containers, which the answer may therefore leave to it when the runtime would drop them.
+    ``metrics`` hears of every request (after its answer), of the connection's state and of the
+    fields the answers set.
     """
 
     def __init__(
@@ -113,6 +119,8 @@ class PluginStub:
         reconciler_fields: frozenset[str] = frozenset(),
         cgroup_v2: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.identity = identity
         self._config = config
@@ -131,6 +139,13 @@ class PluginStub:
         self._reconciler_fields = reconciler_fields
         self._cgroup_v2 = cgroup_v2
         self._clock = clock
+        self._wall_clock = wall_clock
+        self._metrics = metrics
+        # The runtime connection: its state (see reconciler.metrics.CONNECTION_STATES), when
+        # it entered it (``clock``), and how many connections were made.
+        self.connection_state = "disconnected"
+        self.state_since = clock()
+        self.connections = 0
         self._peer: TtrpcPeer | None = None
         self._log_config: object = None
         self._bound_log: Any = log
@@ -147,6 +162,8 @@ class PluginStub:
         self.runtime = RuntimeInfo(cgroup_v2=self._cgroup_v2)
         self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
         self.event_mask = 0
+        # The runtime's NRI version as stated in Configure, or as inferred.
+        self.nri_version_text = ""
         self.synchronized = asyncio.Event()
         self._sync_pods: list[api.PodSandbox] = []
         self._sync_containers: list[api.Container] = []
@@ -157,6 +174,16 @@ class PluginStub:
     @property
     def connected(self) -> bool:
         return self._peer is not None and not self._peer.closed
+
+    def state_age_s(self) -> float:
+        """Seconds since the connection entered its current state."""
+        return self._clock() - self.state_since
+
+    def _set_state(self, state: str) -> None:
+        self.connection_state = state
+        self.state_since = self._clock()
+        if self._metrics is not None:
+            self._metrics.nri_connection(state, self._wall_clock())
 
     def close(self, reason: str = "closed by the plugin") -> None:
         """End the current connection, if any; :meth:`serve` then returns."""
@@ -169,6 +196,10 @@ class PluginStub:
         peer = TtrpcPeer(reader, writer, serve_conn=PLUGIN_SERVICE_CONN,
                          call_conn=RUNTIME_SERVICE_CONN, handlers=self._handlers)
         self._peer = peer
+        self.connections += 1
+        if self.connections > 1 and self._metrics is not None:
+            self._metrics.nri_reconnected()
+        self._set_state("connected")
         try:
             async with asyncio.TaskGroup() as group:
                 # Register at once, without waiting for the answer before serving: the runtime
@@ -177,6 +208,7 @@ class PluginStub:
                 group.create_task(peer.run())
         finally:
             self._peer = None
+            self._set_state("disconnected")
         return peer.end_reason
 
     async def _register(self, peer: TtrpcPeer) -> None:
@@ -256,6 +288,10 @@ class PluginStub:
         self.request_timeout_ms = (timeout if 0 < timeout <= MAX_REQUEST_TIMEOUT_MS
                                    else DEFAULT_REQUEST_TIMEOUT_MS)
         self.event_mask = self.subscription_mask(support)
+        self.nri_version_text = support_nri_text(support, req.NRI_version)
+        if self._metrics is not None:
+            self._metrics.nri_runtime(bounded(req.runtime_name), bounded(req.runtime_version),
+                                      self.nri_version_text)
         log.info("configured", runtime=bounded(req.runtime_name),
                  runtime_version=bounded(req.runtime_version),
                  nri_version=bounded(req.NRI_version) or None, events=hex(self.event_mask),
@@ -334,10 +370,14 @@ class PluginStub:
             policy.chain("synchronize", chain, pod_uid="", container="")
             if not chain.complete:
                 result = "partial"
+        seconds = self._clock() - started
         self._event_log().info("nri_event", nri_event="synchronize", pods=len(pods),
                                containers=len(containers), result=result,
-                               duration_ms=round((self._clock() - started) * 1000, 3))
+                               duration_ms=round(seconds * 1000, 3))
+        if self._metrics is not None:
+            self._metrics.nri_request("synchronize", _METRIC_RESULT[result], seconds)
         self.synchronized.set()
+        self._set_state("synchronized")
         return api.SynchronizeResponse(more=False).SerializeToString()
 
     async def _shutdown(self, request: envelope.Request) -> bytes:
@@ -384,11 +424,21 @@ class PluginStub:
         return b"" if isinstance(handled, bytes) else _replaced(handled, b"")
 
     def _decode(self, name: str, message_type: type[M], payload: bytes) -> M | None:
+        started = self._clock()
         message = _parse(message_type, payload)
         if message is None:
             error = MessageError(f"{message_type.__name__} payload does not decode")
-            self._policy().invalid_input(name, error)
+            try:
+                self._policy().invalid_input(name, error)
+            except RpcError:
+                self._count(name, "error", started)
+                raise
+            self._count(name, "fail-open", started)
         return message
+
+    def _count(self, name: str, result: str, started: float) -> None:
+        if self._metrics is not None:
+            self._metrics.nri_request(name, result, self._clock() - started)
 
     def _handle(self, event: Event, pod_msg: api.PodSandbox,
                 container_msg: api.Container | None) -> bytes | Awaitable[bytes]:
@@ -544,7 +594,7 @@ class PluginStub:
         except RpcError as verdict:
             self._log_event(event, pod_msg, container_msg, started, "error", verdict.message)
             raise
-        self._log_event(event, pod_msg, container_msg, started, "error", error)
+        self._log_event(event, pod_msg, container_msg, started, "error", error, failed_open=True)
         return b""
 
     def _forget_removed(self, event: Event, pod_msg: api.PodSandbox) -> None:
@@ -553,17 +603,23 @@ class PluginStub:
 
     def _log_event(self, event: Event, pod_msg: api.PodSandbox,
                    container_msg: api.Container | None, started: float, result: str,
-                   error: str | None = None) -> None:
-        # Written on the next turn of the loop, after the transport has sent the answer in this
-        # one: the runtime waits for the answer, not for the log.
+                   error: str | None = None, *, failed_open: bool = False) -> None:
+        # Written (and counted) on the next turn of the loop, after the transport has sent the
+        # answer in this one: the runtime waits for the answer, not for the log.
+        seconds = self._clock() - started
+        name = event.name.lower()
         extra = {"error": bounded(error, 512)} if error is not None else {}
         asyncio.get_running_loop().call_soon(functools.partial(
-            self._event_log().info,
-            "nri_event", nri_event=event.name.lower(),
-            pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
+            self._event_done, "fail-open" if failed_open else _METRIC_RESULT[result], seconds,
+            nri_event=name, pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
             container=bounded(container_msg.name) if container_msg is not None else None,
-            duration_ms=round((self._clock() - started) * 1000, 3), result=result, **extra,
+            duration_ms=round(seconds * 1000, 3), result=result, **extra,
         ))
+
+    def _event_done(self, metric_result: str, seconds: float, **fields: Any) -> None:
+        self._event_log().info("nri_event", **fields)
+        if self._metrics is not None:
+            self._metrics.nri_request(fields["nri_event"], metric_result, seconds)
 
     def _context(self, prepared: _Prepared) -> Any:
         """The event's fields on every log line and audit record written while it runs."""
@@ -593,8 +649,13 @@ class PluginStub:
 
     def _record_applied(self, pod_uid: str, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
+        fields = _set_fields(decided)
         self._audit.record("adjustment_applied", pod_uid=pod_uid, container=container,
-                           qos_level=level, fields=_set_fields(decided))
+                           qos_level=level, fields=fields)
+        if self._metrics is not None:
+            # Annotation keys are the admin's: one label value for all of them.
+            self._metrics.nri_adjusted(
+                {"annotations" if f.startswith("annotations.") else f for f in fields})
 
     def _read_keys(self, cfg: Config) -> ReadKeys:
         if cfg is not self._keys_config:
@@ -633,6 +694,15 @@ _CONTAINER_RPCS = {
 # Events at which a pod's unusable QoS values are audited (once per pod and once per container,
 # instead of at every event).
 _LEVEL_AUDIT_EVENTS = frozenset({Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER})
+
+
+def support_nri_text(support: RuntimeSupport, stated: str) -> str:
+    """The runtime's NRI version as stated, else as inferred from its own version."""
+    if stated:
+        return bounded(stated)
+    if support.nri_version is None:
+        return "unknown"
+    return "v" + ".".join(map(str, support.nri_version)) + " (inferred)"
 
 
 def _rpc_types(method: str) -> tuple[type[Any], type[Message]]:

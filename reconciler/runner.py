@@ -24,11 +24,12 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
-from reconciler.loops.base import Loop, run_loop
+from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.drift import DriftConfig, DriftLoop
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, MemoryGuardSections
 from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
+from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -43,7 +44,8 @@ class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Pr
 
 def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysfs: SysFs,
                 host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
-                squeeze: GuardSqueeze | None = None) -> list[Loop]:
+                squeeze: GuardSqueeze | None = None,
+                metrics: Metrics | None = None) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
     the mitigation ladder's handle on the memory guard."""
@@ -52,7 +54,7 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
              root=host.root)
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes),
-        MemoryGuardLoop(config, sysfs, layout, audit, squeeze),
+        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics),
         NumaBindingLoop(config, state, sysfs, layout, audit),
     ]
     if resctrl is not None:
@@ -62,9 +64,11 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
 
 async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Event,
                          watcher: PodWatcher | None, *, read_keys: Callable[[], ReadKeys],
-                         backoff_max: Callable[[], float]) -> None:
+                         backoff_max: Callable[[], float],
+                         tracker: LoopTracker | None = None) -> None:
     """Run every loop, and the pod watch when given, until ``stop`` is set. The pod watch keeps
-    of each pod only the annotations some policy reads (``read_keys``)."""
+    of each pod only the annotations some policy reads (``read_keys``); ``tracker`` hears of
+    every cycle."""
     if watcher is None:
         log.warning("reconciler_degraded", reason="no Kubernetes pod watch: NRI data only "
                     "(no priority, requests or annotation changes)")
@@ -84,7 +88,7 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
                                                    meta=loop.wake_on_meta))
                 unsubscribe.append(loop.subscribe_wake(_waker(running, wake)))
                 group.create_task(run_loop(loop, stop=stop, wake=wake, executor=executor,
-                                           backoff_max=backoff_max),
+                                           backoff_max=backoff_max, tracker=tracker),
                                   name=f"reconciler-{loop.name}")
     finally:
         for cancel in unsubscribe:

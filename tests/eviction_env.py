@@ -25,6 +25,7 @@ from reconciler.eviction.manager import EvictionManager
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
+from reconciler.metrics import Metrics
 from reconciler.podmeta import pod_meta_from_object
 from reconciler.state import NodeState
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
@@ -91,6 +92,7 @@ class Env:
     rss: Scripted
     manager: EvictionManager
     cfg: list[Config]
+    metrics: Metrics
     pods: dict[str, FakePod] = field(default_factory=dict)
 
     def configure(self, **changes: Any) -> None:
@@ -142,12 +144,13 @@ def make_env(tmp_path: Path, fake: FakeApiServer | None, **changes: Any) -> Env:
         kube = KubernetesConfig(kubeconfig=str(kubeconfig), request_timeout_s=2.0)
         api = build_api_client(kube)
     clock = Clock()
+    metrics = Metrics()
     system, rss = Scripted("system_pressure"), Scripted("rss_overuse")
     manager = EvictionManager(
         lambda: cfg[0], state, KubeActions(api, kube, audit), NODE, audit,
         SysFs(host.root), CgroupLayout(1, "cgroupfs"),
-        {"system_pressure": system, "rss_overuse": rss}, clock=clock)
-    return Env(host, state, sink, clock, system, rss, manager, cfg)
+        {"system_pressure": system, "rss_overuse": rss}, clock=clock, metrics=metrics)
+    return Env(host, state, sink, clock, system, rss, manager, cfg, metrics)
 
 
 def forced(env: Env, *names: str, plugin: Scripted | None = None, force: bool = True) -> None:

@@ -47,7 +47,8 @@ async def test_missing_socket_is_explained_and_retried(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[plugin]\nreconnect_initial_ms = 10\nreconnect_max_ms = 20\n"
-                      "[resctrl]\nenabled = false\n[reconciler]\nenabled = false\n")
+                      "[resctrl]\nenabled = false\n[reconciler]\nenabled = false\n"
+                      "[status]\nenabled = false\n")
     socket_path = tmp_path / "missing.sock"
     stop = asyncio.Event()
     task = asyncio.create_task(daemon.serve(str(config), str(socket_path), None, stop=stop,
@@ -110,7 +111,7 @@ async def test_services_and_capabilities_join_the_agent(tmp_path: Path) -> None:
 
 async def test_sighup_reloads_and_sigterm_stops(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
-    config.write_text("[resctrl]\nenabled = false\n")
+    config.write_text("[resctrl]\nenabled = false\n[status]\nenabled = false\n")
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
         "--socket", str(tmp_path / "absent.sock"), cwd=REPO,

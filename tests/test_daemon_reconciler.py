@@ -32,6 +32,8 @@ def config_for(root: Path) -> str:
         "enabled = false\n"
         "[plugin]\n"
         "reconnect_initial_ms = 20\n"
+        "[status]\n"
+        "enabled = false\n"
     )
 
 

@@ -18,6 +18,7 @@ from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.signals import Level
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
+from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import Candidate, DropCacheAction, page_cache, plan
 from reconciler.state import NodeState
@@ -42,6 +43,7 @@ class Tree:
         self.sink = MemoryAuditSink()
         self.sysfs = SysFs(root, AuditLog(self.sink))
         self.state = NodeState()
+        self.metrics = Metrics()
 
     def pod(self, name: str, level: str, cache: int, *, tier: str = "besteffort") -> Path:
         uid = f"{name}-0000-4000-8000-000000000000"
@@ -60,7 +62,8 @@ class Tree:
         self.state.replace_all(*self.host.nri())
         host = probe_host(self.sysfs)
         action = DropCacheAction(lambda: self.cfg, self.sysfs, host,
-                                 PodIndex(self.state, host.cgroup), AuditLog(self.sink))
+                                 PodIndex(self.state, host.cgroup), AuditLog(self.sink),
+                                 metrics=self.metrics)
         return action, host
 
 
@@ -148,6 +151,9 @@ async def test_a_write_that_hangs_is_killed_and_stalls_no_other_pod(tmp_path: Pa
     assert by_pod[tree.pods["fine"].info.uid]["result"] == "done"
     assert (fine / "memory.reclaim").read_text() == str(100 * MIB)
     assert action.busy() == frozenset()
+    runs = {result: tree.metrics.registry.get_sample_value(
+        "nri_qos_drop_cache_runs_total", {"result": result}) for result in ("done", "timeout")}
+    assert runs == {"done": 1.0, "timeout": 1.0}
 
 
 async def test_a_refused_write_is_audited_with_its_error(v2: Tree) -> None:

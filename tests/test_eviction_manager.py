@@ -192,6 +192,19 @@ async def test_blocked_by_a_disruption_budget_retried_later_and_evicted_once(
     posts = [r for r in fake.requests("POST") if r.path.endswith("/db/eviction")]
     assert [r.status for r in posts] == [429, 429, 201]
     assert env.audited("eviction_done") == ["batch/other", "batch/db"]
+    # Status shows the decisions newest first; the rate-limited deferral is not one.
+    assert [(r.pod, r.outcome.value, r.reason) for _, r in env.manager.recent()] == [
+        ("batch/db", "evicted", "db must go"), ("batch/db", "blocked", "db must go"),
+        ("batch/other", "evicted", "other must go"), ("batch/db", "blocked", "db must go")]
+    # by the manager's clock: the rounds ran at +0, +1, +15 and +25 s; now is +205 s
+    assert [age for age, _ in env.manager.recent()] == [180.0, 190.0, 204.0, 205.0]
+
+    def evictions(result: str) -> float | None:
+        return env.metrics.registry.get_sample_value(
+            "nri_qos_evictions_total", {"plugin": "system_pressure", "result": result})
+
+    assert (evictions("evicted"), evictions("blocked")) == (2.0, 2.0)
+    assert evictions("rate_limited") is None
 
 
 async def test_gone_failed_and_timed_out_evictions(tmp_path: Path, fake: FakeApiServer) -> None:

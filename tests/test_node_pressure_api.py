@@ -20,12 +20,15 @@ from reconciler.k8s import (
     NodeOutcome,
     build_api_client,
 )
+from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause, TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.polling import eventually
 
 BOUND_S = 10.0
+TAINT_GAUGE = "nri_qos_node_taint"
+LEVEL_GAUGE = "nri_qos_mitigation_ladder_level"
 KIND = "NriQosMemoryPressure"
 KUBELET = [{"type": "Ready", "status": "True", "reason": "KubeletReady",
             "lastTransitionTime": "2026-01-01T00:00:00Z"},
@@ -122,10 +125,15 @@ class Ladder:
             cfg.mitigation, cooldown_s=cooldown_s))
         self.board = Board()
         self.sink = MemoryAuditSink()
-        action = TaintAction(lambda: self.cfg, kube, "node-a", AuditLog(self.sink))
+        self.metrics = Metrics()
+        action = TaintAction(lambda: self.cfg, kube, "node-a", AuditLog(self.sink), self.metrics)
         self.mitigation = Mitigation(lambda: self.cfg, self.board, {"taint": action},
-                                     AuditLog(self.sink))
+                                     AuditLog(self.sink), metrics=self.metrics,
+                                     taints=action.placed)
         self.stop = asyncio.Event()
+
+    def gauge(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels or {})
 
     def pressure(self, level: Level, value: float) -> None:
         self.board.publish("psi", [Reading("psi", NODE, level, value, 10.0, "percent", "x")])
@@ -150,6 +158,11 @@ async def test_the_ladder_taints_once_and_removes_after_the_cooldown(
                                           "effect": "NoSchedule"}]
         assert condition(fake)["status"] == "True"  # type: ignore[index]
         assert [r.status for r in fake.requests("PATCH", "/api/v1/nodes/node-a")] == [409, 200]
+        (placed,) = ladder.mitigation.taints()
+        assert (placed.key, placed.value, placed.effect) == (
+            "nri-qos.io/memory-pressure", "", "NoSchedule")
+        assert ladder.gauge(TAINT_GAUGE, {"taint": placed.key}) == 1.0
+        assert ladder.gauge(LEVEL_GAUGE) == 1.0
         patches = len(fake.requests("PATCH"))
         # more pressure, another value, a higher level: the taint rung is engaged already
         ladder.pressure(Level.MEDIUM, 35.0)
@@ -157,11 +170,15 @@ async def test_the_ladder_taints_once_and_removes_after_the_cooldown(
         await asyncio.sleep(0.3)
         assert len(fake.requests("PATCH")) == patches
         assert len(audit.named("taint_added")) == 1
+        assert ladder.mitigation.taints() == [placed]  # the same taint, since the first add
         # calm: the taint goes after the cooldown, the condition turns False
         ladder.pressure(Level.NONE, 1.0)
         await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 3)
         assert fake.taints("node-a") == []
         assert condition(fake)["status"] == "False"  # type: ignore[index]
+        assert ladder.mitigation.taints() == []
+        assert ladder.gauge(TAINT_GAUGE, {"taint": placed.key}) == 0.0
+        assert ladder.gauge(LEVEL_GAUGE) == 0.0
         [removed] = audit.named("taint_removed")
         assert removed["taint"] == "nri-qos.io/memory-pressure:NoSchedule"
         results = [(r["step"], r["result"]) for r in ladder.sink.named("mitigation_action")]

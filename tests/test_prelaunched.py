@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("name", ["nri-qos", "10-nri-qos"])
 async def test_prelaunched_plugin_serves_inherited_socket(tmp_path: Path, name: str) -> None:
     config = tmp_path / "config.toml"
-    config.write_text("[resctrl]\nenabled = false\n")
+    config.write_text("[resctrl]\nenabled = false\n[status]\nenabled = false\n")
     runtime_end, plugin_end = socket.socketpair()
     fd = plugin_end.fileno()
     # The runtime passes exactly these three variables, nothing else.
@@ -73,7 +73,7 @@ def test_take_prelaunched_env_absent_or_invalid() -> None:
 
 async def test_unusable_inherited_socket_ends_the_daemon(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
-    config.write_text("[resctrl]\nenabled = false\n")
+    config.write_text("[resctrl]\nenabled = false\n[status]\nenabled = false\n")
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
         env={ENV_SOCKET: "97", ENV_NAME: "nri-qos", ENV_INDEX: "10"}, cwd=REPO,

@@ -66,7 +66,8 @@ def test_the_taint_rung_needs_api_access(tmp_path: Path) -> None:
     host = host_of(tmp_path, 1)
     off = dataclasses.replace(cfg, kubernetes=dataclasses.replace(cfg.kubernetes, enabled=False))
     assert features(off, host)["mitigation.taint"] == (
-        False, "no Kubernetes API access: audited as skipped")
+        False, "no Kubernetes API (kubernetes.enabled is false: NRI data only): audited as "
+               "skipped")
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:1")
     on = dataclasses.replace(cfg, kubernetes=dataclasses.replace(cfg.kubernetes,
                                                                  kubeconfig=str(kubeconfig)))

@@ -27,6 +27,7 @@ from reconciler.detection.service import NodePsi, PressureLevels, psi_path
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
+from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
 from reconciler.state import NodeState
@@ -185,8 +186,9 @@ async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path:
         [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",
                  annotations={"qos.nri-qos.io/level": "reclaimed_cores"})],
         [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path)])
+    metrics = Metrics()
     action = DropCacheAction(lambda: agent.cfg, agent.sysfs, agent.host,
-                             PodIndex(state, agent.host.cgroup), agent.audit)
+                             PodIndex(state, agent.host.cgroup), agent.audit, metrics=metrics)
     try:
         result = await action.engage(Cause(Level.MEDIUM), dry_run=False)
     finally:
@@ -198,4 +200,6 @@ async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path:
     assert finished["path"] == f"/sys/fs/cgroup/memory/kubepods/besteffort/pod{UID}/" \
                                "memory.force_empty"
     assert finished["freed_bytes"] >= 32 * MIB
+    assert metrics.registry.get_sample_value("nri_qos_drop_cache_freed_bytes_total") == (
+        finished["freed_bytes"])
     assert finished["usage_before_bytes"] >= 40 * MIB

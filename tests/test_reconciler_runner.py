@@ -11,7 +11,7 @@ from typing import Any
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
 from nri_plugin.agent import build_agent, probe
-from nri_plugin.config.schema import Config
+from nri_plugin.config.schema import Config, StatusConfig
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.stub import PluginIdentity
 from reconciler.aio import Backoff, sleep_until
@@ -231,7 +231,7 @@ async def test_reconciler_runs_every_loop_and_reacts_to_nri_events(tmp_path: Pat
 def test_disabled_reconciler_is_not_started(tmp_path: Path) -> None:
     _, _, sysfs, _, sink = make_host(tmp_path)
     audit = AuditLog(sink)
-    cfg = Config()
+    cfg = dataclasses.replace(Config(), status=StatusConfig(enabled=False))
     for enabled in (True, False):
         cfg = dataclasses.replace(cfg, reconciler=dataclasses.replace(cfg.reconciler,
                                                                       enabled=enabled))

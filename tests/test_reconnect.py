@@ -21,6 +21,8 @@ reconnect_max_ms = 100
 enabled = false
 [reconciler]
 enabled = false
+[status]
+enabled = false
 """
 
 Start = Callable[[Path], Awaitable[None]]

@@ -30,6 +30,9 @@ OWN_FILES = {
     ("nri_plugin/config/hook_paths.py", "stat"): "checks an OCI hook executable",
     ("nri_plugin/audit_sinks.py", "open"): "writes the audit file",
     ("nri_plugin/audit_sinks.py", "exists"): "rotates the audit file",
+    ("nri_plugin/status.py", "stat"): "removes only its own status socket",
+    ("nri_plugin/status.py", "lstat"): "finds a status socket left behind",
+    ("nri_plugin/status.py", "unlink"): "replaces a stale status socket, removes its own",
 }
 
 

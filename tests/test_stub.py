@@ -30,6 +30,7 @@ from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 
 OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
@@ -125,7 +126,8 @@ async def make(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[ob
                     cfg: Config | None = None, pods: Sequence[api.PodSandbox] = (),
                     containers: Sequence[api.Container] = (), wait: bool = True,
                     identity: PluginIdentity | None = None,
-                    reconciler_fields: frozenset[str] = frozenset()) -> Setup:
+                    reconciler_fields: frozenset[str] = frozenset(),
+                    metrics: Metrics | None = None) -> Setup:
         socket_path = tmp_path / f"nri-{len(setups)}.sock"
         simulator = RuntimeSimulator(socket_path, runtime, pods=pods, containers=containers)
         await simulator.start()
@@ -134,7 +136,7 @@ async def make(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[ob
         stub = PluginStub(identity=identity or PluginIdentity("nri-qos", "10"),
                           config=lambda: current, capabilities=capabilities,
                           audit=AuditLog(sink), executor=executor, state=NodeState(),
-                          reconciler_fields=reconciler_fields)
+                          reconciler_fields=reconciler_fields, metrics=metrics)
         reader, writer = await asyncio.open_unix_connection(str(socket_path))
         setup = Setup(simulator, stub, sink, asyncio.create_task(stub.serve(reader, writer)))
         setups.append(setup)
@@ -592,3 +594,69 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
     assert time.monotonic() - started < 1.0  # about 50 ms, far from a fresh 1.5 s
     (failed,) = sink.named("event_failed")
     assert "deadline of 50 ms" in failed["reason"]
+
+
+def requests(metrics: Metrics, event: str, result: str) -> float:
+    return metrics.registry.get_sample_value(
+        "nri_qos_nri_requests_total", {"event": event, "result": result}) or 0.0
+
+
+async def test_metrics_count_every_answer_by_result(make) -> None:
+    """ok, fail-open (a failing capability, unusable input, an undecodable payload) and error
+    (strict): each answer is counted once, after it was sent."""
+    metrics = Metrics()
+    ok = Recorder("ok", settings=ContainerSettings(annotations={"ok": "1"}))
+    bad = Recorder("bad", error=OSError("resctrl gone"))
+    setup = await make([ok], metrics=metrics)
+    await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    await asyncio.sleep(0)  # counted on the loop's next turn, after the answer
+    assert requests(metrics, "create_container", "ok") == 1
+    assert requests(metrics, "synchronize", "ok") == 1
+    count = metrics.registry.get_sample_value(
+        "nri_qos_nri_request_duration_seconds_count", {"event": "create_container"})
+    assert count == 1
+    assert metrics.registry.get_sample_value(
+        "nri_qos_nri_adjusted_fields_total", {"field": "annotations"}) == 1
+    assert metrics.registry.get_sample_value(
+        "nri_qos_nri_connection_state", {"state": "synchronized"}) == 1
+    assert metrics.registry.get_sample_value(
+        "nri_qos_nri_runtime_info",
+        {"runtime": "containerd", "version": setup.simulator.runtime.version,
+         "nri_version": setup.simulator.runtime.nri_version}) == 1
+
+    failing = await make([bad, ok], metrics=metrics)
+    await failing.simulator.send(failing.conn, Event.CREATE_CONTAINER, pod(), container())
+    await failing.simulator.send(failing.conn, Event.CREATE_CONTAINER, pod(), container(cid=""))
+    await failing.conn.peer.call(PLUGIN_SERVICE, "CreateContainer", b"\xff\xff",  # type: ignore[union-attr]
+                                 timeout_s=2)
+    await asyncio.sleep(0)
+    assert requests(metrics, "create_container", "fail-open") == 3
+
+    strict = await make([bad, ok], cfg=config(strict=True), metrics=metrics)
+    with pytest.raises(RpcError):
+        await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), container())
+    with pytest.raises(RpcError):
+        await strict.conn.peer.call(PLUGIN_SERVICE, "CreateContainer", b"\xff\xff",  # type: ignore[union-attr]
+                                    timeout_s=2)
+    await asyncio.sleep(0)
+    assert requests(metrics, "create_container", "error") == 2
+    assert requests(metrics, "create_container", "ok") == 1
+
+
+async def test_connection_state_follows_the_session(make) -> None:
+    metrics = Metrics()
+    setup = await make(metrics=metrics)
+    stub = setup.stub
+    assert stub.connection_state == "synchronized"
+    assert stub.connections == 1
+    assert 0 <= stub.state_age_s() < 5
+    since = metrics.registry.get_sample_value("nri_qos_nri_connection_state_since_seconds")
+    assert since is not None
+    assert abs(since - time.time()) < 5
+    stub.close()
+    await setup.serving
+    assert stub.connection_state == "disconnected"
+    assert metrics.registry.get_sample_value(
+        "nri_qos_nri_connection_state", {"state": "disconnected"}) == 1
+    assert metrics.registry.get_sample_value(
+        "nri_qos_nri_connection_state", {"state": "synchronized"}) == 0

@@ -94,9 +94,33 @@ class PluginConfig:
 
 @dataclass(frozen=True, slots=True)
 class MetricsConfig:
-    enabled: bool = setting(False, "Serve Prometheus metrics over HTTP.")
+    enabled: bool = setting(
+        False, "Serve Prometheus metrics (/metrics) and health checks (/healthz, /readyz) over "
+        "HTTP. Read at start."
+    )
     address: str = setting("127.0.0.1", "Listen address of the metrics endpoint.")
     port: int = setting(9464, "Listen port of the metrics endpoint.", minimum=1, maximum=65535)
+
+
+def _socket_path(value: Any) -> str | None:
+    if not value.startswith("/"):
+        return f"must be an absolute path, got {value!r}"
+    # sun_path holds 108 bytes with the terminating NUL.
+    if len(value.encode()) > 107:
+        return f"must be at most 107 bytes long (a unix socket path), got {len(value.encode())}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StatusConfig:
+    enabled: bool = setting(
+        True, "Answer `nri-qos status` on a local unix socket (root only). Read at start."
+    )
+    socket: str = setting(
+        "/run/nri-qos/status.sock",
+        "Path of the status socket (mode 0600); its directory is created with mode 0700.",
+        check=_socket_path,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +142,7 @@ class Config:
     kubernetes: KubernetesConfig = section(KubernetesConfig, "Kubernetes API access.")
     logging: LoggingConfig = section(LoggingConfig, "Operational log and audit trail.")
     metrics: MetricsConfig = section(MetricsConfig, "Prometheus metrics.")
+    status: StatusConfig = section(StatusConfig, "The local socket `nri-qos status` reads.")
 
     def read_keys(self) -> ReadKeys:
         """The pod annotations some policy reads with this configuration."""

@@ -53,6 +53,7 @@ from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import EvictionOutcome, KubeActions, NodeOutcome, PodRef
+from reconciler.metrics import Metrics
 from reconciler.state import NodeState, Snapshot
 
 log = structlog.get_logger("nri_qos.eviction")
@@ -66,6 +67,8 @@ MAX_CONDITIONS = 32
 # The asyncio guard around a plugin call is a little longer than the deadline the call itself
 # carries, so that a remote plugin's lateness is reported by gRPC as a missed deadline.
 DEADLINE_MARGIN_S = 0.05
+RECENT_KEPT = 20
+"""Decisions kept for ``nri-qos status``."""
 
 T = TypeVar("T")
 
@@ -102,6 +105,17 @@ class Decision:
     pod: str
     plugin: str
     outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Recent:
+    """A pod chosen for eviction (rate-limited ones are not: they are chosen again later)."""
+
+    at: float
+    pod: str
+    plugin: str
+    outcome: Outcome
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +171,11 @@ class EvictionManager:
     def __init__(self, config: Callable[[], EvictionSections], state: NodeState,
                  actions: KubeActions, node: str, audit: AuditLog, sysfs: SysFs,
                  layout: CgroupLayout, in_tree: Mapping[str, EvictionPlugin], *,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 metrics: Metrics | None = None) -> None:
         self._config = config
+        self._metrics = metrics
+        self._recent: collections.deque[Recent] = collections.deque(maxlen=RECENT_KEPT)
         self._state = state
         self._actions = actions
         self._node = node
@@ -223,6 +240,12 @@ class EvictionManager:
     async def close(self) -> None:
         """Closes the channels to out-of-tree plugins (:meth:`run` does it when it ends)."""
         await self._directory.close()
+
+    def recent(self) -> list[tuple[float, Recent]]:
+        """The latest decisions, newest first (at most :data:`RECENT_KEPT`), each with its age
+        in seconds by the manager's clock."""
+        now = self._now()
+        return [(now - r.at, r) for r in reversed(self._recent)]
 
     def _now(self) -> float:
         return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
@@ -448,10 +471,13 @@ class EvictionManager:
                 self._audit.record("eviction_dry_run", pod=pod.ref, plugin=plugin,
                                    reason=candidate.reason)
                 self._flights[pod.uid] = _Flight(now, plugin, dry=True)
-                decisions.append(Decision(pod.ref, plugin, Outcome.DRY_RUN))
-                continue
-            outcome = await self._send(candidate, cfg, now)
+                outcome = Outcome.DRY_RUN
+            else:
+                outcome = await self._send(candidate, cfg, now)
             decisions.append(Decision(pod.ref, plugin, outcome))
+            self._recent.append(Recent(now, pod.ref, plugin, outcome, candidate.reason))
+            if self._metrics is not None:
+                self._metrics.eviction(plugin, outcome.value)
         return decisions
 
     async def _send(self, candidate: Candidate, cfg: EvictionConfig, now: float) -> Outcome:

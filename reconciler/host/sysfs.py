@@ -33,6 +33,7 @@ import structlog
 
 from hooks.untrusted import bounded_repr
 from reconciler.audit import AuditLog
+from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.sysfs")
 
@@ -180,6 +181,7 @@ class SysFs:
         retries: int = 3,
         backoff_s: float = 0.01,
         sleep: Callable[[float], None] = time.sleep,
+        metrics: Metrics | None = None,
     ) -> None:
         if retries < 1:
             raise ValueError("retries must be at least 1")
@@ -189,6 +191,12 @@ class SysFs:
         self._retries = retries
         self._backoff_s = backoff_s
         self._sleep = sleep
+        self._metrics = metrics
+
+    def metered(self, metrics: Metrics) -> SysFs:
+        """The same tree and write policy, counting every write into ``metrics``."""
+        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
+                     sleep=self._sleep, metrics=metrics)
 
     def real(self, path: str) -> str:
         """Where the system path ``path`` is below the root."""
@@ -357,10 +365,13 @@ class SysFs:
                 try:
                     os.write(fd, b"%d\n" % tid)
                 except ProcessLookupError:
+                    self._count(path, Outcome.GONE)
                     continue
                 written += 1
         finally:
             os.close(fd)
+            if written:
+                self._count(path, Outcome.WRITTEN, written)
         return written
 
     # -- writing ---------------------------------------------------------------------------------
@@ -372,9 +383,9 @@ class SysFs:
         current = self.read(path)
         if current is None:
             log.debug("write_skipped", reason="file gone", path=path)
-            return Outcome.GONE
+            return self._count(path, Outcome.GONE)
         if same(current, value):
-            return Outcome.UNCHANGED
+            return self._count(path, Outcome.UNCHANGED)
         return self.write(path, value, reason)
 
     def write(self, path: str, value: str, reason: str, *, create: bool = False) -> Outcome:
@@ -393,16 +404,16 @@ class SysFs:
                 if exc.errno in _GONE_ERRNOS:
                     log.debug("write_skipped", reason="target gone", path=path,
                               error=exc.strerror)
-                    return Outcome.GONE
+                    return self._count(path, Outcome.GONE)
                 if exc.errno in _RETRY_ERRNOS and attempt < self._retries:
                     self._sleep(self._backoff_s * (2 ** (attempt - 1)))
                     continue
                 self._record("cgroup_write_failed", path=path, value=value.strip(), reason=reason,
                              error=f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: "
                                    f"{exc.strerror} (attempt {attempt})")
-                return Outcome.FAILED
+                return self._count(path, Outcome.FAILED)
             self._record("cgroup_write", path=path, value=value.strip(), reason=reason)
-            return Outcome.WRITTEN
+            return self._count(path, Outcome.WRITTEN)
 
     @staticmethod
     def _write_once(real: str, data: bytes, create: bool) -> None:
@@ -414,6 +425,11 @@ class SysFs:
             os.write(fd, data)
         finally:
             os.close(fd)
+
+    def _count(self, path: str, outcome: Outcome, count: int = 1) -> Outcome:
+        if self._metrics is not None:
+            self._metrics.host_write(path, outcome.value, count)
+        return outcome
 
     def _record(self, event: str, **fields: object) -> None:
         if event == "cgroup_write_failed":

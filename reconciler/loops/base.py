@@ -12,15 +12,18 @@ event loop's clock, never from the wall clock.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import structlog
 
 from hooks.config_fields import setting
 from hooks.events import Event
+from hooks.untrusted import bounded
 from reconciler.aio import Backoff, sleep_until
+from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -89,6 +92,44 @@ class Loop:
         return lambda: None
 
 
+@dataclass(frozen=True, slots=True)
+class CycleRecord:
+    """A loop's last cycle and its totals."""
+
+    started: float  # the event loop's time
+    duration_s: float
+    failed: bool
+    error: str  # of the last failed cycle
+    cycles: int
+    failures: int
+
+
+class LoopTracker:
+    """Every loop's last cycle (for ``nri-qos status``), and the cycle metrics.
+
+    Used from the event loop only (where :func:`run_loop` runs).
+    """
+
+    def __init__(self, metrics: Metrics | None = None) -> None:
+        self._metrics = metrics
+        self._last: dict[str, CycleRecord] = {}
+
+    def cycle_done(self, loop: str, started: float, duration_s: float,
+                   error: BaseException | None) -> None:
+        previous = self._last.get(loop)
+        failed = error is not None
+        self._last[loop] = CycleRecord(
+            started, duration_s, failed,
+            error=bounded(repr(error), 512) if failed else (previous.error if previous else ""),
+            cycles=(previous.cycles if previous else 0) + 1,
+            failures=(previous.failures if previous else 0) + failed)
+        if self._metrics is not None:
+            self._metrics.loop_cycle(loop, duration_s, failed=failed)
+
+    def last(self) -> Mapping[str, CycleRecord]:
+        return MappingProxyType(dict(self._last))
+
+
 async def run_loop(
     loop: Loop,
     *,
@@ -96,6 +137,7 @@ async def run_loop(
     wake: asyncio.Event,
     backoff_max: Callable[[], float],
     executor: Executor | None = None,
+    tracker: LoopTracker | None = None,
 ) -> None:
     """Run ``loop`` until ``stop`` is set; time comes from the event loop's clock."""
     running = asyncio.get_running_loop()
@@ -106,6 +148,8 @@ async def run_loop(
         try:
             await running.run_in_executor(executor, loop.cycle, started)
         except Exception as exc:  # one loop's failure must not stop the others
+            if tracker is not None:
+                tracker.cycle_done(loop.name, started, running.time() - started, exc)
             if backoff is None:
                 # interval x 2, x 4 ... after each failure, never below the period itself.
                 backoff = Backoff(loop.interval() * 2, max(backoff_max(), loop.interval()))
@@ -115,6 +159,8 @@ async def run_loop(
             # While backing off, NRI events must not turn the backoff into a busy retry.
             await sleep_until(delay, stop)
             continue
+        if tracker is not None:
+            tracker.cycle_done(loop.name, started, running.time() - started, None)
         if backoff is not None:
             log.info("reconciler_loop_recovered", loop=loop.name, after_failures=backoff.failures)
             backoff = None

@@ -52,6 +52,7 @@ from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.numa import NumaNode, check_view, read_meminfo, read_nodes, system_node
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
+from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -198,8 +199,9 @@ class MemoryGuardLoop(Loop):
 
     def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog,
-                 squeeze: GuardSqueeze | None = None) -> None:
+                 squeeze: GuardSqueeze | None = None, metrics: Metrics | None = None) -> None:
         self._config = config
+        self._metrics = metrics
         self._sysfs = sysfs
         self._layout = layout
         self._audit = audit
@@ -269,12 +271,15 @@ class MemoryGuardLoop(Loop):
                 else [(limit_file, cap), (high_file, high)]
             outcomes = {path: sysfs.write_if_changed(path, str(value), reason, same=same_bytes)
                         for path, value in order}
+            limit_outcome = outcomes[limit_file]
             changed = Outcome.WRITTEN in outcomes.values()
             extra = {"high_bytes": high}
         else:
-            changed = sysfs.write_if_changed(limit_file, str(cap), reason,
-                                             same=same_bytes) == Outcome.WRITTEN
+            limit_outcome = sysfs.write_if_changed(limit_file, str(cap), reason, same=same_bytes)
+            changed = limit_outcome == Outcome.WRITTEN
             extra = {}
+        if self._metrics is not None and limit_outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
+            self._metrics.memory_guard(cap, usage)
         if changed:
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
                                previous_bytes=previous, target_bytes=target, usage_bytes=usage,

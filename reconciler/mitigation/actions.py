@@ -22,6 +22,7 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.k8s import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
+from reconciler.metrics import Metrics
 from reconciler.mitigation.config import MitigationConfig
 
 log = structlog.get_logger("nri_qos.mitigation")
@@ -96,12 +97,24 @@ def _node_result(outcomes: list[NodeOutcome], what: str) -> Result:
     return Result(UNCHANGED, f"{what}: already so")
 
 
+@dataclass(frozen=True, slots=True)
+class PlacedTaint:
+    """A taint this agent put on its node, as the API last confirmed it."""
+
+    key: str
+    value: str
+    effect: str
+    since: float  # by the event loop's clock
+
+
 class TaintAction:
     """Forbid scheduling: the node taint and the node condition."""
 
     def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions | None,
-                 node: str, audit: AuditLog) -> None:
+                 node: str, audit: AuditLog, metrics: Metrics | None = None) -> None:
         self._config = config
+        self._metrics = metrics
+        self._placed: PlacedTaint | None = None
         self._kube = kube
         self._node = node
         self._audit = audit
@@ -116,6 +129,11 @@ class TaintAction:
         reason = cause.text()
         taint = await self._kube.add_taint(self._node, rung.key, rung.value, rung.effect,
                                            reason=reason)
+        self._taint_is(rung.key, True, taint)
+        if taint in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED) and (
+                self._placed is None or self._placed.key != rung.key):
+            self._placed = PlacedTaint(rung.key, rung.value, rung.effect,
+                                       asyncio.get_running_loop().time())
         condition = await self._condition(rung.condition, True, "MemoryInterference", reason)
         return _node_result([taint, condition], what)
 
@@ -131,9 +149,20 @@ class TaintAction:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
         taint = await self._kube.remove_taint(self._node, rung.key, reason=reason)
+        self._taint_is(rung.key, False, taint)
+        if taint in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            self._placed = None
         condition = await self._condition(rung.condition, False, "NoMemoryInterference",
                                           reason)
         return _node_result([taint, condition], what)
+
+    def placed(self) -> list[PlacedTaint]:
+        """The taints this agent has on the node now (empty or one)."""
+        return [] if self._placed is None else [self._placed]
+
+    def _taint_is(self, key: str, present: bool, outcome: NodeOutcome) -> None:
+        if self._metrics is not None and outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            self._metrics.taint(key, present)
 
     async def _condition(self, kind: str, status: bool, reason: str,
                          message: str) -> NodeOutcome:

@@ -26,6 +26,7 @@ from reconciler.detection.parse import ParseError, parse_counters
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
     DONE,
     DRY_RUN,
@@ -91,8 +92,10 @@ class Drop:
 class DropCacheAction:
     def __init__(self, config: Callable[[], MitigationSections], sysfs: SysFs, host: HostInfo,
                  pods: PodIndex, audit: AuditLog, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 metrics: Metrics | None = None) -> None:
         self._config = config
+        self._metrics = metrics
         self._sysfs = sysfs
         self._pods = pods
         self._audit = audit
@@ -188,6 +191,8 @@ class DropCacheAction:
             self._audit.record("drop_cache_finished", path=path, duration_s=duration,
                                result=result, pod_uid=pod.uid, usage_before_bytes=before,
                                usage_after_bytes=after, freed_bytes=freed, error=error or None)
+            if self._metrics is not None:
+                self._metrics.drop_cache(result, freed)
             return Drop(pod.uid, result, freed, error)
         finally:
             with self._lock:

@@ -33,12 +33,14 @@ from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
+from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
     FAILED,
     Action,
     Cause,
     EvictAction,
     Evictor,
+    PlacedTaint,
     Result,
     TaintAction,
     TuneAction,
@@ -132,8 +134,13 @@ class Mitigation:
     def __init__(self, config: Callable[[], LadderSections], board: Board,
                  actions: Mapping[str, Action], audit: AuditLog,
                  clock: Callable[[], float] | None = None,
-                 close: Callable[[], None] = lambda: None) -> None:
+                 close: Callable[[], None] = lambda: None,
+                 metrics: Metrics | None = None,
+                 taints: Callable[[], list[PlacedTaint]] = list) -> None:
         self._config = config
+        self._metrics = metrics
+        # The taints the ladder has on the node now (for status).
+        self.taints = taints
         self._close = close
         self._board = board
         self._actions = actions
@@ -212,6 +219,8 @@ class Mitigation:
             self._audit.record("mitigation_level", ladder_level=cause.level.name.lower(),
                                previous=self._level.name.lower(), reason=cause.text())
             self._level = cause.level
+            if self._metrics is not None:
+                self._metrics.ladder_level(int(cause.level))
         self._cause = cause
         for name, step in self._ladder.step(cause.level, now, rungs_of(cfg),
                                             cfg.mitigation.cooldown_s):
@@ -247,16 +256,20 @@ class Mitigation:
 
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
                      sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions | None,
-                     node: str, squeeze: GuardSqueeze, evictor: Evictor | None) -> Mitigation:
+                     node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
+                     metrics: Metrics | None = None) -> Mitigation:
     """The ladder with its four actions for this host. ``kube`` None: no API access (the taint
     rung is audited as skipped); ``evictor`` None: no eviction manager (audited "no
     evictor")."""
-    drop_cache = DropCacheAction(config, sysfs, host, PodIndex(state, host.cgroup), audit)
+    taint = TaintAction(config, kube, node, audit, metrics)
+    drop_cache = DropCacheAction(config, sysfs, host, PodIndex(state, host.cgroup), audit,
+                                 metrics=metrics)
     actions: dict[str, Action] = {
-        "taint": TaintAction(config, kube, node, audit),
+        "taint": taint,
         "tune": TuneAction(config, squeeze, sysfs, host, PodIndex(state, host.cgroup),
                            lambda: config().reconciler.enabled),
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),
     }
-    return Mitigation(config, board, actions, audit, close=drop_cache.close)
+    return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
+                      taints=taint.placed)

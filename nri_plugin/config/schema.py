@@ -119,12 +119,12 @@ class Config:
     metrics: MetricsConfig = section(MetricsConfig, "Prometheus metrics.")
 
     def read_keys(self) -> ReadKeys:
-        """The pod annotations some policy reads with this configuration."""
+        """The pod annotations and labels some policy reads with this configuration."""
         return ReadKeys(frozenset({
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
             self.oom.annotation,
-        }))
+        }), labels=frozenset({KOORDINATOR_KEY}))
 
     def validate(self) -> list[tuple[str, str]]:
         """Hook executables named anywhere in the configuration must be trusted files."""

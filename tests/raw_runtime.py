@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 ANSWER_S = 5.0
 """How long an answer the agent owes may take before the wait counts as a hang."""
+KEPT_ANSWERS = 1024
+"""Answers to other requests :meth:`RawRuntime.answer` puts aside while it waits for one."""
 
 
 def mux_frame(conn_id: int, payload: bytes) -> bytes:
@@ -78,6 +80,7 @@ class RawRuntime:
         self.writer = writer
         self.demux = Demultiplexer()
         self.frames: deque[tuple[int, Frame]] = deque()
+        self.unclaimed: dict[int, Frame] = {}
         self.next_stream = 1
 
     def write(self, data: bytes | memoryview) -> None:
@@ -128,11 +131,20 @@ class RawRuntime:
         return stream_id
 
     async def answer(self, stream_id: int, seconds: float = ANSWER_S) -> Reply:
-        """The agent's answer on ``stream_id`` (frames before it are dropped)."""
+        """The agent's answer on ``stream_id``. Answers to other requests that come first are
+        put aside for their own turn (the latest :data:`KEPT_ANSWERS`); other frames dropped."""
         while True:
+            kept = self.unclaimed.pop(stream_id, None)
+            if kept is not None:
+                return decode_response(kept.data)
             conn, frame = await self.frame(seconds)
-            if conn == PLUGIN_SERVICE_CONN and frame.stream_id == stream_id:
+            if conn != PLUGIN_SERVICE_CONN:
+                continue
+            if frame.stream_id == stream_id:
                 return decode_response(frame.data)
+            self.unclaimed[frame.stream_id] = frame
+            if len(self.unclaimed) > KEPT_ANSWERS:
+                del self.unclaimed[next(iter(self.unclaimed))]
 
     async def call(self, method: str, payload: bytes, seconds: float = ANSWER_S) -> Reply:
         return await self.answer(self.send(method, payload), seconds)

@@ -650,9 +650,10 @@ class PluginStub:
         try:
             pod, container = prepared.view.info, prepared.container
             container_name = container.name if container is not None else ""
-            self._policy(prepared.config).chain(prepared.name, outcome,
-                                                pod_uid=bounded(pod.uid),
-                                                container=bounded(container_name))
+            if not outcome.complete:
+                self._policy(prepared.config).chain(prepared.name, outcome,
+                                                    pod_uid=bounded(pod.uid),
+                                                    container=bounded(container_name))
             payload = b""
             if event is Event.CREATE_CONTAINER and container is not None:
                 payload = self._answer(prepared, outcome)
@@ -672,7 +673,16 @@ class PluginStub:
         assert container is not None
         decided = adjustment.decide(outcome.parts, self.support, cfg.resctrl.clos_field,
                                     self._reconciler_fields)
-        pod_uid, name = bounded(pod.uid), bounded(container.name)
+        if decided.conflicts or decided.deferred or decided.dropped:
+            self._audit_decided(decided, bounded(pod.uid), bounded(container.name))
+        payload = adjustment.encode(decided)
+        if payload:
+            # Recorded on the next turn of the loop, like the event line: after the answer.
+            asyncio.get_running_loop().call_soon(
+                self._record_applied, pod.uid, container.name, prepared.view.level, decided)
+        return payload
+
+    def _audit_decided(self, decided: adjustment.Adjustment, pod_uid: str, name: str) -> None:
         for conflict in decided.conflicts:
             self._audit.record(
                 "adjustment_conflict", pod_uid=pod_uid, container=name,
@@ -686,12 +696,6 @@ class PluginStub:
         for _field, reason in decided.dropped:
             self._audit.record("adjustment_skipped", pod_uid=pod_uid, container=name,
                                reason=reason)
-        payload = adjustment.encode(decided)
-        if payload:
-            # Recorded on the next turn of the loop, like the event line: after the answer.
-            asyncio.get_running_loop().call_soon(
-                self._record_applied, pod_uid, name, prepared.view.level, decided)
-        return payload
 
     def _failed(self, event: Event, exc: Exception, pod_msg: api.PodSandbox,
                 container_msg: api.Container | None, started: float) -> bytes:
@@ -759,8 +763,9 @@ class PluginStub:
 
     def _record_applied(self, pod_uid: str, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
-        self._audit.record("adjustment_applied", pod_uid=pod_uid, container=container,
-                           qos_level=level, fields=_set_fields(decided))
+        self._audit.record("adjustment_applied", pod_uid=bounded(pod_uid),
+                           container=bounded(container), qos_level=level,
+                           fields=_set_fields(decided))
 
     def _read_keys(self, cfg: Config) -> ReadKeys:
         if cfg is not self._keys_config:

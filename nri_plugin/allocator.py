@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import ctypes
 
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-"""glibc's mallopt parameter number for the mmap threshold."""
+"""glibc's mallopt parameter numbers."""
 MMAP_THRESHOLD_BYTES = 1 << 20
 """Blocks this large or larger get a mapping of their own. Above the 256 KiB buffer asyncio
 receives into on every read (mapping that anew each time costs page faults: about 40 us of CPU
 per request measured), below any runtime message large enough to matter."""
+TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
+"""Free space at the top of the heap kept for reuse rather than given back."""
 
 
 def return_large_blocks() -> bool:
@@ -31,4 +34,8 @@ def return_large_blocks() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    # Fixing one threshold stops glibc from moving the other: the trim threshold is set where
+    # it would have gone (twice the mmap threshold), else the heap's top would be given back and
+    # taken again around every read (two brk calls per request).
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

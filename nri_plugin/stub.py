@@ -465,7 +465,7 @@ class PluginStub:
                            reason=f"Synchronize refused: {over}; the pods and containers known "
                                   "so far stay in use")
         self._event_log().info("nri_event", nri_event="synchronize", result="invalid",
-                               error=over)
+                               refused=over)
 
     async def _apply_sync(self, sync: _SyncProgress) -> None:
         spent_ms = (self._clock() - sync.started) * 1000

@@ -65,29 +65,24 @@ MAX_ANNOTATION_CHARS = 16384
 """The longest annotation value any policy reads (the Volcano colocation config). A longer value
 is kept cut to one character more, which every policy rejects as too long: the pod gets its
 level's defaults and an audit record, and the agent does not hold megabytes per pod."""
-MAX_LABELS = 128
 MAX_LABEL_CHARS = 320
-"""Labels kept per pod and characters per label key or value: the Kubernetes API allows 316 and
-63; labels beyond these are not from a real pod."""
+"""Characters kept of a label value the agent reads: the Kubernetes API allows 63, so a longer
+value is not from a real pod (kept cut to one character more, which policies reject)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ReadKeys:
-    """The pod annotations the agent reads; every other annotation is dropped at the door."""
+    """The pod annotations and labels the agent reads; every other one is dropped at the door."""
 
     annotations: frozenset[str]
+    labels: frozenset[str] = frozenset()
 
     def annotations_of(self, source: Mapping[str, str]) -> Mapping[str, str]:
         kept = {key: value[:MAX_ANNOTATION_CHARS + 1] for key in self.annotations
                 if (value := source.get(key)) is not None}
         return MappingProxyType(kept) if kept else EMPTY_MAP
 
-    @staticmethod
-    def labels_of(source: Mapping[str, str]) -> Mapping[str, str]:
-        kept: dict[str, str] = {}
-        for key, value in source.items():
-            if len(kept) >= MAX_LABELS:
-                break
-            if len(key) <= MAX_LABEL_CHARS and len(value) <= MAX_LABEL_CHARS:
-                kept[key] = value
+    def labels_of(self, source: Mapping[str, str]) -> Mapping[str, str]:
+        kept = {key: value[:MAX_LABEL_CHARS + 1] for key in self.labels
+                if (value := source.get(key)) is not None}
         return MappingProxyType(kept) if kept else EMPTY_MAP

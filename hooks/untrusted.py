@@ -26,7 +26,8 @@ def bounded(text: str, limit: int = PREFIX_CHARS) -> str:
     """``text`` as it may appear in a record: unchanged when short and printable, else its first
     ``limit`` characters escaped, followed by ``… (N chars, sha256 XXXXXXXXXXXX)`` when cut."""
     if len(text) <= limit:
-        return _escaped(text)
+        # The common case (a short, printable name) costs two checks: it is on every event.
+        return text if text.isprintable() else _escaped(text)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
     return f"{_escaped(text[:limit])}… ({len(text)} chars, sha256 {digest})"
 

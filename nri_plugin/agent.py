@@ -170,6 +170,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                       metrics=metrics)
     metrics.watch_node(lambda: _counts(state))
     metrics.watch_board(board)
+    metrics.watch_rejections(stub.rejections.as_dict)
     if resctrl is not None:
         metrics.watch_resctrl(lambda: read_usage(resctrl))
     services: list[Service] = [store.watch]

@@ -8,7 +8,8 @@ Inbound: ``PodSandbox``/``Container`` -> :class:`~hooks.model.PodInfo` /
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from hooks.model import ContainerInfo, PodInfo, ReadKeys
@@ -26,6 +27,15 @@ MAX_NAME_CHARS = 1024
 """Kubernetes names and namespaces have at most 253 characters, container names 63."""
 MAX_PATH_CHARS = 4096
 """A cgroup path longer than PATH_MAX cannot exist."""
+MAX_POD_BYTES = 24 << 10
+"""Memory the strings of one pod may take in the node state (ids, names, cgroup paths, and the
+annotations and labels some policy reads): the longest annotation a policy accepts (the Volcano
+colocation config, 16 KiB) and 8 KiB for all the rest, where a real pod keeps well under 1 KiB.
+A pod over it is refused like one with an over-long id; at the node state's pod limit (4096)
+this bounds the pods to about 100 MiB."""
+MAX_CONTAINER_BYTES = 4 << 10
+"""Memory the strings of one container may take in the node state (ids, name, cgroups path): a
+real container keeps about 500 bytes. A container over it is refused."""
 
 
 class MessageError(ValueError):
@@ -40,36 +50,58 @@ def _text(value: str, what: str, limit: int) -> str:
     return value
 
 
+def _strings_size(strings: Iterable[str]) -> int:
+    return sum(map(sys.getsizeof, strings))
+
+
 def pod_info(pod: api.PodSandbox, keys: ReadKeys | None = None) -> PodInfo:
-    """The pod as the policies see it. ``keys`` keeps only the annotations the agent reads
-    (None: all of them, bounded); identifiers longer than any real one are refused."""
+    """The pod as the policies see it. ``keys`` keeps only the annotations and labels the agent
+    reads (None: all of them, bounded); identifiers longer than any real one, and pods whose
+    strings take more than :data:`MAX_POD_BYTES`, are refused."""
     if not pod.id:
         raise MessageError("pod sandbox has no id")
-    annotations = (keys.annotations_of(pod.annotations) if keys is not None
-                   else ReadKeys(frozenset(pod.annotations)).annotations_of(pod.annotations))
-    return PodInfo(
+    if keys is None:
+        keys = ReadKeys(frozenset(pod.annotations), frozenset(pod.labels))
+    info = PodInfo(
         id=_text(pod.id, "pod sandbox id", MAX_ID_CHARS),
         uid=_text(pod.uid, "pod uid", MAX_ID_CHARS),
         name=_text(pod.name, "pod name", MAX_NAME_CHARS),
         namespace=_text(pod.namespace, "pod namespace", MAX_NAME_CHARS),
-        labels=ReadKeys.labels_of(pod.labels),
-        annotations=annotations,
+        labels=keys.labels_of(pod.labels),
+        annotations=keys.annotations_of(pod.annotations),
         cgroup_parent=_text(pod.linux.cgroup_parent, "pod cgroup parent", MAX_PATH_CHARS),
         cgroups_path=_text(pod.linux.cgroups_path, "pod cgroups path", MAX_PATH_CHARS),
     )
+    size = _strings_size((info.id, info.uid, info.name, info.namespace, info.cgroup_parent,
+                          info.cgroups_path, *info.labels, *info.labels.values(),
+                          *info.annotations, *info.annotations.values()))
+    if size > MAX_POD_BYTES:
+        raise MessageError(f"pod {bounded(info.uid, 64)} would take {size} bytes, more than "
+                           f"{MAX_POD_BYTES}")
+    return info
 
 
 def container_info(container: api.Container) -> ContainerInfo:
+    """The container as the policies see it; identifiers longer than any real one, and
+    containers whose strings take more than :data:`MAX_CONTAINER_BYTES`, are refused."""
     if not container.id:
         raise MessageError("container has no id")
     linux = container.linux
     memory = linux.resources.memory
     limit = memory.limit.value if memory.HasField("limit") else 0
+    cid = _text(container.id, "container id", MAX_ID_CHARS)
+    pod_sandbox_id = _text(container.pod_sandbox_id, "container's sandbox id", MAX_ID_CHARS)
+    name = _text(container.name, "container name", MAX_NAME_CHARS)
+    cgroups_path = _text(linux.cgroups_path, "container cgroups path", MAX_PATH_CHARS)
+    size = _strings_size((cid, pod_sandbox_id, name, cgroups_path))
+    if size > MAX_CONTAINER_BYTES:
+        raise MessageError(f"container {bounded(cid, 64)} would take {size} bytes, more than "
+                           f"{MAX_CONTAINER_BYTES}")
     return ContainerInfo(
-        id=_text(container.id, "container id", MAX_ID_CHARS),
-        pod_sandbox_id=_text(container.pod_sandbox_id, "container's sandbox id", MAX_ID_CHARS),
-        name=_text(container.name, "container name", MAX_NAME_CHARS),
-        cgroups_path=_text(linux.cgroups_path, "container cgroups path", MAX_PATH_CHARS),
+        id=cid,
+        pod_sandbox_id=pod_sandbox_id,
+        name=name,
+        cgroups_path=cgroups_path,
         pid=container.pid,
         # The runtime leaves the limit out, or writes 0, for "no limit".
         memory_limit=limit if limit > 0 else None,

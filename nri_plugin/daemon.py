@@ -16,6 +16,7 @@ import signal
 import structlog
 
 from nri_plugin.agent import Connection, build_agent, load_store, probe, run_agent
+from nri_plugin.allocator import return_large_blocks
 from nri_plugin.config.schema import Config
 from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
 from nri_plugin.logs import LoggingSetup
@@ -45,6 +46,8 @@ def connection_for(cfg: Config, socket_path: str | None,
 async def serve(config_path: str | None, socket_path: str | None, log_level: str | None, *,
                 stop: asyncio.Event, prelaunched: Prelaunched | None) -> int:
     """Load the config, then run the agent until ``stop`` is set; the exit status."""
+    # A runtime's large messages must not leave their memory behind (see nri_plugin.allocator).
+    return_large_blocks()
     logging_setup = LoggingSetup(level=log_level)
     audit = logging_setup.audit
     try:

@@ -23,7 +23,8 @@ GO_BUFFER_SIZE = 4096
 """Size of the Go peer's ttrpc read buffer, which dictates how we must split messages."""
 MAX_MUX_PAYLOAD = 1 << 24
 """Largest mux payload accepted (16 MiB). Current runtimes send at most one ttrpc frame
-(4 MiB + 10) per mux frame, but older ones (NRI <= 0.6) wrote up to 16 MiB unsplit."""
+(4 MiB + 10) per mux frame, but older ones (NRI <= 0.6) wrote up to 16 MiB unsplit; a header
+announcing more is taken for lost framing. Payloads are streamed, never held whole."""
 MAX_CONN_ID = 2**32 - 1
 
 _MUX_HEADER = struct.Struct(">II")
@@ -74,23 +75,108 @@ def encode_message(conn_id: int, ttrpc_message: bytes) -> bytes:
     return b"".join(parts)
 
 
-class MuxDecoder:
-    """Cuts mux frames out of the socket's byte stream.
+class MuxStream:
+    """Cuts the socket's byte stream into pieces of the logical connections' streams.
 
+    Pieces come out as soon as they arrive, as views of the input (no copy): a
+    mux frame's boundaries mean nothing to the ttrpc stream it carries, so
+    nothing is held back but a partial header, whatever a header announces.
     Frames for connection ids other than 1 and 2 (including the reserved 0) are
-    dropped silently, as the Go mux does for ids it has not opened, and counted
-    in :attr:`dropped_frames`.
+    skipped as they arrive, as the Go mux drops ids it has not opened, and
+    counted in :attr:`dropped_frames`.
     """
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._header = bytearray()
+        # The frame whose payload is arriving: its connection, the bytes still to come, and
+        # whether it is for a known connection (else it is skipped).
+        self._conn = 0
+        self._left = 0
+        self._known = False
         self._error: str | None = None
         self.dropped_frames = 0
 
     @property
     def buffered(self) -> int:
+        """Header bytes held back because the header is not complete yet."""
+        return len(self._header)
+
+    @property
+    def in_frame(self) -> bool:
+        """A mux frame has begun and not ended: the rest of it is still to come."""
+        return self._left > 0 or bool(self._header)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[int, memoryview, bool]]:
+        """Add bytes; return ``(conn_id, piece, frame_ends)`` for every piece of payload
+        they carry for connection 1 or 2 (an empty mux frame gives one empty piece).
+
+        Raises :class:`ProtocolError` as soon as a header announces more than
+        :data:`MAX_MUX_PAYLOAD` bytes. After that the stream refuses all further input.
+        """
+        if self._error is not None:
+            raise ProtocolError(f"mux decoder already failed: {self._error}")
+        pieces: list[tuple[int, memoryview, bool]] = []
+        view = memoryview(data)
+        end = len(view)
+        pos = 0
+        while pos < end:
+            if self._left:
+                n = min(self._left, end - pos)
+                self._left -= n
+                if self._known:
+                    pieces.append((self._conn, view[pos : pos + n], not self._left))
+                pos += n
+                continue
+            header = self._header
+            if header or end - pos < MUX_HEADER_SIZE:
+                taken = min(MUX_HEADER_SIZE - len(header), end - pos)
+                header += view[pos : pos + taken]
+                pos += taken
+                if len(header) < MUX_HEADER_SIZE:
+                    break
+                conn_id, length = _MUX_HEADER.unpack(header)
+                header.clear()
+            else:
+                conn_id, length = _MUX_HEADER.unpack_from(view, pos)
+                pos += MUX_HEADER_SIZE
+            if length > MAX_MUX_PAYLOAD:
+                self._error = (
+                    f"mux frame for connection {conn_id} announces {length} bytes, "
+                    f"more than the limit of {MAX_MUX_PAYLOAD}"
+                )
+                raise ProtocolError(self._error)
+            self._conn, self._left = conn_id, length
+            self._known = conn_id in _KNOWN_CONNS
+            if not self._known:
+                self.dropped_frames += 1
+            elif not length:
+                pieces.append((conn_id, view[pos:pos], True))
+        return pieces
+
+
+class MuxDecoder:
+    """Cuts whole mux frames out of the socket's byte stream (to look at the framing itself;
+    the plugin's reader streams through :class:`Demultiplexer` instead).
+
+    Frames for connection ids other than 1 and 2 are dropped, and counted in
+    :attr:`dropped_frames`.
+    """
+
+    def __init__(self) -> None:
+        self._stream = MuxStream()
+        self._payload = bytearray()
+
+    @property
+    def dropped_frames(self) -> int:
+        return self._stream.dropped_frames
+
+    @property
+    def buffered(self) -> int:
         """Bytes held back because they do not yet form a whole mux frame."""
-        return len(self._buf)
+        stream = self._stream
+        if stream.buffered or not stream.in_frame:
+            return stream.buffered
+        return MUX_HEADER_SIZE + len(self._payload)
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
         """Add bytes; return ``(conn_id, payload)`` for every frame they complete.
@@ -99,44 +185,27 @@ class MuxDecoder:
         :data:`MAX_MUX_PAYLOAD` bytes, before buffering the payload. After that
         the decoder refuses all further input.
         """
-        if self._error is not None:
-            raise ProtocolError(f"mux decoder already failed: {self._error}")
-        buf = self._buf
-        buf += data
-        end = len(buf)
-        pos = 0
         frames: list[tuple[int, bytes]] = []
-        with memoryview(buf) as view:
-            while end - pos >= MUX_HEADER_SIZE:
-                conn_id, length = _MUX_HEADER.unpack_from(buf, pos)
-                if length > MAX_MUX_PAYLOAD:
-                    self._error = (
-                        f"mux frame for connection {conn_id} announces {length} bytes, "
-                        f"more than the limit of {MAX_MUX_PAYLOAD}"
-                    )
-                    break
-                stop = pos + MUX_HEADER_SIZE + length
-                if stop > end:
-                    break
-                if conn_id in _KNOWN_CONNS:
-                    frames.append((conn_id, bytes(view[pos + MUX_HEADER_SIZE : stop])))
-                else:
-                    self.dropped_frames += 1
-                pos = stop
-        if self._error is not None:
-            buf.clear()
-            raise ProtocolError(self._error)
-        if pos:
-            del buf[:pos]
+        for conn_id, piece, ends in self._stream.feed(data):
+            self._payload += piece
+            if ends:
+                frames.append((conn_id, bytes(self._payload)))
+                self._payload.clear()
         return frames
 
 
 class Demultiplexer:
-    """Socket bytes in, ``(conn_id, ttrpc Frame)`` pairs out, in arrival order."""
+    """Socket bytes in, ``(conn_id, ttrpc Frame)`` pairs out, in arrival order.
+
+    It holds at most a partial mux header and one partial ttrpc frame per logical connection
+    (oversized ttrpc frames are skipped, not held: see :class:`~nri_plugin.ttrpc.FrameDecoder`).
+    """
 
     def __init__(self) -> None:
-        self._mux = MuxDecoder()
-        self._conns = {conn_id: FrameDecoder() for conn_id in sorted(_KNOWN_CONNS)}
+        self._mux = MuxStream()
+        self._plugin = FrameDecoder()
+        self._runtime = FrameDecoder()
+        self._conns = {PLUGIN_SERVICE_CONN: self._plugin, RUNTIME_SERVICE_CONN: self._runtime}
         self._error: str | None = None
 
     @property
@@ -147,26 +216,30 @@ class Demultiplexer:
     @property
     def buffered(self) -> int:
         """Bytes received but not yet part of a returned frame (non-zero at EOF: truncated)."""
-        return self._mux.buffered + sum(d.buffered for d in self._conns.values())
+        return self._mux.buffered + self._plugin.buffered + self._runtime.buffered
+
+    @property
+    def in_frame(self) -> bool:
+        """A mux or ttrpc frame has begun and not ended: the peer owes the rest of it."""
+        return self._mux.in_frame or self._plugin.in_frame or self._runtime.in_frame
 
     def feed(self, data: bytes) -> list[tuple[int, Frame]]:
         """Add socket bytes; return every ttrpc frame they complete, with its connection id.
 
-        A :class:`ProtocolError` (from either layer) means the connection must be
-        closed: frames completed earlier in the same call are not returned, and
-        all further input is refused. ttrpc-level errors carry a note naming the
-        mux connection.
+        A :class:`ProtocolError` (the mux framing is lost) means the connection must be closed:
+        frames completed earlier in the same call are not returned, and all further input is
+        refused.
         """
         if self._error is not None:
             raise ProtocolError(f"demultiplexer already failed: {self._error}")
         out: list[tuple[int, Frame]] = []
-        conn_id: int | None = None
+        conns = self._conns
         try:
-            for conn_id, payload in self._mux.feed(data):
-                out += ((conn_id, frame) for frame in self._conns[conn_id].feed(payload))
+            pieces = self._mux.feed(data)
         except ProtocolError as exc:
-            if conn_id is not None:
-                exc.add_note(f"on mux connection {conn_id}")
             self._error = str(exc)
             raise
+        for conn_id, piece, _ in pieces:
+            if piece:
+                out += ((conn_id, frame) for frame in conns[conn_id].feed(piece))
         return out

@@ -8,12 +8,19 @@ the event (:mod:`nri_plugin.chain`): inline when they only compute, in a worker 
 handler deadline otherwise. Their parts become the CreateContainer answer
 (:mod:`nri_plugin.adjustment`); :class:`~nri_plugin.failure.FailurePolicy` decides what a failure
 turns into.
+
+The runtime is not trusted to behave: every step of the handshake has a deadline (the runtime's
+own registration timeout), a Configure that does not decode ends the session, no event is served
+before Configure, a Synchronize is converted chunk by chunk into the compact views the node state
+keeps (never held as raw messages) and refused whole when it lists more than the configured
+limits, and every refusal is counted in :attr:`PluginStub.rejections`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -30,18 +37,25 @@ from hooks.untrusted import bounded
 from nri_plugin import adjustment
 from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.chain import Call, ChainOutcome, bind, run_inline, run_threaded
-from nri_plugin.config.schema import Config
-from nri_plugin.convert import MessageError, container_info, pod_info
+from nri_plugin.config.schema import Config, PluginConfig
+from nri_plugin.convert import MAX_NAME_CHARS, MessageError, container_info, pod_info
 from nri_plugin.envelope import RpcError
 from nri_plugin.failure import FailurePolicy
 from nri_plugin.log_context import bound_fields
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.nri_api import DEFAULT_REQUEST_TIMEOUT_MS, PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.nri_api import (
+    DEFAULT_REGISTRATION_TIMEOUT_MS,
+    DEFAULT_REQUEST_TIMEOUT_MS,
+    PLUGIN_SERVICE,
+    RUNTIME_SERVICE,
+)
+from nri_plugin.rejections import Rejection, RejectionCounts
 from nri_plugin.runtime_support import UNCONFIGURED, RuntimeSupport
 from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
+from reconciler.aio import wait_for_event
 from reconciler.audit import AuditLog
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState, PodView
@@ -49,8 +63,12 @@ from reconciler.state import NodeState, PodView
 PLUGIN_NRI_VERSION = "v0.12.2"
 """The NRI schema this plugin is built on, announced in RegisterPlugin."""
 MAX_REQUEST_TIMEOUT_MS = 3_600_000
-"""Longer request timeouts than an hour are taken for garbage (the runtime default applies)."""
+"""Longer request or registration timeouts than an hour are taken for garbage (the runtime
+default applies)."""
 MIN_DEADLINE_MS = 10.0
+SYNC_BATCH = 256
+"""Pods or containers of a Synchronize chunk converted between two turns of the event loop, so a
+large chunk never holds up the other requests for long."""
 
 STATE_EVENTS = frozenset({
     Event.RUN_POD_SANDBOX, Event.REMOVE_POD_SANDBOX,
@@ -78,6 +96,22 @@ M = TypeVar("M", bound=Message)
 class PluginIdentity:
     name: str
     index: str
+
+
+@dataclass(slots=True)
+class _SyncProgress:
+    """A Synchronize whose chunks are arriving: what they held, already converted."""
+
+    started: float
+    pods: list[PodInfo] = dataclasses.field(default_factory=list)
+    containers: list[ContainerInfo] = dataclasses.field(default_factory=list)
+    listed_pods: int = 0
+    listed_containers: int = 0
+    wire_bytes: int = 0
+    refused_objects: int = 0
+    first_refusal: str = ""
+    # Why the Synchronize is over its limits (its content is then no longer converted).
+    over: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +186,8 @@ class PluginStub:
         self._keys_config: Config | None = None
         self._keys = ReadKeys(frozenset())
         self._policies = {strict: FailurePolicy(audit, strict=strict) for strict in (False, True)}
+        self.rejections = RejectionCounts()
+        """Refusals on the NRI connection since the stub was made, by kind (for metrics)."""
         self._reset_session()
         self._handlers = self._build_handlers()
 
@@ -160,16 +196,20 @@ class PluginStub:
     def _reset_session(self) -> None:
         self.support = UNCONFIGURED
         self.runtime = RuntimeInfo(cgroup_v2=self._cgroup_v2)
+        self.configured = False
         self.request_timeout_ms = DEFAULT_REQUEST_TIMEOUT_MS
+        # Until Configure tells the runtime's own, the handshake's steps get the configured one.
+        self.registration_timeout_ms = self._config().plugin.register_timeout_ms
         self.event_mask = 0
         # The runtime's NRI version as stated in Configure, or as inferred.
         self.nri_version_text = ""
         self.synchronized = asyncio.Event()
-        self._sync_pods: list[api.PodSandbox] = []
-        self._sync_containers: list[api.Container] = []
-        # When the first chunk of the Synchronize in progress arrived: all chunks share one
-        # request timeout on the runtime's side.
-        self._sync_started: float | None = None
+        self._registered = asyncio.Event()
+        # Set at every step of the handshake (Configure, each Synchronize chunk).
+        self._progress = asyncio.Event()
+        # The Synchronize in progress; its chunks share one request timeout on the runtime's
+        # side, counted from the first one.
+        self._sync: _SyncProgress | None = None
 
     @property
     def connected(self) -> bool:
@@ -194,7 +234,9 @@ class PluginStub:
         """Register on a fresh connection and serve it until it ends; why it ended."""
         self._reset_session()
         peer = TtrpcPeer(reader, writer, serve_conn=PLUGIN_SERVICE_CONN,
-                         call_conn=RUNTIME_SERVICE_CONN, handlers=self._handlers)
+                         call_conn=RUNTIME_SERVICE_CONN, handlers=self._handlers,
+                         rejections=self.rejections,
+                         stall_timeout_s=self.registration_timeout_ms / 1000)
         self._peer = peer
         self.connections += 1
         if self.connections > 1 and self._metrics is not None:
@@ -204,8 +246,15 @@ class PluginStub:
             async with asyncio.TaskGroup() as group:
                 # Register at once, without waiting for the answer before serving: the runtime
                 # may send Configure before its RegisterPlugin response reaches us.
-                group.create_task(self._register(peer))
-                group.create_task(peer.run())
+                registering = group.create_task(self._register(peer))
+                watchdog = group.create_task(self._watch_handshake(peer))
+                running = group.create_task(peer.run())
+
+                def ended(_: object) -> None:
+                    registering.cancel()
+                    watchdog.cancel()
+
+                running.add_done_callback(ended)
         finally:
             self._peer = None
             self._set_state("disconnected")
@@ -221,13 +270,57 @@ class PluginStub:
             await peer.call(RUNTIME_SERVICE, "RegisterPlugin", request.SerializeToString(),
                             timeout_s=timeout)
         except RpcError as exc:
+            # The runtime's words are logged once, here; the reason the connection ended (which
+            # is logged too) only points to them.
             log.error("registration_failed", plugin=self._full_name,
                       error=bounded(exc.message, 512), code=exc.code)
-            peer.close(f"registration failed: {bounded(exc.message, 512)}")
+            peer.close(f"registration failed with code {exc.code} (see registration_failed)")
         except ConnectionClosed:
             return
         else:
             log.info("registered", plugin=self._full_name)
+            self._registered.set()
+
+    async def _watch_handshake(self, peer: TtrpcPeer) -> None:
+        """Close the connection when the runtime does not take the next step of the handshake
+        within its registration timeout: Configure after RegisterPlugin was answered, then each
+        chunk of Synchronize. A runtime that stalls there (restarting, behind a stalled proxy)
+        would otherwise leave the plugin connected and never serving; closing goes back to
+        connecting, with the usual backoff."""
+        await self._registered.wait()
+        while not self.synchronized.is_set():
+            if not self.configured:
+                step = "Configure after RegisterPlugin"
+            elif self._sync is None:
+                step = "Synchronize after Configure"
+            else:
+                step = "the next Synchronize chunk"
+            timeout_ms = self.registration_timeout_ms
+            self._progress.clear()
+            if await wait_for_event(self._progress, timeout_ms / 1000) \
+                    or self.synchronized.is_set():
+                continue
+            if peer.closed:
+                return  # ended meanwhile, for a reason of its own (already logged)
+            self._reject(Rejection.HANDSHAKE_TIMEOUT, f"no {step} within {timeout_ms} ms")
+            log.warning("handshake_timeout", waiting_for=step, timeout_ms=timeout_ms)
+            peer.close(f"handshake timeout: no {step} within {timeout_ms} ms")
+            return
+
+    def _reject(self, kind: Rejection, detail: str) -> None:
+        peer = self._peer
+        if peer is not None:
+            peer.rejections(kind, detail)
+        else:
+            self.rejections.add(kind)
+
+    def _require_configured(self, method: str) -> None:
+        """Refuse a request that needs a configured session (FAILED_PRECONDITION): events and
+        Synchronize are never served on a session Configure did not set up."""
+        if not self.configured:
+            detail = f"{method} before Configure"
+            self._reject(Rejection.OUT_OF_ORDER, detail)
+            raise RpcError(StatusCode.FAILED_PRECONDITION, f"nri-qos: {detail}")
 
     @property
     def _full_name(self) -> str:
@@ -274,28 +367,47 @@ class PluginStub:
 
     # -- handshake ---------------------------------------------------------------------------
 
-    async def _configure(self, request: envelope.Request) -> bytes:
+    def _configure(self, request: envelope.Request) -> bytes:
         req = _parse(api.ConfigureRequest, request.payload)
         if req is None:
+            # Half configured is no state to serve from: the answer says why, then the
+            # connection ends (after the answer went out) and the plugin connects again.
+            self._reject(Rejection.BAD_PAYLOAD, "ConfigureRequest payload does not decode")
+            peer = self._peer
+            if peer is not None:
+                asyncio.get_running_loop().call_soon(
+                    peer.close, "Configure payload does not decode")
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Configure payload does not decode")
         support = RuntimeSupport.detect(req.NRI_version, req.runtime_name, req.runtime_version)
         self.support = support
-        self.runtime = RuntimeInfo(name=req.runtime_name, version=req.runtime_version,
+        # Kept for the session and shown to policies: cut to what any real name fits in.
+        self.runtime = RuntimeInfo(name=req.runtime_name[:MAX_NAME_CHARS],
+                                   version=req.runtime_version[:MAX_NAME_CHARS],
                                    nri_version=support.nri_version, cgroup_v2=self._cgroup_v2)
         self._state.set_runtime_fields(support.fields)
         # 0 means "not sent" (NRI before 0.7); anything absurd is treated the same way.
         timeout = req.request_timeout
         self.request_timeout_ms = (timeout if 0 < timeout <= MAX_REQUEST_TIMEOUT_MS
                                    else DEFAULT_REQUEST_TIMEOUT_MS)
+        registration = req.registration_timeout
+        self.registration_timeout_ms = (registration
+                                        if 0 < registration <= MAX_REQUEST_TIMEOUT_MS
+                                        else DEFAULT_REGISTRATION_TIMEOUT_MS)
+        if self._peer is not None:
+            self._peer.stall_timeout_s = self.registration_timeout_ms / 1000
         self.event_mask = self.subscription_mask(support)
         self.nri_version_text = support_nri_text(support, req.NRI_version)
         if self._metrics is not None:
             self._metrics.nri_runtime(bounded(req.runtime_name), bounded(req.runtime_version),
                                       self.nri_version_text)
+        self.configured = True
+        self._progress.set()
         log.info("configured", runtime=bounded(req.runtime_name),
                  runtime_version=bounded(req.runtime_version),
                  nri_version=bounded(req.NRI_version) or None, events=hex(self.event_mask),
-                 request_timeout_ms=self.request_timeout_ms, deadline_ms=self.deadline_ms())
+                 request_timeout_ms=self.request_timeout_ms,
+                 registration_timeout_ms=self.registration_timeout_ms,
+                 deadline_ms=self.deadline_ms())
         self._log_routes(support)
         return api.ConfigureResponse(events=self.event_mask).SerializeToString()
 
@@ -327,40 +439,86 @@ class PluginStub:
         return mask or (mask_of(STATE_EVENTS) & support.valid_events)
 
     async def _synchronize(self, request: envelope.Request) -> bytes:
-        req = _parse(api.SynchronizeRequest, request.payload)
+        self._require_configured("Synchronize")
+        sync = self._sync
+        if sync is None:
+            sync = self._sync = _SyncProgress(self._clock())
+        self._progress.set()
+        payload = request.payload
+        sync.wire_bytes += len(payload)
+        req = _parse(api.SynchronizeRequest, payload)
+        del payload
         if req is None:
+            self._sync = None
+            self._reject(Rejection.BAD_PAYLOAD, "SynchronizeRequest payload does not decode")
             raise RpcError(StatusCode.INVALID_ARGUMENT, "Synchronize payload does not decode")
-        if self._sync_started is None:
-            self._sync_started = self._clock()
-        self._sync_pods.extend(req.pods)
-        self._sync_containers.extend(req.containers)
-        if req.more:
+        more = req.more
+        sync.listed_pods += len(req.pods)
+        sync.listed_containers += len(req.containers)
+        cfg = self._config()
+        if sync.over is None:
+            sync.over = _over_limit(sync, cfg.plugin)
+        if sync.over is None:
+            # Converted now, chunk by chunk: only the compact views are kept until the last one.
+            await self._take_chunk(sync, req, self._read_keys(cfg))
+        del req
+        if more:
             # Updates wait for the last chunk; every earlier one is answered with more = true.
             return api.SynchronizeResponse(more=True).SerializeToString()
-        pod_msgs, container_msgs = self._sync_pods, self._sync_containers
-        self._sync_pods, self._sync_containers = [], []
-        spent_ms = (self._clock() - self._sync_started) * 1000
-        self._sync_started = None
+        self._sync = None
+        if sync.over is not None:
+            self._refuse_sync(sync.over)
+        else:
+            await self._apply_sync(sync)
+        self.synchronized.set()
+        self._set_state("synchronized")
+        return api.SynchronizeResponse(more=False).SerializeToString()
+
+    async def _take_chunk(self, sync: _SyncProgress, req: api.SynchronizeRequest,
+                          keys: ReadKeys) -> None:
+        done = 0
+        for pod_msg in req.pods:
+            try:
+                sync.pods.append(pod_info(pod_msg, keys))
+            except MessageError as exc:
+                _note_refusal(sync, f"pod {bounded(pod_msg.uid)}: {exc}")
+            done += 1
+            if done % SYNC_BATCH == 0:
+                await asyncio.sleep(0)
+        for container_msg in req.containers:
+            try:
+                sync.containers.append(container_info(container_msg))
+            except MessageError as exc:
+                _note_refusal(sync, f"container {bounded(container_msg.name)}: {exc}")
+            done += 1
+            if done % SYNC_BATCH == 0:
+                await asyncio.sleep(0)
+
+    def _refuse_sync(self, over: str) -> None:
+        """Take nothing from a Synchronize over the limits: the node state keeps what it knew,
+        events go on being served, and the audit trail says why."""
+        self._reject(Rejection.SYNCHRONIZE_OVER_LIMIT, over)
+        self._audit.record("event_failed", nri_event="synchronize", pod_uid="", container="",
+                           reason=f"Synchronize refused: {over}; the pods and containers known "
+                                  "so far stay in use")
+        self._event_log().info("nri_event", nri_event="synchronize", result="invalid",
+                               refused=over)
+
+    async def _apply_sync(self, sync: _SyncProgress) -> None:
+        spent_ms = (self._clock() - sync.started) * 1000
         # Always fail-open here, strict or not: Synchronize vetoes nothing, and an error would
         # only get the plugin dropped, reconnect, and fail the same way again.
         policy = self._policies[False]
         started = self._clock()
         result = "ok"
-        keys = self._read_keys(self._config())
-        pods: list[PodInfo] = []
-        containers: list[ContainerInfo] = []
-        for pod_msg in pod_msgs:
-            try:
-                pods.append(pod_info(pod_msg, keys))
-            except MessageError as exc:
-                result = "invalid"
-                policy.invalid_input("synchronize", exc, pod_uid=bounded(pod_msg.uid))
-        for container_msg in container_msgs:
-            try:
-                containers.append(container_info(container_msg))
-            except MessageError as exc:
-                result = "invalid"
-                policy.invalid_input("synchronize", exc, container=bounded(container_msg.name))
+        pods, containers = sync.pods, sync.containers
+        if sync.refused_objects:
+            # One record for all of them: a runtime listing thousands of unusable objects must
+            # not write thousands of lines.
+            result = "invalid"
+            policy.invalid_input("synchronize", MessageError(
+                f"{sync.refused_objects} pods or containers refused, the first: "
+                f"{sync.first_refusal}"))
         self._state.replace_all(pods, containers)
         if self._capabilities:
             calls = [(c.name, bind(c.synchronize, tuple(pods), tuple(containers)))
@@ -376,9 +534,6 @@ class PluginStub:
                                duration_ms=round(seconds * 1000, 3))
         if self._metrics is not None:
             self._metrics.nri_request("synchronize", _METRIC_RESULT[result], seconds)
-        self.synchronized.set()
-        self._set_state("synchronized")
-        return api.SynchronizeResponse(more=False).SerializeToString()
 
     async def _shutdown(self, request: envelope.Request) -> bytes:
         # The runtime never calls it; there is nothing to release early anyway.
@@ -387,6 +542,7 @@ class PluginStub:
     # -- events ------------------------------------------------------------------------------
 
     def _create_container(self, request: envelope.Request) -> bytes | Awaitable[bytes]:
+        self._require_configured("CreateContainer")
         req = self._decode("create_container", api.CreateContainerRequest, request.payload)
         if req is None:
             return b""
@@ -401,6 +557,7 @@ class PluginStub:
         with_container = event not in POD_EVENTS
 
         def handle(request: envelope.Request) -> bytes | Awaitable[bytes]:
+            self._require_configured(request.method)
             req = self._decode(name, request_type, request.payload)
             if req is None:
                 return answer
@@ -410,6 +567,7 @@ class PluginStub:
         return handle
 
     def _state_change(self, request: envelope.Request) -> bytes | Awaitable[bytes]:
+        self._require_configured("StateChange")
         req = self._decode("state_change", api.StateChangeEvent, request.payload)
         if req is None:
             return b""
@@ -424,15 +582,17 @@ class PluginStub:
         return b"" if isinstance(handled, bytes) else _replaced(handled, b"")
 
     def _decode(self, name: str, message_type: type[M], payload: bytes) -> M | None:
+        """The event's message; None (answered empty, or an error status when strict) when it
+        does not decode. That is a refusal on the wire, counted and logged once per connection:
+        there is no pod or container to write an audit record about."""
         started = self._clock()
         message = _parse(message_type, payload)
         if message is None:
-            error = MessageError(f"{message_type.__name__} payload does not decode")
-            try:
-                self._policy().invalid_input(name, error)
-            except RpcError:
+            detail = f"{message_type.__name__} payload does not decode"
+            self._reject(Rejection.BAD_PAYLOAD, detail)
+            if self._policy().strict:
                 self._count(name, "error", started)
-                raise
+                raise RpcError(StatusCode.INVALID_ARGUMENT, f"nri-qos {name}: {detail}")
             self._count(name, "fail-open", started)
         return message
 
@@ -537,8 +697,10 @@ class PluginStub:
         try:
             pod, container = prepared.view.info, prepared.container
             container_name = container.name if container is not None else ""
-            self._policy(prepared.config).chain(prepared.name, outcome, pod_uid=pod.uid,
-                                                container=container_name)
+            if not outcome.complete:
+                self._policy(prepared.config).chain(prepared.name, outcome,
+                                                    pod_uid=bounded(pod.uid),
+                                                    container=bounded(container_name))
             payload = b""
             if event is Event.CREATE_CONTAINER and container is not None:
                 payload = self._answer(prepared, outcome)
@@ -558,25 +720,29 @@ class PluginStub:
         assert container is not None
         decided = adjustment.decide(outcome.parts, self.support, cfg.resctrl.clos_field,
                                     self._reconciler_fields)
-        for conflict in decided.conflicts:
-            self._audit.record(
-                "adjustment_conflict", pod_uid=pod.uid, container=container.name,
-                field=conflict.field, kept_owner=conflict.owner,
-                rejected_owner=conflict.rejected_by,
-            )
-        for field in decided.deferred:
-            self._audit.record("adjustment_deferred", pod_uid=pod.uid, container=container.name,
-                               field=field, applied_by="reconciler after the container starts",
-                               runtime=bounded(self.runtime.version))
-        for _field, reason in decided.dropped:
-            self._audit.record("adjustment_skipped", pod_uid=pod.uid, container=container.name,
-                               reason=reason)
+        if decided.conflicts or decided.deferred or decided.dropped:
+            self._audit_decided(decided, bounded(pod.uid), bounded(container.name))
         payload = adjustment.encode(decided)
         if payload:
             # Recorded on the next turn of the loop, like the event line: after the answer.
             asyncio.get_running_loop().call_soon(
                 self._record_applied, pod.uid, container.name, prepared.view.level, decided)
         return payload
+
+    def _audit_decided(self, decided: adjustment.Adjustment, pod_uid: str, name: str) -> None:
+        for conflict in decided.conflicts:
+            self._audit.record(
+                "adjustment_conflict", pod_uid=pod_uid, container=name,
+                field=conflict.field, kept_owner=conflict.owner,
+                rejected_owner=conflict.rejected_by,
+            )
+        for field in decided.deferred:
+            self._audit.record("adjustment_deferred", pod_uid=pod_uid, container=name,
+                               field=field, applied_by="reconciler after the container starts",
+                               runtime=bounded(self.runtime.version))
+        for _field, reason in decided.dropped:
+            self._audit.record("adjustment_skipped", pod_uid=pod_uid, container=name,
+                               reason=reason)
 
     def _failed(self, event: Event, exc: Exception, pod_msg: api.PodSandbox,
                 container_msg: api.Container | None, started: float) -> bytes:
@@ -623,13 +789,14 @@ class PluginStub:
 
     def _context(self, prepared: _Prepared) -> Any:
         """The event's fields on every log line and audit record written while it runs."""
+        pod = prepared.view.info
         fields: dict[str, Any] = {"nri_event": prepared.name,
-                                  "pod_namespace": prepared.view.info.namespace,
-                                  "pod_name": prepared.view.info.name,
-                                  "pod_uid": prepared.view.info.uid,
+                                  "pod_namespace": bounded(pod.namespace),
+                                  "pod_name": bounded(pod.name),
+                                  "pod_uid": bounded(pod.uid),
                                   "qos_level": prepared.view.level}
         if prepared.container is not None:
-            fields["container"] = prepared.container.name
+            fields["container"] = bounded(prepared.container.name)
         return bound_fields(fields)
 
     def deadline_ms(self) -> float:
@@ -642,7 +809,7 @@ class PluginStub:
         decision = view.decision
         for source, value in decision.rejected:
             self._audit.record(
-                "adjustment_skipped", pod_uid=view.info.uid, container=container,
+                "adjustment_skipped", pod_uid=bounded(view.info.uid), container=bounded(container),
                 reason=f"{source}: unknown QoS value '{bounded(value)}'; level "
                        f"{decision.level} from {decision.source}",
             )
@@ -650,8 +817,8 @@ class PluginStub:
     def _record_applied(self, pod_uid: str, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
         fields = _set_fields(decided)
-        self._audit.record("adjustment_applied", pod_uid=pod_uid, container=container,
-                           qos_level=level, fields=fields)
+        self._audit.record("adjustment_applied", pod_uid=bounded(pod_uid),
+                           container=bounded(container), qos_level=level, fields=fields)
         if self._metrics is not None:
             # Annotation keys are the admin's: one label value for all of them.
             self._metrics.nri_adjusted(
@@ -748,3 +915,22 @@ def _set_fields(decided: adjustment.Adjustment) -> list[str]:
     if settings.hooks:
         fields.append("hooks")
     return fields
+
+
+def _over_limit(sync: _SyncProgress, limits: PluginConfig) -> str | None:
+    """Why the Synchronize received so far is over the configured limits, or None."""
+    if sync.listed_pods > limits.max_sync_pods:
+        return f"{sync.listed_pods} pods, more than plugin.max_sync_pods = {limits.max_sync_pods}"
+    if sync.listed_containers > limits.max_sync_containers:
+        return (f"{sync.listed_containers} containers, more than plugin.max_sync_containers = "
+                f"{limits.max_sync_containers}")
+    if sync.wire_bytes > limits.max_sync_bytes:
+        return (f"{sync.wire_bytes} bytes, more than plugin.max_sync_bytes = "
+                f"{limits.max_sync_bytes}")
+    return None
+
+
+def _note_refusal(sync: _SyncProgress, error: str) -> None:
+    sync.refused_objects += 1
+    if not sync.first_refusal:
+        sync.first_refusal = error

@@ -11,6 +11,14 @@ A handler that can answer at once does so from the reader, in the same turn of t
 that read the request; only a handler that has to wait gets a task. On a loaded node a turn of
 the loop costs tens of microseconds (it runs with cold caches after the wake-up), which the
 runtime would otherwise wait for on every CreateContainer.
+
+The other end is not trusted to behave. Memory stays bounded: the reader holds at most one
+partial frame per logical connection, skips oversized frames without keeping them (answering
+that stream RESOURCE_EXHAUSTED, as the Go server does), and stops reading while the peer leaves
+its answers unread or too many handlers wait (backpressure, not a queue). Waits end: the rest of
+a frame that has begun must come within :attr:`TtrpcPeer.stall_timeout_s`, and a peer that does
+not take its answers within it is dropped. Every refusal is counted and logged once per kind
+(:mod:`nri_plugin.rejections`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from hooks.untrusted import bounded
 from nri_plugin.envelope import (
     EnvelopeError,
     RpcError,
@@ -32,6 +41,7 @@ from nri_plugin.envelope import (
 )
 from nri_plugin.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
 from nri_plugin.mux import Demultiplexer, encode_message
+from nri_plugin.rejections import ConnectionRejections, Rejection, RejectionCounts
 from nri_plugin.ttrpc import (
     ClientStreams,
     Frame,
@@ -39,6 +49,7 @@ from nri_plugin.ttrpc import (
     ServerStreams,
     StatusCode,
     encode_frame,
+    oversized_message,
 )
 from protos import ttrpc_envelope_pb2 as envelope
 
@@ -48,6 +59,20 @@ once or as an awaitable (awaited in a task of its own). Raising :class:`RpcError
 that status; any other exception answers UNKNOWN."""
 
 READ_SIZE = 256 << 10
+MAX_HANDLERS_IN_FLIGHT = 64
+"""Requests of one connection whose handlers are still running before the reader stops taking
+more. containerd sends a plugin one request at a time (its validators aside), so a runtime with
+more in flight has gone wrong; each one holds its request until it is answered."""
+MAX_UNSENT_BYTES = 1 << 20
+"""Answer bytes the peer has not taken yet before the reader stops reading its requests (checked
+after each read, so the answers to one read may come on top). The runtime reads answers as they
+come (an answer is a few hundred bytes), so a MiB unread means it stopped reading; without this
+limit every request it keeps sending would queue another answer."""
+DEFAULT_STALL_TIMEOUT_S = 5.0
+"""How long the rest of a frame that has begun, or room for more answers, may take: the runtime's
+default registration timeout, until the session knows the runtime's own."""
+STATUS_TEXT_CHARS = 1024
+"""Characters of an exception's text sent back in an error status."""
 
 log = structlog.get_logger("nri_qos.transport")
 
@@ -78,11 +103,25 @@ class TtrpcPeer:
         serve_conn: int,
         call_conn: int,
         handlers: Mapping[tuple[str, str], Handler],
+        rejections: RejectionCounts | None = None,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        max_in_flight: int = MAX_HANDLERS_IN_FLIGHT,
+        max_unsent_bytes: int = MAX_UNSENT_BYTES,
     ) -> None:
         if serve_conn == call_conn:
             raise ValueError("serve_conn and call_conn must differ")
         self._reader = reader
         self._writer = writer
+        self._transport = writer.transport
+        # The transport pauses (and drain() waits) above this many unsent bytes.
+        self._transport.set_write_buffer_limits(high=max_unsent_bytes)
+        self._max_unsent = max_unsent_bytes
+        self._max_in_flight = max_in_flight
+        self.stall_timeout_s = stall_timeout_s
+        self.rejections = ConnectionRejections(rejections)
+        # When the frame that has begun must be complete (loop time); None between frames.
+        self._frame_deadline: float | None = None
+        self._dropped_seen = 0
         self._serve_conn = serve_conn
         self._call_conn = call_conn
         self._handlers = dict(handlers)
@@ -105,10 +144,15 @@ class TtrpcPeer:
     def pending_calls(self) -> int:
         return len(self._pending)
 
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes written but not yet taken by the peer."""
+        return int(self._transport.get_write_buffer_size())
+
     # -- reading ---------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Read and dispatch until EOF, a protocol error or :meth:`close`."""
+        """Read and dispatch until EOF, a protocol error, a stall or :meth:`close`."""
         reason = "connection closed by peer"
         try:
             async with asyncio.TaskGroup() as group:
@@ -119,52 +163,140 @@ class TtrpcPeer:
                     self._end(reason)
         finally:
             self._group = None
+            self.rejections.summarize()
+            await self._wait_closed()
+
+    async def _wait_closed(self) -> None:
+        """Let what was written go out, then the socket closes; a peer that does not take it
+        within the stall timeout gets it dropped (else the socket, and what it holds, would stay
+        until the peer reads)."""
+        try:
+            async with asyncio.timeout(self.stall_timeout_s):
+                await self._writer.wait_closed()
+        except TimeoutError:
+            self._transport.abort()
             with contextlib.suppress(OSError):
                 await self._writer.wait_closed()
+        except OSError:
+            pass
 
     async def _read_until_end(self) -> str:
         """Feed the demultiplexer until the connection ends; why it ended."""
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                data = await self._reader.read(READ_SIZE)
-                if not data:
-                    if self._closed:
-                        return self.end_reason or "closed locally"
-                    return "connection closed by peer"
-                for conn_id, frame in self._demux.feed(data):
-                    if conn_id == self._serve_conn:
-                        self._on_serve_frame(frame)
-                    elif conn_id == self._call_conn:
-                        self._on_call_frame(frame)
+            # The bytes read are handed straight on, never kept in a local across the next
+            # wait: a large request's memory goes as soon as it is handled.
+            while self._dispatch(await self._read(), loop):
+                if self._closed:
+                    return self.end_reason
+                if self._behind():
+                    stalled = await self._wait_for_room()
+                    if stalled is not None:
+                        return stalled
+            if self._closed:
+                return self.end_reason or "closed locally"
+            return "connection closed by peer"
         except ProtocolError as exc:
+            self.rejections(Rejection.LOST_FRAMING, str(exc))
             log.warning("protocol_error", error=str(exc))
             return f"protocol error: {exc}"
+        except _Stalled as exc:
+            self.rejections(Rejection.STALLED, str(exc))
+            log.warning("connection_stalled", error=str(exc), timeout_s=self.stall_timeout_s)
+            # What the peer did not take in time, it will not take: dropped with the socket.
+            self._transport.abort()
+            return f"stalled: {exc}"
         except OSError as exc:
             return f"socket error: {exc}"
 
+    async def _read(self) -> bytes:
+        deadline = self._frame_deadline
+        if deadline is None:
+            return await self._reader.read(READ_SIZE)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._reader.read(READ_SIZE)
+        except TimeoutError:
+            raise _Stalled(
+                f"the rest of a frame did not come within {self.stall_timeout_s:g} s"
+            ) from None
+
+    def _dispatch(self, data: bytes, loop: asyncio.AbstractEventLoop) -> bool:
+        """Handle the frames ``data`` completes; False at EOF."""
+        if not data:
+            return False
+        demux = self._demux
+        frames = demux.feed(data)
+        for conn_id, frame in frames:
+            if self._closed:
+                # Closed by a handler (e.g. a session that cannot go on): the requests read
+                # with it are not served.
+                break
+            if conn_id == self._serve_conn:
+                self._on_serve_frame(frame)
+            elif conn_id == self._call_conn:
+                self._on_call_frame(frame)
+        if demux.dropped_frames != self._dropped_seen:
+            self.rejections(Rejection.UNKNOWN_CONNECTION, "mux frame for a connection other "
+                            "than 1 and 2", demux.dropped_frames - self._dropped_seen)
+            self._dropped_seen = demux.dropped_frames
+        # The rest of a frame that has begun must come in time; every frame completed starts
+        # the clock again, so a peer that keeps sending is never cut off.
+        if not demux.in_frame:
+            self._frame_deadline = None
+        elif frames or self._frame_deadline is None:
+            self._frame_deadline = loop.time() + self.stall_timeout_s
+        return True
+
+    def _behind(self) -> bool:
+        return (len(self._tasks) >= self._max_in_flight
+                or self._transport.get_write_buffer_size() > self._max_unsent)
+
+    async def _wait_for_room(self) -> str | None:
+        """Read nothing more until handlers finished and the peer took its answers; the reason
+        to end the connection when that does not happen within the stall timeout."""
+        try:
+            async with asyncio.timeout(self.stall_timeout_s):
+                while len(self._tasks) >= self._max_in_flight:
+                    await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                await self._writer.drain()
+        except TimeoutError:
+            raise _Stalled(
+                f"{self.unsent_bytes} bytes of answers not taken and {len(self._tasks)} "
+                f"requests in progress after {self.stall_timeout_s:g} s"
+            ) from None
+        except (ConnectionError, OSError) as exc:
+            return f"socket error: {exc}"
+        return None
+
     def _on_serve_frame(self, frame: Frame) -> None:
+        stream_id = frame.stream_id
+        if frame.oversized:
+            # As the Go server: that stream gets an error, the connection goes on.
+            message = oversized_message(frame.oversized)
+            self.rejections(Rejection.OVERSIZED_FRAME, message, stream_id=stream_id)
+            self._answer(stream_id, b"", StatusCode.RESOURCE_EXHAUSTED, message)
+            return
         if frame.type != MessageType.REQUEST:
             # Unknown types are ignored for forward compatibility, as the Go server does.
-            log.debug("ignored_frame", stream_id=frame.stream_id, type=frame.type)
+            self.rejections(Rejection.UNKNOWN_FRAME_TYPE, f"frame of type {frame.type} where "
+                            "requests are served", stream_id=stream_id)
             return
-        stream_id = frame.stream_id
         rejection = self._server_streams.rejection_message(stream_id)
         if rejection is not None:
+            self.rejections(Rejection.BAD_STREAM_ID, rejection)
             self._answer(stream_id, b"", StatusCode.INVALID_ARGUMENT, rejection)
             return
         self._server_streams.accept(stream_id)
         try:
             request = decode_request(frame.data)
         except EnvelopeError as exc:
+            self.rejections(Rejection.BAD_ENVELOPE, str(exc), stream_id=stream_id)
             self._answer(stream_id, b"", StatusCode.INVALID_ARGUMENT, str(exc))
             return
         handler = self._handlers.get((request.service, request.method))
         if handler is None:
-            if request.service in self._services:
-                message = f"method {request.method}"
-            else:
-                message = f"service {request.service}"
-            self._answer(stream_id, b"", StatusCode.UNIMPLEMENTED, message)
+            self._unimplemented(stream_id, request)
             return
         try:
             result = handler(request)
@@ -178,13 +310,31 @@ class TtrpcPeer:
         else:
             self._spawn(self._answer_when_done(stream_id, request.method, result))
 
+    def _unimplemented(self, stream_id: int, request: envelope.Request) -> None:
+        # The status text is the Go server's; the names are the peer's own, so bounded.
+        if request.service in self._services:
+            kind, message = Rejection.UNKNOWN_METHOD, f"method {bounded(request.method)}"
+        else:
+            kind, message = Rejection.UNKNOWN_SERVICE, f"service {bounded(request.service)}"
+        self.rejections(kind, message, stream_id=stream_id)
+        self._answer(stream_id, b"", StatusCode.UNIMPLEMENTED, message)
+
     def _on_call_frame(self, frame: Frame) -> None:
-        future = self._pending.pop(frame.stream_id, None)
-        self._client_streams.close(frame.stream_id)
+        stream_id = frame.stream_id
+        future = self._pending.pop(stream_id, None)
+        self._client_streams.close(stream_id)
         if future is None or future.done():
-            log.debug("dropped_response", stream_id=frame.stream_id)
+            self.rejections(Rejection.STRAY_RESPONSE, f"frame of type {frame.type} on stream "
+                            f"{stream_id}, which has no call waiting", stream_id=stream_id)
+            return
+        if frame.oversized:
+            message = oversized_message(frame.oversized)
+            self.rejections(Rejection.OVERSIZED_FRAME, message, stream_id=stream_id)
+            future.set_exception(RpcError(StatusCode.RESOURCE_EXHAUSTED, message))
             return
         if frame.type != MessageType.RESPONSE:
+            self.rejections(Rejection.UNKNOWN_FRAME_TYPE, f"frame of type {frame.type} where "
+                            "responses are expected", stream_id=stream_id)
             future.set_exception(
                 RpcError(StatusCode.INTERNAL, f"unexpected frame type {frame.type} for a call")
             )
@@ -192,6 +342,7 @@ class TtrpcPeer:
         try:
             reply = decode_response(frame.data)
         except EnvelopeError as exc:
+            self.rejections(Rejection.BAD_ENVELOPE, str(exc), stream_id=stream_id)
             future.set_exception(RpcError(StatusCode.INTERNAL, str(exc)))
             return
         if reply.ok:
@@ -272,8 +423,8 @@ class TtrpcPeer:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending[stream_id] = future
         try:
-            await self._write(self._call_conn, frame)
             async with asyncio.timeout(timeout_s):
+                await self._write(self._call_conn, frame)
                 return await future
         except TimeoutError as exc:
             raise CallTimedOut(
@@ -309,6 +460,9 @@ class TtrpcPeer:
             self._closed = True
             self.end_reason = reason
             self._writer.close()
+            # The transport stops reading at once, but closes only once the peer took what was
+            # written: the reader must not wait for that (run() bounds the wait).
+            self._reader.feed_eof()
 
     def _end(self, reason: str) -> None:
         """Close, fail every pending call and cancel every running handler (the task group
@@ -333,4 +487,8 @@ def _failure(exc: BaseException, method: str) -> tuple[int, str]:
     # reader: not even a log stream that fails.
     with contextlib.suppress(OSError, ValueError):
         log.exception("handler_failed", method=method, exc_info=exc)
-    return StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}"
+    return StatusCode.UNKNOWN, f"{type(exc).__name__}: {bounded(str(exc), STATUS_TEXT_CHARS)}"
+
+
+class _Stalled(Exception):
+    """The peer stopped halfway: the rest of a frame, or room for answers, did not come."""

@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from nri_plugin.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
+from nri_plugin.errors import MessageTooLarge, StreamIdsExhausted
 
 HEADER_SIZE = 10
 MAX_DATA_LENGTH = 4 << 20
@@ -55,13 +55,17 @@ class Frame:
     """One decoded ttrpc frame.
 
     ``type`` stays a plain int: peers may send types this module does not know,
-    and it is the session layer that decides to ignore them.
+    and it is the session layer that decides to ignore them. ``oversized`` is
+    the data length announced by a frame over :data:`MAX_DATA_LENGTH`; its data
+    was skipped, not kept (``data`` is then empty), and the receiver answers
+    that stream RESOURCE_EXHAUSTED, as the Go implementation does.
     """
 
     stream_id: int
     type: int
     flags: int
     data: bytes
+    oversized: int = 0
 
 
 def encode_frame(stream_id: int, msg_type: int, data: bytes, flags: int = 0) -> bytes:
@@ -81,59 +85,84 @@ def encode_frame(stream_id: int, msg_type: int, data: bytes, flags: int = 0) -> 
     return _HEADER.pack(len(data), stream_id, msg_type, flags) + data
 
 
+def oversized_message(length: int) -> str:
+    """The status text answering a frame of ``length`` data bytes (the Go server's words)."""
+    return f"message length {length} exceed maximum message size of {MAX_DATA_LENGTH}"
+
+
 class FrameDecoder:
     """Cuts ttrpc frames out of one logical connection's byte stream.
 
-    Input may be split anywhere. Bytes accumulate in one bytearray that is only
-    appended to and trimmed at the front (which CPython does in place), so a
-    large frame arriving in small pieces costs linear time.
+    Input may be split anywhere. Only the bytes of a frame still incomplete are
+    kept, in one bytearray that is only appended to and trimmed at the front
+    (which CPython does in place), so a large frame arriving in small pieces
+    costs linear time; input that holds whole frames is cut without being
+    copied into it. A frame announcing more than :data:`MAX_DATA_LENGTH` bytes
+    is not an error: its data is skipped as it arrives, without being kept, and
+    the frame comes out with ``oversized`` set and no data once it has all gone
+    by. So the decoder never fails: every byte sequence is some sequence of
+    frames, and it holds at most one frame's worth of bytes.
     """
 
     def __init__(self) -> None:
         self._buf = bytearray()
-        self._error: str | None = None
+        # Data bytes of an oversized frame still to be skipped, and that frame (without data).
+        self._skip = 0
+        self._skipped: Frame | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes held back because they do not yet form a whole frame."""
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[Frame]:
-        """Add bytes; return every frame they complete, in order.
+    @property
+    def in_frame(self) -> bool:
+        """A frame has begun and not ended: the rest of it is still to come."""
+        return bool(self._buf) or self._skip > 0
 
-        Raises :class:`ProtocolError` as soon as a header announces more than
-        :data:`MAX_DATA_LENGTH` bytes, without waiting for (or buffering) the
-        data. After that the decoder refuses all further input.
-        """
-        if self._error is not None:
-            raise ProtocolError(f"ttrpc decoder already failed: {self._error}")
-        buf = self._buf
-        buf += data
-        end = len(buf)
-        pos = 0
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Add bytes; return every frame they complete, in order."""
         frames: list[Frame] = []
-        with memoryview(buf) as view:
-            while end - pos >= HEADER_SIZE:
-                length, stream_id, msg_type, flags = _HEADER.unpack_from(buf, pos)
-                if length > MAX_DATA_LENGTH:
-                    self._error = (
-                        f"ttrpc frame on stream {stream_id} announces {length} bytes of data, "
-                        f"more than the limit of {MAX_DATA_LENGTH}"
-                    )
-                    break
-                stop = pos + HEADER_SIZE + length
-                if stop > end:
-                    break
-                frames.append(
-                    Frame(stream_id, msg_type, flags, bytes(view[pos + HEADER_SIZE : stop]))
-                )
-                pos = stop
-        if self._error is not None:
-            buf.clear()
-            raise ProtocolError(self._error)
-        if pos:
-            del buf[:pos]
+        buf = self._buf
+        if buf:
+            buf += data
+            with memoryview(buf) as view:
+                used = self._cut(view, frames)
+            del buf[:used]
+        else:
+            with memoryview(data) as view:
+                used = self._cut(view, frames)
+                if used < len(view):
+                    buf += view[used:]
         return frames
+
+    def _cut(self, view: memoryview, frames: list[Frame]) -> int:
+        """Append the frames ``view`` completes to ``frames``; the bytes they used up."""
+        end = len(view)
+        pos = 0
+        while True:
+            if self._skip:
+                skipped = min(self._skip, end - pos)
+                pos += skipped
+                self._skip -= skipped
+                if self._skip:
+                    return pos
+                assert self._skipped is not None
+                frames.append(self._skipped)
+                self._skipped = None
+            if end - pos < HEADER_SIZE:
+                return pos
+            length, stream_id, msg_type, flags = _HEADER.unpack_from(view, pos)
+            if length > MAX_DATA_LENGTH:
+                pos += HEADER_SIZE
+                self._skip = length
+                self._skipped = Frame(stream_id, msg_type, flags, b"", length)
+                continue
+            stop = pos + HEADER_SIZE + length
+            if stop > end:
+                return pos
+            frames.append(Frame(stream_id, msg_type, flags, bytes(view[pos + HEADER_SIZE : stop])))
+            pos = stop
 
 
 class ClientStreams:

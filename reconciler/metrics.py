@@ -24,7 +24,7 @@ project), so any layer may record into it; sources from higher layers are typed 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
@@ -117,10 +117,6 @@ class Metrics:
             "Connections to the runtime after the first one.", registry=r)
         self._nri_runtime = Info(
             f"{PREFIX}_nri_runtime", "The runtime this agent is registered with.", registry=r)
-        self._nri_rejections = Counter(
-            f"{PREFIX}_nri_wire_rejections_total",
-            "Frames or messages from the runtime refused at the wire level, per reason.",
-            ["reason"], registry=r)
         for state in CONNECTION_STATES:
             self._nri_state.labels(state).set(1 if state == "disconnected" else 0)
         # Labelled children resolved once: labels() costs more than the increment.
@@ -201,11 +197,6 @@ class Metrics:
         """What the runtime said in Configure (bounded by the caller)."""
         self._nri_runtime.info({"runtime": name, "version": version, "nri_version": nri_version})
 
-    def nri_wire_rejection(self, reason: str) -> None:
-        """The wire layer refused something the runtime sent; ``reason`` is a short fixed name
-        (e.g. ``oversized_frame``), never text from the peer."""
-        self._nri_rejections.labels(reason).inc()
-
     # -- reconciler ------------------------------------------------------------------------------
 
     def loop_cycle(self, loop: str, seconds: float, *, failed: bool) -> None:
@@ -258,6 +249,11 @@ class Metrics:
         pods.set_function(lambda: float(counts()[0]))
         containers.set_function(lambda: float(counts()[1]))
 
+    def watch_rejections(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """``counts()`` -> refusals on the NRI connection so far, per kind (a fixed set of short
+        names such as ``oversized_frame``, never text from the peer; every kind present)."""
+        self.registry.register(_RejectionCollector(counts))
+
     def watch_board(self, board: ReadingSource) -> None:
         """Export each detector's latest level per scope (-1 unknown, 0 none ... 3 high)."""
         self.registry.register(_BoardCollector(board))
@@ -266,6 +262,20 @@ class Metrics:
         """Export resctrl monitoring (LLC occupancy, MBM bytes) of our groups, read at scrape
         time through ``read``."""
         self.registry.register(_ResctrlCollector(read))
+
+
+class _RejectionCollector(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            f"{PREFIX}_nri_wire_rejections",
+            "Frames or messages from the runtime refused on the NRI connection, per kind.",
+            labels=["reason"])
+        for reason, count in self._counts().items():
+            family.add_metric([reason], count)
+        yield family
 
 
 class _BoardCollector(Collector):

@@ -41,6 +41,9 @@ Callback = Callable[[], None]
 DEFAULT_POD_LIMIT = 4096
 """Pods remembered at most: far above any node's pod count, so only pods whose removal was never
 seen (e.g. while disconnected from the runtime) are ever pushed out, oldest first."""
+DEFAULT_CONTAINER_LIMIT = 16384
+"""Containers remembered at most: four per pod at the pod limit, where real pods have one to
+three; beyond it the oldest container is forgotten (until the next Synchronize lists it)."""
 
 _DEFAULT_QOS = QosConfig()
 
@@ -90,15 +93,17 @@ class NodeState:
     """Pods and containers from NRI, enriched by the pod watch; safe to use from any thread.
 
     ``qos`` returns the ``[qos]`` section in force (levels are resolved again when it is a new
-    object); at most ``pod_limit`` pods are remembered.
+    object); at most ``pod_limit`` pods and ``container_limit`` containers are remembered.
     """
 
     def __init__(self, qos: Callable[[], QosConfig] = lambda: _DEFAULT_QOS, *,
-                 pod_limit: int = DEFAULT_POD_LIMIT) -> None:
-        if pod_limit < 1:
-            raise ValueError("pod_limit must be at least 1")
+                 pod_limit: int = DEFAULT_POD_LIMIT,
+                 container_limit: int = DEFAULT_CONTAINER_LIMIT) -> None:
+        if pod_limit < 1 or container_limit < 1:
+            raise ValueError("pod_limit and container_limit must be at least 1")
         self._qos = qos
         self._pod_limit = pod_limit
+        self._container_limit = container_limit
         self._lock = threading.Lock()
         # Sandbox id -> (NRI pod, its metadata, the [qos] section) the view was made from.
         self._views: dict[str, tuple[PodInfo, PodMeta | None, QosConfig, PodView]] = {}
@@ -144,7 +149,8 @@ class NodeState:
     def replace_all(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
         with self._lock:
             self._pods = {p.id: p for p in pods[-self._pod_limit:]}
-            self._containers = {c.id: c for c in containers if c.pod_sandbox_id in self._pods}
+            kept = [c for c in containers if c.pod_sandbox_id in self._pods]
+            self._containers = {c.id: c for c in kept[-self._container_limit:]}
             self._stopped.clear()
             self._synced = True
             self._changed()
@@ -199,7 +205,12 @@ class NodeState:
         """A container created, started, updated or stopped. Its pod is known from the pod's
         view (:meth:`pod_view`); a container of an unknown pod is kept but not shown."""
         with self._lock:
-            self._containers[container.id] = container
+            containers = self._containers
+            if container.id not in containers and len(containers) >= self._container_limit:
+                oldest = next(iter(containers))
+                del containers[oldest]
+                self._stopped.discard(oldest)
+            containers[container.id] = container
             if running:
                 self._stopped.discard(container.id)
             else:

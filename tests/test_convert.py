@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
+from hooks.model import MAX_LABEL_CHARS, ReadKeys
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.convert import MessageError, container_info, fill_adjustment, pod_info, to_update
+from nri_plugin.convert import (
+    MAX_CONTAINER_BYTES,
+    MAX_POD_BYTES,
+    MessageError,
+    container_info,
+    fill_adjustment,
+    pod_info,
+    to_update,
+)
 from nri_plugin.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
@@ -144,3 +155,45 @@ def test_memory_min_becomes_the_request() -> None:
     container = api.Container(id="c", pod_sandbox_id="s", name="n")
     container.linux.resources.unified["memory.min"] = " 268435456 "
     assert container_info(container).memory_request == 256 << 20
+
+
+def strings_size(*strings: str) -> int:
+    return sum(sys.getsizeof(s) for s in strings)
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_pod_byte_limit_at_its_exact_value(extra: int) -> None:
+    keys = ReadKeys(frozenset({"a", "b"}))
+    first = "x" * 16000
+    fixed = strings_size("sb", "u", "web", "shop", "", "", "a", first, "b", "")
+    second = "y" * (MAX_POD_BYTES - fixed + extra)
+    pod = api.PodSandbox(id="sb", uid="u", name="web", namespace="shop",
+                         annotations={"a": first, "b": second, "unread": "z" * 100_000})
+    if extra:
+        with pytest.raises(MessageError, match=f"more than {MAX_POD_BYTES}"):
+            pod_info(pod, keys)
+    else:
+        assert dict(pod_info(pod, keys).annotations) == {"a": first, "b": second}
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_container_byte_limit_at_its_exact_value(extra: int) -> None:
+    fixed = strings_size("c1", "sb", "app", "")
+    container = api.Container(id="c1", pod_sandbox_id="sb", name="app")
+    container.linux.cgroups_path = "/" * (MAX_CONTAINER_BYTES - fixed + extra)
+    if extra:
+        with pytest.raises(MessageError, match=f"more than {MAX_CONTAINER_BYTES}"):
+            container_info(container)
+    else:
+        assert len(container_info(container).cgroups_path) == MAX_CONTAINER_BYTES - fixed
+
+
+def test_only_the_labels_and_annotations_read_are_kept() -> None:
+    keys = ReadKeys(frozenset({"qos"}), labels=frozenset({"tier"}))
+    pod = api.PodSandbox(id="sb", uid="u", name="web", namespace="shop",
+                         labels={"tier": "t" * 400, "app": "web"},
+                         annotations={"qos": "be", "other": "x"})
+    info = pod_info(pod, keys)
+    assert dict(info.annotations) == {"qos": "be"}
+    # A label value longer than Kubernetes allows is kept cut to one character more.
+    assert dict(info.labels) == {"tier": "t" * (MAX_LABEL_CHARS + 1)}

@@ -24,6 +24,7 @@ from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.connection import run_external
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.metrics_server import MetricsEndpoint
+from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
 from reconciler.aio import Backoff
@@ -136,6 +137,9 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
             pod_event = event in (Event.RUN_POD_SANDBOX, Event.STOP_POD_SANDBOX,
                                   Event.REMOVE_POD_SANDBOX)
             await simulator.send(conn, event, pod_b, None if pod_event else containers_b[0])
+        # A message that does not decode: answered (fail-open) and counted as a refusal.
+        assert conn.peer is not None
+        await conn.peer.call(PLUGIN_SERVICE, "CreateContainer", b"\xff\xff\xff", timeout_s=5)
         agent.board.publish("memory_free", [
             Reading("memory_free", NODE, Level.LOW, 9.0, 10.0, "percent"),
             Reading("memory_free", pod_scope(UID_A), Level.UNKNOWN, 0, 0, "percent",
@@ -150,11 +154,15 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         for name in ("run_pod_sandbox", "create_container", "start_container",
                      "stop_container", "remove_container", "remove_pod_sandbox"):
             assert value(after, "nri_qos_nri_requests_total", event=name, result="ok") == 1
-            assert value(after, "nri_qos_nri_request_duration_seconds_count", event=name) == 1
+            # CreateContainer twice: once more with the payload that does not decode.
+            assert value(after, "nri_qos_nri_request_duration_seconds_count", event=name) == (
+                2 if name == "create_container" else 1)
+        assert value(after, "nri_qos_nri_requests_total", event="create_container",
+                     result="fail-open") == 1
         assert value(before, "nri_qos_nri_requests_total", event="create_container",
                      result="ok") == 0
         assert value(after, "nri_qos_nri_request_duration_seconds_bucket",
-                     event="create_container", le="2.5") == 1
+                     event="create_container", le="2.5") == 2
         assert ("nri_qos_nri_request_duration_seconds_bucket",
                 frozenset({("event", "create_container"), ("le", "0.0001")})) in after
         for field in ("rdt_class", "oom_score_adj"):
@@ -163,6 +171,10 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
                      version=simulator.runtime.version,
                      nri_version=simulator.runtime.nri_version) == 1
         assert value(after, "nri_qos_nri_connection_state_since_seconds") > 0
+        assert value(after, "nri_qos_nri_wire_rejections_total", reason="bad_payload") == 1
+        # Every kind is exported, at 0 until it happens.
+        assert ("nri_qos_nri_wire_rejections_total",
+                frozenset({("reason", "oversized_frame")})) in after
         # Reconciler: cycles per loop, writes by file name and outcome.
         for loop in loops:
             assert (value(after, "nri_qos_reconciler_cycle_duration_seconds_count", loop=loop)
@@ -241,7 +253,6 @@ def test_series_of_actions_record_what_they_are_told() -> None:
     metrics.eviction("memory_pressure", "evicted")
     metrics.eviction("memory_pressure", "blocked")
     metrics.taint("nri-qos.io/memory-pressure", True)
-    metrics.nri_wire_rejection("oversized_frame")
     assert get("nri_qos_mitigation_ladder_level") == 2
     assert get("nri_qos_drop_cache_runs_total", {"result": "done"}) == 1
     assert get("nri_qos_drop_cache_runs_total", {"result": "timeout"}) == 1
@@ -251,7 +262,6 @@ def test_series_of_actions_record_what_they_are_told() -> None:
     assert get("nri_qos_node_taint", {"taint": "nri-qos.io/memory-pressure"}) == 1
     metrics.taint("nri-qos.io/memory-pressure", False)
     assert get("nri_qos_node_taint", {"taint": "nri-qos.io/memory-pressure"}) == 0
-    assert get("nri_qos_nri_wire_rejections_total", {"reason": "oversized_frame"}) == 1
 
 
 def test_writes_are_counted_by_file_name_and_outcome(tmp_path: Path) -> None:

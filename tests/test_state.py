@@ -215,6 +215,18 @@ def test_oldest_pushed_out_beyond_the_limit() -> None:
     assert state.pod_view("s1", lambda: katalyst(1)) is not first  # "s1" had been pushed out
 
 
+def test_oldest_container_pushed_out_at_the_container_limit() -> None:
+    state = NodeState(container_limit=2)
+    state.replace_all([pod(1)], [ctr(1, 0), ctr(1, 1), ctr(1, 2)])
+    # A Synchronize over the limit keeps its last containers.
+    assert [c.info.id for c in state.snapshot().containers] == ["c1-1", "c1-2"]
+    state.put_container("s1", ctr(1, 3), Event.CREATE_CONTAINER, running=False)
+    assert [c.info.id for c in state.snapshot().containers] == ["c1-2", "c1-3"]
+    # At the limit exactly, an update of a known container pushes nothing out.
+    state.put_container("s1", ctr(1, 2), Event.START_CONTAINER)
+    assert [c.info.id for c in state.snapshot().containers] == ["c1-2", "c1-3"]
+
+
 def test_a_pod_that_does_not_convert_is_not_remembered() -> None:
     state = NodeState()
 
@@ -229,3 +241,5 @@ def test_a_pod_that_does_not_convert_is_not_remembered() -> None:
 def test_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         NodeState(pod_limit=0)
+    with pytest.raises(ValueError, match="at least 1"):
+        NodeState(container_limit=0)

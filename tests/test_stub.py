@@ -526,6 +526,7 @@ def test_failed_create_container_answers_an_empty_payload(executor: ThreadPoolEx
         payload=api.CreateContainerRequest(pod=pod(), container=container()).SerializeToString())
 
     async def handle() -> object:
+        configure(stub)
         return stub._handlers[(PLUGIN_SERVICE, "CreateContainer")](request)
 
     # Filled in part before building the answer failed, cleared, and then not sent at all.
@@ -550,10 +551,20 @@ async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:
 async def test_absurd_request_timeouts_mean_the_default(make, timeout_ms: int) -> None:
     setup = await make(runtime=RuntimeSpec(request_timeout_ms=2000))
     request = api.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.0",
-                                   request_timeout=timeout_ms)
-    await setup.stub._configure(envelope_request("Configure", request))
+                                   request_timeout=timeout_ms, registration_timeout=timeout_ms)
+    setup.stub._configure(envelope_request("Configure", request))
     assert setup.stub.request_timeout_ms == 2000
     assert setup.stub.deadline_ms() == 1500
+    assert setup.stub.registration_timeout_ms == 5000
+
+
+def configure(stub: PluginStub) -> None:
+    """Configure ``stub`` as a runtime would, without a connection."""
+    configure_request = envelope.Request(
+        service=PLUGIN_SERVICE, method="Configure",
+        payload=api.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.0",
+                                     NRI_version="v0.12.0").SerializeToString())
+    stub._handlers[(PLUGIN_SERVICE, "Configure")](configure_request)
 
 
 def envelope_request(method: str, message: Any) -> Any:
@@ -582,6 +593,7 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
                       state=NodeState(), clock=lambda: now[0])
     first = api.SynchronizeRequest(pods=[pod("uid-1")], more=True)
     last = api.SynchronizeRequest(pods=[pod("uid-2")], more=False)
+    configure(stub)
     await stub._synchronize(envelope_request("Synchronize", first))
     now[0] = 1.45  # 1450 ms of the 1500 ms deadline gone
     started = time.monotonic()

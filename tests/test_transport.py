@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
+import tracemalloc
 from collections.abc import AsyncIterator, Mapping
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nri_plugin.envelope import (
     RpcError,
@@ -363,3 +367,75 @@ async def test_eof_fails_pending_calls(served: tuple[TtrpcPeer, RawPeer]) -> Non
         await call
     with pytest.raises(ConnectionClosed):
         await peer.call("rt.Runtime", "M", b"", timeout_s=1)
+
+
+# -- whatever the peer sends ------------------------------------------------------------------
+
+FUZZ_HANDLERS: Mapping[tuple[str, str], Handler] = {
+    (SERVICE, "EchoNow"): echo_now, (SERVICE, "Echo"): echo, (SERVICE, "FailNow"): fail_now,
+}
+
+
+def request_on(conn: int, stream_id: int, service: str, method: str, payload: bytes) -> bytes:
+    return encode_message(conn, encode_frame(stream_id, MessageType.REQUEST,
+                                             encode_request(service, method, payload)))
+
+
+def any_frame(conn: int, stream_id: int, msg_type: int, data: bytes) -> bytes:
+    message = struct.pack(">IIBB", len(data), stream_id, msg_type, 0) + data
+    return struct.pack(">II", conn, len(message)) + message
+
+
+def oversized_header(conn: int, stream_id: int, length: int) -> bytes:
+    return struct.pack(">II", conn, 10) + struct.pack(">IIBB", length, stream_id, 1, 0)
+
+
+wire_items = st.one_of(
+    # Requests, served or not, on stream ids that may be even, repeated or going back.
+    st.builds(request_on, st.sampled_from([1, 2]), st.integers(0, 40),
+              st.sampled_from([SERVICE, "no.Such"]), st.sampled_from(["EchoNow", "Echo",
+                                                                      "FailNow", "Nope"]),
+              st.binary(max_size=32)),
+    # Frames of any type, for any logical connection, with any data.
+    st.builds(any_frame, st.integers(0, 4), st.integers(0, 2**32 - 1), st.integers(0, 255),
+              st.binary(max_size=48)),
+    # A header announcing more than the limit (what follows is taken as its data).
+    st.builds(oversized_header, st.sampled_from([1, 2]), st.integers(0, 40),
+              st.integers(MAX_DATA_LENGTH + 1, 2**32 - 1)),
+    # Bytes that are no frame at all.
+    st.binary(min_size=1, max_size=24),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(wire_items, max_size=12), st.data())
+def test_the_peer_survives_any_bytes(items: list[bytes], data: st.DataObject) -> None:
+    """Random bytes, truncated frames, oversized lengths, unknown connection ids and methods,
+    even, repeated or decreasing stream ids: the peer never raises, never hangs (it ends at the
+    runtime's EOF at the latest), and holds no more than it was sent."""
+    wire = b"".join(items)
+    wire = wire[: data.draw(st.integers(0, len(wire)))]
+
+    async def scenario() -> tuple[TtrpcPeer, int]:
+        ra, wa, rb, wb = await open_pair()
+        peer = TtrpcPeer(ra, wa, serve_conn=1, call_conn=2, handlers=FUZZ_HANDLERS)
+        tracemalloc.start()
+        try:
+            async with asyncio.timeout(5), asyncio.TaskGroup() as group:
+                running = group.create_task(peer.run())
+                wb.write(wire)
+                wb.write_eof()
+                while await rb.read(1 << 16):
+                    pass
+                await running
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            peer.close()
+            wb.close()
+        return peer, peak
+
+    peer, peak = asyncio.run(scenario())
+    assert peer.closed
+    assert peer.end_reason.startswith(("connection closed by peer", "protocol error"))
+    assert peak < len(wire) + (1 << 20)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nri_plugin.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
+from nri_plugin.errors import MessageTooLarge, StreamIdsExhausted
 from nri_plugin.ttrpc import (
     HEADER_SIZE,
     MAX_DATA_LENGTH,
@@ -118,37 +118,67 @@ def test_unknown_message_types_are_decoded_not_rejected() -> None:
     assert FrameDecoder().feed(encode_frame(1, 0x7E, b"?")) == [Frame(1, 0x7E, 0, b"?")]
 
 
-def test_oversize_length_rejected_as_soon_as_header_is_complete() -> None:
-    header = struct.pack(">IIBB", MAX_DATA_LENGTH + 1, 9, 1, 0)
+def oversized(stream_id: int, length: int = MAX_DATA_LENGTH + 1) -> bytes:
+    """A frame announcing ``length`` bytes of data, with that many bytes after it."""
+    return struct.pack(">IIBB", length, stream_id, MessageType.REQUEST, 0) + bytes(length)
+
+
+def test_oversize_frame_is_skipped_without_being_held() -> None:
+    raw = oversized(9) + encode_frame(11, MessageType.REQUEST, b"next")
     decoder = FrameDecoder()
-    assert decoder.feed(header[:9]) == []
-    with pytest.raises(ProtocolError, match=r"stream 9 announces 4194305 bytes"):
-        decoder.feed(header[9:])
-    assert decoder.buffered == 0
-    with pytest.raises(ProtocolError, match="already failed"):
-        decoder.feed(b"")
+    # The header, one byte at a time: nothing comes out, the decoder is inside a frame.
+    for i in range(HEADER_SIZE):
+        assert decoder.feed(raw[i : i + 1]) == []
+        assert decoder.in_frame
+    # The data goes by without being kept.
+    out: list[Frame] = []
+    for i in range(HEADER_SIZE, len(raw), 65536):
+        out += decoder.feed(raw[i : i + 65536])
+        assert decoder.buffered <= HEADER_SIZE + len(b"next")
+    assert out == [Frame(9, MessageType.REQUEST, 0, b"", oversized=MAX_DATA_LENGTH + 1),
+                   Frame(11, MessageType.REQUEST, 0, b"next")]
+    assert not decoder.in_frame
 
 
 def test_maximum_length_header_is_accepted() -> None:
     decoder = FrameDecoder()
     assert decoder.feed(struct.pack(">IIBB", MAX_DATA_LENGTH, 1, 1, 0)) == []
+    assert decoder.buffered == HEADER_SIZE
+    assert decoder.feed(bytes(MAX_DATA_LENGTH)) == [Frame(1, 1, 0, bytes(MAX_DATA_LENGTH))]
 
 
 def test_oversize_after_good_frames_in_same_feed() -> None:
-    raw = encode_frame(1, 1, b"ok") + struct.pack(">IIBB", 0xFFFFFFFF, 3, 1, 0)
-    with pytest.raises(ProtocolError, match="4294967295"):
-        FrameDecoder().feed(raw)
+    raw = encode_frame(1, 1, b"ok") + struct.pack(">IIBB", 0xFFFFFFFF, 3, 1, 0) + b"skipped"
+    decoder = FrameDecoder()
+    assert decoder.feed(raw) == [Frame(1, 1, 0, b"ok")]
+    assert decoder.buffered == 0
+    assert decoder.in_frame
 
 
 @given(st.lists(st.binary(max_size=64), max_size=20))
-def test_garbage_only_ever_raises_protocol_error(chunks: list[bytes]) -> None:
+def test_garbage_never_raises_and_holds_at_most_one_frame(chunks: list[bytes]) -> None:
     decoder = FrameDecoder()
-    try:
-        for chunk in chunks:
-            for frame in decoder.feed(chunk):
-                assert len(frame.data) <= MAX_DATA_LENGTH
-    except ProtocolError:
-        pass
+    fed = 0
+    for chunk in chunks:
+        fed += len(chunk)
+        for frame in decoder.feed(chunk):
+            assert len(frame.data) <= MAX_DATA_LENGTH
+            assert frame.oversized == 0 or frame.data == b""
+        assert decoder.buffered <= min(fed, HEADER_SIZE + MAX_DATA_LENGTH)
+
+
+@given(st.lists(frames_st, max_size=4), st.data())
+def test_truncated_stream_yields_the_whole_frames_and_stays_in_frame(
+    frames: list[Frame], data: st.DataObject
+) -> None:
+    stream = b"".join(encode(f) for f in frames)
+    cut = data.draw(st.integers(0, len(stream)))
+    decoder = FrameDecoder()
+    out = decoder.feed(stream[:cut])
+    assert out == frames[: len(out)]
+    whole = sum(len(encode(f)) for f in out)
+    assert decoder.buffered == cut - whole
+    assert decoder.in_frame == (cut > whole)
 
 
 def test_encode_refuses_oversize_data_locally() -> None:

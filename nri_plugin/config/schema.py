@@ -74,8 +74,31 @@ class PluginConfig:
         "(fails the pod or container) instead of a partial adjustment.",
     )
     register_timeout_ms: int = setting(
-        5000, "Budget for the RegisterPlugin call.", unit="milliseconds",
-        minimum=100, maximum=60_000,
+        5000,
+        "Budget for the RegisterPlugin call, and for each later step of the handshake (and the "
+        "rest of a frame that has begun) until Configure states the runtime's own registration "
+        "timeout.",
+        unit="milliseconds", minimum=100, maximum=60_000,
+    )
+    max_sync_pods: int = setting(
+        4096,
+        "Pods one Synchronize may list, all chunks together. Over it the Synchronize is refused "
+        "(an audit record says why) and the agent goes on with the pods it knows. The node "
+        "state keeps 4096 pods at most; Kubernetes runs 110 per node by default.",
+        minimum=1, maximum=4096,
+    )
+    max_sync_containers: int = setting(
+        16384,
+        "Containers one Synchronize may list, all chunks together (refused over it, like "
+        "max_sync_pods). The node state keeps 16384 containers at most.",
+        minimum=1, maximum=16384,
+    )
+    max_sync_bytes: int = setting(
+        64 << 20,
+        "Bytes of one Synchronize on the wire, all chunks together (refused over it, like "
+        "max_sync_pods). Chunks are converted as they arrive and not kept, so this bounds the "
+        "work, not the memory: a node of 500 pods sends about 10 MiB.",
+        unit="bytes", minimum=4 << 20, maximum=1 << 30,
     )
     reconnect_initial_ms: int = setting(
         500, "First delay before reconnecting after the runtime went away.",
@@ -145,12 +168,12 @@ class Config:
     status: StatusConfig = section(StatusConfig, "The local socket `nri-qos status` reads.")
 
     def read_keys(self) -> ReadKeys:
-        """The pod annotations some policy reads with this configuration."""
+        """The pod annotations and labels some policy reads with this configuration."""
         return ReadKeys(frozenset({
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
             self.oom.annotation, self.detection.rss_overuse_annotation, *EVICTION_ANNOTATIONS,
-        }))
+        }), labels=frozenset({KOORDINATOR_KEY}))
 
     def validate(self) -> list[tuple[str, str]]:
         """Hook executables named anywhere in the configuration must be trusted files."""

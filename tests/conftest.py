@@ -1,9 +1,11 @@
-"""Guards every test runs under: no task may outlive its test."""
+"""Guards every test runs under: no task may outlive its test; a failure is always reported."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import gc
+from collections.abc import AsyncIterator, Generator
+from typing import Any
 
 import pytest
 
@@ -24,3 +26,16 @@ async def no_task_left_behind() -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*left, return_exceptions=True)
     pytest.fail(f"the test left {len(left)} task(s) running: {names}")
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, Any, Any]:
+    """Collect what a failed test left behind before its report is written: the finalizers of
+    sockets and transports it left open would otherwise run during the report's source
+    parsing, which CPython 3.11 turns into "SystemError: AST constructor recursion depth
+    mismatch" and an INTERNALERROR that ends the whole run."""
+    if call.excinfo is not None:
+        gc.collect()
+    return (yield)

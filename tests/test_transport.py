@@ -6,7 +6,8 @@ import asyncio
 import socket
 import struct
 import tracemalloc
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from typing import TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -31,7 +32,16 @@ from nri_plugin.ttrpc import (
 )
 from protos import ttrpc_envelope_pb2 as envelope
 
+T = TypeVar("T")
+
 SERVICE = "test.Echo"
+WAIT_S = 5.0
+"""Bound of every wait on the other end: a framing bug fails the test in seconds, never hangs
+it."""
+
+
+async def within(awaitable: Awaitable[T]) -> T:
+    return await asyncio.wait_for(awaitable, WAIT_S)
 
 
 async def echo(request: envelope.Request) -> bytes:
@@ -110,7 +120,7 @@ async def peers() -> AsyncIterator[Peers]:
     yield pair
     server.close()
     client.close()
-    await asyncio.gather(*pair.tasks)
+    await within(asyncio.gather(*pair.tasks))
 
 
 class RawPeer:
@@ -130,7 +140,7 @@ class RawPeer:
 
     async def next_frame(self) -> tuple[int, Frame]:
         while not self.frames:
-            data = await self.reader.read(1 << 20)
+            data = await within(self.reader.read(1 << 20))
             if not data:
                 raise EOFError
             for conn, payload in self.mux.feed(data):
@@ -147,7 +157,7 @@ async def served() -> AsyncIterator[tuple[TtrpcPeer, RawPeer]]:
     yield peer, RawPeer(rb, wb)
     peer.close()
     wb.close()
-    await task
+    await within(task)
 
 
 async def test_call_round_trip(peers: Peers) -> None:
@@ -219,7 +229,7 @@ async def test_only_handlers_that_wait_get_a_task() -> None:
     finally:
         server.close()
         client.close()
-        await asyncio.gather(*pair.tasks)
+        await within(asyncio.gather(*pair.tasks))
     # Answered from the reader itself, in the turn of the loop that read the request.
     assert seen["at_once"] is pair.tasks[0]
     assert seen["waits"] not in (None, pair.tasks[0])
@@ -245,15 +255,16 @@ async def test_many_calls_in_flight_answered_out_of_order() -> None:
     keys = [str(i).encode() for i in range(32)]
     for key in keys:
         release[key] = asyncio.Event()
-    calls = [asyncio.create_task(client.call(SERVICE, "Wait", key, timeout_s=10)) for key in keys]
-    await all_started.wait()
+    calls = [asyncio.create_task(client.call(SERVICE, "Wait", key, timeout_s=WAIT_S))
+             for key in keys]
+    await within(all_started.wait())
     assert client.pending_calls == len(keys)
     for key in reversed(keys):
         release[key].set()
-    assert await asyncio.gather(*calls) == keys
+    assert await within(asyncio.gather(*calls)) == keys
     server.close()
     client.close()
-    await asyncio.gather(*tasks)
+    await within(asyncio.gather(*tasks))
 
 
 async def test_client_stream_ids_are_odd_increasing_with_timeout(
@@ -271,7 +282,7 @@ async def test_client_stream_ids_are_odd_increasing_with_timeout(
         seen.append(frame.stream_id)
         await raw.send(2, frame.stream_id, MessageType.RESPONSE, encode_response(b"ok"))
     assert seen == [1, 3, 5]
-    assert await asyncio.gather(*calls) == [b"ok"] * 3
+    assert await within(asyncio.gather(*calls)) == [b"ok"] * 3
 
 
 async def test_response_for_unknown_stream_is_dropped(served: tuple[TtrpcPeer, RawPeer]) -> None:
@@ -280,7 +291,7 @@ async def test_response_for_unknown_stream_is_dropped(served: tuple[TtrpcPeer, R
     _, frame = await raw.next_frame()
     await raw.send(2, 99, MessageType.RESPONSE, encode_response(b"stray"))
     await raw.send(2, frame.stream_id, MessageType.RESPONSE, encode_response(b"mine"))
-    assert await call == b"mine"
+    assert await within(call) == b"mine"
     assert not peer.closed
 
 
@@ -339,32 +350,32 @@ async def test_call_timeout_then_late_answer_dropped(served: tuple[TtrpcPeer, Ra
     call = asyncio.create_task(peer.call("rt.Runtime", "Next", b"", timeout_s=3))
     _, second = await raw.next_frame()
     await raw.send(2, second.stream_id, MessageType.RESPONSE, encode_response(b"next"))
-    assert await call == b"next"
+    assert await within(call) == b"next"
 
 
 async def test_garbage_closes_connection_and_fails_pending_calls(
     served: tuple[TtrpcPeer, RawPeer],
 ) -> None:
     peer, raw = served
-    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=10))
+    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=WAIT_S))
     await raw.next_frame()
     # A mux header announcing 2 GiB: nothing after it can be trusted.
     raw.writer.write(b"\x00\x00\x00\x01\x80\x00\x00\x00garbage")
     await raw.writer.drain()
     with pytest.raises(ConnectionClosed):
-        await call
+        await within(call)
     assert peer.closed
     assert "protocol error" in peer.end_reason
-    assert await raw.reader.read() == b""
+    assert await within(raw.reader.read()) == b""
 
 
 async def test_eof_fails_pending_calls(served: tuple[TtrpcPeer, RawPeer]) -> None:
     peer, raw = served
-    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=10))
+    call = asyncio.create_task(peer.call("rt.Runtime", "M", b"", timeout_s=WAIT_S))
     await raw.next_frame()
     raw.writer.close()
     with pytest.raises(ConnectionClosed):
-        await call
+        await within(call)
     with pytest.raises(ConnectionClosed):
         await peer.call("rt.Runtime", "M", b"", timeout_s=1)
 

@@ -368,6 +368,7 @@ class SysFs:
         except OSError as exc:
             if exc.errno == errno.EROFS:
                 self._refused_read_only(path, ",".join(map(str, ids)), "task ids")
+                self._count(path, Outcome.FAILED)
             raise
         written = 0
         try:

@@ -367,7 +367,7 @@ class SysFs:
             fd = os.open(self.real(path), flags, 0o644)
         except OSError as exc:
             if exc.errno == errno.EROFS:
-                self._refused_read_only(path, ",".join(map(str, ids)), "task ids")
+                self._refused_read_only(path, "task ids", "moving tasks into their group")
                 self._count(path, Outcome.FAILED)
             raise
         written = 0

@@ -193,7 +193,7 @@ async def churn(run: Running, mark: str, pods: int, in_flight: int) -> None:
 
 async def test_pods_created_and_removed_leave_nothing_behind(running: Running) -> None:
     mark = marker()
-    await churn(running, mark, pods=200, in_flight=16)
+    await churn(running, mark, pods=128, in_flight=16)
     # The simulator's own record of the answers is the runtime's memory, not the agent's.
     running.connection.answers.clear()
     assert running.agent.state.snapshot().pods == {}

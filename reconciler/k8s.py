@@ -399,7 +399,7 @@ class PodWatcher:
 
 class EvictionOutcome(enum.StrEnum):
     EVICTED = "evicted"  # the API accepted the eviction (or would have, in a dry run)
-    BLOCKED = "blocked"  # 429: a PodDisruptionBudget forbids it now
+    BLOCKED = "blocked"  # 429: a PodDisruptionBudget forbids it now, or the API throttles
     GONE = "gone"  # 404: the pod no longer exists
     FAILED = "failed"  # any other refusal or a transport error
     UNAVAILABLE = "unavailable"  # degraded mode: no API client
@@ -493,10 +493,15 @@ class KubeActions:
                 self._audit.record("eviction_gone", pod=pod, status=exc.status)
                 return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
             blocked = exc.status == HTTP_TOO_MANY_REQUESTS
-            self._audit.record(
-                "eviction_blocked", pod=pod, status=exc.status,
-                reason=f"disruption budget: {message}" if blocked else f"API error: {message}",
-            )
+            if not blocked:
+                why = f"API error: {message}"
+            elif _budget_refused(exc):
+                why = f"disruption budget: {message}"
+            else:
+                # The API server's own throttling (Priority and Fairness): nothing was decided
+                # about the pod, the eviction is tried again after the backoff.
+                why = f"throttled by the API server: {message}"
+            self._audit.record("eviction_blocked", pod=pod, status=exc.status, reason=why)
             outcome = EvictionOutcome.BLOCKED if blocked else EvictionOutcome.FAILED
             return EvictionResult(outcome, dry_run, exc.status, message)
         except (urllib3.exceptions.HTTPError, OSError) as exc:
@@ -707,6 +712,18 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
     metadata = obj.get("metadata")
     value = metadata.get("resourceVersion") if isinstance(metadata, dict) else None
     return value if isinstance(value, str) else ""
+
+
+def _budget_refused(exc: ApiException) -> bool:
+    """A 429 from a PodDisruptionBudget: its Status names the cause ``DisruptionBudget``."""
+    try:
+        body = json.loads(exc.body or "")
+    except (ValueError, TypeError):
+        return False
+    details = body.get("details") if isinstance(body, dict) else None
+    causes = details.get("causes") if isinstance(details, dict) else None
+    return isinstance(causes, list) and any(
+        isinstance(cause, dict) and cause.get("reason") == "DisruptionBudget" for cause in causes)
 
 
 def _status_message(exc: ApiException) -> str:

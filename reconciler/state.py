@@ -149,6 +149,8 @@ class NodeState:
     def replace_all(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
         with self._lock:
             self._pods = {p.id: p for p in pods[-self._pod_limit:]}
+            # The views of pods the runtime no longer lists go with them.
+            self._views = {k: v for k, v in self._views.items() if k in self._pods}
             kept = [c for c in containers if c.pod_sandbox_id in self._pods]
             self._containers = {c.id: c for c in kept[-self._container_limit:]}
             self._stopped.clear()
@@ -290,8 +292,9 @@ class NodeState:
 
     def _view(self, pod: PodInfo) -> PodView:
         """The pod's merged view and level, worked out again only when the NRI pod, its metadata
-        or the ``[qos]`` section changed. Safe without the lock: the caches are only replaced
-        whole, and a race computes the same view twice."""
+        or the ``[qos]`` section changed. Read without the lock (a race computes the same view
+        twice); kept only while the pod is still the state's, so a pod that went meanwhile
+        leaves nothing behind."""
         qos = self._qos()
         meta = self._meta.get(pod.uid)
         cached = self._views.get(pod.id)
@@ -299,7 +302,9 @@ class NodeState:
             return cached[3]
         info = _merge_pod(pod, meta)
         view = PodView(info, meta, resolve_level(info, qos))
-        self._views[pod.id] = (pod, meta, qos, view)
+        with self._lock:
+            if self._pods.get(pod.id) is pod:
+                self._views[pod.id] = (pod, meta, qos, view)
         return view
 
     def _changed(self) -> None:

@@ -1,13 +1,15 @@
 """An HTTP server on 127.0.0.1 that answers like the Kubernetes API server for what nri-qos uses.
 
 Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
-Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
 Eviction subresource, Event creation, node GET and PATCH (of the node and of its status
 subresource; a merge patch replaces lists, a strategic merge patch merges the status conditions
 by type, as the API server does). Tests change pods through :meth:`add_pod`, :meth:`modify_pod`,
 :meth:`delete_pod` (each change gets a resourceVersion and a watch event) and inject trouble:
 failing requests, slow answers, dropped or ended watch streams, compacted history (410 Gone),
-disruption budgets (429) and concurrent node writers (409). Every request is recorded.
+disruption budgets (429), throttling (429 with ``Retry-After``, as API Priority and Fairness
+answers), concurrent node writers (409) and an outage (:meth:`go_down`: the port refuses
+connections until :meth:`come_back`, with the state kept, as etcd keeps it). Every request is
+recorded.
 """
 
 from __future__ import annotations
@@ -150,9 +152,13 @@ class FakeApiServer:
         self._lock = threading.Condition()
         self._state = _State()
         self._closing = False
-        handler = type("Handler", (_Handler,), {"api": self})
-        self._server = _Server(("127.0.0.1", 0), handler)
-        self._thread = threading.Thread(
+        self._handler = type("Handler", (_Handler,), {"api": self})
+        self._server = _Server(("127.0.0.1", 0), self._handler)
+        self._thread = self._serving_thread()
+        self._up = False
+
+    def _serving_thread(self) -> threading.Thread:
+        return threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         )
 
@@ -163,9 +169,16 @@ class FakeApiServer:
 
     def __enter__(self) -> FakeApiServer:
         self._thread.start()
+        self._up = True
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop_serving()
+
+    def _stop_serving(self) -> None:
+        if not self._up:
+            return
+        self._up = False
         with self._lock:
             self._closing = True
             self._lock.notify_all()
@@ -173,6 +186,23 @@ class FakeApiServer:
         self._server.server_close()
         self._server.close_connections()
         self._thread.join(timeout=5)
+
+    # ---- outage -----------------------------------------------------------------------------
+
+    def go_down(self) -> None:
+        """The API server stops: open connections (watches too) are cut and the port refuses
+        new ones. Pods and history are kept for :meth:`come_back`."""
+        self._stop_serving()
+
+    def come_back(self) -> None:
+        """Serve again on the same address, with the state from before :meth:`go_down`."""
+        address = self._server.server_address[:2]
+        with self._lock:
+            self._closing = False
+        self._server = _Server((str(address[0]), int(address[1])), self._handler)
+        self._thread = self._serving_thread()
+        self._thread.start()
+        self._up = True
 
     # ---- pods -------------------------------------------------------------------------------
 
@@ -492,6 +522,13 @@ class _Handler(BaseHTTPRequestHandler):
             with api._lock:
                 while not api._closing and time.monotonic() < deadline:
                     api._lock.wait(deadline - time.monotonic())
+        if injected == 429:
+            # What API Priority and Fairness answers a client it throttles (no disruption
+            # budget involved).
+            self._status(record, 429, "TooManyRequests",
+                         "Too many requests, please try again later.",
+                         details={"retryAfterSeconds": 1}, headers={"Retry-After": "1"})
+            return
         if injected is not None:
             self._status(record, injected, "InternalError" if injected >= 500 else "Injected",
                          f"injected failure {injected}")
@@ -516,17 +553,21 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._status(record, 404, "NotFound", f"no route for {method} {parts.path}")
 
-    def _send_json(self, record: Recorded, code: int, doc: Any) -> None:
+    def _send_json(self, record: Recorded, code: int, doc: Any,
+                   headers: dict[str, str] | None = None) -> None:
         payload = json.dumps(doc).encode()
         record.status = code
         self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
         self.wfile.write(payload)
 
-    def _status(self, record: Recorded, code: int, reason: str, message: str, **extra: Any) -> None:
-        self._send_json(record, code, status_body(code, reason, message, **extra))
+    def _status(self, record: Recorded, code: int, reason: str, message: str, *,
+                headers: dict[str, str] | None = None, **extra: Any) -> None:
+        self._send_json(record, code, status_body(code, reason, message, **extra), headers)
 
     # ---- pods -------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,15 @@ class FakeHost:
                                                      memory_request=memory_request))
         self.pods.append(pod)
         return pod
+
+    def remove_pod(self, pod: FakePod) -> None:
+        """The runtime removed the pod: its cgroups (every controller) and its processes go."""
+        for container in pod.containers:
+            for tid in container.tids:
+                shutil.rmtree(self.root / "proc" / str(tid), ignore_errors=True)
+        for controller in self.controllers():
+            shutil.rmtree(self.cg(controller, self.pod_rel(pod.tier, pod.info.uid)))
+        self.pods.remove(pod)
 
     def add_container(self, pod: FakePod, cid: str, name: str, *, threads: int = 2,
                       memory_limit: int | None = None,

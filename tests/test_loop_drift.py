@@ -7,6 +7,9 @@ import dataclasses
 from pathlib import Path
 from types import MappingProxyType
 
+from structlog.testing import capture_logs
+
+from hooks.events import Event
 from hooks.memory_qos import MemoryLevel
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
@@ -144,8 +147,6 @@ def test_v1_reservation_from_requests_known_through_the_api(tmp_path: Path) -> N
 
 
 def test_stopped_containers_are_left_alone(tmp_path: Path) -> None:
-    from hooks.events import Event
-
     host, state, loop, sink = build(tmp_path, 1, "cgroupfs")
     pod = host.add_pod(UID, tier="besteffort")
     state.put_pod(pod.info, Event.RUN_POD_SANDBOX)
@@ -171,3 +172,21 @@ def test_one_broken_container_does_not_stop_the_others(tmp_path: Path) -> None:
     loop.cycle(0.0)
     assert high(host, healthy) == str(int(GIB * 0.95) // 4096 * 4096)
     assert all(oom(host, pid) == 1000 for pid in healthy.pids)
+
+
+def test_an_unusable_cgroups_path_is_said_once_while_its_container_runs(tmp_path: Path) -> None:
+    host, state, loop, _ = build(tmp_path, 2, "systemd")
+    pod = host.add_pod(UID, tier="besteffort")
+    odd = dataclasses.replace(pod.containers[0].info, cgroups_path="not-a-cgroups-path")
+    with capture_logs() as logs:
+        state.replace_all([pod.info], [odd])
+        loop.cycle(0.0)
+        state.put_pod(pod.info, Event.RUN_POD_SANDBOX)  # a new snapshot, the container still runs
+        loop.cycle(1.0)
+        # Gone, then back (a new container with the same id): said again, nothing was kept.
+        state.replace_all([pod.info], [])
+        loop.cycle(2.0)
+        state.replace_all([pod.info], [odd])
+        loop.cycle(3.0)
+    skipped = [e for e in logs if e["event"] == "container_skipped"]
+    assert [e["container"] for e in skipped] == [odd.id, odd.id]

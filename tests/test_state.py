@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import threading
 from types import MappingProxyType
 
@@ -13,7 +14,7 @@ from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.qos_level import QosConfig
 from reconciler.podmeta import PodMeta
-from reconciler.state import NodeState
+from reconciler.state import NodeState, PodView
 
 
 def pod(n: int, **kw: object) -> PodInfo:
@@ -204,6 +205,37 @@ def test_removed_pods_are_forgotten() -> None:
     state.remove_pod("never-seen", Event.REMOVE_POD_SANDBOX)
     assert set(state.snapshot().pods) == {"s2"}
     assert state.pod_view("s1", lambda: katalyst(1)) is not first
+
+
+def views_alive() -> set[str]:
+    """Sandbox ids of every pod view still in memory."""
+    gc.collect()
+    return {o.info.id for o in gc.get_objects() if isinstance(o, PodView)}
+
+
+def test_a_resync_forgets_the_pods_it_no_longer_lists() -> None:
+    state = NodeState()
+    for n in range(3):
+        state.pod_view(f"s{n}", lambda n=n: pod(n))  # type: ignore[misc]
+    state.snapshot()
+    # The runtime comes back listing one of them (the others went while it was away).
+    state.replace_all([pod(1)], [])
+    state.snapshot()
+    assert views_alive() == {"s1"}
+    state.replace_all([], [])
+    state.snapshot()  # (the last snapshot holds its views until the next one)
+    assert views_alive() == set()
+
+
+def test_a_view_worked_out_while_its_pod_goes_is_not_kept() -> None:
+    state = NodeState()
+    state.replace_all([pod(1)], [])
+    # A snapshot taken from the pods as they were, worked out after a resync dropped them.
+    gone = pod(2)
+    state.replace_all([gone], [])
+    state.replace_all([], [])
+    state._view(gone)
+    assert views_alive() == set()
 
 
 def test_oldest_pushed_out_beyond_the_limit() -> None:

@@ -506,7 +506,8 @@ class EvictionManager:
                             detail="no Kubernetes API access: evictions are decided and "
                                    "audited, none can be made")
         elif outcome is EvictionOutcome.BLOCKED:
-            # A disruption budget said no: nothing was disrupted, so the token is not spent.
+            # A disruption budget (or the API's throttling) said no: nothing was disrupted, so
+            # the token is not spent.
             bucket.give_back(now)
         retry = self._retries.get(pod.uid)
         if retry is None:

@@ -15,6 +15,11 @@ classified once, here:
 * ``EBUSY`` / ``EINVAL``: the kernel refused for now (a memory limit below usage that reclaim has
   not made room for yet, a cpuset that races a parent update). Retried with exponential backoff up
   to ``retries`` attempts, then one ``cgroup_write_failed`` audit record.
+* ``EROFS``: the tree is mounted read-only (a container given ``/sys/fs/cgroup`` or ``/proc``
+  read-only). Every write would fail the same way, so it is said once: one ``sysfs_read_only``
+  error line naming the fix and one ``cgroup_write_failed`` record; later writes refused so are
+  only counted, until a write succeeds again (the tree was remounted) and the next refusal is
+  said again.
 * anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``.
 """
 
@@ -31,7 +36,7 @@ from pathlib import Path
 
 import structlog
 
-from hooks.untrusted import bounded_repr
+from hooks.untrusted import bounded, bounded_repr
 from reconciler.audit import AuditLog
 from reconciler.metrics import Metrics
 
@@ -192,6 +197,8 @@ class SysFs:
         self._backoff_s = backoff_s
         self._sleep = sleep
         self._metrics = metrics
+        # A write was refused with EROFS and said so; cleared by the next write that succeeds.
+        self._read_only_said = False
 
     def metered(self, metrics: Metrics) -> SysFs:
         """The same tree and write policy, counting every write into ``metrics``."""
@@ -356,7 +363,13 @@ class SysFs:
         its files; a plain directory tree standing in for it needs the file created.
         """
         flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
-        fd = os.open(self.real(path), flags, 0o644)
+        try:
+            fd = os.open(self.real(path), flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                self._refused_read_only(path, "task ids", "moving tasks into their group")
+                self._count(path, Outcome.FAILED)
+            raise
         written = 0
         try:
             for tid in ids:
@@ -408,12 +421,28 @@ class SysFs:
                 if exc.errno in _RETRY_ERRNOS and attempt < self._retries:
                     self._sleep(self._backoff_s * (2 ** (attempt - 1)))
                     continue
+                if exc.errno == errno.EROFS:
+                    self._refused_read_only(path, value, reason)
+                    return self._count(path, Outcome.FAILED)
                 self._record("cgroup_write_failed", path=path, value=value.strip(), reason=reason,
                              error=f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: "
                                    f"{exc.strerror} (attempt {attempt})")
                 return self._count(path, Outcome.FAILED)
+            self._read_only_said = False
             self._record("cgroup_write", path=path, value=value.strip(), reason=reason)
             return self._count(path, Outcome.WRITTEN)
+
+    def _refused_read_only(self, path: str, value: str, reason: str) -> None:
+        """A write refused because the tree is read-only: said the first time only."""
+        if self._read_only_said:
+            return
+        self._read_only_said = True
+        log.error("sysfs_read_only", path=path, root=str(self.root),
+                  hint="the agent writes cgroup, resctrl and /proc files: give it the host's "
+                       "/sys/fs/cgroup, /sys/fs/resctrl and /proc read-write")
+        self._record("cgroup_write_failed", path=path, value=bounded(value.strip()),
+                     reason=reason, error="EROFS: Read-only file system (said once; later "
+                                          "writes refused so are only counted)")
 
     @staticmethod
     def _write_once(real: str, data: bytes, create: bool) -> None:

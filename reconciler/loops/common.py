@@ -38,15 +38,17 @@ class ManagedCache:
         if self._key is snapshot:
             return self._items
         items: list[Managed] = []
+        bad: set[str] = set()
         for view in snapshot.running():
             try:
                 ref = parse_cgroups_path(view.info.cgroups_path)
             except CgroupPathError as exc:
+                bad.add(view.info.id)
                 if view.info.id not in self._bad_paths:
-                    self._bad_paths.add(view.info.id)
                     log.warning("container_skipped", reason="unusable cgroups path",
                                 container=view.info.id, error=str(exc))
                 continue
             items.append(Managed(view, view.pod.level, ref))
-        self._key, self._items = snapshot, tuple(items)
+        # Said once per container while it runs; forgotten with it.
+        self._key, self._items, self._bad_paths = snapshot, tuple(items), bad
         return self._items

@@ -25,13 +25,16 @@ Which group a container belongs to is decided by :func:`hooks.resctrl_groups.pla
 the function the CreateContainer answer uses too, with the level the node state decided.
 
 Garbage collection: a pod group whose pod is no longer known is removed once it has been orphaned
-for ``gc_grace_s`` (never before the first NRI state arrived). The class groups are kept as
+for ``gc_grace_s`` (never before the first NRI state arrived); one the kernel will not remove yet
+(``EBUSY``) stays an orphan, is tried again every cycle and said once, and never holds up the
+cycle's task moves. The class groups are kept as
 :func:`hooks.resctrl_groups.plan_class_groups` wants them, as at start and on a reload: one that
 someone removed is created again with its configured schemata.
 """
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -118,6 +121,8 @@ class ResctrlTasksLoop(Loop):
         self._id_cache: dict[str, tuple[bytes, frozenset[int]]] = {}
         self._read_now: set[str] = set()
         self._orphaned_since: dict[str, float] = {}
+        # Orphans whose removal failed, with the error last said.
+        self._removal_failed: dict[str, str] = {}
         self._class_problems: set[str] = set()
 
     def interval(self) -> float:
@@ -268,6 +273,8 @@ class ResctrlTasksLoop(Loop):
         try:
             self._resctrl.add_tasks(group, tids, monitor=monitor)
         except OSError as exc:
+            if exc.errno == errno.EROFS:
+                return  # a read-only tree: the host layer said so once
             # The group vanished or refused (e.g. a monitor group whose RMID is gone); the next
             # cycle sees the new state of the groups.
             log.warning("resctrl_task_move_failed", group=group, monitor=monitor,
@@ -306,11 +313,22 @@ class ResctrlTasksLoop(Loop):
             since = self._orphaned_since.setdefault(group, now)
             if now - since < grace:
                 continue
-            if self._resctrl.remove_group(group, reason=f"pod {ref.key} is gone "
-                                          f"(orphaned for {now - since:.0f} s)"):
+            try:
+                removed = self._resctrl.remove_group(group, reason=f"pod {ref.key} is gone "
+                                                     f"(orphaned for {now - since:.0f} s)")
+            except OSError as exc:
+                # EBUSY, EROFS ...: the group stays an orphan and is tried again next cycle;
+                # said once per group and error, and this cycle's task moves go on.
+                problem = f"{type(exc).__name__}: {exc.strerror or exc}"
+                if self._removal_failed.get(group) != problem:
+                    log.warning("resctrl_group_not_removed", group=group, error=problem)
+                self._removal_failed[group] = problem
+                continue
+            if removed:
                 existing.discard(group)
             orphans.discard(group)
         self._orphaned_since = {g: t for g, t in self._orphaned_since.items() if g in orphans}
+        self._removal_failed = {g: p for g, p in self._removal_failed.items() if g in orphans}
 
 
 def _cgroup_of(text: str, v2: bool, controller: str) -> str | None:

@@ -1,4 +1,5 @@
-"""The asyncio toolkit every long-running part uses: one stop-aware sleep, one backoff.
+"""The concurrency toolkit every long-running part uses: one stop-aware sleep, one backoff, one
+list of change callbacks.
 
 Waits never leave tasks behind: :func:`sleep_until` waits on its events in a task group of its
 own, which is gone when it returns (whether the time ran out, an event was set, or the caller was
@@ -9,7 +10,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from collections.abc import Callable
 from typing import Any
+
+
+class Callbacks:
+    """Who wants to hear of a change; subscribed to and called from any thread. Callbacks run
+    in the caller's thread, outside the lock, so one may subscribe or unsubscribe another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Add ``callback``; the function returned removes it (more than once is harmless)."""
+        with self._lock:
+            self._callbacks.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._callbacks:
+                    self._callbacks.remove(callback)
+
+        return unsubscribe
+
+    def call(self) -> None:
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback()
 
 
 async def sleep_until(seconds: float, *events: asyncio.Event) -> bool:

@@ -27,15 +27,13 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from hooks.events import Event
 from nri_plugin.cli import build_parser
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET
-from nri_plugin.simulator import RuntimeSimulator
-from protos import nri_api_pb2 as api
 from reconciler import k8s
 from tests.paths import REPO
+from tests.prelaunch import create_one_container_then_go
 
 DEPLOY = REPO / "deploy"
 BASE = DEPLOY / "kustomize" / "base"
@@ -379,22 +377,9 @@ async def test_wrapper_runs_under_the_runtimes_empty_environment(tmp_path: Path)
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.DEVNULL)
     plugin_end.close()
-    simulator = RuntimeSimulator(tmp_path / "unused.sock")
-    reader, writer = await asyncio.open_unix_connection(sock=runtime_end)
-    adopted = asyncio.create_task(simulator.adopt(reader, writer))
     try:
-        connection = await simulator.wait_ready(timeout_s=30)
-        assert (connection.name, connection.index) == ("nri-qos", "10")
-        pod = api.PodSandbox(id="sb", uid="u", name="p", namespace="ns")
-        pod.linux.cgroup_parent = "/kubepods/besteffort/podu"
-        response = await simulator.send(connection, Event.CREATE_CONTAINER, pod,
-                                        api.Container(id="c", pod_sandbox_id="sb", name="c"))
-        assert isinstance(response, api.CreateContainerResponse)
-        assert response.adjust.linux.oom_score_adj.value == 1000
+        await create_one_container_then_go(runtime_end, tmp_path)
     finally:
-        for peer in [c.peer for c in simulator.connections if c.peer is not None]:
-            peer.close("runtime exiting")
-        await adopted
         async with asyncio.timeout(30):
             await child.wait()
     assert child.returncode == 0, log.read_text()

@@ -34,6 +34,21 @@ def test_subscribers_hear_level_changes_only() -> None:
     assert calls == [1, 1]
 
 
+def test_a_subscriber_may_unsubscribe_itself_while_called() -> None:
+    board, calls = Board(), []
+
+    def once() -> None:
+        calls.append("once")
+        stop()  # from inside the call: no deadlock on the board's lock
+
+    stop = board.subscribe(once)
+    board.subscribe(lambda: calls.append("always"))
+    board.publish("free", [reading("free", NODE, Level.LOW)])
+    board.publish("free", [reading("free", NODE, Level.HIGH)])
+    assert calls == ["once", "always", "always"]
+    stop()  # a second time: harmless
+
+
 def test_worst_of_nothing_is_none_and_unknown_is_below_none() -> None:
     board = Board()
     assert board.worst() is Level.NONE

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hooks.events import Event
 from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET, Prelaunched, take_prelaunched_env
-from nri_plugin.simulator import RuntimeSimulator
-from protos import nri_api_pb2 as api
+from tests.prelaunch import create_one_container_then_go
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,24 +29,9 @@ async def test_prelaunched_plugin_serves_inherited_socket(tmp_path: Path, name: 
         stderr=asyncio.subprocess.PIPE,
     )
     plugin_end.close()
-    simulator = RuntimeSimulator(tmp_path / "unused.sock")
-    reader, writer = await asyncio.open_unix_connection(sock=runtime_end)
-    adopted = asyncio.create_task(simulator.adopt(reader, writer))
     try:
-        connection = await simulator.wait_ready(timeout_s=30)
-        assert (connection.name, connection.index) == ("nri-qos", "10")
-        pod = api.PodSandbox(id="sb", uid="u", name="p", namespace="ns")
-        pod.linux.cgroup_parent = "/kubepods/besteffort/podu"
-        response = await simulator.send(connection, Event.CREATE_CONTAINER, pod,
-                                        api.Container(id="c", pod_sandbox_id="sb", name="c"))
-        assert isinstance(response, api.CreateContainerResponse)
-        # Default oom policy: reclaimed_cores (besteffort) containers get 1000.
-        assert response.adjust.linux.oom_score_adj.value == 1000
+        await create_one_container_then_go(runtime_end, tmp_path)
     finally:
-        # The runtime going away ends a pre-launched plugin: no reconnecting.
-        for peer in [c.peer for c in simulator.connections if c.peer is not None]:
-            peer.close("runtime exiting")
-        await adopted
         async with asyncio.timeout(30):
             _, stderr = await child.communicate()
     assert child.returncode == 0, stderr.decode()

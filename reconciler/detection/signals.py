@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from reconciler.aio import Callbacks
+
 
 class Level(IntEnum):
     """How bad it is; ordered, so ``max()`` of readings is the worst."""
@@ -75,7 +77,7 @@ class Board:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._readings: dict[tuple[str, str], Reading] = {}
-        self._subscribers: list[Callable[[], None]] = []
+        self._changed = Callbacks()
 
     def publish(self, detector: str, readings: Iterable[Reading]) -> None:
         fresh = {r.key: r for r in readings}
@@ -86,9 +88,8 @@ class Board:
             for key in old:
                 del self._readings[key]
             self._readings.update(fresh)
-            subscribers = list(self._subscribers) if changed else []
-        for callback in subscribers:
-            callback()
+        if changed:
+            self._changed.call()
 
     def current(self) -> tuple[Reading, ...]:
         with self._lock:
@@ -100,12 +101,4 @@ class Board:
 
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` (from the publishing thread) when a level changes."""
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
+        return self._changed.subscribe(callback)

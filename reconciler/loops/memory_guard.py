@@ -47,6 +47,7 @@ from typing import Protocol
 import structlog
 
 from hooks.config_fields import setting
+from reconciler.aio import Callbacks
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.numa import NumaNode, check_view, read_meminfo, read_nodes, system_node
@@ -139,7 +140,7 @@ class GuardSqueeze:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._current: Squeeze | None = None
-        self._subscribers: list[Callable[[], None]] = []
+        self._changed = Callbacks()
 
     def current(self) -> Squeeze | None:
         with self._lock:
@@ -150,21 +151,12 @@ class GuardSqueeze:
         with self._lock:
             changed = self._current != squeeze
             self._current = squeeze
-            subscribers = list(self._subscribers) if changed else []
-        for callback in subscribers:
-            callback()
+        if changed:
+            self._changed.call()
         return changed
 
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
-        with self._lock:
-            self._subscribers.append(callback)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._subscribers:
-                    self._subscribers.remove(callback)
-
-        return unsubscribe
+        return self._changed.subscribe(callback)
 
 
 def squeezed(usage: int, anonymous: int, squeeze: Squeeze) -> int:

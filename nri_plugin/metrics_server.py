@@ -17,12 +17,13 @@ by the endpoint and cancelled at stop; the endpoint's task belongs to the agent'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from nri_plugin.local_server import Clients
 
 log = structlog.get_logger("nri_qos.metrics")
 
@@ -42,7 +43,7 @@ class MetricsEndpoint:
         self._address = address
         self._port = port
         self._ready = ready
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._clients = Clients()
         # The address actually bound (port 0 picks one), once serving.
         self.bound: tuple[str, int] | None = None
 
@@ -63,37 +64,23 @@ class MetricsEndpoint:
         self.bound = (host, port)
         log.info("metrics_serving", address=host, port=port)
         try:
-            await stop.wait()
+            await self._clients.serve_until(server, stop)
         finally:
-            server.close()
-            for handler in list(self._handlers):
-                handler.cancel()
-            await asyncio.gather(*self._handlers, return_exceptions=True)
-            await server.wait_closed()
             executor.shutdown(wait=False, cancel_futures=True)
             self.bound = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       executor: ThreadPoolExecutor) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        try:
+        async with self._clients.answering(writer):
             try:
                 async with asyncio.timeout(READ_TIMEOUT_S):
                     head = await reader.readuntil(b"\r\n\r\n")
-            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                status, content_type, body = await self._answer(head, executor)
+                writer.write(_response(status, content_type, body))
+                await writer.drain()
+            except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                    ConnectionError):
                 return
-            status, content_type, body = await self._answer(head, executor)
-            writer.write(_response(status, content_type, body))
-            await writer.drain()
-        except ConnectionError:
-            return
-        finally:
-            self._handlers.discard(task)
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
 
     async def _answer(self, head: bytes,
                       executor: ThreadPoolExecutor) -> tuple[int, str, bytes]:

@@ -33,6 +33,7 @@ from hooks.events import Event
 from hooks.untrusted import bounded
 from nri_plugin.config.schema import Config
 from nri_plugin.features import Feature, evaluate, kubernetes_feature
+from nri_plugin.local_server import Clients
 from nri_plugin.stub import PluginStub
 from reconciler.detection.signals import Board
 from reconciler.eviction.manager import EvictionManager
@@ -172,7 +173,7 @@ class StatusServer:
     def __init__(self, path: str, document: Callable[[], dict[str, Any]]) -> None:
         self.path = path
         self._document = document
-        self._handlers: set[asyncio.Task[None]] = set()
+        self._clients = Clients()
 
     async def serve(self, stop: asyncio.Event) -> None:
         try:
@@ -186,13 +187,8 @@ class StatusServer:
         inode = os.stat(self.path).st_ino
         log.info("status_serving", path=self.path)
         try:
-            await stop.wait()
+            await self._clients.serve_until(server, stop)
         finally:
-            server.close()
-            for handler in list(self._handlers):
-                handler.cancel()
-            await asyncio.gather(*self._handlers, return_exceptions=True)
-            await server.wait_closed()
             # Only our own socket: a successor may already have bound a new one.
             with contextlib.suppress(OSError):
                 if os.stat(self.path).st_ino == inode:
@@ -231,10 +227,7 @@ class StatusServer:
         return sock
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._handlers.add(task)
-        try:
+        async with self._clients.answering(writer):
             try:
                 body = json.dumps(self._document(), sort_keys=True).encode() + b"\n"
             except Exception:
@@ -243,15 +236,9 @@ class StatusServer:
                                    "error": "the agent failed to assemble its status; see its "
                                             "log"}).encode() + b"\n"
             writer.write(body)
-            async with asyncio.timeout(WRITE_TIMEOUT_S):
-                await writer.drain()
-        except (ConnectionError, TimeoutError):
-            pass
-        finally:
-            self._handlers.discard(task)
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await writer.drain()
 
 
 async def _answers(path: str) -> bool:

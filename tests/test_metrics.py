@@ -23,7 +23,7 @@ from hooks.events import Event
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.connection import run_external
 from nri_plugin.logs import LoggingSetup
-from nri_plugin.metrics_server import MetricsEndpoint
+from nri_plugin.metrics_server import READ_TIMEOUT_S, MetricsEndpoint
 from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
@@ -337,8 +337,10 @@ async def test_endpoint_answers_health_and_refuses_the_rest() -> None:
         writer.close()
         idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
         assert (await http_get(port, "/healthz"))[0] == 200
+        stopping = asyncio.get_running_loop().time()
         stop.set()
-    # Stopping closed the idle connection too.
+    # Stopping closed the idle connection too, at once: not when its read timed out.
+    assert asyncio.get_running_loop().time() - stopping < READ_TIMEOUT_S
     assert await idle_reader.read() == b""
     idle_writer.close()
 

@@ -1,0 +1,43 @@
+"""What the agent's two small servers (the metrics endpoint, the status socket) share: every
+client answered in a task of its own, all of them cancelled when the server stops, so a client
+that never reads cannot keep the agent from stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+
+class Clients:
+    """The clients a server is answering."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def answering(self, writer: asyncio.StreamWriter) -> AsyncIterator[None]:
+        """Around one client's handler: known to :meth:`serve_until`; its connection closed
+        at the end, whatever happened."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            yield
+        finally:
+            self._tasks.discard(task)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    async def serve_until(self, server: asyncio.Server, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set; then no new client, and the ones being answered are
+        cancelled."""
+        try:
+            await stop.wait()
+        finally:
+            server.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await server.wait_closed()

@@ -49,7 +49,7 @@ from hooks.events import Event  # noqa: E402
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator  # noqa: E402
 from nri_plugin.status_command import NoAgent, fetch  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
-from tests.fakesys import GIB, FakeHost, FakePod  # noqa: E402
+from tests.fakesys import GIB, FakeHost, FakePod, nri_messages  # noqa: E402
 from tests.raw_runtime import RawRuntime, configure_request, reset_peak, status_kib  # noqa: E402
 
 LEVEL = "qos.nri-qos.io/level"
@@ -137,16 +137,10 @@ def host_pod(host: FakeHost, n: int) -> FakePod:
                         memory_limit=GIB)
 
 
-def runtime_view(pod: FakePod) -> tuple[api.PodSandbox, api.Container]:
-    info, (ctr,) = pod.info, pod.containers
-    message = api.PodSandbox(id=info.id, uid=info.uid, name=info.name, namespace=info.namespace,
-                             annotations=dict(info.annotations))
-    message.linux.cgroup_parent = info.cgroup_parent
-    container = api.Container(id=ctr.info.id, pod_sandbox_id=info.id, name=ctr.info.name,
-                              pid=ctr.info.pid, state=api.CONTAINER_CREATED)
-    container.linux.cgroups_path = ctr.info.cgroups_path
-    container.linux.resources.memory.limit.value = GIB
-    return message, container
+
+def single(pod: FakePod) -> tuple[api.PodSandbox, api.Container]:
+    sandbox, (container,) = nri_messages(pod, state=api.CONTAINER_CREATED, memory_limit=GIB)
+    return sandbox, container
 
 
 def plain_pod(uid: str) -> tuple[api.PodSandbox, api.Container]:
@@ -178,7 +172,7 @@ async def in_parallel(workers: int, work: Callable[[], Awaitable[None]]) -> floa
 
 async def create(agent: Agent, simulator: RuntimeSimulator, conn: PluginConnection,
                  pods: list[FakePod], in_flight: int) -> tuple[float, float]:
-    views = iter([runtime_view(p) for p in pods])
+    views = iter([single(p) for p in pods])
     per_container: list[float] = []
     per_create: list[float] = []
     per_event: list[float] = []

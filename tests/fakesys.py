@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hooks.model import ContainerInfo, PodInfo
+from protos import nri_api_pb2 as api
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -311,3 +312,21 @@ def _append(path: Path, ids: Sequence[int]) -> None:
 
 def read_ids(path: Path) -> list[int]:
     return [int(x) for x in path.read_text().split()]
+
+
+def nri_messages(pod: FakePod, *, state: api.ContainerState = api.CONTAINER_RUNNING,
+                 memory_limit: int | None = None) -> tuple[api.PodSandbox, list[api.Container]]:
+    """The pod and its containers as the runtime describes them over NRI."""
+    info = pod.info
+    sandbox = api.PodSandbox(id=info.id, uid=info.uid, name=info.name, namespace=info.namespace,
+                             annotations=dict(info.annotations))
+    sandbox.linux.cgroup_parent = info.cgroup_parent
+    containers = []
+    for c in pod.containers:
+        container = api.Container(id=c.info.id, pod_sandbox_id=info.id, name=c.info.name,
+                                  state=state, pid=c.info.pid)
+        container.linux.cgroups_path = c.info.cgroups_path
+        if memory_limit is not None:
+            container.linux.resources.memory.limit.value = memory_limit
+        containers.append(container)
+    return sandbox, containers

@@ -13,7 +13,7 @@ from nri_plugin import daemon
 from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
-from tests.fakesys import FakeHost, FakePod, read_ids
+from tests.fakesys import FakeHost, nri_messages, read_ids
 
 LEVEL = "qos.nri-qos.io/level"
 
@@ -36,19 +36,6 @@ def config_for(root: Path) -> str:
         "enabled = false\n"
     )
 
-
-def messages(pod: FakePod) -> tuple[api.PodSandbox, list[api.Container]]:
-    info = pod.info
-    message = api.PodSandbox(id=info.id, uid=info.uid, name=info.name, namespace=info.namespace,
-                             annotations=dict(info.annotations))
-    message.linux.cgroup_parent = info.cgroup_parent
-    containers = []
-    for c in pod.containers:
-        container = api.Container(id=c.info.id, pod_sandbox_id=info.id, name=c.info.name,
-                                  state=api.CONTAINER_RUNNING, pid=c.info.pid)
-        container.linux.cgroups_path = c.info.cgroups_path
-        containers.append(container)
-    return message, containers
 
 
 def ids(path: Path) -> set[int]:
@@ -76,7 +63,7 @@ async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> N
     config = tmp_path / "config.toml"
     config.write_text(config_for(root))
 
-    pod_a, containers_a = messages(existing)
+    pod_a, containers_a = nri_messages(existing)
     simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
     await simulator.start()
     stop = asyncio.Event()
@@ -95,7 +82,7 @@ async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> N
 
         # A pod created while connected: the adjustment names the class group, and the
         # reconciler, woken by the event, puts the container's threads there.
-        pod_b, containers_b = messages(created)
+        pod_b, containers_b = nri_messages(created)
         await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_b)
         response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_b,
                                         containers_b[0])
@@ -133,7 +120,7 @@ async def test_old_containerd_gets_oom_score_adj_from_the_reconciler_after_start
                                             stop=stop, prelaunched=None))
     try:
         connection = await simulator.wait_ready()
-        pod_msg, containers = messages(pod)
+        pod_msg, containers = nri_messages(pod)
         await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_msg)
         response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_msg,
                                         containers[0])

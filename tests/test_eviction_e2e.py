@@ -21,13 +21,12 @@ from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
-from protos import nri_api_pb2 as api
 from reconciler.aio import Backoff
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import Board, Level, Reading, pod_scope
 from reconciler.host.memstat import anon_bytes
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
-from tests.fakesys import FakeHost, FakePod
+from tests.fakesys import FakeHost, FakePod, nri_messages
 
 GIB = 1 << 30
 LEVEL = "qos.nri-qos.io/level"
@@ -54,19 +53,6 @@ def config_text(root: Path, kubeconfig: Path, plugins: Path, dry_run: bool) -> s
         "[plugin]\nreconnect_initial_ms = 20\n"
     )
 
-
-def nri_messages(pod: FakePod) -> tuple[api.PodSandbox, list[api.Container]]:
-    info = pod.info
-    sandbox = api.PodSandbox(id=info.id, uid=info.uid, name=info.name,
-                             namespace=info.namespace, annotations=dict(info.annotations))
-    sandbox.linux.cgroup_parent = info.cgroup_parent
-    containers = []
-    for c in pod.containers:
-        container = api.Container(id=c.info.id, pod_sandbox_id=info.id, name=c.info.name,
-                                  state=api.CONTAINER_RUNNING, pid=c.info.pid)
-        container.linux.cgroups_path = c.info.cgroups_path
-        containers.append(container)
-    return sandbox, containers
 
 
 def rss_readings(host: FakeHost, pods: list[FakePod], request: int) -> list[Reading]:

@@ -42,7 +42,7 @@ from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.loops.base import Loop
 from reconciler.runner import build_loops
 from reconciler.state import NodeState
-from tests.fakesys import FakeHost, FakePod
+from tests.fakesys import FakeHost, nri_messages
 from tests.raw_runtime import (
     RawRuntime,
     configure_request,
@@ -474,19 +474,6 @@ async def stop_instance(instance: Instance) -> None:
     instance.agent.executor.shutdown(wait=False, cancel_futures=True)
 
 
-def runtime_view(pod: FakePod) -> tuple[api.PodSandbox, list[api.Container]]:
-    info = pod.info
-    message = api.PodSandbox(id=info.id, uid=info.uid, name=info.name, namespace=info.namespace,
-                             annotations=dict(info.annotations))
-    message.linux.cgroup_parent = info.cgroup_parent
-    containers = []
-    for c in pod.containers:
-        container = api.Container(id=c.info.id, pod_sandbox_id=info.id, name=c.info.name,
-                                  state=api.CONTAINER_RUNNING, pid=c.info.pid)
-        container.linux.cgroups_path = c.info.cgroups_path
-        containers.append(container)
-    return message, containers
-
 
 async def test_a_restarted_plugin_rebuilds_its_state_without_leaks_or_repeated_writes(
     tmp_path: Path,
@@ -511,7 +498,7 @@ async def test_a_restarted_plugin_rebuilds_its_state_without_leaks_or_repeated_w
         await connect(first, socket_path)
         connection = await simulator.wait_ready()
         for pod in (own_group, removed_meanwhile, reclaimed):
-            pod_msg, containers = runtime_view(pod)
+            pod_msg, containers = nri_messages(pod)
             await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_msg)
             for ctr in containers:
                 await simulator.send(connection, Event.CREATE_CONTAINER, pod_msg, ctr)
@@ -534,7 +521,7 @@ async def test_a_restarted_plugin_rebuilds_its_state_without_leaks_or_repeated_w
     missed = host.add_pod(uid_of(5), tier="besteffort")
 
     second = start_instance(config_path)
-    views = [runtime_view(p) for p in host.pods]
+    views = [nri_messages(p) for p in host.pods]
     simulator = RuntimeSimulator(socket_path, RuntimeSpec(sync_chunk=2),
                                  pods=[pod for pod, _ in views],
                                  containers=[c for _, cs in views for c in cs])
@@ -564,7 +551,7 @@ async def test_a_restarted_plugin_rebuilds_its_state_without_leaks_or_repeated_w
         written = {r["path"] for r in second.named("cgroup_write")}
         assert written == {f"/proc/{pid}/oom_score_adj" for pid in missed.containers[0].pids}
         # A new container of the pod with its own group joins that group, as before the restart.
-        pod_msg, containers = runtime_view(own_group)
+        pod_msg, containers = nri_messages(own_group)
         extra = api.Container(id="f" * 64, pod_sandbox_id=own_group.info.id, name="sidecar")
         extra.linux.cgroups_path = containers[0].linux.cgroups_path.replace(
             containers[0].id, extra.id)

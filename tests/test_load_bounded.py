@@ -35,7 +35,7 @@ from protos import nri_api_pb2 as api
 from reconciler.aio import Backoff
 from reconciler.audit import AuditLog
 from reconciler.state import NodeState
-from tests.fakesys import GIB, FakeHost, FakePod
+from tests.fakesys import GIB, FakeHost, nri_messages
 
 LEVEL = "qos.nri-qos.io/level"
 POD_GROUP = {"node.koordinator.sh/resctrl":
@@ -147,17 +147,6 @@ async def running(tmp_path: Path) -> AsyncIterator[Running]:
         await simulator.stop()
 
 
-def runtime_view(pod: FakePod) -> tuple[api.PodSandbox, api.Container]:
-    info, (ctr,) = pod.info, pod.containers
-    message = api.PodSandbox(id=info.id, uid=info.uid, name=info.name, namespace=info.namespace,
-                             annotations=dict(info.annotations))
-    message.linux.cgroup_parent = info.cgroup_parent
-    container = api.Container(id=ctr.info.id, pod_sandbox_id=info.id, name=ctr.info.name,
-                              pid=ctr.info.pid)
-    container.linux.cgroups_path = ctr.info.cgroups_path
-    container.linux.resources.memory.limit.value = GIB
-    return message, container
-
 
 async def churn(run: Running, mark: str, pods: int, in_flight: int) -> None:
     """Create and remove ``pods`` pods through their whole lifecycle, ``in_flight`` at a time;
@@ -173,7 +162,7 @@ async def churn(run: Running, mark: str, pods: int, in_flight: int) -> None:
                 annotations.update(POD_GROUP)
             fake = run.host.add_pod(uid_of(mark, n), name=f"p{n}", tier="besteffort"
                                     if n % 2 else "burstable", annotations=annotations)
-            pod, ctr = runtime_view(fake)
+            pod, (ctr,) = nri_messages(fake, state=api.CONTAINER_UNKNOWN, memory_limit=GIB)
             if n % 10 == 5:
                 ctr.linux.cgroups_path = f"{mark}-{n}:not-a-cgroups-path"
             await sim.send(conn, Event.RUN_POD_SANDBOX, pod)

@@ -34,9 +34,9 @@ from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
 from reconciler.metrics import Metrics
-from tests.fakesys import GIB, FakeHost, write
+from tests.fakesys import GIB, FakeHost, nri_messages, write
 from tests.resctrl_trees import intel_tree
-from tests.test_daemon_reconciler import LEVEL, messages
+from tests.test_daemon_reconciler import LEVEL
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -107,7 +107,7 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
         "[kubernetes]\nenabled = false\n[status]\nenabled = false\n"
         f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n')
-    pod_a, containers_a = messages(existing)
+    pod_a, containers_a = nri_messages(existing)
     socket_path = tmp_path / "nri.sock"
     simulator = RuntimeSimulator(socket_path, pods=[pod_a], containers=containers_a)
     await simulator.start()
@@ -130,7 +130,7 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         assert value(before, "nri_qos_nri_requests_total", event="synchronize", result="ok") == 1
 
         # A whole pod lifecycle through the runtime simulator.
-        pod_b, containers_b = messages(created)
+        pod_b, containers_b = nri_messages(created)
         for event in (Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER, Event.START_CONTAINER,
                       Event.STOP_CONTAINER, Event.REMOVE_CONTAINER, Event.STOP_POD_SANDBOX,
                       Event.REMOVE_POD_SANDBOX):

@@ -32,9 +32,9 @@ from reconciler.mitigation.actions import TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.eviction_env import NODE, forced, make_env
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
-from tests.fakesys import FakeHost
+from tests.fakesys import FakeHost, nri_messages
 from tests.polling import eventually
-from tests.test_daemon_reconciler import LEVEL, messages
+from tests.test_daemon_reconciler import LEVEL
 
 UID_A = "0a0a0a0a-1111-2222-3333-444444444444"
 UID_B = "0b0b0b0b-1111-2222-3333-444444444444"
@@ -75,7 +75,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
         "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
         f'[kubernetes]\nenabled = false\n[status]\nsocket = "{sock}"\n')
-    pod_a, containers_a = messages(existing)
+    pod_a, containers_a = nri_messages(existing)
     simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
     await simulator.start()
     stop = asyncio.Event()
@@ -83,7 +83,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
                                             stop=stop, prelaunched=None))
     try:
         conn = await simulator.wait_ready()
-        pod_b, containers_b = messages(created)
+        pod_b, containers_b = nri_messages(created)
         await simulator.send(conn, Event.RUN_POD_SANDBOX, pod_b)
         await simulator.send(conn, Event.CREATE_CONTAINER, pod_b, containers_b[0])
         await simulator.send(conn, Event.START_CONTAINER, pod_b, containers_b[0])

@@ -10,7 +10,9 @@ runtime's would be. The tests and ``bench/hostile_runtime.py`` use both.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import socket
 import subprocess
 import sys
 from collections import deque
@@ -18,8 +20,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from nri_plugin.config.schema import Config
 from nri_plugin.envelope import (
     Reply,
     decode_request,
@@ -29,13 +32,19 @@ from nri_plugin.envelope import (
 )
 from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, Demultiplexer, encode_message
 from nri_plugin.nri_api import PLUGIN_SERVICE
+from nri_plugin.stub import PluginStub
 from nri_plugin.ttrpc import Frame, MessageType, StatusCode, encode_frame
 from protos import nri_api_pb2 as api
+from reconciler.audit import MemoryAuditSink
+from reconciler.state import NodeState
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 ANSWER_S = 5.0
 """How long an answer the agent owes may take before the wait counts as a hang."""
+BOUND_S = 3.0
+"""Bound of a wait for something the agent owes within a short handshake deadline (generous
+for a loaded machine)."""
 KEPT_ANSWERS = 1024
 """Answers to other requests :meth:`RawRuntime.answer` puts aside while it waits for one."""
 
@@ -238,3 +247,37 @@ async def running_agent(directory: Path, config: str, *,
             await server.wait_closed()
             while not queue.empty():
                 queue.get_nowait().close()
+
+
+def plugin_config(**plugin: Any) -> Config:
+    """The default configuration with these ``[plugin]`` settings."""
+    cfg = Config()
+    return dataclasses.replace(cfg, plugin=dataclasses.replace(cfg.plugin, **plugin))
+
+
+async def socket_pair(limit: int = 8 * MiB) -> tuple[
+        asyncio.StreamReader, asyncio.StreamWriter, RawRuntime]:
+    """The agent's end (reader, writer) and the runtime's end of a connected unix socket."""
+    a, b = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=a)
+    rb, wb = await asyncio.open_unix_connection(sock=b, limit=limit)
+    return reader, writer, RawRuntime(rb, wb)
+
+
+@dataclass
+class Session:
+    """A stub serving the agent's end of a socket pair; the test plays the runtime."""
+
+    stub: PluginStub
+    runtime: RawRuntime
+    serving: asyncio.Task[str]
+    sink: MemoryAuditSink
+    state: NodeState
+
+    async def ended(self) -> str:
+        """Why the agent ended the connection; it must within :data:`BOUND_S`."""
+        async with asyncio.timeout(BOUND_S):
+            return await self.serving
+
+    def rejections(self) -> dict[str, int]:
+        return {kind: n for kind, n in self.stub.rejections.as_dict().items() if n}

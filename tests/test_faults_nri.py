@@ -10,8 +10,6 @@ bounded by the deadline they check.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,22 +42,18 @@ from reconciler.runner import build_loops
 from reconciler.state import NodeState
 from tests.fakesys import FakeHost, nri_messages
 from tests.raw_runtime import (
-    RawRuntime,
+    BOUND_S,
+    Session,
     configure_request,
     container_message,
     create_request,
+    plugin_config,
     pod_message,
+    socket_pair,
 )
 
 SHORT_MS = 100
 """Registration timeout of the tests' runtimes and plugins: the deadline of a handshake step."""
-BOUND_S = 3.0
-"""Bound of a wait for something owed within SHORT_MS (generous for a loaded machine)."""
-
-
-def config(**plugin: Any) -> Config:
-    cfg = Config()
-    return dataclasses.replace(cfg, plugin=dataclasses.replace(cfg.plugin, **plugin))
 
 
 class Hanging(Capability):
@@ -97,26 +91,6 @@ class Quick(Capability):
         return ContainerSettings(annotations={"quick": "yes"})
 
 
-@dataclass
-class Session:
-    stub: PluginStub
-    runtime: RawRuntime
-    serving: asyncio.Task[str]
-    sink: MemoryAuditSink
-    state: NodeState
-
-    async def ended(self) -> str:
-        async with asyncio.timeout(BOUND_S):
-            return await self.serving
-
-
-async def socket_pair() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, RawRuntime]:
-    a, b = socket.socketpair()
-    reader, writer = await asyncio.open_unix_connection(sock=a)
-    rb, wb = await asyncio.open_unix_connection(sock=b)
-    return reader, writer, RawRuntime(rb, wb)
-
-
 @pytest.fixture
 def executor() -> Iterator[ThreadPoolExecutor]:
     pool = ThreadPoolExecutor(max_workers=4)
@@ -137,7 +111,7 @@ async def session(executor: ThreadPoolExecutor) -> AsyncIterator[Start]:
     async def start(capabilities: Sequence[Capability] = (), cfg: Config | None = None, *,
                     stub: PluginStub | None = None) -> Session:
         if stub is None:
-            current = cfg or config()
+            current = cfg or plugin_config()
             sink, state = MemoryAuditSink(), NodeState()
             stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: current,
                               capabilities=capabilities, audit=AuditLog(sink),
@@ -223,7 +197,7 @@ async def test_an_update_in_flight_when_the_runtime_goes_fails_with_connection_c
 
 
 async def test_a_runtime_that_never_answers_register_plugin_is_left(session: Start) -> None:
-    setup = await session(cfg=config(register_timeout_ms=SHORT_MS))
+    setup = await session(cfg=plugin_config(register_timeout_ms=SHORT_MS))
     _conn, frame = await setup.runtime.frame()
     assert decode_request(frame.data).method == "RegisterPlugin"
     # ... and nothing more: not an answer, not a Configure.
@@ -239,7 +213,7 @@ async def test_a_configured_session_whose_registration_is_never_answered_is_left
     # Configure and Synchronize come, but the answer to RegisterPlugin never does: the runtime
     # is not following its own protocol, and the plugin cannot know it is registered. It serves
     # meanwhile, then leaves at its registration timeout (and connects again).
-    setup = await session(cfg=config(register_timeout_ms=SHORT_MS))
+    setup = await session(cfg=plugin_config(register_timeout_ms=SHORT_MS))
     await setup.runtime.frame()  # RegisterPlugin, kept unanswered
     assert (await setup.runtime.call("Configure", configure_request())).ok
     assert (await setup.runtime.call("Synchronize", b"")).ok
@@ -249,7 +223,7 @@ async def test_a_configured_session_whose_registration_is_never_answered_is_left
 
 async def test_configure_before_the_register_plugin_answer_is_served(session: Start) -> None:
     hook = Quick()
-    setup = await session([hook], cfg=config(register_timeout_ms=SHORT_MS))
+    setup = await session([hook], cfg=plugin_config(register_timeout_ms=SHORT_MS))
     runtime = setup.runtime
     conn, frame = await runtime.frame()
     assert (conn, decode_request(frame.data).method) == (RUNTIME_SERVICE_CONN, "RegisterPlugin")
@@ -284,7 +258,7 @@ async def test_hung_hooks_in_every_worker_still_answer_before_the_runtime_times_
     # simulated runtime drops a plugin that answers late, as containerd does.
     hooks = [Hanging(), Quick()]
     runtime_timeout_ms = 400
-    cfg = config(deadline_ms=2000)
+    cfg = plugin_config(deadline_ms=2000)
     margin = cfg.plugin.deadline_margin_ms
     simulator = RuntimeSimulator(tmp_path / "nri.sock",
                                  RuntimeSpec(request_timeout_ms=runtime_timeout_ms))
@@ -320,7 +294,7 @@ async def test_a_hook_that_hangs_in_strict_mode_answers_an_error_in_time(
     session: Start,
 ) -> None:
     hook = Hanging()
-    setup = await session([hook], cfg=config(strict=True, deadline_ms=100))
+    setup = await session([hook], cfg=plugin_config(strict=True, deadline_ms=100))
     await setup.runtime.handshake()
     try:
         reply = await setup.runtime.call("CreateContainer", create_request("strict"),
@@ -346,7 +320,7 @@ async def test_a_runtime_restart_while_pods_are_created_resynchronizes_once(
 ) -> None:
     socket_path = tmp_path / "nri.sock"
     state = NodeState()
-    cfg = config(reconnect_initial_ms=20, reconnect_max_ms=100)
+    cfg = plugin_config(reconnect_initial_ms=20, reconnect_max_ms=100)
     stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: cfg,
                       capabilities=[Quick()], audit=AuditLog(MemoryAuditSink()),
                       executor=executor, state=state, track_containers=True)

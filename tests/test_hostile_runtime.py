@@ -10,18 +10,15 @@ No wait is longer than the deadline it checks: every wait is bounded by ``asynci
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import io
 import json
 import os
-import socket
 import struct
 import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,56 +37,27 @@ from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.state import NodeState
 from tests.raw_runtime import (
+    BOUND_S,
     MiB,
     RawRuntime,
+    Session,
     configure_request,
     container_message,
     create_request,
     mux_frame,
+    plugin_config,
     pod_message,
     reset_peak,
     running_agent,
+    socket_pair,
     status_kib,
 )
 
 SHORT_MS = 100
 """The registration timeout the tests' runtime states: the deadline of every handshake step."""
-BOUND_S = 3.0
-"""Bound of a wait for something owed within SHORT_MS (generous for a loaded machine)."""
 LOG_LINE_LIMIT = 4096
 
 READ_KEYS = sorted(Config().read_keys().annotations)
-
-
-def config(**plugin: Any) -> Config:
-    cfg = Config()
-    return dataclasses.replace(cfg, plugin=dataclasses.replace(cfg.plugin, **plugin))
-
-
-async def socket_pair(limit: int = 8 * MiB) -> tuple[
-        asyncio.StreamReader, asyncio.StreamWriter, RawRuntime]:
-    """The agent's end (reader, writer) and the runtime's end of a connected unix socket."""
-    a, b = socket.socketpair()
-    reader, writer = await asyncio.open_unix_connection(sock=a)
-    rb, wb = await asyncio.open_unix_connection(sock=b, limit=limit)
-    return reader, writer, RawRuntime(rb, wb)
-
-
-@dataclass
-class Session:
-    stub: PluginStub
-    runtime: RawRuntime
-    serving: asyncio.Task[str]
-    sink: MemoryAuditSink
-    state: NodeState
-
-    async def ended(self) -> str:
-        """Why the agent ended the connection; it must within BOUND_S."""
-        async with asyncio.timeout(BOUND_S):
-            return await self.serving
-
-    def rejections(self) -> dict[str, int]:
-        return {kind: n for kind, n in self.stub.rejections.as_dict().items() if n}
 
 
 @pytest.fixture
@@ -109,7 +77,7 @@ async def session(executor: ThreadPoolExecutor) -> AsyncIterator[Start]:
 
     async def start(cfg: Config | None = None, *, state: NodeState | None = None,
                     audit: AuditLog | None = None) -> Session:
-        current = cfg or config()
+        current = cfg or plugin_config()
         sink = MemoryAuditSink()
         node = state or NodeState()
         stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: current,
@@ -207,7 +175,7 @@ async def test_synchronize_over_its_limits_is_refused_and_the_known_state_kept(
     session: Start, limit: str, listed: int, refused: bool,
 ) -> None:
     state = NodeState()
-    first = await session(config(**{limit: 5}), state=state)
+    first = await session(plugin_config(**{limit: 5}), state=state)
     known = [pod_message("known")]
     await first.runtime.register()
     await first.runtime.call("Configure", configure_request())
@@ -216,7 +184,7 @@ async def test_synchronize_over_its_limits_is_refused_and_the_known_state_kept(
     assert set(state.snapshot().pods) == {"sb-known"}
 
     # The runtime reconnects (it restarted) and lists more than the agent takes, in chunks.
-    again = await session(config(**{limit: 5}), state=state)
+    again = await session(plugin_config(**{limit: 5}), state=state)
     runtime = again.runtime
     await runtime.register()
     await runtime.call("Configure", configure_request())
@@ -262,7 +230,7 @@ async def test_synchronize_byte_limit_at_its_exact_value(session: Start, extra: 
         padding -= 1
     second = chunk("b", padding)
     assert len(first) + len(second) + len(last) == limit + extra
-    setup = await session(config(max_sync_bytes=limit))
+    setup = await session(plugin_config(max_sync_bytes=limit))
     await setup.runtime.register()
     await setup.runtime.call("Configure", configure_request())
     for payload in (first, second, last):
@@ -356,7 +324,7 @@ async def test_every_wait_on_the_runtime_ends(
     session: Start, log_lines: Callable[[], list[dict[str, Any]]],
     stall: Callable[[RawRuntime], Awaitable[None]], reason: str,
 ) -> None:
-    setup = await session(config(register_timeout_ms=SHORT_MS))
+    setup = await session(plugin_config(register_timeout_ms=SHORT_MS))
     await stall(setup.runtime)
     ended = await setup.ended()
     assert ended.startswith(reason), ended

@@ -1,9 +1,12 @@
-"""Hostile annotation values through the real stub: bounded records, default behaviour.
+"""Hostile annotation values, over the real wire and through the reconciler.
 
-Every annotation the agent reads gets values no real pod carries: megabytes of text, deep
-nesting, control characters, keys of a hundred kilobytes. Each must cost the pod only its own
-setting (an audit record and the level's default) and never produce a log or audit line longer
-than a few kilobytes, on any event.
+Every annotation (and label) the agent reads gets values no real pod carries: megabytes of
+text, deep nesting, control characters, numbers that overflow, ``../`` in names, Unicode that
+folds into ASCII, and values aimed at each reader's limits. Each must cost the pod only its own
+setting: the answer it would get without the value, one audit record (bounded) from the reader,
+no escalation (no hook, the oom floor, resctrl caps, no file created), never an exception on the
+wire. Through the API server the same values reach the level, drift, detection and eviction,
+with the same outcome.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes`
 
 A memory QoS or oom_score_adj annotation the API server changed after the container was
 created is read here and nowhere else, so a problem with it is recorded here
-(``annotation_ignored``, once per container and problem, the level's values applied); problems
+(``annotation_ignored``, once per container and value, the level's values applied); problems
 of the annotations the runtime gave at creation were recorded by the CreateContainer answer.
 
 The same loop is how oom_score_adj reaches containers on runtimes that do not apply it from the
@@ -44,6 +44,9 @@ from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 
+MAX_REASON_CHARS = 1024
+"""The longest reason of one record: the problems of one annotation, each bounded by its policy."""
+
 _V1_FILES = (("memory_limit", "memory.limit_in_bytes"),
              ("memory_reservation", "memory.soft_limit_in_bytes"))
 
@@ -73,7 +76,7 @@ class DriftLoop(Loop):
                  layout: CgroupLayout, memory_total: int, *,
                  audit: AuditLog | None = None) -> None:
         self._audit = audit
-        # (pod uid, container, reason) of the annotation problems recorded and still present
+        # (pod uid, container, problems) of the annotations recorded and still unusable
         self._reported: set[tuple[str, str, str]] = set()
         self._config = config
         self._state = state
@@ -116,13 +119,13 @@ class DriftLoop(Loop):
                 memory = memory_settings(pod, container, item.level, cfg.memory,
                                          cgroup_v2=self._layout.v2, node_allocatable=allocatable)
                 parts.append(("memory", memory.settings))
-                if VOLCANO_ANNOTATION in changed:
-                    problems += [(item, VOLCANO_ANNOTATION, p) for p in memory.problems]
+                if VOLCANO_ANNOTATION in changed and memory.problems:
+                    problems.append((item, VOLCANO_ANNOTATION, "; ".join(memory.problems)))
             if cfg.oom.enabled:
                 oom = oom_score(pod, container, item.level, cfg.oom)
                 parts.append(("oom", oom.settings))
-                if cfg.oom.annotation in changed:
-                    problems += [(item, cfg.oom.annotation, p) for p in oom.problems]
+                if cfg.oom.annotation in changed and oom.problems:
+                    problems.append((item, cfg.oom.annotation, "; ".join(oom.problems)))
             settings = merge(parts).settings
             if not settings.is_empty():
                 desired.append((item, settings))
@@ -131,8 +134,9 @@ class DriftLoop(Loop):
         return desired
 
     def _report(self, problems: list[tuple[Managed, str, str]]) -> None:
-        """One record per container and problem while it lasts (the desired settings are worked
-        out again at every change of the node state, the problems with them)."""
+        """One record per container and annotation (its problems together) while they last:
+        the desired settings, and their problems, are worked out again at every change of the
+        node state, and only a change of the problems is news."""
         present = set()
         for item, annotation, problem in problems:
             pod, name = item.view.pod.info, item.view.info.name
@@ -142,7 +146,8 @@ class DriftLoop(Loop):
                 continue
             self._audit.record("annotation_ignored", pod_uid=bounded(pod.uid),
                                container=bounded(name), annotation=bounded(annotation),
-                               reason=f"{problem}; the {item.level} policy's values apply")
+                               reason=bounded(f"{problem}; the {item.level} policy's values "
+                                              "apply", MAX_REASON_CHARS))
         self._reported = present
 
     def _apply(self, item: Managed, settings: ContainerSettings) -> None:

@@ -13,8 +13,9 @@ same errors with the same key paths:
 * a reload of a running configuration (:class:`ConfigStore`): refused, one ``config_rejected``
   audit record with the errors, the previous configuration still in force.
 
-Cases that must pass (trusted hook paths through links, sticky directories, ``..``) are in the
-same table with no errors: all four accept them.
+Cases that must pass (trusted hook paths through links, sticky directories, ``..``, a file of
+exactly the size limit) are in the same table with no errors: the loader, check-config and a
+reload accept them (the daemon is not started for them: that is a whole agent).
 """
 
 from __future__ import annotations

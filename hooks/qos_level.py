@@ -15,13 +15,15 @@ Sources, tried in ``QosConfig.sources`` order:
     The Kubernetes QoS class, read from the pod's cgroup parent, mapped through
     ``QosConfig.kubernetes_qos``.
 
-Matching: surrounding whitespace is ignored everywhere (values often come from YAML block
+Matching: surrounding ASCII whitespace is ignored everywhere (values often come from YAML block
 scalars). Level names must match exactly, case included, as Katalyst spells them. Koordinator and
-Volcano codes are matched case-insensitively, since both projects use upper-case codes and a
-lower-case ``be`` has only one possible meaning. A value that is present but unknown (an empty one
-included) does not stop the search: it is reported in :attr:`LevelDecision.rejected` so the caller
-can audit it, and the next source is tried. When no source decides, the pod gets
-``QosConfig.default_level``.
+Volcano codes are matched regardless of ASCII case, since both projects use upper-case codes and a
+lower-case ``be`` has only one possible meaning. Only ASCII is folded or trimmed: Unicode case
+mapping would read ``system`` spelt with a long s (U+017F) as ``SYSTEM``, a spelling no admission
+rule written for the ASCII value would catch, so any other character makes the value unknown. A
+value that is present but unknown (an empty one included) does not stop the search: it is
+reported in :attr:`LevelDecision.rejected` so the caller can audit it, and the next source is
+tried. When no source decides, the pod gets ``QosConfig.default_level``.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ KATALYST_ANNOTATION = "katalyst.kubewharf.io/qos_level"
 KOORDINATOR_KEY = "koordinator.sh/qosClass"
 VOLCANO_ANNOTATION = "volcano.sh/qos-level"
 DEFAULT_SOURCE = "default"
+# What YAML leaves around a value; str.strip() would also take Unicode spaces and separators.
+ASCII_WHITESPACE = " \t\n\r\v\f"
 
 GUARANTEED = "guaranteed"
 BURSTABLE = "burstable"
@@ -151,7 +155,7 @@ def _level_name(value: str) -> str | None:
 
 def _mapped(mapping: Mapping[str, str]) -> Callable[[str], str | None]:
     folded = {code.upper(): level for code, level in mapping.items()}
-    return lambda value: folded.get(value.upper())
+    return lambda value: folded.get(value.upper()) if value.isascii() else None
 
 
 def _candidates(source: str, pod: PodInfo, cfg: QosConfig) -> list[str]:
@@ -170,7 +174,7 @@ def _candidates(source: str, pod: PodInfo, cfg: QosConfig) -> list[str]:
         values = [kubernetes_qos_class(pod.cgroup_parent) or pod.cgroup_parent]
     else:
         raise ValueError(f"unknown QoS level source {source!r}")
-    return [v.strip() for v in values if v is not None]
+    return [v.strip(ASCII_WHITESPACE) for v in values if v is not None]
 
 
 def _interpreter(source: str, cfg: QosConfig) -> Callable[[str], str | None]:

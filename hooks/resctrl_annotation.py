@@ -126,12 +126,17 @@ def parse_annotation(text: str) -> tuple[Allocation | None, tuple[str, ...]]:
         return None, (problem or "unusable annotation",)
     problems: list[str] = []
     parts: dict[str, Any] = {}
+    unknown: list[str] = []
     for key, value in doc.items():
         low = key.lower()
         if low not in ("llc", "mb") or low in parts:
-            problems.append(f"unknown or duplicate key {bounded_repr(key)}")
+            unknown.append(key)
             continue
         parts[low] = value
+    if unknown:
+        # One problem for all of them: a 4 KiB annotation holds hundreds of keys.
+        problems.append(f"unknown or duplicate key{'s' if len(unknown) > 1 else ''} "
+                        f"{_listed([bounded_repr(key, 32) for key in unknown])}")
     l3: tuple[int, int] | None = None
     mb: int | None = None
     l3_per: dict[int, Any] = {}
@@ -163,6 +168,12 @@ class PodPlan:
     problems: tuple[str, ...] = ()
 
 
+def _listed(items: list[str], shown: int = 4) -> str:
+    """``a, b, c, d and 7 more``: a list whose length the input decides, kept short."""
+    text = ", ".join(items[:shown])
+    return f"{text} and {len(items) - shown} more" if len(items) > shown else text
+
+
 def _level_bounds(level: ResctrlLevel | None, cid: int) -> tuple[int, int, int]:
     """(L3 start, L3 end, MB) a pod of this level may use on cache ``cid``."""
     if level is None or not level.enabled:
@@ -180,11 +191,12 @@ def _bounded(alloc: Allocation, level: ResctrlLevel | None, cfg: ResctrlConfig,
     l3: dict[int, tuple[int, int]] = {}
     mb: dict[int, int] = {}
     l3_ok = mb_ok = True
-    for cid in sorted(set(alloc.l3_per_cache) - set(info.l3_ids)):
-        problems.append(f"LLC: no L3 cache id {cid} on this node")
+    # One problem per part, whatever the number of ids the annotation names.
+    if missing := sorted(set(alloc.l3_per_cache) - set(info.l3_ids)):
+        problems.append(f"LLC: no L3 cache id {_listed([str(c) for c in missing])} on this node")
         l3_ok = False
-    for cid in sorted(set(alloc.mb_per_cache) - set(info.mb_ids)):
-        problems.append(f"MB: no MB cache id {cid} on this node")
+    if missing := sorted(set(alloc.mb_per_cache) - set(info.mb_ids)):
+        problems.append(f"MB: no MB cache id {_listed([str(c) for c in missing])} on this node")
         mb_ok = False
     for cid in info.l3_ids if info.has_l3 else ():
         lo, hi, _ = _level_bounds(level, cid)

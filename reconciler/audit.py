@@ -63,6 +63,11 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "memory); node-wide limits use /proc/meminfo."),
     AuditEvent("numa_binding", ("pod_uid", "container", "mems", "reason"),
                "A container's cpuset.mems was changed."),
+    AuditEvent("annotation_ignored", ("pod_uid", "annotation", "reason"),
+               "A pod annotation a background loop reads was not usable, so the node's or the "
+               "level's value applies: the RSS overuse factor, or a memory QoS or oom_score_adj "
+               "annotation the API server changed after the container was created (the "
+               "creation-time answer records its own). Once per pod (and container) and value."),
     AuditEvent("detector_unknown", ("detector", "scope", "reason"),
                "A detector could not read its kernel file (missing, malformed, truncated); its "
                "level is unknown, never taken for no pressure. Once per cause."),

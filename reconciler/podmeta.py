@@ -21,6 +21,14 @@ from hooks.untrusted import bounded_repr
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
+CONFIG_SOURCE_ANNOTATION = "kubernetes.io/config.source"
+"""Where kubelet got a pod from: ``api``, or ``file``/``http`` for a static pod."""
+KUBELET_STAMPED = frozenset({CONFIG_SOURCE_ANNOTATION})
+"""Annotations kubelet writes on its own copy of every pod it runs, over whatever the pod said:
+the runtime is given that copy, so the runtime's value is kubelet's. The API server's copy holds
+what the pod's author wrote, which can be anything (a pod calling itself static would escape
+eviction), so these keys are always taken from the runtime."""
+
 _BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
 _DECIMAL = {"m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 # Exponent alternatives come before the plain "E" suffix so that "1E3" is 1000, while "1E" is

@@ -53,7 +53,7 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
     loops: list[Loop] = [
-        DriftLoop(config, state, sysfs, layout, host.memory_total_bytes),
+        DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics),
         NumaBindingLoop(config, state, sysfs, layout, audit),
     ]

@@ -8,6 +8,9 @@ Two sources, merged here and nowhere else:
   :class:`~reconciler.podmeta.PodMeta` per pod. It adds what NRI does not know (priority, owner
   kind, memory requests) and overrides the annotations and labels NRI saw at creation: the API
   server holds the current ones, so an annotation changed after creation reaches the policies.
+  The exception are annotations kubelet itself stamps on the pods it runs
+  (:data:`~reconciler.podmeta.KUBELET_STAMPED`): the runtime's copy is kubelet's, the API's is
+  the pod author's.
 
 A pod's QoS level is decided here and nowhere else, from the merged view: the CreateContainer
 answer (:meth:`NodeState.pod_view`) and the loops (:meth:`NodeState.snapshot`) read the same
@@ -34,7 +37,7 @@ from types import MappingProxyType
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.qos_level import LevelDecision, QosConfig, resolve_level
-from reconciler.podmeta import PodMeta
+from reconciler.podmeta import KUBELET_STAMPED, PodMeta
 
 Callback = Callable[[], None]
 
@@ -55,6 +58,9 @@ class PodView:
     info: PodInfo
     meta: PodMeta | None
     decision: LevelDecision
+    # Annotations whose value the API's copy changed from the runtime's (set, removed or
+    # different): what only the background loops can have read, after creation.
+    changed_by_api: frozenset[str] = frozenset()
 
     @property
     def level(self) -> str:
@@ -301,7 +307,10 @@ class NodeState:
         if cached is not None and cached[0] is pod and cached[1] is meta and cached[2] is qos:
             return cached[3]
         info = _merge_pod(pod, meta)
-        view = PodView(info, meta, resolve_level(info, qos))
+        changed = frozenset() if meta is None else frozenset(
+            key for key in {*pod.annotations, *info.annotations}
+            if pod.annotations.get(key) != info.annotations.get(key))
+        view = PodView(info, meta, resolve_level(info, qos), changed)
         with self._lock:
             if self._pods.get(pod.id) is pod:
                 self._views[pod.id] = (pod, meta, qos, view)
@@ -314,9 +323,13 @@ class NodeState:
 def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:
     if meta is None:
         return pod
+    annotations = {key: value for key, value in meta.annotations.items()
+                   if key not in KUBELET_STAMPED}
+    annotations.update((key, value) for key, value in pod.annotations.items()
+                       if key in KUBELET_STAMPED)
     return dataclasses.replace(
         pod,
-        annotations=MappingProxyType(dict(meta.annotations)),
+        annotations=MappingProxyType(annotations),
         labels=MappingProxyType(dict(meta.labels)),
         priority=meta.priority if meta.priority is not None else pod.priority,
     )

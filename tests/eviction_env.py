@@ -102,11 +102,13 @@ class Env:
     def add_pod(self, name: str, *, level: str = "reclaimed_cores", anon: int = GIB,
                 priority: int | None = 0, owner: str | None = "ReplicaSet",
                 namespace: str = "batch", fake: FakeApiServer | None = None,
-                **meta: Any) -> FakePod:
+                nri_annotations: dict[str, str] | None = None, **meta: Any) -> FakePod:
+        """``nri_annotations``: more annotations on the runtime's copy (kubelet's)."""
         uid = f"{name:0<8}-0000-0000-0000-000000000000"[:36]
         pod = self.host.add_pod(uid, tier="besteffort" if level == "reclaimed_cores"
                                 else "burstable", name=name, namespace=namespace,
-                                annotations={LEVEL: level}, memory_request=GIB)
+                                annotations={LEVEL: level, **(nri_annotations or {})},
+                                memory_request=GIB)
         self.host.set_pod_anon(pod, anon)
         obj = make_pod(name, namespace=namespace, uid=uid, priority=priority, owner_kind=owner,
                        annotations={LEVEL: level}, memory={"c0": ("1Gi", None)})

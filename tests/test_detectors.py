@@ -360,8 +360,18 @@ def test_rss_overuse_unknown() -> None:
     ("1.05", 1.05, ""),
     ("1.5", 1.05, "not stricter"),
     ("0", 1.05, "not stricter"),
-    ("-1", 1.05, "not stricter"),
-    ("plenty", 1.05, "not a number"),
+    ("0.1", 0.1, ""),  # the smallest factor, exactly
+    ("0.099999", 1.05, "below the smallest"),
+    ("-1", 1.05, "not a decimal number"),
+    ("plenty", 1.05, "not a decimal number"),
+    # float() takes all of these; none is a factor a pod means.
+    ("nan", 1.05, "not a decimal number"),
+    ("-inf", 1.05, "not a decimal number"),
+    ("1e-300", 1.05, "not a decimal number"),
+    ("0_5", 1.05, "not a decimal number"),
+    ("\u0660.\u0665", 1.05, "not a decimal number"),  # Arabic-Indic digits: 0.5
+    ("\u00a00.5", 1.05, "not a decimal number"),  # a no-break space is not ASCII whitespace
+    ("0.5\x00", 1.05, "not a decimal number"),
 ])
 def test_pod_factor_may_only_be_stricter(value: str | None, factor: float, problem: str) -> None:
     annotations = {} if value is None else {"nri-qos.io/rss-overuse-factor": value}

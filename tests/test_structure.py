@@ -21,13 +21,14 @@ FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "l
               "unlink", "iterdir"}
 # (module, call) pairs allowed outside the host layer, and why.
 OWN_FILES = {
-    ("nri_plugin/config/loader.py", "read_text"): "reads the configuration file",
+    ("nri_plugin/config/loader.py", "open"): "reads the configuration file",
     ("nri_plugin/config/store.py", "stat"): "notices a changed configuration file",
     ("nri_plugin/config/store.py", "exists"): "falls back to the embedded defaults",
     ("nri_plugin/simulator.py", "unlink"): "removes the simulated runtime's own socket",
     ("reconciler/eviction/remote.py", "listdir"): "lists the eviction plugins' socket directory",
     ("reconciler/eviction/remote.py", "lstat"): "checks who owns an eviction plugin's socket",
-    ("nri_plugin/config/hook_paths.py", "stat"): "checks an OCI hook executable",
+    ("nri_plugin/config/hook_paths.py", "lstat"): "checks an OCI hook executable and every "
+                                                   "directory and link on its path",
     ("nri_plugin/audit_sinks.py", "open"): "writes the audit file",
     ("nri_plugin/audit_sinks.py", "exists"): "rotates the audit file",
     ("nri_plugin/status.py", "stat"): "removes only its own status socket",

@@ -17,6 +17,7 @@ from hooks.resctrl_groups import (
     pod_group_name,
 )
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
+from hooks.untrusted import bounded
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
@@ -61,7 +62,8 @@ class ResctrlCapability(Reporting, Capability):
         if group is None:
             if placement.class_group_missing:
                 self._audit.record(
-                    "adjustment_skipped", pod_uid=event.pod.uid, container=event.container.name,
+                    "adjustment_skipped", pod_uid=bounded(event.pod.uid),
+                    container=bounded(event.container.name),
                     reason=f"resctrl: class group of {event.level} is missing",
                 )
             return EMPTY_SETTINGS

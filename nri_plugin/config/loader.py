@@ -9,18 +9,24 @@ reported with the full key path (``memory.levels.reclaimed_cores.high_ratio: mus
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
+import os
 import re
+import stat
 import tomllib
 import types
 import typing
 from collections.abc import Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from hooks.config_fields import SettingMeta, frozen_map, meta_of
+from hooks.untrusted import bounded
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+# Digits bounded: no byte size needs more, and a long run of them costs nothing to refuse.
+_SIZE_RE = re.compile(r"^\s*(\d{1,20}(?:\.\d{1,20})?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_FACTORS = {
     "": 1, "B": 1,
     "K": 1000, "KB": 1000, "KI": 1 << 10, "KIB": 1 << 10,
@@ -29,13 +35,21 @@ _SIZE_FACTORS = {
     "T": 1000**4, "TB": 1000**4, "TI": 1 << 40, "TIB": 1 << 40,
 }
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+MAX_FILE_BYTES = 1 << 20
+"""The largest configuration file read: a Kubernetes ConfigMap holds 1 MiB, and the commented
+default is a few dozen KiB."""
+MAX_ERROR_CHARS = 512
+"""An error line keeps this much of what the file said (a key, a value): the rest is cut, with
+its length and hash, so a hostile file cannot flood the terminal or the log."""
 
 
 class ConfigError(Exception):
     """The configuration is invalid; ``errors`` holds one line per problem, with its key path."""
 
     def __init__(self, errors: list[str], source: str = "") -> None:
-        self.errors = tuple(errors)
+        # Bounded, with control characters escaped: keys and values are the file's, and each
+        # line reaches a terminal, the log and an audit record.
+        self.errors = tuple(bounded(error, MAX_ERROR_CHARS) for error in errors)
         self.source = source
         where = f"{source}: " if source else ""
         super().__init__(where + "; ".join(self.errors))
@@ -47,7 +61,8 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"not a byte size: {text!r} (use e.g. 4Gi, 512Mi, 100M or a number)")
     suffix = (m.group(2) or "").upper()
-    return int(float(m.group(1)) * _SIZE_FACTORS[suffix])
+    # Exact arithmetic: a float would overflow to infinity on a long run of digits.
+    return int(Fraction(m.group(1)) * _SIZE_FACTORS[suffix])
 
 
 def _type_name(tp: Any) -> str:
@@ -253,7 +268,11 @@ def _item_meta(meta: SettingMeta) -> SettingMeta:
 
 
 def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+    if isinstance(value, int):
+        # TOML integers are 64-bit, tomllib's are not: one of 20,000 digits has no use in a
+        # message (and Python refuses to print it).
+        return str(value) if -(1 << 63) <= value < 1 << 63 else "an integer beyond 64 bits"
+    return str(int(value)) if value.is_integer() else str(value)
 
 
 def _range_text(low: float | None, high: float | None) -> str:
@@ -283,16 +302,52 @@ def build_config(cls: type[Any], data: Mapping[str, Any], source: str = "") -> A
 def parse_toml(cls: type[Any], text: str, source: str = "") -> Any:
     try:
         data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
+    except ValueError as exc:
+        # TOMLDecodeError, and the ValueError of an integer literal of thousands of digits.
         raise ConfigError([f"invalid TOML: {exc}"], source) from exc
+    except RecursionError as exc:
+        # tomllib parses nested arrays and inline tables recursively.
+        raise ConfigError(["invalid TOML: arrays or inline tables nested too deep"],
+                          source) from exc
     return build_config(cls, data, source)
 
 
 def load_file(cls: type[Any], path: Path) -> Any:
+    """Parse the file at ``path``: a regular file of at most :data:`MAX_FILE_BYTES`, in UTF-8.
+
+    Opened without blocking, so a FIFO or a device named by mistake is refused rather than
+    waited on (at start, at every reload) or read without end."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = _read_regular(path)
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(path)) from exc
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"not UTF-8 text: {exc}"], str(path)) from exc
     return parse_toml(cls, text, str(path))
+
+
+def _read_regular(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(0, f"not a regular file ({_file_kind(st.st_mode)})")
+        chunks, size = [], 0
+        while size <= MAX_FILE_BYTES and (chunk := os.read(fd, MAX_FILE_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            raise OSError(0, f"larger than {MAX_FILE_BYTES} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "an unknown kind")

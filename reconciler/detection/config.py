@@ -20,6 +20,9 @@ RSS_OVERUSE = "rss_overuse"
 FULFILLMENT = "fulfillment"
 DETECTORS = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, RSS_OVERUSE, FULFILLMENT)
 """Every detector's name, as it appears on the readings board and in the audit trail."""
+MIN_RSS_OVERUSE_FACTOR = 0.1
+"""The smallest RSS overuse factor, the node's or a pod's own (a pod flagged at a tenth of its
+request could only mean a mistake)."""
 
 
 def _ordered(values: tuple[tuple[str, float], ...], *, rising: bool) -> list[tuple[str, str]]:
@@ -119,7 +122,7 @@ class DetectionConfig:
     rss_overuse_factor: float = setting(
         1.05, "A shared_cores or reclaimed_cores pod whose anonymous memory exceeds its "
         "memory request x this is high (Katalyst's factor); above its request, low.",
-        minimum=0.1, maximum=100)
+        minimum=MIN_RSS_OVERUSE_FACTOR, maximum=100)
     rss_overuse_annotation: str = setting(
         "nri-qos.io/rss-overuse-factor", "Pod annotation with a factor of its own; it may "
         "only be stricter (lower) than rss_overuse_factor.")

@@ -8,6 +8,7 @@ not parse gives an ``unknown`` sample with the reason, never ``none``. Formulas 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from hooks.untrusted import bounded_repr
 from reconciler.detection.config import (
     FULFILLMENT,
     KSWAPD,
+    MIN_RSS_OVERUSE_FACTOR,
     NUMA_FREE,
     PRESSURE_LEVEL,
     PSI,
@@ -310,18 +312,26 @@ def pod_factor(annotations: Mapping[str, str], key: str,
                node_factor: float) -> tuple[float, str]:
     """The RSS overuse factor for a pod: its annotation when valid and stricter than the node's,
     else the node's; the second item says why an annotation was not used ("" when it was, or
-    when there is none)."""
+    when there is none).
+
+    A valid value is a plain decimal number (``1.01``, surrounding ASCII whitespace ignored) from
+    :data:`MIN_RSS_OVERUSE_FACTOR` up to the node's factor: ``float()`` would also take ``nan``,
+    ``1e-300``, ``1_0`` and digits of other scripts, none of which a pod means as a factor."""
     raw = annotations.get(key)
     if raw is None:
         return node_factor, ""
-    try:
-        factor = float(raw.strip())
-    except ValueError:
-        return node_factor, f"annotation {key}={bounded_repr(raw)} is not a number"
-    if not 0 < factor <= node_factor:
-        return node_factor, (f"annotation {key}={bounded_repr(raw)} is not stricter than the "
-                             f"node's {node_factor:g}")
+    text = raw.strip(" \t\n\r\v\f")
+    if not _DECIMAL.fullmatch(text):
+        return node_factor, f"annotation {key}={bounded_repr(raw)} is not a decimal number"
+    factor = float(text)
+    if not MIN_RSS_OVERUSE_FACTOR <= factor <= node_factor:
+        return node_factor, (f"annotation {key}={bounded_repr(raw)} is outside "
+                             f"[{MIN_RSS_OVERUSE_FACTOR:g}, {node_factor:g}]: not stricter than "
+                             f"the node's factor, or below the smallest one")
     return factor, ""
+
+
+_DECIMAL = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,6})?")
 
 
 def rss_overuse(pod_uid: str, stat: str | None, v2: bool, request_bytes: int, factor: float,

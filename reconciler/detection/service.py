@@ -90,8 +90,12 @@ class DetectorsLoop(Loop):
     name = "detection"
 
     def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
-                 state: NodeState, sysfs: SysFs, host: HostInfo) -> None:
+                 state: NodeState, sysfs: SysFs, host: HostInfo, *,
+                 audit: AuditLog | None = None) -> None:
+        """``audit`` receives an ``annotation_ignored`` record per pod and unusable RSS factor
+        annotation (without it the log has them)."""
         self._config = config
+        self._audit = audit
         self._publisher = publisher
         self._sysfs = sysfs
         self._host = host
@@ -186,8 +190,7 @@ class DetectorsLoop(Loop):
             factor, problem = d.pod_factor(pod.annotations, cfg.rss_overuse_annotation,
                                            cfg.rss_overuse_factor)
             if problem and self._factor_problems.get(pod.uid) != problem:
-                log.warning("rss_overuse_annotation_ignored", pod=pod.name, pod_uid=pod.uid,
-                            reason=problem)
+                self._factor_ignored(pod, cfg.rss_overuse_annotation, problem)
             self._factor_problems[pod.uid] = problem
             samples.append(d.rss_overuse(pod.uid, self._stat(pod), self._host.cgroup.v2,
                                          pod.request_bytes, factor, now))
@@ -195,6 +198,13 @@ class DetectorsLoop(Loop):
         for uid in [u for u in self._factor_problems if u not in live]:
             del self._factor_problems[uid]
         self._publisher.offer(RSS_OVERUSE, samples)
+
+    def _factor_ignored(self, pod: PodMemory, annotation: str, problem: str) -> None:
+        log.warning("rss_overuse_annotation_ignored", pod=pod.name, pod_uid=bounded(pod.uid),
+                    reason=problem)
+        if self._audit is not None:
+            self._audit.record("annotation_ignored", pod_uid=bounded(pod.uid),
+                               annotation=bounded(annotation), reason=problem, pod=pod.name)
 
     def _fulfillment(self, cfg: DetectionConfig, now: float) -> None:
         requests = sum(p.request_bytes for p in self._pods.pods()
@@ -434,7 +444,7 @@ class Detection:
     def __init__(self, config: Callable[[], DetectionSections], board: Board, state: NodeState,
                  sysfs: SysFs, host: HostInfo, audit: AuditLog) -> None:
         self.publisher = Publisher(board, audit, lambda: config().detection)
-        self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host)
+        self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host, audit=audit)
         self.node_psi = NodePsi(config, self.publisher, sysfs, host)
         self.pressure_levels = PressureLevels(config, self.publisher, sysfs, host)
         self._config = config

@@ -12,11 +12,11 @@ from typing import Protocol, TypeVar
 
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.selector import Selector, parse_selector
+from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION
 
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
-"""Set by kubelet on the API's copy (mirror pod) of a static pod."""
-CONFIG_SOURCE_ANNOTATION = "kubernetes.io/config.source"
-"""Where kubelet got a pod from; ``file`` and ``http`` are static pods (``api`` is the API)."""
+"""Set by kubelet on the API's copy (mirror pod) of a static pod. The API server lets nobody add
+it to a pod or change it, and kubelet does not run a pod that has it as a pod of its own."""
 STATIC_SOURCES = frozenset({"file", "http"})
 READ_ANNOTATIONS = frozenset({MIRROR_ANNOTATION, CONFIG_SOURCE_ANNOTATION})
 """The annotations the filter reads; they must be kept with the pod."""

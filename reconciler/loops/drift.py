@@ -11,6 +11,11 @@ Files: cgroup v2 ``memory.min``/``memory.low``/``memory.high`` (the ``memory.*``
 settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes``; and
 ``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``.
 
+A memory QoS or oom_score_adj annotation the API server changed after the container was
+created is read here and nowhere else, so a problem with it is recorded here
+(``annotation_ignored``, once per container and value, the level's values applied); problems
+of the annotations the runtime gave at creation were recorded by the CreateContainer answer.
+
 The same loop is how oom_score_adj reaches containers on runtimes that do not apply it from the
 CreateContainer answer (containerd before 1.7.26): the answer leaves it out
 (``adjustment_deferred``), the loop wakes at StartContainer and writes it, with a reason that
@@ -25,9 +30,11 @@ from typing import Protocol
 import structlog
 
 from hooks.events import Event
-from hooks.memory_qos import MemoryConfig, memory_settings
+from hooks.memory_qos import VOLCANO_ANNOTATION, MemoryConfig, memory_settings
 from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings, merge
+from hooks.untrusted import bounded
+from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import set_oom_score_adj
 from reconciler.host.sysfs import SysFs, same_bytes
@@ -36,6 +43,9 @@ from reconciler.loops.common import Managed, ManagedCache
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+MAX_REASON_CHARS = 1024
+"""The longest reason of one record: the problems of one annotation, each bounded by its policy."""
 
 _V1_FILES = (("memory_limit", "memory.limit_in_bytes"),
              ("memory_reservation", "memory.soft_limit_in_bytes"))
@@ -63,7 +73,11 @@ class DriftLoop(Loop):
     wake_on_meta = True
 
     def __init__(self, config: Callable[[], DriftConfig], state: NodeState, sysfs: SysFs,
-                 layout: CgroupLayout, memory_total: int) -> None:
+                 layout: CgroupLayout, memory_total: int, *,
+                 audit: AuditLog | None = None) -> None:
+        self._audit = audit
+        # (pod uid, container, problems) of the annotations recorded and still unusable
+        self._reported: set[tuple[str, str, str]] = set()
         self._config = config
         self._state = state
         self._sysfs = sysfs
@@ -96,20 +110,45 @@ class DriftLoop(Loop):
             return self._desired
         allocatable = cfg.memory.node_allocatable_bytes or self._memory_total
         desired = []
+        problems: list[tuple[Managed, str, str]] = []
         for item in managed:
             pod, container = item.view.pod.info, item.view.info
+            changed = item.view.pod.changed_by_api
             parts: list[tuple[str, ContainerSettings]] = []
             if cfg.memory.enabled:
-                parts.append(("memory", memory_settings(
-                    pod, container, item.level, cfg.memory, cgroup_v2=self._layout.v2,
-                    node_allocatable=allocatable).settings))
+                memory = memory_settings(pod, container, item.level, cfg.memory,
+                                         cgroup_v2=self._layout.v2, node_allocatable=allocatable)
+                parts.append(("memory", memory.settings))
+                if VOLCANO_ANNOTATION in changed and memory.problems:
+                    problems.append((item, VOLCANO_ANNOTATION, "; ".join(memory.problems)))
             if cfg.oom.enabled:
-                parts.append(("oom", oom_score(pod, container, item.level, cfg.oom).settings))
+                oom = oom_score(pod, container, item.level, cfg.oom)
+                parts.append(("oom", oom.settings))
+                if cfg.oom.annotation in changed and oom.problems:
+                    problems.append((item, cfg.oom.annotation, "; ".join(oom.problems)))
             settings = merge(parts).settings
             if not settings.is_empty():
                 desired.append((item, settings))
+        self._report(problems)
         self._desired_key, self._desired = (managed, cfg), desired
         return desired
+
+    def _report(self, problems: list[tuple[Managed, str, str]]) -> None:
+        """One record per container and annotation (its problems together) while they last:
+        the desired settings, and their problems, are worked out again at every change of the
+        node state, and only a change of the problems is news."""
+        present = set()
+        for item, annotation, problem in problems:
+            pod, name = item.view.pod.info, item.view.info.name
+            key = (pod.uid, name, problem)
+            present.add(key)
+            if key in self._reported or self._audit is None:
+                continue
+            self._audit.record("annotation_ignored", pod_uid=bounded(pod.uid),
+                               container=bounded(name), annotation=bounded(annotation),
+                               reason=bounded(f"{problem}; the {item.level} policy's values "
+                                              "apply", MAX_REASON_CHARS))
+        self._reported = present
 
     def _apply(self, item: Managed, settings: ContainerSettings) -> None:
         sysfs = self._sysfs

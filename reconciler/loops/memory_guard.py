@@ -22,18 +22,23 @@ cycle, from the current limit and from the current usage, so the kernel reclaims
 instead of OOM-killing the tier at once.
 
 While the mitigation ladder squeezes the tier (:class:`GuardSqueeze`, its "tune memcg" rung),
-the tier is held below its current usage::
+the tier is held below the usage it had when the ladder asked (each ask, the engagement and
+every repeat on fresh pressure, carries a new ``tightening`` number)::
 
     tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes,
                 anonymous memory of the tier + squeeze.step_bytes)
 
-as the v1 limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high,
-tight)``, ``memory.max`` unchanged), every cycle: the offline tier reclaims its own page cache
-(v1) or is throttled and reclaims (v2) instead of pushing the node into reclaim that hits online
-pods. The squeeze takes page cache, not anonymous memory (which without swap cannot be
-reclaimed: the kernel would refuse the limit, or OOM-kill offline pods for a rung meant to be
-mild): the tight value stays a step above it. Clearing the squeeze wakes
-the guard, which writes the unsqueezed values at once (a rising cap is not limited).
+and at the cycles in between held where it is, raised only to stay ``step_bytes`` above the
+tier's anonymous memory (``tight = max(tight, anonymous + step_bytes)``). ``tight`` is the v1
+limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high, tight)``,
+``memory.max`` unchanged): the offline tier reclaims its own page cache (v1) or is throttled
+and reclaims (v2) instead of pushing the node into reclaim that hits online pods. The squeeze
+takes page cache, not anonymous memory (which without swap cannot be reclaimed: the kernel
+would refuse the limit, or OOM-kill offline pods for a rung meant to be mild): the tight value
+stays a step above it. It is not lowered again without an ask: lowered at every cycle, it took
+an offline job that kept growing its anonymous memory down to its limit after the pressure had
+ended, and the kernel killed it. Clearing the squeeze wakes the guard, which writes the
+unsqueezed values at once (a rising cap is not limited).
 """
 
 from __future__ import annotations
@@ -130,6 +135,8 @@ class Squeeze:
     floor_bytes: int
     # Why (the detector and its reading), for the audit trail.
     reason: str
+    # Which ask this is: a new number holds the tier a step below its usage again.
+    tightening: int = 0
 
 
 class GuardSqueeze:
@@ -168,9 +175,15 @@ class GuardSqueeze:
 
 
 def squeezed(usage: int, anonymous: int, squeeze: Squeeze) -> int:
-    """The tier's tight limit (see the module doc), in whole pages."""
+    """The tier's tight limit when the ladder asks (see the module doc), in whole pages."""
     tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes, anonymous + squeeze.step_bytes)
     return tight // PAGE_SIZE * PAGE_SIZE
+
+
+def held(previous: int, anonymous: int, squeeze: Squeeze) -> int:
+    """The tight limit at a cycle without a new ask: where it was, a step above the tier's
+    anonymous memory at least, in whole pages."""
+    return max(previous, (anonymous + squeeze.step_bytes) // PAGE_SIZE * PAGE_SIZE)
 
 
 def tier_anonymous(stat: str | None, v2: bool) -> int:
@@ -208,6 +221,8 @@ class MemoryGuardLoop(Loop):
         self._squeeze = squeeze
         self._warned_missing = False
         self._numa_consistent = True
+        # (tightening, tight limit) of the squeeze being held; None when not squeezed.
+        self._held: tuple[int, int] | None = None
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A squeeze set or released wakes the guard."""
@@ -247,7 +262,9 @@ class MemoryGuardLoop(Loop):
             return
         previous = parse_bytes(current_text)
         squeeze = self._squeeze.current() if self._squeeze is not None else None
-        tight = None if squeeze is None else squeezed(
+        if squeeze is None:
+            self._held = None
+        tight = None if squeeze is None else self._tight(
             usage, tier_anonymous(sysfs.read(f"{tier}/memory.stat"), v2), squeeze)
         cap = bounded_cap(target, previous, usage, guard.max_step_bytes)
         if tight is not None and not v2:
@@ -284,6 +301,15 @@ class MemoryGuardLoop(Loop):
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
                                previous_bytes=previous, target_bytes=target, usage_bytes=usage,
                                squeezed=squeeze is not None, **extra)
+
+    def _tight(self, usage: int, anonymous: int, squeeze: Squeeze) -> int:
+        """A step below the usage on a new ask, else the limit held (see the module doc)."""
+        if self._held is None or self._held[0] != squeeze.tightening:
+            tight = squeezed(usage, anonymous, squeeze)
+        else:
+            tight = held(self._held[1], anonymous, squeeze)
+        self._held = (squeeze.tightening, tight)
+        return tight
 
     def _node_view(self, nodes: list[NumaNode],
                    guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:

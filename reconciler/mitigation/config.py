@@ -48,9 +48,18 @@ class TuneRung:
     dry_run: bool = setting(False, "Decide and audit only; write nothing.")
     squeeze_bytes: int = setting(
         64 << 20, "How far below its current usage the reclaimed tier is held (v1 limit, v2 "
-        "memory.high), again at each guard cycle while engaged. 64 MiB: on a 2-core cgroup v1 VM "
-        "holding offline 64 MiB below its usage ended the reclaim that reached online pods "
-        "(online p99 14-28 ms -> 0.6-0.9 ms).", unit="bytes", minimum=1 << 20, maximum=1 << 40)
+        "memory.high) when the rung engages, and again at each repeat while the pressure is "
+        "fresh; in between the tier is held there (raised only to stay this far above its "
+        "anonymous memory). 64 MiB: on a 2-core cgroup v1 VM holding offline 64 MiB below its "
+        "usage ended the reclaim that reached online pods (online p99 14-28 ms -> 0.6-0.9 ms).",
+        unit="bytes", minimum=1 << 20, maximum=1 << 40)
+    repeat_s: float = setting(
+        5.0, "While the level holds, squeeze a step further this often, but only when the "
+        "latest sample itself still shows the pressure: a level held only by hysteresis (the "
+        "signal already quiet) leaves the tier where it is. A squeeze renewed on every period "
+        "regardless took an offline job that grew its memory by 40 MiB/s down to its limit "
+        "30 s after the pressure had ended, and the kernel killed it (bench/colocation.py).",
+        unit="seconds", minimum=0.5, maximum=3600)
     floor_bytes: int = setting(
         256 << 20, "Never squeeze the tier below this.", unit="bytes", minimum=0,
         maximum=1 << 50)

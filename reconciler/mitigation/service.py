@@ -77,7 +77,7 @@ def rungs_of(cfg: LadderSections) -> list[Rung]:
     if not (cfg.reconciler.enabled and m.enabled):
         return []
     specs = {"taint": (m.taint.enabled, m.taint.level, None),
-             "tune": (m.tune.enabled, m.tune.level, None),
+             "tune": (m.tune.enabled, m.tune.level, m.tune.repeat_s),
              "drop_cache": (m.drop_cache.enabled, m.drop_cache.level, m.drop_cache.repeat_s),
              "evict": (m.evict.enabled, m.evict.level, m.evict.repeat_s)}
     return [Rung(name, LEVEL_NAMES[level], repeat) for name in RUNGS
@@ -157,21 +157,25 @@ class Mitigation:
                            dict(self._last))
 
     def assess(self) -> Cause:
-        """The ladder's level and its cause from the board now."""
+        """The ladder's level and its cause from the board now. Of readings at the worst
+        level, one whose latest sample is itself at that level (fresh pressure) is preferred to
+        one held there by hysteresis: a repeated step acts on fresh pressure only."""
         wanted = set(self._config().mitigation.detectors)
         worst: Reading | None = None
-        worst_level = Level.NONE
+        worst_rank = (Level.NONE, False)
         readings = self._board.current()
         for reading in readings:
             if reading.detector not in wanted:
                 continue
             level = reading.level
+            fresh = reading.fresh
             if level is Level.UNKNOWN:
-                level = self._last_known.get(reading.key, Level.NONE)
+                level, fresh = self._last_known.get(reading.key, Level.NONE), False
             else:
                 self._last_known[reading.key] = level
-            if level > worst_level:
-                worst, worst_level = reading, level
+            if level > Level.NONE and (level, fresh) > worst_rank:
+                worst, worst_rank = reading, (level, fresh)
+        worst_level = worst_rank[0]
         present = {r.key for r in readings}
         for key in [k for k in self._last_known if k not in present]:
             del self._last_known[key]

@@ -308,6 +308,45 @@ async def test_the_cause_is_fresh_pressure_rather_than_a_level_held() -> None:
         assert found.detector == "pressure_level"
 
 
+def assessed(cfg: Config, memcg_events: bool, *readings: Reading) -> Level:
+    board = Board()
+    for r in readings:
+        board.publish(r.detector, [r])
+    return Mitigation(lambda: cfg, board, {}, AuditLog(MemoryAuditSink()),
+                      memcg_events=memcg_events).assess().level
+
+
+def with_node_psi(choice: str, **detection: Any) -> Config:
+    cfg = config()
+    return dataclasses.replace(
+        cfg, mitigation=dataclasses.replace(cfg.mitigation, node_psi=choice),
+        detection=dataclasses.replace(cfg.detection, **detection))
+
+
+@pytest.mark.parametrize(("choice", "memcg_events", "drives"), [
+    ("auto", True, False), ("auto", False, True), ("on", True, True), ("on", False, True),
+    ("off", True, False), ("off", False, False)])
+def test_node_psi_drives_the_ladder_where_memcg_events_do_not(
+        choice: str, memcg_events: bool, drives: bool) -> None:
+    node = reading("psi", Level.MEDIUM)
+    assert assessed(with_node_psi(choice), memcg_events, node) is (
+        Level.MEDIUM if drives else Level.NONE)
+    # an online pod's own PSI always counts
+    pod = reading("psi", Level.LOW, pod_scope("web"))
+    assert assessed(with_node_psi(choice), memcg_events, pod) is Level.LOW
+
+
+def test_node_psi_drives_when_the_memcg_events_are_switched_off() -> None:
+    node = reading("psi", Level.LOW)
+    assert assessed(with_node_psi("auto", disabled=("pressure_level",)), True,
+                    node) is Level.LOW
+    assert assessed(with_node_psi("auto", enabled=False), True, node) is Level.LOW
+    cfg = with_node_psi("auto")
+    cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, detectors=("psi", "system_free")))
+    assert assessed(cfg, True, node) is Level.LOW
+
+
 async def test_only_the_configured_detectors_drive_the_ladder() -> None:
     async with Running(config()) as run:
         run.board.publish("rss_overuse", [reading("rss_overuse", Level.HIGH, pod_scope("u"))])

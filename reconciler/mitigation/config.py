@@ -117,6 +117,16 @@ class MitigationConfig:
         "Detectors whose worst level drives the ladder. rss_overuse (one pod's overuse) and "
         "fulfillment (the reclaimed tier's own shortage) are not node pressure: the eviction "
         "manager reads them.", choices=DETECTORS)
+    node_psi: str = setting(
+        "auto", "Whether the node's PSI (/proc/pressure/memory) drives the ladder: on, off, or "
+        "auto: only where the memcg pressure events (pressure_level, cgroup v1) do not run. "
+        "The node's file also counts the offline tier's own reclaim at its cap and squeeze, "
+        "which those events tell apart: measured on a cgroup v1 VM, an offline job reclaiming "
+        "at its squeezed limit stalled 60-75 ms/s (node PSI 'some' up to 45 % in 100 ms "
+        "samples) while the online pods were untouched, and with the node's PSI driving, the "
+        "ladder dropped the job's cache and squeezed it again (bench/colocation.py). It is "
+        "still read and reported; online pods' own PSI (cgroup v2) always counts.",
+        choices=("auto", "on", "off"))
     cooldown_s: float = setting(
         60.0, "A rung is undone after the level stayed below it this long, so pressure that "
         "comes back within a minute does not toggle the node. kubelet and Katalyst hold "

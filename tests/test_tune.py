@@ -83,7 +83,7 @@ def test_v1_limit_is_held_below_usage_then_restored(tmp_path: Path) -> None:
     host.set_tier_usage("besteffort", 4 * GIB - 64 * MIB)
     loop.cycle(6.0)
     assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 64 * MIB
-    # a new ask of the ladder (a repeat on fresh pressure): a step below the usage again
+    # a new ask of the ladder (a repeat on fresh pressure): a step below the limit held
     squeeze.set(dataclasses.replace(SQUEEZE, tightening=1))
     loop.cycle(7.0)
     assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 128 * MIB
@@ -94,6 +94,19 @@ def test_v1_limit_is_held_below_usage_then_restored(tmp_path: Path) -> None:
     # restored at once to the unsqueezed cap: the tier's (now smaller) usage plus the headroom
     assert tier_file(host, "memory.limit_in_bytes") == normal - 64 * MIB
     assert sink.named("memory_guard_cap")[-1]["squeezed"] is False
+
+
+def test_a_new_ask_tightens_from_the_limit_held_not_from_a_usage_that_just_fell(
+        tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 3 * GIB, anon=2 * GIB)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 3 * GIB - 64 * MIB
+    # the job has just freed its 2 GiB buffer, and will take it again in a moment
+    set_anon(host, GIB, 0)
+    squeeze.set(dataclasses.replace(SQUEEZE, tightening=1))
+    loop.cycle(1.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 3 * GIB - 128 * MIB
 
 
 def set_anon(host: FakeHost, usage: int, anon: int) -> None:

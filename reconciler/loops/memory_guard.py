@@ -22,14 +22,15 @@ cycle, from the current limit and from the current usage, so the kernel reclaims
 instead of OOM-killing the tier at once.
 
 While the mitigation ladder squeezes the tier (:class:`GuardSqueeze`, its "tune memcg" rung),
-the tier is held below the usage it had when the ladder asked (each ask, the engagement and
-every repeat on fresh pressure, carries a new ``tightening`` number)::
+the tier is held below the usage it had when the ladder first asked::
 
     tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes,
                 anonymous memory of the tier + squeeze.step_bytes)
 
-and at the cycles in between held where it is, raised only to stay ``step_bytes`` above the
-tier's anonymous memory (``tight = max(tight, anonymous + step_bytes)``). ``tight`` is the v1
+a step lower on each later ask (every repeat on fresh pressure carries a new ``tightening``
+number: the same formula with the limit held in place of the usage), and at the cycles in
+between held where it is, raised only to stay ``step_bytes`` above the tier's anonymous memory
+(``tight = max(tight, anonymous + step_bytes)``). ``tight`` is the v1
 limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high, tight)``,
 ``memory.max`` unchanged): the offline tier reclaims its own page cache (v1) or is throttled
 and reclaims (v2) instead of pushing the node into reclaim that hits online pods. The squeeze
@@ -303,9 +304,14 @@ class MemoryGuardLoop(Loop):
                                squeezed=squeeze is not None, **extra)
 
     def _tight(self, usage: int, anonymous: int, squeeze: Squeeze) -> int:
-        """A step below the usage on a new ask, else the limit held (see the module doc)."""
-        if self._held is None or self._held[0] != squeeze.tightening:
+        """A step below the usage on the first ask, a step below the limit held on a later one,
+        else the limit held (see the module doc)."""
+        if self._held is None:
             tight = squeezed(usage, anonymous, squeeze)
+        elif self._held[0] != squeeze.tightening:
+            # From the limit held, not from the usage: a job that has just freed its buffers
+            # would otherwise be held below what it takes again a moment later.
+            tight = squeezed(self._held[1], anonymous, squeeze)
         else:
             tight = held(self._held[1], anonymous, squeeze)
         self._held = (squeeze.tightening, tight)

@@ -47,9 +47,9 @@ class TuneRung:
                          "allocation costs offline work only.", choices=LEVELS)
     dry_run: bool = setting(False, "Decide and audit only; write nothing.")
     squeeze_bytes: int = setting(
-        64 << 20, "How far below its current usage the reclaimed tier is held (v1 limit, v2 "
-        "memory.high) when the rung engages, and again at each repeat while the pressure is "
-        "fresh; in between the tier is held there (raised only to stay this far above its "
+        64 << 20, "How far below its usage the reclaimed tier is held (v1 limit, v2 "
+        "memory.high) when the rung engages, and how much lower each repeat on fresh pressure "
+        "takes it; in between the tier is held there (raised only to stay this far above its "
         "anonymous memory). 64 MiB: on a 2-core cgroup v1 VM holding offline 64 MiB below its "
         "usage ended the reclaim that reached online pods (online p99 14-28 ms -> 0.6-0.9 ms).",
         unit="bytes", minimum=1 << 20, maximum=1 << 40)

@@ -125,6 +125,8 @@ class Settings:
     offline_input_mib: int
     offline_write_every: int
     modes: tuple[str, ...]
+    # The source tree the agent runs from ("" for this one).
+    agent_source: str = ""
 
 
 # -- one repetition -------------------------------------------------------------------------------
@@ -152,8 +154,9 @@ class Agent:
     """A real ``nri-qos run`` process beside the runtime simulator and a fake API server; an
     async context manager: entered, the agent is synchronized and settled; left, all is gone."""
 
-    def __init__(self, node: KubeletNode, work: Path) -> None:
+    def __init__(self, node: KubeletNode, work: Path, source: Path) -> None:
         self.node = node
+        self.source = source
         self.work = work
         self.audit_file = work / "audit.jsonl"
         self.log_file = work / "agent.log"
@@ -188,7 +191,7 @@ class Agent:
             stack.callback(os.close, log)
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
-                str(self.socket), cwd=REPO, stdout=log, stderr=log)
+                str(self.socket), cwd=self.source, stdout=log, stderr=log)
             stack.push_async_callback(_terminate, process)
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             # Settled: the ladder's release of every rung at start (four records), detection's
@@ -408,7 +411,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                                cpu_request_milli=OFFLINE.cpu_request_milli)
         agent = None
         if mode == "managed":
-            agent = await stack.enter_async_context(Agent(node, work))
+            agent = await stack.enter_async_context(
+                Agent(node, work, Path(settings.agent_source or REPO)))
         online_out, offline_out = work / "online.bin", work / "offline.txt"
 
         async def start(plan: PodPlan, container: Container,
@@ -739,6 +743,9 @@ def main() -> int:
                         help="the offline job's data set, read over and over (its epochs)")
     parser.add_argument("--offline-write-every", type=int, default=8,
                         help="the offline job writes 1 MiB per this many MiB read")
+    parser.add_argument("--agent-from", default="",
+                        help="run the agent from this source tree (python -m nri_plugin there), "
+                             "to compare versions; default: this one")
     parser.add_argument("--data-dir", help="where the data files are kept (reused when there); "
                                            "default: a temporary directory under /var/tmp")
     parser.add_argument("--keep", help="keep each repetition's work directory (agent log, "
@@ -765,7 +772,8 @@ def main() -> int:
             offline_task_s=args.offline_task_s,
             offline_input_mib=args.offline_input_mib,
             offline_write_every=args.offline_write_every,
-            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()))
+            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+            agent_source=str(Path(args.agent_from).resolve()) if args.agent_from else "")
         for gone in sweep("coloc") + sweep("colocdata"):
             print(f"removed a cgroup left by an earlier run: {gone}")
         version = "v2" if v2_memory() else "v1"

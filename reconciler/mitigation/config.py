@@ -122,7 +122,7 @@ class MitigationConfig:
         "auto: only where the memcg pressure events (pressure_level, cgroup v1) do not run. "
         "The node's file also counts the offline tier's own reclaim at its cap and squeeze, "
         "which those events tell apart: measured on a cgroup v1 VM, an offline job reclaiming "
-        "at its squeezed limit stalled 60-75 ms/s (node PSI 'some' up to 45 % in 100 ms "
+        "at its squeezed limit stalled 70-90 ms/s (node PSI 'some' up to 45 % in 100 ms "
         "samples) while the online pods were untouched, and with the node's PSI driving, the "
         "ladder dropped the job's cache and squeezed it again (bench/colocation.py). It is "
         "still read and reported; online pods' own PSI (cgroup v2) always counts.",

@@ -32,10 +32,14 @@ progress per repetition). ``--plot`` draws the latency CDFs and the offline prog
 (matplotlib, the ``bench`` extra).
 
     python bench/colocation.py [--duration 90] [--reps 3] [--quick] [--plot PNG] [--json PATH]
+                               [--keep DIR] [--data-dir DIR] [--agent-from SOURCE_TREE]
     python bench/colocation.py --from-json PATH [--plot PNG]     # the table (and plot) again
 
-Needs root and a memory cgroup controller; every cgroup and process made is removed at the end,
-also on Ctrl-C or SIGTERM (a run killed outright is cleaned up by the next one).
+Needs root and a memory cgroup controller, and about 1.3 GB of disk under /var/tmp for the data
+(written from inside a node, so their page cache is never charged to the machine). Every
+cgroup, process and file made is removed at the end, also on Ctrl-C or SIGTERM; what a run
+killed outright leaves (its node's cgroups with the agent in them, its directory) is removed
+by the next run. ``docs/effectiveness.md`` has a documented run.
 """
 
 from __future__ import annotations
@@ -189,9 +193,13 @@ class Agent:
             stack.push_async_callback(self.simulator.stop)
             log = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             stack.callback(os.close, log)
+            # A node daemon: in the node's system cgroup, so that a run killed outright does
+            # not leave it behind (the next run's sweep ends what is left in the node).
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
-                str(self.socket), cwd=self.source, stdout=log, stderr=log)
+                *self.node.inside(self.node.add_system("nri-qos"), [
+                    sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
+                    "--socket", str(self.socket)], None),
+                cwd=self.source, stdout=log, stderr=log)
             stack.push_async_callback(_terminate, process)
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             # Settled: the ladder's release of every rung at start (four records), detection's
@@ -667,7 +675,9 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
 # -- driving --------------------------------------------------------------------------------------
 
 
-async def run(settings: Settings, data: Path, keep: Path | None) -> list[Repetition]:
+async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> list[Repetition]:
+    """Every repetition, the modes alternating; each in a work directory under ``under``
+    (removed after it unless ``keep``)."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
@@ -676,7 +686,7 @@ async def run(settings: Settings, data: Path, keep: Path | None) -> list[Repetit
     reps: list[Repetition] = []
     order = [(mode, i) for i in range(1, settings.reps + 1) for mode in settings.modes]
     for mode, index in order:
-        work = Path(tempfile.mkdtemp(prefix=f"coloc-{mode}-{index}-", dir=keep))
+        work = Path(tempfile.mkdtemp(prefix=f"coloc-{mode}-{index}-", dir=under))
         try:
             print(f"{mode} repetition {index}/{settings.reps}: {settings.duration_s:g} s",
                   flush=True)
@@ -687,7 +697,7 @@ async def run(settings: Settings, data: Path, keep: Path | None) -> list[Repetit
                   f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); offline "
                   f"{rep.offline_mb:.0f} MB; agent: {rep.actions or '-'}", flush=True)
         finally:
-            if keep is None:
+            if not keep:
                 shutil.rmtree(work, ignore_errors=True)
     return reps
 
@@ -712,13 +722,21 @@ def machine_facts(version: str) -> dict[str, str]:
             "memory": f"{int(meminfo[1]) // 1024 // 1024} GiB", "cgroup": version}
 
 
+RUN_DIRS = Path("/var/tmp")
+RUN_PREFIX = "nri-qos-colocation-"
+
+
 @contextlib.contextmanager
-def data_dir(path: str | None) -> Iterator[Path]:
-    if path:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        yield Path(path)
-        return
-    with tempfile.TemporaryDirectory(prefix="nri-qos-colocation-", dir="/var/tmp") as tmp:
+def run_dir() -> Iterator[Path]:
+    """This run's scratch directory (data files, work directories), removed at the end; one
+    left by a run that was killed outright is removed by the next run."""
+    for old in RUN_DIRS.glob(f"{RUN_PREFIX}*"):
+        pid = old.name[len(RUN_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            print(f"removed a directory left by an earlier run: {old}")
+            shutil.rmtree(old, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{RUN_PREFIX}{os.getpid()}-",
+                                     dir=RUN_DIRS) as tmp:
         yield Path(tmp)
 
 
@@ -747,7 +765,7 @@ def main() -> int:
                         help="run the agent from this source tree (python -m nri_plugin there), "
                              "to compare versions; default: this one")
     parser.add_argument("--data-dir", help="where the data files are kept (reused when there); "
-                                           "default: a temporary directory under /var/tmp")
+                                           "default: this run's directory under /var/tmp")
     parser.add_argument("--keep", help="keep each repetition's work directory (agent log, "
                                        "audit trail, raw samples) under this directory")
     parser.add_argument("--plot", help="draw the latency CDFs and offline progress into this PNG")
@@ -787,12 +805,14 @@ def main() -> int:
               f"buffer at {settings.offline_grow_mib_s:g} MiB/s; streams "
               f"{settings.offline_input_mib} MiB, writes 1 MiB per "
               f"{settings.offline_write_every} MiB read")
-        with data_dir(args.data_dir) as data:
+        with run_dir() as scratch:
+            data = Path(args.data_dir) if args.data_dir else scratch / "data"
+            data.mkdir(parents=True, exist_ok=True)
             prepare_data(data, settings)
-            if args.keep:
-                Path(args.keep).mkdir(parents=True, exist_ok=True)
+            work = Path(args.keep) if args.keep else scratch
+            work.mkdir(parents=True, exist_ok=True)
             try:
-                reps = asyncio.run(run(settings, data, Path(args.keep) if args.keep else None))
+                reps = asyncio.run(run(settings, data, work, keep=bool(args.keep)))
             except (KeyboardInterrupt, asyncio.CancelledError):
                 print("interrupted: every cgroup and process made was removed")
                 return 130

@@ -46,9 +46,10 @@ MAX_NODE_BYTES = 4 * GIB
 """No node may be larger: the machine's own memory is never at risk."""
 PREFIX = "nriqos-"
 _JOIN = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; '
-         'n=$((n - 1)); done; echo "$1" > /proc/self/oom_score_adj || exit 125; shift; '
-         'exec "$@"')
-"""Put the shell into each cgroup, set its oom_score_adj, then become the workload."""
+         'n=$((n - 1)); done; [ "$1" = - ] || echo "$1" > /proc/self/oom_score_adj || exit 125; '
+         'shift; exec "$@"')
+"""Put the shell into each cgroup, set its oom_score_adj ("-": keep it), then become the
+workload."""
 
 
 def v2_memory() -> bool:
@@ -116,6 +117,7 @@ class KubeletNode:
         self._made: list[Path] = []
         self._processes: list[subprocess.Popen[str]] = []
         self._burstable_shares = 0
+        self._made_system = False
         try:
             self._mkdir("", inner=True)
             self._write(self.memory, self._limit_file, str(memory_bytes))
@@ -212,14 +214,28 @@ class KubeletNode:
 
     # -- processes -----------------------------------------------------------------------------
 
+    def add_system(self, name: str) -> str:
+        """A cgroup for a node daemon beside ``kubepods`` (in the memory kubelet keeps from
+        pods); its path relative to the node."""
+        if not self._made_system:
+            self._mkdir("system", inner=True)
+            self._made_system = True
+        rel = f"system/{name}"
+        self._mkdir(rel, inner=False)
+        return rel
+
+    def inside(self, rel: str, argv: list[str], oom_score_adj: int | None) -> list[str]:
+        """``argv`` wrapped so that it starts inside ``rel`` (every hierarchy) with
+        ``oom_score_adj`` (None: inherited), before it runs any code of its own."""
+        procs = [str(root / rel / "cgroup.procs") for root in self._roots()]
+        adj = "-" if oom_score_adj is None else str(oom_score_adj)
+        return ["/bin/sh", "-c", _JOIN, "sh", str(len(procs)), *procs, adj, *argv]
+
     def spawn(self, rel: str, argv: list[str], *, oom_score_adj: int,
               stdout: int | IO[str] | None = subprocess.PIPE) -> subprocess.Popen[str]:
-        """Start ``argv`` inside ``rel`` (every hierarchy) with ``oom_score_adj``, before it
-        runs any code of its own."""
-        procs = [str(root / rel / "cgroup.procs") for root in self._roots()]
-        process = subprocess.Popen(
-            ["/bin/sh", "-c", _JOIN, "sh", str(len(procs)), *procs, str(oom_score_adj), *argv],
-            stdin=subprocess.PIPE, stdout=stdout, text=True)
+        """Start ``argv`` inside ``rel`` (:meth:`inside`); killed by :meth:`close`."""
+        process = subprocess.Popen(self.inside(rel, argv, oom_score_adj),
+                                   stdin=subprocess.PIPE, stdout=stdout, text=True)
         self._processes.append(process)
         return process
 

@@ -188,6 +188,25 @@ def test_subscribers_hear_changes_only() -> None:
     assert calls == [1, 1]
 
 
+def test_a_new_ask_of_the_ladder_is_not_held_back_by_the_wake_gap(tmp_path: Path) -> None:
+    _, loop, squeeze, _ = guard(tmp_path, 1, 4 * GIB)
+    usual = loop.wake_gap()
+    assert usual == 0.5  # a tenth of the 5 s period
+    loop.cycle(0.0)
+    assert loop.wake_gap() == usual
+    squeeze.set(SQUEEZE)  # a squeeze right after a cycle: that cycle did not see it
+    assert loop.wake_gap() == 0.0
+    loop.cycle(0.1)
+    assert loop.wake_gap() == usual
+    squeeze.set(dataclasses.replace(SQUEEZE, tightening=1))
+    assert loop.wake_gap() == 0.0
+    loop.cycle(0.2)
+    squeeze.set(None)  # a release too
+    assert loop.wake_gap() == 0.0
+    loop.cycle(0.3)
+    assert loop.wake_gap() == usual
+
+
 async def test_a_squeeze_wakes_the_guard_at_once(tmp_path: Path) -> None:
     host, loop, squeeze, _ = guard(tmp_path, 1, 4 * GIB)
     stop = asyncio.Event()

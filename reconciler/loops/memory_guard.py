@@ -224,6 +224,8 @@ class MemoryGuardLoop(Loop):
         self._numa_consistent = True
         # (tightening, tight limit) of the squeeze being held; None when not squeezed.
         self._held: tuple[int, int] | None = None
+        # The ladder's ask as the last cycle saw it.
+        self._seen: int | None = None
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A squeeze set or released wakes the guard."""
@@ -234,7 +236,21 @@ class MemoryGuardLoop(Loop):
     def interval(self) -> float:
         return self._config().memory_guard.interval_s
 
+    def wake_gap(self) -> float:
+        """0 when the ladder's squeeze changed since the last cycle began: its ask is urgent (the
+        node is reclaiming from online pods now), unlike a burst of container churn. The
+        usual gap made the squeeze that follows a release wait up to half a second."""
+        if self._asked() != self._seen:
+            return 0.0
+        return super().wake_gap()
+
+    def _asked(self) -> int | None:
+        """The ladder's current ask (its tightening number; None: not squeezed)."""
+        squeeze = self._squeeze.current() if self._squeeze is not None else None
+        return None if squeeze is None else squeeze.tightening
+
     def cycle(self, now: float) -> None:
+        self._seen = self._asked()
         cfg = self._config()
         guard = cfg.memory_guard
         if not (cfg.reconciler.enabled and guard.enabled):

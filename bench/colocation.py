@@ -45,6 +45,7 @@ by the next run. ``docs/effectiveness.md`` has a documented run.
 from __future__ import annotations
 
 import argparse
+import array
 import asyncio
 import bisect
 import contextlib
@@ -155,8 +156,9 @@ class Repetition:
 
 
 class Agent:
-    """A real ``nri-qos run`` process beside the runtime simulator and a fake API server; an
-    async context manager: entered, the agent is synchronized and settled; left, all is gone."""
+    """A real ``nri-qos run`` process (in the node's system cgroup, a node daemon) beside the
+    runtime simulator and a fake API server; an async context manager: entered, the agent is
+    synchronized and settled; left, all is gone."""
 
     def __init__(self, node: KubeletNode, work: Path, source: Path) -> None:
         self.node = node
@@ -338,8 +340,7 @@ def indicator_deltas(before: dict[str, int | None], after: dict[str, int | None]
 
 
 def read_latencies(path: Path) -> list[tuple[int, int]]:
-    import array
-
+    """The online workload's (start, duration) pairs, in ns."""
     values = array.array("q")
     if path.exists():
         data = path.read_bytes()
@@ -568,7 +569,7 @@ def actions_text(actions: Counter[str], reps: int) -> str:
     """The agent's actions, per repetition on average when several are pooled."""
     def n(key: str) -> str:
         count = sum(v for k, v in actions.items() if k.startswith(key))
-        return f"{count / reps:g}"
+        return f"{count / reps:.1f}".removesuffix(".0")
 
     return (f"tune {n('tune engage')}+{n('tune release')} rel, squeeze writes "
             f"{n('squeeze limit writes')}, taint {n('taint engage')}, drop_cache "

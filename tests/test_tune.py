@@ -283,7 +283,7 @@ async def test_a_repeat_tightens_on_fresh_pressure_only(tmp_path: Path) -> None:
     fresh = Cause(Level.LOW, reading(Level.LOW, Level.LOW))
     result = await action.repeat(fresh, dry_run=False)
     assert result.result == "done"
-    assert "below its usage again" in result.detail
+    assert "held 67108864 B below the limit held" in result.detail
     second = squeeze.current()
     assert second is not None
     assert second.tightening > first.tightening

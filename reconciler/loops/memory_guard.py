@@ -136,7 +136,7 @@ class Squeeze:
     floor_bytes: int
     # Why (the detector and its reading), for the audit trail.
     reason: str
-    # Which ask this is: a new number holds the tier a step below its usage again.
+    # Which ask this is: a new number takes the tier a step lower (the first: below its usage).
     tightening: int = 0
 
 

@@ -192,7 +192,7 @@ class TuneAction:
         # wmark_ratio file -> the value it had before the rung engaged
         self._saved: dict[str, str] = {}
         # Counts every squeeze asked for (engage, and each repeat on fresh pressure): a new
-        # number tells the guard to hold the tier a step below its usage again.
+        # number tells the guard to take the tier a step lower.
         self._tightenings = 0
         target = "memory.high" if self._v2 else "memory limit"
         log.info("tune_memcg_variants", squeeze=f"the reclaimed tier's {target}",
@@ -203,16 +203,16 @@ class TuneAction:
         return self._reconciler_enabled() and self._config().memory_guard.enabled
 
     async def engage(self, cause: Cause, dry_run: bool) -> Result:
-        return await self._tighten(cause, dry_run, "")
+        return await self._tighten(cause, dry_run, "below its usage")
 
-    async def _tighten(self, cause: Cause, dry_run: bool, again: str) -> Result:
+    async def _tighten(self, cause: Cause, dry_run: bool, where: str) -> Result:
         rung = self._config().mitigation.tune
         parts = []
         guard = self._guard_on()
         target = "memory.high" if self._v2 else "limit"
         if guard:
-            parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B below its usage"
-                         f"{again} (floor {rung.floor_bytes} B)")
+            parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B {where} "
+                         f"(floor {rung.floor_bytes} B)")
         if self._wmark:
             parts.append(f"memory.wmark_ratio {rung.wmark_ratio} on reclaimed pods")
         if not parts:
@@ -240,7 +240,7 @@ class TuneAction:
         if cause.reading is not None and not cause.reading.fresh:
             return Result(UNCHANGED, "held where it is: the pressure is no longer fresh "
                                      f"({cause.reading.reason})")
-        return await self._tighten(cause, dry_run, " again")
+        return await self._tighten(cause, dry_run, "below the limit held")
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
         if dry_run:

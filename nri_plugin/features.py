@@ -23,6 +23,7 @@ from reconciler.detection.config import (
 from reconciler.detection.service import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
+from reconciler.mitigation.service import node_psi_drives
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +142,12 @@ def _numa_free(cfg: Config, host: HostInfo) -> Feature:
 def _psi(cfg: Config, host: HostInfo) -> Feature:
     path, reason = psi_path(cfg.detection, host)
     pods = "; each online pod's memory.pressure" if host.cgroup.v2 else ""
-    return Feature(path != "off", f"{reason}{pods}")
+    drives = node_psi_drives(cfg, not pressure_level_problem(host))
+    ladder = "" if drives else (
+        "; the node's PSI is reported but does not drive the ladder (mitigation.node_psi "
+        f"{cfg.mitigation.node_psi}: memory.pressure_level tells the offline tier's own reclaim "
+        "apart)")
+    return Feature(path != "off", f"{reason}{pods}{ladder}")
 
 
 def _pressure_level(cfg: Config, host: HostInfo) -> Feature:

@@ -105,7 +105,7 @@ def test_a_rung_switched_off_is_released_at_once() -> None:
 def test_rungs_come_from_the_configuration() -> None:
     cfg = Config()
     assert [(r.name, r.level, r.repeat_s) for r in rungs_of(cfg)] == [
-        ("taint", Level.LOW, None), ("tune", Level.LOW, None),
+        ("taint", Level.LOW, None), ("tune", Level.LOW, 5.0),
         ("drop_cache", Level.MEDIUM, 30.0), ("evict", Level.HIGH, 5.0)]
     off = dataclasses.replace(cfg, mitigation=dataclasses.replace(
         cfg.mitigation, tune=dataclasses.replace(cfg.mitigation.tune, enabled=False),
@@ -282,6 +282,69 @@ async def test_a_detector_unknown_from_the_start_does_not_block_releases() -> No
         await run.until(lambda: len(run.calls) == 2)
         run.board.publish("psi", [reading("psi", Level.NONE)])
         await run.until(lambda: len(run.calls) == 4)
+
+
+async def test_the_cause_is_fresh_pressure_rather_than_a_level_held() -> None:
+    async with Running(config()) as run:
+        held = dataclasses.replace(reading("psi", Level.LOW), raw=Level.NONE)
+        fresh = dataclasses.replace(reading("pressure_level", Level.LOW, "tier:kubepods"),
+                                    raw=Level.LOW)
+        run.board.publish("psi", [held])
+        assert run.mitigation.assess().reading == held
+        run.board.publish("pressure_level", [fresh])
+        assert run.mitigation.assess().reading == fresh
+        # a worse level wins even when only held
+        worse = dataclasses.replace(reading("psi", Level.MEDIUM), raw=Level.NONE)
+        run.board.publish("psi", [worse])
+        assert run.mitigation.assess().reading == worse
+        # an unknown reading standing for its last known level is never fresh
+        run.board.publish("psi", [reading("psi", Level.UNKNOWN)])
+        cause = run.mitigation.assess()
+        assert cause.level is Level.MEDIUM
+        run.board.publish("pressure_level", [dataclasses.replace(fresh, level=Level.MEDIUM,
+                                                                 raw=Level.MEDIUM)])
+        found = run.mitigation.assess().reading
+        assert found is not None
+        assert found.detector == "pressure_level"
+
+
+def assessed(cfg: Config, memcg_events: bool, *readings: Reading) -> Level:
+    board = Board()
+    for r in readings:
+        board.publish(r.detector, [r])
+    return Mitigation(lambda: cfg, board, {}, AuditLog(MemoryAuditSink()),
+                      memcg_events=memcg_events).assess().level
+
+
+def with_node_psi(choice: str, **detection: Any) -> Config:
+    cfg = config()
+    return dataclasses.replace(
+        cfg, mitigation=dataclasses.replace(cfg.mitigation, node_psi=choice),
+        detection=dataclasses.replace(cfg.detection, **detection))
+
+
+@pytest.mark.parametrize(("choice", "memcg_events", "drives"), [
+    ("auto", True, False), ("auto", False, True), ("on", True, True), ("on", False, True),
+    ("off", True, False), ("off", False, False)])
+def test_node_psi_drives_the_ladder_where_memcg_events_do_not(
+        choice: str, memcg_events: bool, drives: bool) -> None:
+    node = reading("psi", Level.MEDIUM)
+    assert assessed(with_node_psi(choice), memcg_events, node) is (
+        Level.MEDIUM if drives else Level.NONE)
+    # an online pod's own PSI always counts
+    pod = reading("psi", Level.LOW, pod_scope("web"))
+    assert assessed(with_node_psi(choice), memcg_events, pod) is Level.LOW
+
+
+def test_node_psi_drives_when_the_memcg_events_are_switched_off() -> None:
+    node = reading("psi", Level.LOW)
+    assert assessed(with_node_psi("auto", disabled=("pressure_level",)), True,
+                    node) is Level.LOW
+    assert assessed(with_node_psi("auto", enabled=False), True, node) is Level.LOW
+    cfg = with_node_psi("auto")
+    cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, detectors=("psi", "system_free")))
+    assert assessed(cfg, True, node) is Level.LOW
 
 
 async def test_only_the_configured_detectors_drive_the_ladder() -> None:

@@ -101,6 +101,15 @@ def test_psi_path_follows_the_accepted_trigger_window(tmp_path: Path) -> None:
     assert features(Config(), none)["detection.psi"][0] is False
 
 
+def test_whether_the_nodes_psi_drives_the_ladder_is_reported(tmp_path: Path) -> None:
+    detail = features(Config(), host_of(tmp_path / "v1", 1))["detection.psi"][1]
+    assert detail.endswith("; the node's PSI is reported but does not drive the ladder "
+                           "(mitigation.node_psi auto: memory.pressure_level tells the offline "
+                           "tier's own reclaim apart)")
+    for host in (host_of(tmp_path / "bare", 1, pressure_level=False), host_of(tmp_path / "v2", 2)):
+        assert "drive the ladder" not in features(Config(), host)["detection.psi"][1]
+
+
 def test_switches_are_reported(tmp_path: Path) -> None:
     cfg = Config()
     cfg = dataclasses.replace(

@@ -57,6 +57,17 @@ def test_exit_drops_to_the_raw_level_and_the_reading_carries_that_threshold() ->
     assert (left.level, left.threshold) == (Level.LOW, 10.0)
 
 
+def test_a_reading_says_whether_its_own_sample_is_at_the_level() -> None:
+    s = Smoother()
+    feed(s, [Level.MEDIUM])
+    entered = s.update(sample(Level.MEDIUM, 1.0), entry_samples=N, cooldown_s=COOLDOWN)
+    assert (entered.level, entered.raw, entered.fresh) == (Level.MEDIUM, Level.MEDIUM, True)
+    higher = s.update(sample(Level.HIGH, 2.0), entry_samples=N, cooldown_s=COOLDOWN)
+    assert (higher.level, higher.raw, higher.fresh) == (Level.MEDIUM, Level.HIGH, True)
+    held = s.update(sample(Level.LOW, 3.0), entry_samples=N, cooldown_s=COOLDOWN)
+    assert (held.level, held.raw, held.fresh) == (Level.MEDIUM, Level.LOW, False)
+
+
 def test_a_flapping_signal_holds_its_level() -> None:
     s = Smoother()
     feed(s, [Level.LOW, Level.LOW])

@@ -1,5 +1,6 @@
-"""The tune-memcg rung: the memory guard squeezed (v1 limit, v2 memory.high) and released,
-woken at once; memory.wmark_ratio where the kernel has it; dry-run and missing knobs."""
+"""The tune-memcg rung: the memory guard squeezed (v1 limit, v2 memory.high), held, tightened
+again on fresh pressure only, raised with anonymous memory, released, woken at once;
+memory.wmark_ratio where the kernel has it; dry-run and missing knobs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
-from reconciler.detection.signals import Level
+from reconciler.detection.signals import Level, Reading
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
@@ -78,15 +79,64 @@ def test_v1_limit_is_held_below_usage_then_restored(tmp_path: Path) -> None:
     assert record["squeezed"] is True
     assert record["previous_bytes"] == normal
     assert "squeezed to" in sink.named("cgroup_write")[-1]["reason"]
-    # the tier reclaimed down to its limit: the next cycle holds it a step lower again
+    # the tier reclaimed down to its limit: later cycles hold it there, no lower
     host.set_tier_usage("besteffort", 4 * GIB - 64 * MIB)
     loop.cycle(6.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 64 * MIB
+    # a new ask of the ladder (a repeat on fresh pressure): a step below the limit held
+    squeeze.set(dataclasses.replace(SQUEEZE, tightening=1))
+    loop.cycle(7.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 128 * MIB
+    loop.cycle(12.0)
     assert tier_file(host, "memory.limit_in_bytes") == 4 * GIB - 128 * MIB
     squeeze.set(None)
-    loop.cycle(7.0)
+    loop.cycle(13.0)
     # restored at once to the unsqueezed cap: the tier's (now smaller) usage plus the headroom
     assert tier_file(host, "memory.limit_in_bytes") == normal - 64 * MIB
     assert sink.named("memory_guard_cap")[-1]["squeezed"] is False
+
+
+def test_a_new_ask_tightens_from_the_limit_held_not_from_a_usage_that_just_fell(
+        tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 3 * GIB, anon=2 * GIB)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 3 * GIB - 64 * MIB
+    # the job has just freed its 2 GiB buffer, and will take it again in a moment
+    set_anon(host, GIB, 0)
+    squeeze.set(dataclasses.replace(SQUEEZE, tightening=1))
+    loop.cycle(1.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 3 * GIB - 128 * MIB
+
+
+def set_anon(host: FakeHost, usage: int, anon: int) -> None:
+    host.set_tier_usage("besteffort", usage)
+    (host.tier_dir("besteffort") / "memory.stat").write_text(
+        f"cache 0\nrss 0\ntotal_cache {usage - anon}\ntotal_rss {anon}\n")
+
+
+def test_a_held_squeeze_rises_with_anonymous_memory(tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 2 * GIB, anon=GIB)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 2 * GIB - 64 * MIB
+    # the offline job grew its anonymous memory into its own page cache, up to a step below
+    # the limit: still held...
+    set_anon(host, 2 * GIB - 64 * MIB, 2 * GIB - 128 * MIB)
+    loop.cycle(5.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 2 * GIB - 64 * MIB
+    # ...one page more and the limit rises with it, to stay a step above it whatever the
+    # pressure (anonymous memory cannot be reclaimed without swap: the kernel would kill)
+    set_anon(host, 2 * GIB - 64 * MIB, 2 * GIB - 128 * MIB + PAGE)
+    loop.cycle(10.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 2 * GIB - 64 * MIB + PAGE
+    set_anon(host, 2 * GIB - 64 * MIB, 2 * GIB - 64 * MIB)
+    loop.cycle(12.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 2 * GIB
+    # it shrank again: the limit stays where it went
+    set_anon(host, GIB, GIB - 64 * MIB)
+    loop.cycle(15.0)
+    assert tier_file(host, "memory.limit_in_bytes") == 2 * GIB
 
 
 def test_v1_squeeze_spares_anonymous_memory_and_the_floor(tmp_path: Path) -> None:
@@ -136,6 +186,25 @@ def test_subscribers_hear_changes_only() -> None:
     stop()
     squeeze.set(SQUEEZE)
     assert calls == [1, 1]
+
+
+def test_a_new_ask_of_the_ladder_is_not_held_back_by_the_wake_gap(tmp_path: Path) -> None:
+    _, loop, squeeze, _ = guard(tmp_path, 1, 4 * GIB)
+    usual = loop.wake_gap()
+    assert usual == 0.5  # a tenth of the 5 s period
+    loop.cycle(0.0)
+    assert loop.wake_gap() == usual
+    squeeze.set(SQUEEZE)  # a squeeze right after a cycle: that cycle did not see it
+    assert loop.wake_gap() == 0.0
+    loop.cycle(0.1)
+    assert loop.wake_gap() == usual
+    squeeze.set(dataclasses.replace(SQUEEZE, tightening=1))
+    assert loop.wake_gap() == 0.0
+    loop.cycle(0.2)
+    squeeze.set(None)  # a release too
+    assert loop.wake_gap() == 0.0
+    loop.cycle(0.3)
+    assert loop.wake_gap() == usual
 
 
 async def test_a_squeeze_wakes_the_guard_at_once(tmp_path: Path) -> None:
@@ -198,6 +267,37 @@ async def test_tune_engages_and_releases_the_squeeze(tmp_path: Path) -> None:
     assert (await action.release(cause, dry_run=False)).result == "done"
     assert squeeze.current() is None
     assert (await action.release(cause, dry_run=False)).result == "unchanged"
+
+
+def reading(level: Level, raw: Level | None) -> Reading:
+    return Reading("pressure_level", "tier:kubepods", level, 1.0, 1.0, "events",
+                   "memory.pressure_level low", raw=raw)
+
+
+async def test_a_repeat_tightens_on_fresh_pressure_only(tmp_path: Path) -> None:
+    action, squeeze, _, _ = tune(tmp_path, wmark=False)
+    await action.engage(Cause(Level.LOW, reading(Level.LOW, Level.LOW)), dry_run=False)
+    first = squeeze.current()
+    assert first is not None
+    # the latest sample still shows the pressure: another step
+    fresh = Cause(Level.LOW, reading(Level.LOW, Level.LOW))
+    result = await action.repeat(fresh, dry_run=False)
+    assert result.result == "done"
+    assert "held 67108864 B below the limit held" in result.detail
+    second = squeeze.current()
+    assert second is not None
+    assert second.tightening > first.tightening
+    assert second.reason == fresh.text()
+    # the level is only held by hysteresis: the tier stays where it is
+    held = Cause(Level.LOW, reading(Level.LOW, Level.NONE))
+    result = await action.repeat(held, dry_run=False)
+    assert result.result == "unchanged"
+    assert "no longer fresh" in result.detail
+    assert squeeze.current() == second
+    # a cause without a reading (or one that does not say) counts as fresh
+    assert (await action.repeat(Cause(Level.LOW), dry_run=False)).result == "done"
+    assert (await action.repeat(Cause(Level.LOW, reading(Level.LOW, None)),
+                                dry_run=False)).result == "done"
 
 
 async def test_tune_dry_run_changes_nothing(tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ class Sample:
     def reading(self, level: Level) -> Reading:
         """The published reading, at the (smoothed) ``level``."""
         return Reading(self.detector, self.scope, level, self.value, self.threshold(level),
-                       self.unit, self.reason, self.pod_uid, self.at)
+                       self.unit, self.reason, self.pod_uid, self.at, self.level)
 
 
 def unknown(detector: str, scope: str, reason: str, at: float,

@@ -61,10 +61,19 @@ class Reading:
     pod_uid: str | None = None
     # The event loop's time of the sample.
     at: float = 0.0
+    # The level of this sample alone, before smoothing (None: not known). Below ``level``
+    # while hysteresis holds a level the signal has already left.
+    raw: Level | None = None
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.detector, self.scope)
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the latest sample itself is at the level reported (not only held by
+        hysteresis); readings that do not say count as fresh."""
+        return self.raw is None or self.raw >= self.level
 
 
 class Board:

@@ -22,18 +22,24 @@ cycle, from the current limit and from the current usage, so the kernel reclaims
 instead of OOM-killing the tier at once.
 
 While the mitigation ladder squeezes the tier (:class:`GuardSqueeze`, its "tune memcg" rung),
-the tier is held below its current usage::
+the tier is held below the usage it had when the ladder first asked::
 
     tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes,
                 anonymous memory of the tier + squeeze.step_bytes)
 
-as the v1 limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high,
-tight)``, ``memory.max`` unchanged), every cycle: the offline tier reclaims its own page cache
-(v1) or is throttled and reclaims (v2) instead of pushing the node into reclaim that hits online
-pods. The squeeze takes page cache, not anonymous memory (which without swap cannot be
-reclaimed: the kernel would refuse the limit, or OOM-kill offline pods for a rung meant to be
-mild): the tight value stays a step above it. Clearing the squeeze wakes
-the guard, which writes the unsqueezed values at once (a rising cap is not limited).
+a step lower on each later ask (every repeat on fresh pressure carries a new ``tightening``
+number: the same formula with the limit held in place of the usage), and at the cycles in
+between held where it is, raised only to stay ``step_bytes`` above the tier's anonymous memory
+(``tight = max(tight, anonymous + step_bytes)``). ``tight`` is the v1
+limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high, tight)``,
+``memory.max`` unchanged): the offline tier reclaims its own page cache (v1) or is throttled
+and reclaims (v2) instead of pushing the node into reclaim that hits online pods. The squeeze
+takes page cache, not anonymous memory (which without swap cannot be reclaimed: the kernel
+would refuse the limit, or OOM-kill offline pods for a rung meant to be mild): the tight value
+stays a step above it. It is not lowered again without an ask: lowered at every cycle, it took
+an offline job that kept growing its anonymous memory down to its limit after the pressure had
+ended, and the kernel killed it. Clearing the squeeze wakes the guard, which writes the
+unsqueezed values at once (a rising cap is not limited).
 """
 
 from __future__ import annotations
@@ -131,6 +137,8 @@ class Squeeze:
     floor_bytes: int
     # Why (the detector and its reading), for the audit trail.
     reason: str
+    # Which ask this is: a new number takes the tier a step lower (the first: below its usage).
+    tightening: int = 0
 
 
 class GuardSqueeze:
@@ -160,9 +168,15 @@ class GuardSqueeze:
 
 
 def squeezed(usage: int, anonymous: int, squeeze: Squeeze) -> int:
-    """The tier's tight limit (see the module doc), in whole pages."""
+    """The tier's tight limit when the ladder asks (see the module doc), in whole pages."""
     tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes, anonymous + squeeze.step_bytes)
     return tight // PAGE_SIZE * PAGE_SIZE
+
+
+def held(previous: int, anonymous: int, squeeze: Squeeze) -> int:
+    """The tight limit at a cycle without a new ask: where it was, a step above the tier's
+    anonymous memory at least, in whole pages."""
+    return max(previous, (anonymous + squeeze.step_bytes) // PAGE_SIZE * PAGE_SIZE)
 
 
 def tier_anonymous(stat: str | None, v2: bool) -> int:
@@ -200,6 +214,10 @@ class MemoryGuardLoop(Loop):
         self._squeeze = squeeze
         self._warned_missing = False
         self._numa_consistent = True
+        # (tightening, tight limit) of the squeeze being held; None when not squeezed.
+        self._held: tuple[int, int] | None = None
+        # The ladder's ask as the last cycle saw it.
+        self._seen: int | None = None
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A squeeze set or released wakes the guard."""
@@ -210,7 +228,21 @@ class MemoryGuardLoop(Loop):
     def interval(self) -> float:
         return self._config().memory_guard.interval_s
 
+    def wake_gap(self) -> float:
+        """0 when the ladder's squeeze changed since the last cycle began: its ask is urgent (the
+        node is reclaiming from online pods now), unlike a burst of container churn. The
+        usual gap made the squeeze that follows a release wait up to half a second."""
+        if self._asked() != self._seen:
+            return 0.0
+        return super().wake_gap()
+
+    def _asked(self) -> int | None:
+        """The ladder's current ask (its tightening number; None: not squeezed)."""
+        squeeze = self._squeeze.current() if self._squeeze is not None else None
+        return None if squeeze is None else squeeze.tightening
+
     def cycle(self, now: float) -> None:
+        self._seen = self._asked()
         cfg = self._config()
         guard = cfg.memory_guard
         if not (cfg.reconciler.enabled and guard.enabled):
@@ -239,7 +271,9 @@ class MemoryGuardLoop(Loop):
             return
         previous = parse_bytes(current_text)
         squeeze = self._squeeze.current() if self._squeeze is not None else None
-        tight = None if squeeze is None else squeezed(
+        if squeeze is None:
+            self._held = None
+        tight = None if squeeze is None else self._tight(
             usage, tier_anonymous(sysfs.read(f"{tier}/memory.stat"), v2), squeeze)
         cap = bounded_cap(target, previous, usage, guard.max_step_bytes)
         if tight is not None and not v2:
@@ -276,6 +310,20 @@ class MemoryGuardLoop(Loop):
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
                                previous_bytes=previous, target_bytes=target, usage_bytes=usage,
                                squeezed=squeeze is not None, **extra)
+
+    def _tight(self, usage: int, anonymous: int, squeeze: Squeeze) -> int:
+        """A step below the usage on the first ask, a step below the limit held on a later one,
+        else the limit held (see the module doc)."""
+        if self._held is None:
+            tight = squeezed(usage, anonymous, squeeze)
+        elif self._held[0] != squeeze.tightening:
+            # From the limit held, not from the usage: a job that has just freed its buffers
+            # would otherwise be held below what it takes again a moment later.
+            tight = squeezed(self._held[1], anonymous, squeeze)
+        else:
+            tight = held(self._held[1], anonymous, squeeze)
+        self._held = (squeeze.tightening, tight)
+        return tight
 
     def _node_view(self, nodes: list[NumaNode],
                    guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:

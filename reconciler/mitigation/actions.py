@@ -191,6 +191,9 @@ class TuneAction:
         self._v2 = host.cgroup.v2
         # wmark_ratio file -> the value it had before the rung engaged
         self._saved: dict[str, str] = {}
+        # Counts every squeeze asked for (engage, and each repeat on fresh pressure): a new
+        # number tells the guard to take the tier a step lower.
+        self._tightenings = 0
         target = "memory.high" if self._v2 else "memory limit"
         log.info("tune_memcg_variants", squeeze=f"the reclaimed tier's {target}",
                  wmark_ratio="reclaimed pods" if self._wmark else
@@ -200,12 +203,15 @@ class TuneAction:
         return self._reconciler_enabled() and self._config().memory_guard.enabled
 
     async def engage(self, cause: Cause, dry_run: bool) -> Result:
+        return await self._tighten(cause, dry_run, "below its usage")
+
+    async def _tighten(self, cause: Cause, dry_run: bool, where: str) -> Result:
         rung = self._config().mitigation.tune
         parts = []
         guard = self._guard_on()
         target = "memory.high" if self._v2 else "limit"
         if guard:
-            parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B below its usage "
+            parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B {where} "
                          f"(floor {rung.floor_bytes} B)")
         if self._wmark:
             parts.append(f"memory.wmark_ratio {rung.wmark_ratio} on reclaimed pods")
@@ -216,7 +222,9 @@ class TuneAction:
         if dry_run:
             return Result(DRY_RUN, f"would set {what}")
         if guard:
-            self._squeeze.set(Squeeze(rung.squeeze_bytes, rung.floor_bytes, cause.text()))
+            self._tightenings += 1
+            self._squeeze.set(Squeeze(rung.squeeze_bytes, rung.floor_bytes, cause.text(),
+                                      self._tightenings))
         else:
             what += " (memory guard off: no squeeze)"
         if self._wmark:
@@ -226,7 +234,13 @@ class TuneAction:
         return Result(DONE, what)
 
     async def repeat(self, cause: Cause, dry_run: bool) -> Result:
-        return await self.engage(cause, dry_run)
+        """Tighten again only while the pressure is fresh: once the signal has dropped (its
+        level only held by hysteresis), the tier stays where it is (a squeeze renewed every
+        period would take the offline tier down to its floor after the pressure ended)."""
+        if cause.reading is not None and not cause.reading.fresh:
+            return Result(UNCHANGED, "held where it is: the pressure is no longer fresh "
+                                     f"({cause.reading.reason})")
+        return await self._tighten(cause, dry_run, "below the limit held")
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
         if dry_run:

@@ -47,10 +47,19 @@ class TuneRung:
                          "allocation costs offline work only.", choices=LEVELS)
     dry_run: bool = setting(False, "Decide and audit only; write nothing.")
     squeeze_bytes: int = setting(
-        64 << 20, "How far below its current usage the reclaimed tier is held (v1 limit, v2 "
-        "memory.high), again at each guard cycle while engaged. 64 MiB: on a 2-core cgroup v1 VM "
-        "holding offline 64 MiB below its usage ended the reclaim that reached online pods "
-        "(online p99 14-28 ms -> 0.6-0.9 ms).", unit="bytes", minimum=1 << 20, maximum=1 << 40)
+        64 << 20, "How far below its usage the reclaimed tier is held (v1 limit, v2 "
+        "memory.high) when the rung engages, and how much lower each repeat on fresh pressure "
+        "takes it; in between the tier is held there (raised only to stay this far above its "
+        "anonymous memory). 64 MiB: on a 2-core cgroup v1 VM holding offline 64 MiB below its "
+        "usage ended the reclaim that reached online pods (online p99 14-28 ms -> 0.6-0.9 ms).",
+        unit="bytes", minimum=1 << 20, maximum=1 << 40)
+    repeat_s: float = setting(
+        5.0, "While the level holds, squeeze a step further this often, but only when the "
+        "latest sample itself still shows the pressure: a level held only by hysteresis (the "
+        "signal already quiet) leaves the tier where it is. A squeeze renewed on every period "
+        "regardless took an offline job that grew its memory by 40 MiB/s down to its limit "
+        "30 s after the pressure had ended, and the kernel killed it (bench/colocation.py).",
+        unit="seconds", minimum=0.5, maximum=3600)
     floor_bytes: int = setting(
         256 << 20, "Never squeeze the tier below this.", unit="bytes", minimum=0,
         maximum=1 << 50)
@@ -108,6 +117,16 @@ class MitigationConfig:
         "Detectors whose worst level drives the ladder. rss_overuse (one pod's overuse) and "
         "fulfillment (the reclaimed tier's own shortage) are not node pressure: the eviction "
         "manager reads them.", choices=DETECTORS)
+    node_psi: str = setting(
+        "auto", "Whether the node's PSI (/proc/pressure/memory) drives the ladder: on, off, or "
+        "auto: only where the memcg pressure events (pressure_level, cgroup v1) do not run. "
+        "The node's file also counts the offline tier's own reclaim at its cap and squeeze, "
+        "which those events tell apart: measured on a cgroup v1 VM, an offline job reclaiming "
+        "at its squeezed limit stalled 70-90 ms/s (node PSI 'some' up to 45 % in 100 ms "
+        "samples) while the online pods were untouched, and with the node's PSI driving, the "
+        "ladder dropped the job's cache and squeezed it again (bench/colocation.py). It is "
+        "still read and reported; online pods' own PSI (cgroup v2) always counts.",
+        choices=("auto", "on", "off"))
     cooldown_s: float = setting(
         60.0, "A rung is undone after the level stayed below it this long, so pressure that "
         "comes back within a minute does not toggle the node. kubelet and Katalyst hold "

@@ -26,8 +26,10 @@ import structlog
 
 from reconciler.aio import sleep_until
 from reconciler.audit import AuditLog
+from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
-from reconciler.detection.signals import Board, Level, Reading
+from reconciler.detection.service import pressure_level_problem
+from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions
@@ -65,10 +67,26 @@ class LadderSections(Protocol):
     def reconciler(self) -> ReconcilerConfig: ...
 
     @property
+    def detection(self) -> DetectionConfig: ...
+
+    @property
     def mitigation(self) -> MitigationConfig: ...
 
     @property
     def memory_guard(self) -> MemoryGuardConfig: ...
+
+
+def node_psi_drives(cfg: LadderSections, memcg_events: bool) -> bool:
+    """Whether the node's PSI counts for the ladder (``mitigation.node_psi``); ``memcg_events``:
+    the host has memcg pressure notifications. ``auto``: only where those events do not drive
+    the ladder (absent, or switched off for detection or for the ladder)."""
+    choice = cfg.mitigation.node_psi
+    if choice != "auto":
+        return choice == "on"
+    detection = cfg.detection
+    events = (memcg_events and detection.enabled and PRESSURE_LEVEL not in detection.disabled
+              and PRESSURE_LEVEL in cfg.mitigation.detectors)
+    return not events
 
 
 def rungs_of(cfg: LadderSections) -> list[Rung]:
@@ -77,7 +95,7 @@ def rungs_of(cfg: LadderSections) -> list[Rung]:
     if not (cfg.reconciler.enabled and m.enabled):
         return []
     specs = {"taint": (m.taint.enabled, m.taint.level, None),
-             "tune": (m.tune.enabled, m.tune.level, None),
+             "tune": (m.tune.enabled, m.tune.level, m.tune.repeat_s),
              "drop_cache": (m.drop_cache.enabled, m.drop_cache.level, m.drop_cache.repeat_s),
              "evict": (m.evict.enabled, m.evict.level, m.evict.repeat_s)}
     return [Rung(name, LEVEL_NAMES[level], repeat) for name in RUNGS
@@ -136,8 +154,11 @@ class Mitigation:
                  clock: Callable[[], float] | None = None,
                  close: Callable[[], None] = lambda: None,
                  metrics: Metrics | None = None,
-                 taints: Callable[[], list[PlacedTaint]] = list) -> None:
+                 taints: Callable[[], list[PlacedTaint]] = list,
+                 memcg_events: bool = False) -> None:
         self._config = config
+        # The host has memcg pressure notifications (for mitigation.node_psi = auto).
+        self._memcg_events = memcg_events
         self._metrics = metrics
         # The taints the ladder has on the node now (for status).
         self.taints = taints
@@ -157,21 +178,28 @@ class Mitigation:
                            dict(self._last))
 
     def assess(self) -> Cause:
-        """The ladder's level and its cause from the board now."""
-        wanted = set(self._config().mitigation.detectors)
+        """The ladder's level and its cause from the board now. Of readings at the worst
+        level, one whose latest sample is itself at that level (fresh pressure) is preferred to
+        one held there by hysteresis: a repeated step acts on fresh pressure only."""
+        cfg = self._config()
+        wanted = set(cfg.mitigation.detectors)
+        node_psi = node_psi_drives(cfg, self._memcg_events)
         worst: Reading | None = None
-        worst_level = Level.NONE
+        worst_rank = (Level.NONE, False)
         readings = self._board.current()
         for reading in readings:
-            if reading.detector not in wanted:
+            if reading.detector not in wanted or (
+                    reading.detector == PSI and reading.scope == NODE and not node_psi):
                 continue
             level = reading.level
+            fresh = reading.fresh
             if level is Level.UNKNOWN:
-                level = self._last_known.get(reading.key, Level.NONE)
+                level, fresh = self._last_known.get(reading.key, Level.NONE), False
             else:
                 self._last_known[reading.key] = level
-            if level > worst_level:
-                worst, worst_level = reading, level
+            if level > Level.NONE and (level, fresh) > worst_rank:
+                worst, worst_rank = reading, (level, fresh)
+        worst_level = worst_rank[0]
         present = {r.key for r in readings}
         for key in [k for k in self._last_known if k not in present]:
             del self._last_known[key]
@@ -272,4 +300,4 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
         "evict": EvictAction(evictor),
     }
     return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
-                      taints=taint.placed)
+                      taints=taint.placed, memcg_events=not pressure_level_problem(host))

@@ -31,6 +31,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
+from reconciler.k8s import KubernetesConfig, build_api_client
+
 
 @dataclass
 class Recorded:
@@ -134,6 +136,26 @@ def write_kubeconfig(path: Path, server: str, token: str | None = None) -> Path:
     }
     path.write_text(yaml.safe_dump(doc))
     return path
+
+
+def client_config(directory: Path, server: FakeApiServer, *, request_timeout_s: float,
+                  retry_max_s: float) -> KubernetesConfig:
+    """The agent's ``[kubernetes]`` settings for ``server``, through a kubeconfig written in
+    ``directory``."""
+    kubeconfig = write_kubeconfig(directory / "kubeconfig", server.url)
+    return KubernetesConfig(kubeconfig=str(kubeconfig), request_timeout_s=request_timeout_s,
+                            retry_max_s=retry_max_s)
+
+
+@contextlib.contextmanager
+def api_client(cfg: KubernetesConfig) -> Iterator[Any]:
+    """The kubernetes client the agent builds from ``cfg``, closed afterwards."""
+    client = build_api_client(cfg)
+    assert client is not None
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 def status_body(code: int, reason: str, message: str, **extra: Any) -> dict[str, Any]:

@@ -26,11 +26,15 @@ from reconciler.k8s import (
     KubernetesConfig,
     NodeOutcome,
     PodWatcher,
-    build_api_client,
 )
 from reconciler.podmeta import PodMeta
 from tests.eviction_env import NODE, forced, make_env
-from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+from tests.fake_apiserver import (
+    FakeApiServer,
+    api_client,
+    client_config,
+    make_pod,
+)
 
 BOUND_S = 10.0
 
@@ -44,16 +48,13 @@ def fake() -> Iterator[FakeApiServer]:
 
 @pytest.fixture
 def cfg(tmp_path: Path, fake: FakeApiServer) -> KubernetesConfig:
-    path = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
-    return KubernetesConfig(kubeconfig=str(path), request_timeout_s=2.0, retry_max_s=0.05)
+    return client_config(tmp_path, fake, request_timeout_s=2.0, retry_max_s=0.05)
 
 
 @pytest.fixture
 def api(cfg: KubernetesConfig) -> Iterator[Any]:
-    client = build_api_client(cfg)
-    assert client is not None
-    yield client
-    client.close()
+    with api_client(cfg) as client:
+        yield client
 
 
 async def watch_until(api: Any, cfg: KubernetesConfig, names: set[str],

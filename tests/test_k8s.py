@@ -30,7 +30,13 @@ from reconciler.k8s import (
     node_name,
 )
 from reconciler.podmeta import PodMeta
-from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+from tests.fake_apiserver import (
+    FakeApiServer,
+    api_client,
+    client_config,
+    make_pod,
+    write_kubeconfig,
+)
 
 # Upper bound for anything to arrive; tests never wait that long unless something is broken.
 BOUND_S = 10.0
@@ -44,16 +50,13 @@ def fake() -> Iterator[FakeApiServer]:
 
 @pytest.fixture
 def cfg(tmp_path: Path, fake: FakeApiServer) -> KubernetesConfig:
-    path = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
-    return KubernetesConfig(kubeconfig=str(path), request_timeout_s=5.0, retry_max_s=0.2)
+    return client_config(tmp_path, fake, request_timeout_s=5.0, retry_max_s=0.2)
 
 
 @pytest.fixture
 def api(cfg: KubernetesConfig) -> Iterator[Any]:
-    client = build_api_client(cfg)
-    assert client is not None
-    yield client
-    client.close()
+    with api_client(cfg) as client:
+        yield client
 
 
 @dataclass

@@ -16,7 +16,7 @@ field the policies asked for into one of three routes:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hooks.settings import EMPTY_SETTINGS, Conflict, ContainerSettings, merge
@@ -27,6 +27,9 @@ from protos import nri_api_pb2 as api
 FIELD_NAMES = ("rdt_class", "memory_limit", "memory_reservation", "oom_score_adj", "unified",
                "annotations", "hooks")
 """The settings fields the policies produce."""
+
+_COLLECTIONS = frozenset({"unified", "annotations", "hooks"})
+"""The fields that are a collection: empty sets nothing (a number set to 0 is a value)."""
 
 _RUNTIME_FIELD = {"memory_limit": "memory", "memory_reservation": "memory",
                   "oom_score_adj": "oom_score_adj", "unified": "unified",
@@ -73,7 +76,7 @@ def decide(parts: Sequence[tuple[str, ContainerSettings]], support: RuntimeSuppo
     cleared: dict[str, object] = {}
     for name in FIELD_NAMES:
         value = getattr(settings, name)
-        if value is None or (isinstance(value, tuple | Mapping) and not value):
+        if value is None or (name in _COLLECTIONS and not value):
             continue
         way = route(name, support, clos_setting, reconciler_fields)
         if way == "adjustment":

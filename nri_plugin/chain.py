@@ -88,10 +88,20 @@ class _Run:
 
 
 def run_inline(calls: Sequence[Call]) -> ChainOutcome:
-    """Every call, here and now: each only computes, so there is nothing a deadline could cut."""
-    run = _Run(calls)
-    run()
-    return run.collect(0.0)
+    """Every call, here and now: each only computes, so there is nothing a deadline could cut.
+
+    No other thread sees this run, so it goes without :class:`_Run`'s lock: this is the path of
+    every CreateContainer."""
+    parts: list[tuple[str, ContainerSettings]] = []
+    failures: list[tuple[str, str]] = []
+    for name, call in calls:
+        part, failure = _call(call)
+        if part is not None:
+            parts.append((name, part))
+        if failure is not None:
+            failures.append((name, failure))
+    return ChainOutcome(parts=tuple(parts), failures=tuple(failures), unfinished=(),
+                        deadline_ms=0.0)
 
 
 async def run_threaded(calls: Sequence[Call], executor: Executor,

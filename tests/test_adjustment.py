@@ -1,0 +1,41 @@
+"""adjustment.decide: which route each field the policies set takes on a given runtime."""
+
+from __future__ import annotations
+
+from hooks.settings import ContainerSettings
+from nri_plugin.adjustment import decide, encode
+from nri_plugin.runtime_support import RuntimeSupport
+from protos import nri_api_pb2 as api
+
+RECONCILED = frozenset({"oom_score_adj", "unified", "memory_limit", "memory_reservation",
+                        "rdt_class"})
+# containerd 1.7.27 applies oom_score_adj; 1.7.20 does not (docs/nri-protocol.md).
+APPLIES_OOM = RuntimeSupport.detect("0.8.0", "containerd", "v1.7.27")
+DROPS_OOM = RuntimeSupport.detect("0.8.0", "containerd", "v1.7.20")
+
+
+def test_oom_score_adj_zero_is_a_value_the_answer_carries() -> None:
+    decided = decide([("oom", ContainerSettings(oom_score_adj=0))], APPLIES_OOM, "auto",
+                     RECONCILED)
+    assert decided.settings.oom_score_adj == 0
+    assert decided.deferred == ()
+    assert decided.dropped == ()
+    response = api.CreateContainerResponse.FromString(encode(decided))
+    assert response.adjust.linux.oom_score_adj.value == 0
+    assert response.adjust.linux.HasField("oom_score_adj")
+
+
+def test_oom_score_adj_zero_the_runtime_drops_goes_to_the_reconciler() -> None:
+    decided = decide([("oom", ContainerSettings(oom_score_adj=0))], DROPS_OOM, "auto",
+                     RECONCILED)
+    assert decided.settings.oom_score_adj is None
+    assert decided.deferred == ("oom_score_adj",)
+
+
+def test_oom_score_adj_zero_nothing_applies_is_reported_dropped() -> None:
+    decided = decide([("oom", ContainerSettings(oom_score_adj=0))], DROPS_OOM, "auto",
+                     frozenset())
+    assert decided.settings.oom_score_adj is None
+    assert decided.dropped == (("oom_score_adj",
+                                "runtime does not apply oom_score_adj adjustments"),)
+

@@ -206,7 +206,6 @@ class Demultiplexer:
         self._plugin = FrameDecoder()
         self._runtime = FrameDecoder()
         self._conns = {PLUGIN_SERVICE_CONN: self._plugin, RUNTIME_SERVICE_CONN: self._runtime}
-        self._error: str | None = None
 
     @property
     def dropped_frames(self) -> int:
@@ -230,15 +229,10 @@ class Demultiplexer:
         frames completed earlier in the same call are not returned, and all further input is
         refused.
         """
-        if self._error is not None:
-            raise ProtocolError(f"demultiplexer already failed: {self._error}")
         out: list[tuple[int, Frame]] = []
         conns = self._conns
-        try:
-            pieces = self._mux.feed(data)
-        except ProtocolError as exc:
-            self._error = str(exc)
-            raise
+        # The mux stream remembers a lost framing and refuses everything after it.
+        pieces = self._mux.feed(data)
         for conn_id, piece, _ in pieces:
             if piece:
                 out += ((conn_id, frame) for frame in conns[conn_id].feed(piece))

@@ -606,6 +606,7 @@ class PluginStub:
         once when every capability of the event runs inline, else an awaitable of it. Writes
         the event's one canonical log line."""
         started = self._clock()
+        outcome: ChainOutcome | None = None
         try:
             prepared = self._prepare(event, pod_msg, container_msg)
             if prepared is None:
@@ -617,13 +618,15 @@ class PluginStub:
             if self._inline[event]:
                 with self._context(prepared):
                     outcome = run_inline(prepared.calls)
-                return self._finish(prepared, outcome, pod_msg, container_msg, started)
         except RpcError as exc:
             self._log_event(event, pod_msg, container_msg, started, "error", exc.message)
             self._forget_removed(event, pod_msg)
             raise
         except Exception as exc:
             return self._failed(event, exc, pod_msg, container_msg, started)
+        # Outside the try: _finish logs, counts and forgets the pod itself, also when it raises.
+        if outcome is not None:
+            return self._finish(prepared, outcome, pod_msg, container_msg, started)
         return self._finish_later(prepared, pod_msg, container_msg, started)
 
     async def _finish_later(self, prepared: _Prepared, pod_msg: api.PodSandbox,

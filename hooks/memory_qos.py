@@ -105,6 +105,13 @@ class MemoryConfig:
     )
 
 
+def memory_qos_active(cfg: MemoryConfig) -> bool:
+    """Whether memory QoS can set anything: switched on, and either the Volcano annotation is
+    honoured or some level has a policy."""
+    return cfg.enabled and (cfg.volcano_annotation
+                            or any(level.policy != "none" for level in cfg.levels.values()))
+
+
 VOLCANO_ANNOTATION = "volcano.sh/colocation-config"
 MAX_ANNOTATION_CHARS = 16384
 _VOLCANO_DEFAULTS = {"highratio": 100, "lowratio": 0, "minratio": 0}

@@ -63,6 +63,16 @@ def route(field: str, support: RuntimeSupport, clos_setting: str,
     return "reconciler" if field in reconciler_fields else "none"
 
 
+def routes(support: RuntimeSupport, clos_setting: str,
+           reconciler_fields: frozenset[str]) -> dict[str, list[str]]:
+    """Every settings field by its :func:`route` on this runtime, keyed ``adjustment``,
+    ``reconciler`` and ``none`` (each list in :data:`FIELD_NAMES` order, maybe empty)."""
+    found: dict[str, list[str]] = {"adjustment": [], "reconciler": [], "none": []}
+    for field in FIELD_NAMES:
+        found[route(field, support, clos_setting, reconciler_fields)].append(field)
+    return found
+
+
 def decide(parts: Sequence[tuple[str, ContainerSettings]], support: RuntimeSupport,
            clos_setting: str, reconciler_fields: frozenset[str]) -> Adjustment:
     """Merge ``parts`` and keep what the runtime applies (see the module doc)."""

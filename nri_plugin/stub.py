@@ -413,10 +413,8 @@ class PluginStub:
 
     def _log_routes(self, support: RuntimeSupport) -> None:
         """Say once per connection which settings reach containers which way."""
-        clos = self._config().resctrl.clos_field
-        routes: dict[str, list[str]] = {"adjustment": [], "reconciler": [], "none": []}
-        for field in adjustment.FIELD_NAMES:
-            routes[adjustment.route(field, support, clos, self._reconciler_fields)].append(field)
+        routes = adjustment.routes(support, self._config().resctrl.clos_field,
+                                   self._reconciler_fields)
         log.info("runtime_fields", basis=support.basis, via_adjustment=routes["adjustment"],
                  via_reconciler=routes["reconciler"], not_applied=routes["none"])
 

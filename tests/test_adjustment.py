@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hooks.settings import ContainerSettings
-from nri_plugin.adjustment import decide, encode
+from nri_plugin.adjustment import FIELD_NAMES, decide, encode, route, routes
 from nri_plugin.runtime_support import RuntimeSupport
 from protos import nri_api_pb2 as api
 
@@ -39,3 +39,12 @@ def test_oom_score_adj_zero_nothing_applies_is_reported_dropped() -> None:
     assert decided.dropped == (("oom_score_adj",
                                 "runtime does not apply oom_score_adj adjustments"),)
 
+
+
+def test_routes_sort_every_field_by_its_route() -> None:
+    found = routes(DROPS_OOM, "auto", RECONCILED)
+    assert "oom_score_adj" in found["reconciler"]
+    assert "oom_score_adj" in routes(APPLIES_OOM, "auto", RECONCILED)["adjustment"]
+    assert sorted(f for fields in found.values() for f in fields) == sorted(FIELD_NAMES)
+    for way, fields in found.items():
+        assert fields == [f for f in FIELD_NAMES if route(f, DROPS_OOM, "auto", RECONCILED) == way]

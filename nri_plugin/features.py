@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hooks.memory_qos import memory_qos_active
+from hooks.oci_hooks import level_hooks
 from nri_plugin.config.schema import Config
 from reconciler.detection.config import (
     FULFILLMENT,
@@ -64,8 +65,8 @@ def _oom(cfg: Config, host: HostInfo) -> Feature:
 
 
 def _oci_hooks(cfg: Config, host: HostInfo) -> Feature:
-    levels = sorted(level for level, hooks in cfg.oci_hooks.levels.items()
-                    if any(getattr(hooks, stage) for stage in hooks.__dataclass_fields__))
+    levels = sorted(level for level in cfg.oci_hooks.levels
+                    if level_hooks(level, cfg.oci_hooks))
     if not levels:
         return Feature(False, "no hooks configured")
     return Feature(True, f"hooks for {', '.join(levels)}")

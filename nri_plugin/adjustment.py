@@ -107,6 +107,23 @@ def _why(field: str, clos_setting: str) -> str:
     return f"runtime does not apply {field} adjustments"
 
 
+def set_fields(settings: ContainerSettings) -> list[str]:
+    """The fields ``settings`` sets, in :data:`FIELD_NAMES` order: a map by its keys
+    (``unified.memory.high``, ``annotations.<key>``), the hooks as one ``hooks``."""
+    fields: list[str] = []
+    for name in FIELD_NAMES:
+        value = getattr(settings, name)
+        if name not in _COLLECTIONS:
+            if value is not None:
+                fields.append(name)
+        elif name == "hooks":
+            if value:
+                fields.append(name)
+        else:
+            fields += [f"{name}.{key}" for key in value]
+    return fields
+
+
 def encode(adjustment: Adjustment) -> bytes:
     """The CreateContainerResponse; an adjustment that sets nothing is an empty payload."""
     if adjustment.settings.is_empty():

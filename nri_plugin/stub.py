@@ -817,7 +817,7 @@ class PluginStub:
 
     def _record_applied(self, pod_uid: str, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
-        fields = _set_fields(decided)
+        fields = adjustment.set_fields(decided.settings)
         self._audit.record("adjustment_applied", pod_uid=bounded(pod_uid),
                            container=bounded(container), qos_level=level, fields=fields)
         if self._metrics is not None:
@@ -905,17 +905,6 @@ async def _marked(pending: Awaitable[bytes]) -> bytes:
     # Each waiting request runs in its own task, hence its own context: this marks only this one.
     _in_handler.set(True)
     return await pending
-
-
-def _set_fields(decided: adjustment.Adjustment) -> list[str]:
-    settings = decided.settings
-    fields = [name for name in ("rdt_class", "memory_limit", "memory_reservation",
-                                "oom_score_adj") if getattr(settings, name) is not None]
-    fields += [f"unified.{key}" for key in settings.unified]
-    fields += [f"annotations.{key}" for key in settings.annotations]
-    if settings.hooks:
-        fields.append("hooks")
-    return fields
 
 
 def _over_limit(sync: _SyncProgress, limits: PluginConfig) -> str | None:

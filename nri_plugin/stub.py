@@ -670,7 +670,7 @@ class PluginStub:
     def _feed(self, event: Event, view: PodView, container: ContainerInfo | None) -> None:
         """Keep the node state current (inline: a dict update under a briefly held lock)."""
         if container is None:
-            self._state.pod_event(view.info.id, event)
+            self._state.pod_event(event)
         elif event is Event.REMOVE_CONTAINER:
             self._state.remove_container(container, event)
         elif self._tracking:

@@ -38,7 +38,7 @@ from typing import Any
 from hooks.annotation_json import json_object
 from hooks.config_fields import frozen_map, percent, setting
 from hooks.levels import LEVEL_NAMES
-from hooks.model import ContainerInfo, PodInfo
+from hooks.model import MAX_ANNOTATION_CHARS, ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
 from hooks.untrusted import bounded_repr
 
@@ -105,8 +105,14 @@ class MemoryConfig:
     )
 
 
+def memory_qos_active(cfg: MemoryConfig) -> bool:
+    """Whether memory QoS can set anything: switched on, and either the Volcano annotation is
+    honoured or some level has a policy."""
+    return cfg.enabled and (cfg.volcano_annotation
+                            or any(level.policy != "none" for level in cfg.levels.values()))
+
+
 VOLCANO_ANNOTATION = "volcano.sh/colocation-config"
-MAX_ANNOTATION_CHARS = 16384
 _VOLCANO_DEFAULTS = {"highratio": 100, "lowratio": 0, "minratio": 0}
 _RATIO_KEYS = {"highratio": "highRatio", "lowratio": "lowRatio", "minratio": "minRatio"}
 RESET = MappingProxyType({"memory.high": "max", "memory.low": "0", "memory.min": "0"})

@@ -41,16 +41,6 @@ class OciHooksConfig:
     )
 
 
-_STAGES: tuple[tuple[HookStage, str], ...] = (
-    (HookStage.PRESTART, "prestart"),
-    (HookStage.CREATE_RUNTIME, "create_runtime"),
-    (HookStage.CREATE_CONTAINER, "create_container"),
-    (HookStage.START_CONTAINER, "start_container"),
-    (HookStage.POSTSTART, "poststart"),
-    (HookStage.POSTSTOP, "poststop"),
-)
-
-
 def _spec(stage: HookStage, hook: OciHook) -> OciHookSpec:
     return OciHookSpec(stage=stage, path=hook.path, args=hook.args, env=hook.env,
                        timeout_s=hook.timeout_s or None)
@@ -61,7 +51,9 @@ def level_hooks(level_name: str, cfg: OciHooksConfig) -> tuple[OciHookSpec, ...]
     level: OciLevelHooks | None = cfg.levels.get(level_name)
     if level is None:
         return ()
-    return tuple(_spec(stage, hook) for stage, attr in _STAGES for hook in getattr(level, attr))
+    # Each stage's hooks are the OciLevelHooks field named by the stage's value.
+    return tuple(_spec(stage, hook) for stage in HookStage
+                 for hook in getattr(level, stage.value))
 
 
 def any_hooks(cfg: OciHooksConfig) -> bool:

@@ -63,6 +63,16 @@ def route(field: str, support: RuntimeSupport, clos_setting: str,
     return "reconciler" if field in reconciler_fields else "none"
 
 
+def routes(support: RuntimeSupport, clos_setting: str,
+           reconciler_fields: frozenset[str]) -> dict[str, list[str]]:
+    """Every settings field by its :func:`route` on this runtime, keyed ``adjustment``,
+    ``reconciler`` and ``none`` (each list in :data:`FIELD_NAMES` order, maybe empty)."""
+    found: dict[str, list[str]] = {"adjustment": [], "reconciler": [], "none": []}
+    for field in FIELD_NAMES:
+        found[route(field, support, clos_setting, reconciler_fields)].append(field)
+    return found
+
+
 def decide(parts: Sequence[tuple[str, ContainerSettings]], support: RuntimeSupport,
            clos_setting: str, reconciler_fields: frozenset[str]) -> Adjustment:
     """Merge ``parts`` and keep what the runtime applies (see the module doc)."""
@@ -95,6 +105,23 @@ def _why(field: str, clos_setting: str) -> str:
     if field == "rdt_class":
         return f"runtime applies no CLOS field (resctrl.clos_field = {clos_setting})"
     return f"runtime does not apply {field} adjustments"
+
+
+def set_fields(settings: ContainerSettings) -> list[str]:
+    """The fields ``settings`` sets, in :data:`FIELD_NAMES` order: a map by its keys
+    (``unified.memory.high``, ``annotations.<key>``), the hooks as one ``hooks``."""
+    fields: list[str] = []
+    for name in FIELD_NAMES:
+        value = getattr(settings, name)
+        if name not in _COLLECTIONS:
+            if value is not None:
+                fields.append(name)
+        elif name == "hooks":
+            if value:
+                fields.append(name)
+        else:
+            fields += [f"{name}.{key}" for key in value]
+    return fields
 
 
 def encode(adjustment: Adjustment) -> bytes:

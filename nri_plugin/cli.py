@@ -6,20 +6,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.render import render_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import DEFAULT_CONFIG_PATH, EMBEDDED_DEFAULTS, load_config
 from nri_plugin.logs import LEVELS
-
-
-def _version() -> str:
-    try:
-        return metadata.version("nri-qos")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+from nri_plugin.status import agent_version
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nri-qos",
         description="containerd NRI plugin colocating online and offline workloads.",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {agent_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     config_help = f"configuration file (default {DEFAULT_CONFIG_PATH}; embedded defaults if absent)"

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
-from hooks.model import ContainerInfo, PodInfo, ReadKeys
+from hooks.model import MAX_ANNOTATION_CHARS, ContainerInfo, PodInfo, ReadKeys
 from hooks.settings import ContainerSettings, HookStage
 from hooks.untrusted import bounded
 from nri_plugin.runtime_support import ClosField
@@ -27,7 +27,7 @@ MAX_NAME_CHARS = 1024
 """Kubernetes names and namespaces have at most 253 characters, container names 63."""
 MAX_PATH_CHARS = 4096
 """A cgroup path longer than PATH_MAX cannot exist."""
-MAX_POD_BYTES = 24 << 10
+MAX_POD_BYTES = MAX_ANNOTATION_CHARS + (8 << 10)
 """Memory the strings of one pod may take in the node state (ids, names, cgroup paths, and the
 annotations and labels some policy reads): the longest annotation a policy accepts (the Volcano
 colocation config, 16 KiB) and 8 KiB for all the rest, where a real pod keeps well under 1 KiB.

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hooks.memory_qos import memory_qos_active
+from hooks.oci_hooks import level_hooks
 from nri_plugin.config.schema import Config
 from reconciler.detection.config import (
     FULFILLMENT,
@@ -44,6 +46,9 @@ def _resctrl(cfg: Config, host: HostInfo) -> Feature:
 def _memory_qos(cfg: Config, host: HostInfo) -> Feature:
     if not cfg.memory.enabled:
         return Feature(False, "memory.enabled is false")
+    if not memory_qos_active(cfg.memory):
+        return Feature(False, "every level's policy is none and memory.volcano_annotation is "
+                              "false: nothing to set")
     if host.cgroup.v2:
         return Feature(True, "cgroup v2: memory.min/low/high per container")
     if any(level.v1_reservation for level in cfg.memory.levels.values()):
@@ -60,8 +65,8 @@ def _oom(cfg: Config, host: HostInfo) -> Feature:
 
 
 def _oci_hooks(cfg: Config, host: HostInfo) -> Feature:
-    levels = sorted(level for level, hooks in cfg.oci_hooks.levels.items()
-                    if any(getattr(hooks, stage) for stage in hooks.__dataclass_fields__))
+    levels = sorted(level for level in cfg.oci_hooks.levels
+                    if level_hooks(level, cfg.oci_hooks))
     if not levels:
         return Feature(False, "no hooks configured")
     return Feature(True, f"hooks for {', '.join(levels)}")

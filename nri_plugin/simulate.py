@@ -71,10 +71,7 @@ def header(runtime: RuntimeSpec, events: int, cfg: Config,
            reconciler_fields: frozenset[str]) -> str:
     """What the simulated runtime said and which settings reach containers which way."""
     support = RuntimeSupport.detect(runtime.nri_version, runtime.name, runtime.version)
-    routes: dict[str, list[str]] = {"adjustment": [], "reconciler": [], "none": []}
-    for field in adjustment.FIELD_NAMES:
-        routes[adjustment.route(field, support, cfg.resctrl.clos_field,
-                                reconciler_fields)].append(field)
+    routes = adjustment.routes(support, cfg.resctrl.clos_field, reconciler_fields)
     nri = runtime.nri_version or (
         f"not sent (v{'.'.join(map(str, support.nri_version))} inferred)"
         if support.nri_version else "unknown")

@@ -70,11 +70,12 @@ class StatusSources:
     sections: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
 
 
-def _version() -> str:
+def agent_version() -> str:
+    """The installed nri-qos version (``nri-qos --version`` and the status document)."""
     try:
         return metadata.version("nri-qos")
     except metadata.PackageNotFoundError:
-        return "unknown"
+        return "unknown (not installed)"
 
 
 def status_document(src: StatusSources) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
     }
     document: dict[str, Any] = {
         "format": STATUS_FORMAT,
-        "agent": {"version": _version(), "pid": os.getpid(),
+        "agent": {"version": agent_version(), "pid": os.getpid(),
                   "uptime_s": round(wall - src.started_unix, 3),
                   "plugin": f"{stub.identity.index}-{stub.identity.name}",
                   "config": src.config_source()},

@@ -413,10 +413,8 @@ class PluginStub:
 
     def _log_routes(self, support: RuntimeSupport) -> None:
         """Say once per connection which settings reach containers which way."""
-        clos = self._config().resctrl.clos_field
-        routes: dict[str, list[str]] = {"adjustment": [], "reconciler": [], "none": []}
-        for field in adjustment.FIELD_NAMES:
-            routes[adjustment.route(field, support, clos, self._reconciler_fields)].append(field)
+        routes = adjustment.routes(support, self._config().resctrl.clos_field,
+                                   self._reconciler_fields)
         log.info("runtime_fields", basis=support.basis, via_adjustment=routes["adjustment"],
                  via_reconciler=routes["reconciler"], not_applied=routes["none"])
 
@@ -606,6 +604,7 @@ class PluginStub:
         once when every capability of the event runs inline, else an awaitable of it. Writes
         the event's one canonical log line."""
         started = self._clock()
+        outcome: ChainOutcome | None = None
         try:
             prepared = self._prepare(event, pod_msg, container_msg)
             if prepared is None:
@@ -617,13 +616,15 @@ class PluginStub:
             if self._inline[event]:
                 with self._context(prepared):
                     outcome = run_inline(prepared.calls)
-                return self._finish(prepared, outcome, pod_msg, container_msg, started)
         except RpcError as exc:
             self._log_event(event, pod_msg, container_msg, started, "error", exc.message)
             self._forget_removed(event, pod_msg)
             raise
         except Exception as exc:
             return self._failed(event, exc, pod_msg, container_msg, started)
+        # Outside the try: _finish logs, counts and forgets the pod itself, also when it raises.
+        if outcome is not None:
+            return self._finish(prepared, outcome, pod_msg, container_msg, started)
         return self._finish_later(prepared, pod_msg, container_msg, started)
 
     async def _finish_later(self, prepared: _Prepared, pod_msg: api.PodSandbox,
@@ -669,7 +670,7 @@ class PluginStub:
     def _feed(self, event: Event, view: PodView, container: ContainerInfo | None) -> None:
         """Keep the node state current (inline: a dict update under a briefly held lock)."""
         if container is None:
-            self._state.pod_event(view.info.id, event)
+            self._state.pod_event(event)
         elif event is Event.REMOVE_CONTAINER:
             self._state.remove_container(container, event)
         elif self._tracking:
@@ -816,7 +817,7 @@ class PluginStub:
 
     def _record_applied(self, pod_uid: str, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
-        fields = _set_fields(decided)
+        fields = adjustment.set_fields(decided.settings)
         self._audit.record("adjustment_applied", pod_uid=bounded(pod_uid),
                            container=bounded(container), qos_level=level, fields=fields)
         if self._metrics is not None:
@@ -904,17 +905,6 @@ async def _marked(pending: Awaitable[bytes]) -> bytes:
     # Each waiting request runs in its own task, hence its own context: this marks only this one.
     _in_handler.set(True)
     return await pending
-
-
-def _set_fields(decided: adjustment.Adjustment) -> list[str]:
-    settings = decided.settings
-    fields = [name for name in ("rdt_class", "memory_limit", "memory_reservation",
-                                "oom_score_adj") if getattr(settings, name) is not None]
-    fields += [f"unified.{key}" for key in settings.unified]
-    fields += [f"annotations.{key}" for key in settings.annotations]
-    if settings.hooks:
-        fields.append("hooks")
-    return fields
 
 
 def _over_limit(sync: _SyncProgress, limits: PluginConfig) -> str | None:

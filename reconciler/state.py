@@ -190,7 +190,7 @@ class NodeState:
             self._drop_pod(next(iter(self._pods)))
         self._pods[pod.id] = pod
 
-    def pod_event(self, pod_id: str, event: Event) -> None:
+    def pod_event(self, event: Event) -> None:
         """An NRI event about a known pod (started, stopped, updated): wakes its subscribers."""
         self._notify(event)
 

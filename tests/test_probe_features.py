@@ -9,6 +9,10 @@ from typing import Any
 
 import pytest
 
+from hooks.memory_qos import MemoryLevel
+from hooks.oci_hooks import OciHook, OciHooksConfig, OciLevelHooks
+from nri_plugin.capabilities import build_capabilities
+from nri_plugin.capabilities.memory_qos import MemoryQosCapability
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.probe_command import report
@@ -124,6 +128,37 @@ def test_switches_are_reported(tmp_path: Path) -> None:
     off = dataclasses.replace(cfg, detection=dataclasses.replace(cfg.detection, enabled=False))
     assert features(off, host_of(tmp_path / "b", 1))["detection.psi"] == (
         False, "detection.enabled is false")
+
+
+def test_memory_qos_runs_exactly_when_its_capability_is_built(tmp_path: Path) -> None:
+    host = host_of(tmp_path, 2)
+    cfg = Config()
+    idle = dataclasses.replace(cfg, memory=dataclasses.replace(
+        cfg.memory, volcano_annotation=False,
+        levels={name: MemoryLevel() for name in cfg.memory.levels}))
+    annotated = dataclasses.replace(idle, memory=dataclasses.replace(
+        idle.memory, volcano_annotation=True))
+    for config, runs in ((cfg, True), (idle, False), (annotated, True)):
+        found = report(config, host)["features"]["memory_qos"]
+        built = build_capabilities(config, resctrl=None, audit=AuditLog(MemoryAuditSink()),
+                                   cgroup_v2=True, memory_total=64 * GIB)
+        assert found["runs"] is runs
+        assert any(isinstance(c, MemoryQosCapability) for c in built) is runs
+    assert report(idle, host)["features"]["memory_qos"]["detail"] == (
+        "every level's policy is none and memory.volcano_annotation is false: nothing to set")
+
+
+def test_oci_hooks_run_for_the_levels_that_have_hooks(tmp_path: Path) -> None:
+    host = host_of(tmp_path, 2)
+    assert report(Config(), host)["features"]["oci_hooks"] == {
+        "runs": False, "detail": "no hooks configured"}
+    hooks = OciHooksConfig(levels={
+        "shared_cores": OciLevelHooks(poststop=(OciHook(path="/bin/true"),)),
+        "dedicated_cores": OciLevelHooks(),
+    })
+    cfg = dataclasses.replace(Config(), oci_hooks=hooks)
+    assert report(cfg, host)["features"]["oci_hooks"] == {
+        "runs": True, "detail": "hooks for shared_cores"}
 
 
 def test_inverted_thresholds_are_rejected_with_their_key_path() -> None:

@@ -458,6 +458,25 @@ async def test_one_canonical_log_line_per_event(make) -> None:
     assert isinstance(line["duration_ms"], float)
 
 
+async def test_strict_inline_failure_is_logged_and_counted_once(make) -> None:
+    stream = io.StringIO()
+    LoggingSetup(LoggingConfig(format="json"), level="info", stream=stream)
+    metrics = Metrics()
+    bad = Recorder("bad", error=OSError("resctrl gone"), inline=True)
+    setup = await make([bad], cfg=config(strict=True), metrics=metrics)
+    stream.seek(0)
+    stream.truncate()
+    with pytest.raises(RpcError) as error:
+        await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
+    assert "resctrl gone" in error.value.message
+    await asyncio.sleep(0)  # logged and counted on the loop's next turn, after the answer
+    lines = [json.loads(line) for line in stream.getvalue().splitlines() if line.strip()]
+    canonical = [line for line in lines if line.get("event") == "nri_event"]
+    assert len(canonical) == 1
+    assert (canonical[0]["nri_event"], canonical[0]["result"]) == ("create_container", "error")
+    assert requests(metrics, "create_container", "error") == 1
+
+
 class ThreadProbe(Capability):
     """Records the thread its CreateContainer handler ran on."""
 

@@ -11,6 +11,7 @@ negotiated again.
 
 from __future__ import annotations
 
+from hooks.memory_qos import memory_qos_active
 from hooks.oci_hooks import any_hooks
 from nri_plugin.capabilities.memory_qos import MemoryQosCapability
 from nri_plugin.capabilities.oci_hooks import OciHooksCapability
@@ -34,11 +35,9 @@ def build_capabilities(config: Config, *, resctrl: ResctrlFs | None, audit: Audi
     capabilities: list[Capability] = []
     if config.resctrl.enabled and resctrl is not None:
         capabilities.append(ResctrlCapability(config.resctrl, resctrl, audit, strict=strict))
-    mem = config.memory
-    if mem.enabled and (mem.volcano_annotation
-                        or any(lvl.policy != "none" for lvl in mem.levels.values())):
-        capabilities.append(MemoryQosCapability(mem, audit, strict=strict, cgroup_v2=cgroup_v2,
-                                                memory_total=memory_total))
+    if memory_qos_active(config.memory):
+        capabilities.append(MemoryQosCapability(config.memory, audit, strict=strict,
+                                                cgroup_v2=cgroup_v2, memory_total=memory_total))
     if config.oom.enabled:
         capabilities.append(OomScoreCapability(config.oom, audit, strict=strict))
     if any_hooks(config.oci_hooks):

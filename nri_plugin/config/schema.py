@@ -23,6 +23,7 @@ from hooks.qos_level import KATALYST_ANNOTATION, KOORDINATOR_KEY, QosConfig
 from hooks.qos_level import VOLCANO_ANNOTATION as VOLCANO_QOS_ANNOTATION
 from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION
 from hooks.resctrl_config import ResctrlConfig
+from hooks.settings import HookStage
 from nri_plugin.config.hook_paths import check_hook_path
 from nri_plugin.logs import LoggingConfig
 from reconciler.detection.config import DetectionConfig
@@ -185,11 +186,8 @@ class Config:
         if monitor.enabled:
             yield "resctrl.monitor_hook.path", monitor.path
         for level, hooks in self.oci_hooks.levels.items():
-            for stage in _OCI_STAGES:
-                entries: tuple[OciHook, ...] = getattr(hooks, stage)
+            for stage in HookStage:
+                entries: tuple[OciHook, ...] = getattr(hooks, stage.value)
                 for i, hook in enumerate(entries):
-                    yield f"oci_hooks.levels.{level}.{stage}[{i}].path", hook.path
+                    yield f"oci_hooks.levels.{level}.{stage.value}[{i}].path", hook.path
 
-
-_OCI_STAGES = ("prestart", "create_runtime", "create_container", "start_container", "poststart",
-               "poststop")

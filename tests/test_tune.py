@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
@@ -20,7 +22,6 @@ from reconciler.loops.memory_guard import (
     MemoryGuardLoop,
     Squeeze,
     squeezed,
-    tier_anonymous,
 )
 from reconciler.mitigation.actions import Cause, TuneAction
 from reconciler.runner import run_reconciler
@@ -60,10 +61,19 @@ def test_squeezed_formula() -> None:
     assert squeezed(4 * GIB + 100, 0, SQUEEZE) % PAGE == 0
 
 
-def test_tier_anonymous_of_each_version() -> None:
-    assert tier_anonymous("cache 5\nrss 0\ntotal_rss 77\n", v2=False) == 77
-    assert tier_anonymous("anon 12\nfile 5\n", v2=True) == 12
-    assert tier_anonymous(None, v2=True) == tier_anonymous("garbage", v2=False) == 0
+@pytest.mark.parametrize("stat", [None, "garbage\n"])
+def test_an_unreadable_tier_stat_counts_no_anonymous_memory(tmp_path: Path,
+                                                            stat: str | None) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 300 * MIB, anon=200 * MIB)
+    path = host.tier_dir("besteffort") / "memory.stat"
+    if stat is None:
+        path.unlink()
+    else:
+        path.write_text(stat)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    # anonymous memory taken as 0: the floor holds, not a step above the 200 MiB
+    assert tier_file(host, "memory.limit_in_bytes") == 256 * MIB
 
 
 def test_v1_limit_is_held_below_usage_then_restored(tmp_path: Path) -> None:

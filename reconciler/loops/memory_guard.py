@@ -56,6 +56,7 @@ from hooks.config_fields import setting
 from reconciler.aio import Callbacks
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
+from reconciler.host.memstat import anon_bytes
 from reconciler.host.numa import NumaNode, check_view, read_meminfo, read_nodes, system_node
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
@@ -179,17 +180,6 @@ def held(previous: int, anonymous: int, squeeze: Squeeze) -> int:
     return max(previous, (anonymous + squeeze.step_bytes) // PAGE_SIZE * PAGE_SIZE)
 
 
-def tier_anonymous(stat: str | None, v2: bool) -> int:
-    """The tier's anonymous memory from its memory.stat (v2 ``anon``, v1 ``total_rss``, which
-    includes huge pages); 0 when unreadable (the floor then still holds)."""
-    wanted = "anon" if v2 else "total_rss"
-    for line in (stat or "").splitlines():
-        name, _, value = line.partition(" ")
-        if name == wanted and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
 class MemoryGuardSections(Protocol):
     """The sections the memory guard reads."""
 
@@ -273,8 +263,10 @@ class MemoryGuardLoop(Loop):
         squeeze = self._squeeze.current() if self._squeeze is not None else None
         if squeeze is None:
             self._held = None
+        # The tier's anonymous memory is taken as 0 when its memory.stat is unreadable: the
+        # floor then still holds.
         tight = None if squeeze is None else self._tight(
-            usage, tier_anonymous(sysfs.read(f"{tier}/memory.stat"), v2), squeeze)
+            usage, anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0, squeeze)
         cap = bounded_cap(target, previous, usage, guard.max_step_bytes)
         if tight is not None and not v2:
             # At once, not one step per cycle from the previous cap: only the usage bound (no

@@ -31,7 +31,8 @@ VMSTAT = "/proc/vmstat"
 WATERMARK_SCALE_FACTOR = "/proc/sys/vm/watermark_scale_factor"
 
 _NODE_NAME = re.compile(r"node(\d+)")
-_ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+"""The line that opens a zone's block in ``/proc/zoneinfo``: its node and zone name."""
 
 
 class NumaFormatError(ValueError):
@@ -120,7 +121,7 @@ def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
     lows: dict[int, int] = {}
     node: int | None = None
     for line in text.splitlines():
-        header = _ZONE_HEADER.match(line)
+        header = ZONE_HEADER.match(line)
         if header:
             node = int(header.group(1))
             lows.setdefault(node, 0)

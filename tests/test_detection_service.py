@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,63 @@ def test_free_memory_levels_need_two_samples(tmp_path: Path) -> None:
     loop.cycle(2.0)
     assert s.level("numa_free", numa_scope(1)) is Level.MEDIUM
     assert s.level("system_free", NODE) is Level.NONE  # 41 GB free against 2 x 1 GiB
+
+
+class CountingSysFs(SysFs):
+    """A SysFs that counts the files it reads and the directories it lists."""
+
+    def __init__(self, root: Path, audit: AuditLog) -> None:
+        super().__init__(root, audit)
+        self.reads: Counter[str] = Counter()
+        self.listed: Counter[str] = Counter()
+
+    def read(self, path: str) -> str | None:
+        self.reads[path] += 1
+        return super().read(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        self.listed[path] += 1
+        return super().list_dir(path)
+
+
+@pytest.mark.parametrize("disabled", [(), ("system_free",), ("numa_free",)])
+def test_free_memory_files_are_read_once_per_cycle(tmp_path: Path,
+                                                   disabled: tuple[str, ...]) -> None:
+    s = Setup(tmp_path, disabled=disabled)
+    counting = CountingSysFs(tmp_path, AuditLog(s.sink))
+    loop = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())
+    for t in range(2):
+        loop.cycle(float(t))
+    # node 1 falls under its 1 GiB floor: numa_free sees it, system_free does not
+    s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (GIB - MIB, 64 * GIB, 1000)])
+    counting.reads.clear()
+    counting.listed.clear()
+    for t in range(2, 4):
+        loop.cycle(float(t))
+    assert counting.reads["/proc/zoneinfo"] == 2
+    assert counting.reads["/proc/sys/vm/watermark_scale_factor"] == 2
+    assert counting.listed["/sys/devices/system/node"] == 2
+    expected = {("system_free", NODE): Level.NONE, ("numa_free", numa_scope(0)): Level.NONE,
+                ("numa_free", numa_scope(1)): Level.MEDIUM}
+    assert {key: s.level(*key) for key in expected} == {
+        key: None if key[0] in disabled else level for key, level in expected.items()}
+
+
+def test_without_zoneinfo_both_free_memory_detectors_are_unknown(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    (s.host.root / "proc/zoneinfo").unlink()
+    loop = s.loop()
+    for t in range(2):
+        loop.cycle(float(t))
+    reasons = {(r["detector"], r["scope"]): r["reason"] for r in s.sink.named("detector_unknown")}
+    assert reasons == {
+        ("system_free", NODE): "/proc/meminfo or /proc/zoneinfo is missing",
+        ("numa_free", numa_scope(0)): "/proc/zoneinfo is missing",
+        ("numa_free", numa_scope(1)): "/proc/zoneinfo is missing",
+    }
+    assert len(s.sink.named("detector_unknown")) == 3  # audited once each
+    assert s.level("system_free", NODE) is Level.UNKNOWN
+    assert s.level("numa_free", numa_scope(1)) is Level.UNKNOWN
 
 
 def test_kswapd_rate_from_the_counters(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from reconciler.loops.memory_guard import (
     parse_numa_stat,
     target_cap,
 )
-from tests.fakesys import GIB, FakeHost
+from tests.fakesys import GIB, FakeHost, write
 
 STEP = 1 * GIB
 
@@ -214,3 +215,31 @@ def test_view_that_recovers_is_used_again(tmp_path: Path) -> None:
     loop.cycle(5.0)
     assert int(limit_of(host)) == 20 * GIB - 4 * GIB
     assert len(sink.named("numa_view_inconsistent")) == 1
+
+
+class CountingSysFs(SysFs):
+    """A SysFs that counts the files it reads."""
+
+    def __init__(self, root: Path, audit: AuditLog) -> None:
+        super().__init__(root, audit)
+        self.reads: Counter[str] = Counter()
+
+    def read(self, path: str) -> str | None:
+        self.reads[path] += 1
+        return super().read(path)
+
+
+def test_kernel_without_numa_reads_meminfo_once_per_cycle(tmp_path: Path) -> None:
+    host = FakeHost(tmp_path)
+    write(tmp_path / "proc/meminfo", f"MemTotal: {16 * GIB // 1024} kB\n"
+                                     f"MemFree: {10 * GIB // 1024} kB\n")
+    write(tmp_path / "proc/zoneinfo", "Node 0, zone Normal\n        low 10\n")
+    host.set_tier_usage("besteffort", GIB)
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = CountingSysFs(tmp_path, audit)
+    loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit)
+    loop.cycle(0.0)
+    assert sysfs.reads["/proc/meminfo"] == 1
+    assert int(limit_of(host)) == GIB + (10 - 4) * GIB
+    assert sink.named("numa_view_inconsistent") == []

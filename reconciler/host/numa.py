@@ -77,7 +77,11 @@ def parse_meminfo(text: str) -> dict[str, int]:
 
 def read_meminfo(sysfs: SysFs) -> dict[str, int]:
     """``/proc/meminfo`` in bytes; empty when it is missing or does not parse."""
-    text = sysfs.read(MEMINFO)
+    return meminfo_values(sysfs.read(MEMINFO))
+
+
+def meminfo_values(text: str | None) -> dict[str, int]:
+    """The text of ``/proc/meminfo`` in bytes; empty when it is None or does not parse."""
     try:
         return parse_meminfo(text) if text else {}
     except NumaFormatError:
@@ -142,14 +146,16 @@ def node_ids(sysfs: SysFs) -> list[int]:
     return sorted(ids)
 
 
-def read_nodes(sysfs: SysFs, page_size: int) -> list[NumaNode]:
-    """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable."""
+def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None) -> list[NumaNode]:
+    """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable.
+    ``meminfo``: the text of ``/proc/meminfo`` when the caller has read it (None: read here
+    if needed)."""
     zoneinfo = sysfs.read(ZONEINFO)
     lows: Mapping[int, int] = parse_zoneinfo_low(zoneinfo, page_size) if zoneinfo else {}
     ids = node_ids(sysfs)
     nodes: list[NumaNode] = []
     if not ids:
-        text = sysfs.read(MEMINFO)
+        text = meminfo if meminfo is not None else sysfs.read(MEMINFO)
         if text is None:
             return []
         info = parse_meminfo(text)

@@ -57,7 +57,14 @@ from reconciler.aio import Callbacks
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.memstat import anon_bytes
-from reconciler.host.numa import NumaNode, check_view, read_meminfo, read_nodes, system_node
+from reconciler.host.numa import (
+    MEMINFO,
+    NumaNode,
+    check_view,
+    meminfo_values,
+    read_nodes,
+    system_node,
+)
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.metrics import Metrics
@@ -246,14 +253,15 @@ class MemoryGuardLoop(Loop):
                 log.warning("memory_guard_idle", reason="no BestEffort cgroup", path=tier)
             return
         self._warned_missing = False
-        nodes = read_nodes(sysfs, page)
+        meminfo = sysfs.read(MEMINFO)
+        nodes = read_nodes(sysfs, page, meminfo)
         usage = sysfs.read_int(f"{tier}/{'memory.current' if v2 else 'memory.usage_in_bytes'}")
         if not nodes or usage is None:
             return
         stat = sysfs.read(f"{tier}/memory.numa_stat")
         per_node = parse_numa_stat(stat, v2, page) if stat else {}
         reclaimed = sum(per_node.values()) if per_node else usage
-        view_nodes, floor = self._node_view(nodes, guard)
+        view_nodes, floor = self._node_view(nodes, meminfo_values(meminfo), guard)
         target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor)
         limit_file = f"{tier}/{'memory.max' if v2 else 'memory.limit_in_bytes'}"
         current_text = sysfs.read(limit_file)
@@ -317,11 +325,10 @@ class MemoryGuardLoop(Loop):
         self._held = (squeeze.tightening, tight)
         return tight
 
-    def _node_view(self, nodes: list[NumaNode],
+    def _node_view(self, nodes: list[NumaNode], meminfo: dict[str, int],
                    guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:
         """The nodes the cap is computed over and the floor per node: the NUMA nodes, or the
         machine as one node when their totals do not add up (audited when that starts)."""
-        meminfo = read_meminfo(self._sysfs)
         view = check_view(nodes, meminfo.get("MemTotal", 0), guard.numa_view_tolerance_percent)
         consistent = view.consistent or not meminfo
         if consistent != self._numa_consistent:

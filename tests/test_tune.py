@@ -26,7 +26,7 @@ from reconciler.loops.memory_guard import (
 from reconciler.mitigation.actions import Cause, TuneAction
 from reconciler.runner import run_reconciler
 from reconciler.state import NodeState
-from tests.fakesys import GIB, MIB, PAGE, FakeHost
+from tests.fakesys import GIB, MIB, PAGE, READ_ONLY_NUMBER, FakeHost, refuse_writes
 from tests.polling import eventually
 
 SQUEEZE = Squeeze(64 * MIB, 256 * MIB, "psi node 42 percent")
@@ -318,6 +318,23 @@ async def test_tune_dry_run_changes_nothing(tmp_path: Path) -> None:
     assert squeeze.current() is None
     assert wmark_of(host, "batch", "besteffort") == "95\n"
     assert sink.records == []
+
+
+@pytest.mark.skipif(not READ_ONLY_NUMBER.exists(), reason=f"no {READ_ONLY_NUMBER} here")
+async def test_a_refused_wmark_ratio_write_fails_the_rung_and_is_audited(tmp_path: Path) -> None:
+    action, squeeze, host, sink = tune(tmp_path, wmark=True)
+    uid = "batch-0000-4000-8000-000000000000"
+    refuse_writes(host.cg("memory", host.pod_rel("besteffort", uid)) / "memory.wmark_ratio")
+    result = await action.engage(Cause(Level.LOW), dry_run=False)
+    assert result.result == "failed"
+    assert result.detail.endswith("; wmark_ratio not written on 1 pod(s)")
+    [failed] = sink.named("cgroup_write_failed")
+    assert failed["path"] == (f"/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/"
+                              f"kubepods-besteffort-pod{uid.replace('-', '_')}.slice/"
+                              "memory.wmark_ratio")
+    assert failed["value"] == "80"
+    assert sink.named("cgroup_write") == []
+    assert squeeze.current() is not None  # the guard's squeeze is asked all the same
 
 
 async def test_wmark_ratio_on_reclaimed_pods_only_and_restored(tmp_path: Path) -> None:

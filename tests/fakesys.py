@@ -35,6 +35,18 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
+READ_ONLY_NUMBER = Path("/proc/sys/kernel/ngroups_max")
+"""A kernel file that reads as a number and refuses every write: EACCES even for root (a
+read-only sysctl), EROFS where ``/proc/sys`` is mounted read-only."""
+
+
+def refuse_writes(path: Path) -> None:
+    """Put in place of ``path`` a file that still reads as a number but whose writes fail, as
+    a cgroup file the kernel refuses to change (a directory would fail the read first)."""
+    path.unlink(missing_ok=True)
+    path.symlink_to(READ_ONLY_NUMBER)
+
+
 @dataclass
 class FakeContainer:
     info: ContainerInfo

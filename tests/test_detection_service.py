@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +18,16 @@ from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.detectors import RECLAIMED_TIER
 from reconciler.detection.publisher import Publisher
-from reconciler.detection.service import Detection, DetectorsLoop, NodePsi
-from reconciler.detection.signals import NODE, Board, Level, Reading, numa_scope, pod_scope
+from reconciler.detection.service import Detection, DetectorsLoop, NodePsi, PressureLevels
+from reconciler.detection.signals import (
+    NODE,
+    Board,
+    Level,
+    Reading,
+    numa_scope,
+    pod_scope,
+    tier_scope,
+)
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.state import NodeState
@@ -100,6 +110,63 @@ def test_free_memory_levels_need_two_samples(tmp_path: Path) -> None:
     loop.cycle(2.0)
     assert s.level("numa_free", numa_scope(1)) is Level.MEDIUM
     assert s.level("system_free", NODE) is Level.NONE  # 41 GB free against 2 x 1 GiB
+
+
+class CountingSysFs(SysFs):
+    """A SysFs that counts the files it reads and the directories it lists."""
+
+    def __init__(self, root: Path, audit: AuditLog) -> None:
+        super().__init__(root, audit)
+        self.reads: Counter[str] = Counter()
+        self.listed: Counter[str] = Counter()
+
+    def read(self, path: str) -> str | None:
+        self.reads[path] += 1
+        return super().read(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        self.listed[path] += 1
+        return super().list_dir(path)
+
+
+@pytest.mark.parametrize("disabled", [(), ("system_free",), ("numa_free",)])
+def test_free_memory_files_are_read_once_per_cycle(tmp_path: Path,
+                                                   disabled: tuple[str, ...]) -> None:
+    s = Setup(tmp_path, disabled=disabled)
+    counting = CountingSysFs(tmp_path, AuditLog(s.sink))
+    loop = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())
+    for t in range(2):
+        loop.cycle(float(t))
+    # node 1 falls under its 1 GiB floor: numa_free sees it, system_free does not
+    s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (GIB - MIB, 64 * GIB, 1000)])
+    counting.reads.clear()
+    counting.listed.clear()
+    for t in range(2, 4):
+        loop.cycle(float(t))
+    assert counting.reads["/proc/zoneinfo"] == 2
+    assert counting.reads["/proc/sys/vm/watermark_scale_factor"] == 2
+    assert counting.listed["/sys/devices/system/node"] == 2
+    expected = {("system_free", NODE): Level.NONE, ("numa_free", numa_scope(0)): Level.NONE,
+                ("numa_free", numa_scope(1)): Level.MEDIUM}
+    assert {key: s.level(*key) for key in expected} == {
+        key: None if key[0] in disabled else level for key, level in expected.items()}
+
+
+def test_without_zoneinfo_both_free_memory_detectors_are_unknown(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    (s.host.root / "proc/zoneinfo").unlink()
+    loop = s.loop()
+    for t in range(2):
+        loop.cycle(float(t))
+    reasons = {(r["detector"], r["scope"]): r["reason"] for r in s.sink.named("detector_unknown")}
+    assert reasons == {
+        ("system_free", NODE): "/proc/meminfo or /proc/zoneinfo is missing",
+        ("numa_free", numa_scope(0)): "/proc/zoneinfo is missing",
+        ("numa_free", numa_scope(1)): "/proc/zoneinfo is missing",
+    }
+    assert len(s.sink.named("detector_unknown")) == 3  # audited once each
+    assert s.level("system_free", NODE) is Level.UNKNOWN
+    assert s.level("numa_free", numa_scope(1)) is Level.UNKNOWN
 
 
 def test_kswapd_rate_from_the_counters(tmp_path: Path) -> None:
@@ -317,6 +384,74 @@ async def test_node_psi_unreadable_is_unknown_then_off_without_psi(tmp_path: Pat
     assert psi_off.mode == "off"
     stop2.set()
     await asyncio.wait_for(task2, BOUND_S)
+
+
+def memcg_events(s: Setup) -> PressureLevels:
+    """cgroup v1 pressure notifications on the fake tree: the root memcg and kubelet's tier
+    cgroups get ``memory.pressure_level`` and ``cgroup.event_control`` as plain files, so a
+    registration is taken and never signalled (the test signals it)."""
+    for rel in ("", "kubepods", "kubepods/burstable"):
+        d = s.host.cg("memory", rel)
+        (d / "memory.pressure_level").write_text("")
+        (d / "cgroup.event_control").write_text("")
+    info = s.host_info()
+    assert info.memcg.pressure_level
+    return PressureLevels(lambda: s.cfg, s.publisher, s.sysfs, info)
+
+
+async def test_pressure_level_registration_refused_spares_the_other_cgroups(
+        tmp_path: Path) -> None:
+    s = Setup(tmp_path, interval_s=0.02)
+    levels = memcg_events(s)
+    control = s.host.cg("memory", "kubepods") / "cgroup.event_control"
+    control.unlink()
+    control.mkdir()  # the registration's write cannot be made (EISDIR)
+    guaranteed, burstable = tier_scope("kubepods"), tier_scope("burstable")
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(levels.run(stop))
+        try:
+            await eventually(lambda: s.reading("pressure_level", NODE) is not None
+                             and s.reading("pressure_level", burstable) is not None)
+            await asyncio.sleep(0.1)  # a few more periods: the refusal is said once
+            assert s.reading("pressure_level", guaranteed) is None
+            assert set(levels.targets) - set(levels._watches) == {guaranteed}
+            refused = [e for e in logs if e["event"] == "pressure_level_unavailable"]
+            assert len(refused) == 1
+            assert refused[0]["reason"].startswith("IsADirectoryError")
+            # the cgroup takes registrations again: watched from the next period on
+            control.rmdir()
+            control.write_text("")
+            await eventually(lambda: s.reading("pressure_level", guaranteed) is not None)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_pressure_level_watch_of_a_removed_cgroup_ends(tmp_path: Path) -> None:
+    s = Setup(tmp_path, interval_s=0.02)
+    levels = memcg_events(s)
+    burstable = tier_scope("burstable")
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(levels.run(stop))
+        try:
+            await eventually(lambda: s.reading("pressure_level", burstable) is not None)
+            fds = list(levels._watches[burstable].fds.values())
+            shutil.rmtree(s.host.cg("memory", "kubepods/burstable"))
+            for fd in fds:  # as the kernel signals every registration when the cgroup goes
+                os.eventfd_write(fd, 1)
+            await eventually(lambda: s.reading("pressure_level", burstable) is None)
+            await asyncio.sleep(0.1)  # a few more periods: not registered again
+            assert s.reading("pressure_level", burstable) is None
+            assert burstable not in levels._watches
+            assert s.level("pressure_level", NODE) is Level.NONE
+            assert [e["cgroup"] for e in logs
+                    if e["event"] == "pressure_level_watch_ended"] == [
+                "/sys/fs/cgroup/memory/kubepods/burstable"]
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, BOUND_S)
 
 
 async def test_the_service_runs_every_path_and_clears_the_board_at_stop(tmp_path: Path) -> None:

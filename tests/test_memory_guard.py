@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,15 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import (
+    GuardSqueeze,
     MemoryGuardLoop,
+    Squeeze,
     bounded_cap,
     parse_numa_stat,
     target_cap,
 )
-from tests.fakesys import GIB, FakeHost
+from reconciler.metrics import Metrics
+from tests.fakesys import GIB, MIB, READ_ONLY_NUMBER, FakeHost, refuse_writes, write
 
 STEP = 1 * GIB
 
@@ -214,3 +218,78 @@ def test_view_that_recovers_is_used_again(tmp_path: Path) -> None:
     loop.cycle(5.0)
     assert int(limit_of(host)) == 20 * GIB - 4 * GIB
     assert len(sink.named("numa_view_inconsistent")) == 1
+
+
+class CountingSysFs(SysFs):
+    """A SysFs that counts the files it reads."""
+
+    def __init__(self, root: Path, audit: AuditLog) -> None:
+        super().__init__(root, audit)
+        self.reads: Counter[str] = Counter()
+
+    def read(self, path: str) -> str | None:
+        self.reads[path] += 1
+        return super().read(path)
+
+
+def test_kernel_without_numa_reads_meminfo_once_per_cycle(tmp_path: Path) -> None:
+    host = FakeHost(tmp_path)
+    write(tmp_path / "proc/meminfo", f"MemTotal: {16 * GIB // 1024} kB\n"
+                                     f"MemFree: {10 * GIB // 1024} kB\n")
+    write(tmp_path / "proc/zoneinfo", "Node 0, zone Normal\n        low 10\n")
+    host.set_tier_usage("besteffort", GIB)
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = CountingSysFs(tmp_path, audit)
+    loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit)
+    loop.cycle(0.0)
+    assert sysfs.reads["/proc/meminfo"] == 1
+    assert int(limit_of(host)) == GIB + (10 - 4) * GIB
+    assert sink.named("numa_view_inconsistent") == []
+
+
+@pytest.mark.skipif(not READ_ONLY_NUMBER.exists(), reason=f"no {READ_ONLY_NUMBER} here")
+@pytest.mark.parametrize("squeezed", [False, True])
+def test_a_refused_cap_is_not_recorded_and_the_guard_goes_on(tmp_path: Path,
+                                                             squeezed: bool) -> None:
+    host = FakeHost(tmp_path)
+    host.set_numa([(20 * GIB, 64 * GIB, 0)])
+    host.set_tier_usage("besteffort", GIB, per_node=[GIB])
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs(tmp_path, audit)
+    squeeze = GuardSqueeze()
+    if squeezed:
+        squeeze.set(Squeeze(64 * MIB, 256 * MIB, "test"))
+    metrics = Metrics()
+    loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit, squeeze, metrics)
+    limit = host.tier_dir("besteffort") / "memory.limit_in_bytes"
+    refuse_writes(limit)
+    loop.cycle(0.0)
+    loop.cycle(5.0)
+    assert sink.named("memory_guard_cap") == []
+    assert [r["path"] for r in sink.named("cgroup_write_failed")] == [
+        "/sys/fs/cgroup/memory/kubepods/besteffort/memory.limit_in_bytes"] * 2
+    assert metrics.registry.get_sample_value("nri_qos_memory_guard_cap_bytes") == 0
+    # the kernel takes the limit again: the next cycle writes and records it
+    limit.unlink()
+    limit.write_text("9223372036854771712\n")
+    loop.cycle(10.0)
+    [record] = sink.named("memory_guard_cap")
+    assert record["squeezed"] is squeezed
+    assert int(limit.read_text()) == record["cap_bytes"]
+
+
+def test_a_missing_limit_file_writes_nothing_until_it_is_back(tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 1, "cgroupfs")
+    host.set_numa([(20 * GIB, 64 * GIB, 0)])
+    host.set_tier_usage("besteffort", GIB, per_node=[GIB])
+    limit = host.tier_dir("besteffort") / "memory.limit_in_bytes"
+    limit.unlink()
+    loop.cycle(0.0)
+    assert sink.records == []
+    assert not limit.exists()  # never created by the guard
+    limit.write_text("9223372036854771712\n")
+    loop.cycle(5.0)
+    assert int(limit.read_text()) == GIB + (20 - 4) * GIB
+    assert len(sink.named("memory_guard_cap")) == 1

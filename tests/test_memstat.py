@@ -28,6 +28,12 @@ def test_v2_uses_anon() -> None:
     assert anon_bytes("total_rss 4096\n", v2=True) is None
 
 
+def test_tier_anonymous_of_each_version() -> None:
+    assert anon_bytes("cache 5\nrss 0\ntotal_rss 77\n", v2=False) == 77
+    assert anon_bytes("anon 12\nfile 5\n", v2=True) == 12
+    assert anon_bytes("", v2=True) is anon_bytes("garbage", v2=False) is None
+
+
 @pytest.mark.parametrize("text", ["", "anon\n", "anon x\n", "anon -5\n", "garbage"])
 def test_unusable_text(text: str) -> None:
     assert anon_bytes(text, v2=True) is None

@@ -303,6 +303,21 @@ def test_resctrl_usage_reads_only_our_groups(tmp_path: Path) -> None:
         (100, None, None)
 
 
+def test_resctrl_counters_negative_or_unreadable_are_left_out(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    mount = intel_tree(root / "sys/fs/resctrl")
+    sysfs = SysFs(root)
+    fs = ResctrlFs(sysfs, "/sys/fs/resctrl", read_info(sysfs, "/sys/fs/resctrl", 2048),
+                   prefix="nriqos-", audit=AuditLog(MemoryAuditSink()))
+    mon_data(mount / "nriqos-dedicated_cores", "00", "-5\n", "x\n", " 7\n")
+    total = mount / "nriqos-dedicated_cores/mon_data/mon_L3_00/mbm_total_bytes"
+    total.unlink()
+    total.mkdir()  # reading it fails (EISDIR): that counter only is lost
+    (usage,) = read_usage(fs)
+    assert (usage.llc_occupancy_bytes, usage.mbm_total_bytes, usage.mbm_local_bytes) == \
+        (None, None, 7)
+
+
 def test_no_monitoring_reads_nothing(tmp_path: Path) -> None:
     root = tmp_path / "root"
     mount = intel_tree(root / "sys/fs/resctrl")

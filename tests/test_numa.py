@@ -9,6 +9,7 @@ import pytest
 from reconciler.host.numa import (
     NumaFormatError,
     NumaNode,
+    meminfo_values,
     parse_meminfo,
     parse_zoneinfo_low,
     read_meminfo,
@@ -106,6 +107,16 @@ def test_kernel_without_numa_is_one_node(tmp_path: Path) -> None:
     assert read_nodes(SysFs(tmp_path), 4096) == [NumaNode(0, 1 << 20, 2 << 20, 40960)]
 
 
+def test_kernel_without_numa_takes_the_meminfo_read_by_the_caller(tmp_path: Path) -> None:
+    write(tmp_path / "proc/meminfo", "MemTotal: 4096 kB\nMemFree: 4096 kB\n")
+    write(tmp_path / "proc/zoneinfo", "Node 0, zone Normal\n        low 10\n")
+    given = "MemTotal: 2048 kB\nMemFree: 1024 kB\n"
+    assert read_nodes(SysFs(tmp_path), 4096, given) == [NumaNode(0, 1 << 20, 2 << 20, 40960)]
+    # with NUMA nodes, the text is not needed
+    FakeHost(tmp_path).set_numa([(GIB, 16 * GIB, 1000)])
+    assert read_nodes(SysFs(tmp_path), 4096, given) == [NumaNode(0, GIB, 16 * GIB, 1000 * 4096)]
+
+
 def test_nothing_readable_is_no_nodes(tmp_path: Path) -> None:
     assert read_nodes(SysFs(tmp_path), 4096) == []
 
@@ -125,3 +136,5 @@ def test_meminfo_is_bytes_or_empty_when_unusable(tmp_path: Path) -> None:
     assert read_meminfo(sysfs) == {"MemTotal": 16384 * 1024, "MemFree": 8192 * 1024}
     meminfo.write_text("MemTotal: lots\n")
     assert read_meminfo(sysfs) == {}
+    assert meminfo_values(None) == meminfo_values("MemTotal: lots\n") == {}
+    assert meminfo_values("MemFree: 1 kB\n") == {"MemFree": 1024}

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
@@ -24,7 +25,7 @@ from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import NodePsi, PressureLevels, psi_path
-from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.detection.signals import NODE, Board, Level, Reading, tier_scope
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.metrics import Metrics
@@ -111,6 +112,38 @@ async def test_memcg_pressure_level_event(root: RealRoot, worker: Worker, data: 
         assert "memory.pressure_level" in found.reason
     finally:
         await running(task, stop)
+
+
+async def test_memcg_pressure_level_watch_of_a_removed_cgroup_ends(root: RealRoot) -> None:
+    agent = Agent(root)
+    assert agent.host.memcg.pressure_level
+    agent.cfg = dataclasses.replace(agent.cfg, detection=dataclasses.replace(
+        agent.cfg.detection, interval_s=0.1))
+    levels = PressureLevels(lambda: agent.cfg, agent.publisher, agent.sysfs, agent.host)
+    burstable = tier_scope("burstable")
+
+    def reading(scope: str) -> Reading | None:
+        return next((r for r in agent.board.current()
+                     if r.detector == "pressure_level" and r.scope == scope), None)
+
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(levels.run(stop))
+        try:
+            await eventually(lambda: reading(burstable) is not None)
+            (root.memcg / "kubepods/burstable").rmdir()  # the kernel signals the registrations
+            await eventually(lambda: reading(burstable) is None)
+            await asyncio.sleep(0.3)  # a few more periods: not registered again
+            assert reading(burstable) is None
+            assert agent.seen == []  # the removal's signal is not taken for pressure
+            node = reading(NODE)
+            assert node is not None
+            assert node.level is Level.NONE
+            assert [e["cgroup"] for e in logs
+                    if e["event"] == "pressure_level_watch_ended"] == [
+                "/sys/fs/cgroup/memory/kubepods/burstable"]
+        finally:
+            await running(task, stop)
 
 
 async def watch_psi(agent: Agent, worker: Worker, data: Path, seconds: float) -> Reading:

@@ -8,6 +8,8 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
@@ -20,12 +22,11 @@ from reconciler.loops.memory_guard import (
     MemoryGuardLoop,
     Squeeze,
     squeezed,
-    tier_anonymous,
 )
 from reconciler.mitigation.actions import Cause, TuneAction
 from reconciler.runner import run_reconciler
 from reconciler.state import NodeState
-from tests.fakesys import GIB, MIB, PAGE, FakeHost
+from tests.fakesys import GIB, MIB, PAGE, READ_ONLY_NUMBER, FakeHost, refuse_writes
 from tests.polling import eventually
 
 SQUEEZE = Squeeze(64 * MIB, 256 * MIB, "psi node 42 percent")
@@ -60,10 +61,19 @@ def test_squeezed_formula() -> None:
     assert squeezed(4 * GIB + 100, 0, SQUEEZE) % PAGE == 0
 
 
-def test_tier_anonymous_of_each_version() -> None:
-    assert tier_anonymous("cache 5\nrss 0\ntotal_rss 77\n", v2=False) == 77
-    assert tier_anonymous("anon 12\nfile 5\n", v2=True) == 12
-    assert tier_anonymous(None, v2=True) == tier_anonymous("garbage", v2=False) == 0
+@pytest.mark.parametrize("stat", [None, "garbage\n"])
+def test_an_unreadable_tier_stat_counts_no_anonymous_memory(tmp_path: Path,
+                                                            stat: str | None) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 300 * MIB, anon=200 * MIB)
+    path = host.tier_dir("besteffort") / "memory.stat"
+    if stat is None:
+        path.unlink()
+    else:
+        path.write_text(stat)
+    squeeze.set(SQUEEZE)
+    loop.cycle(0.0)
+    # anonymous memory taken as 0: the floor holds, not a step above the 200 MiB
+    assert tier_file(host, "memory.limit_in_bytes") == 256 * MIB
 
 
 def test_v1_limit_is_held_below_usage_then_restored(tmp_path: Path) -> None:
@@ -308,6 +318,23 @@ async def test_tune_dry_run_changes_nothing(tmp_path: Path) -> None:
     assert squeeze.current() is None
     assert wmark_of(host, "batch", "besteffort") == "95\n"
     assert sink.records == []
+
+
+@pytest.mark.skipif(not READ_ONLY_NUMBER.exists(), reason=f"no {READ_ONLY_NUMBER} here")
+async def test_a_refused_wmark_ratio_write_fails_the_rung_and_is_audited(tmp_path: Path) -> None:
+    action, squeeze, host, sink = tune(tmp_path, wmark=True)
+    uid = "batch-0000-4000-8000-000000000000"
+    refuse_writes(host.cg("memory", host.pod_rel("besteffort", uid)) / "memory.wmark_ratio")
+    result = await action.engage(Cause(Level.LOW), dry_run=False)
+    assert result.result == "failed"
+    assert result.detail.endswith("; wmark_ratio not written on 1 pod(s)")
+    [failed] = sink.named("cgroup_write_failed")
+    assert failed["path"] == (f"/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/"
+                              f"kubepods-besteffort-pod{uid.replace('-', '_')}.slice/"
+                              "memory.wmark_ratio")
+    assert failed["value"] == "80"
+    assert sink.named("cgroup_write") == []
+    assert squeeze.current() is not None  # the guard's squeeze is asked all the same
 
 
 async def test_wmark_ratio_on_reclaimed_pods_only_and_restored(tmp_path: Path) -> None:

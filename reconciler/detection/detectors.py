@@ -34,6 +34,7 @@ from reconciler.detection.parse import (
     require,
 )
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
+from reconciler.host.memstat import ANON_KEYS
 from reconciler.host.numa import MEMINFO, VMSTAT, NumaFormatError, parse_meminfo
 from reconciler.host.sysfs import parse_bytes
 
@@ -301,11 +302,9 @@ def anonymous_bytes(stat: str, v2: bool) -> int:
     (measured on kernel 6.18: 32 MiB of THP showed as rss 49 MiB,
     rss_huge 32 MiB), so adding them would count huge pages twice. Raises ParseError."""
     values = parse_counters(stat)
-    if v2:
-        return require(values, ("anon",), "memory.stat")[0]
-    if "total_rss" in values:
-        return values["total_rss"]
-    return require(values, ("rss",), "memory.stat")[0]
+    keys = ANON_KEYS[v2]
+    key = next((k for k in keys if k in values), keys[-1])
+    return require(values, (key,), "memory.stat")[0]
 
 
 def pod_factor(annotations: Mapping[str, str], key: str,

@@ -17,13 +17,11 @@ pressure".
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hooks.untrusted import bounded
-
-_ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+from reconciler.host.numa import ZONE_HEADER
 
 
 class ParseError(ValueError):
@@ -92,7 +90,7 @@ def parse_zoneinfo(text: str) -> list[Zone]:
                           values["high"]))
 
     for line in text.splitlines():
-        match = _ZONE_HEADER.match(line)
+        match = ZONE_HEADER.match(line)
         if match:
             close()
             header, values = (int(match.group(1)), match.group(2)), {}

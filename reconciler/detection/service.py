@@ -20,9 +20,11 @@ configuration idles and resumes on reload.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -84,6 +86,28 @@ def _active(cfg: DetectionSections, detector: str) -> bool:
             and detector not in cfg.detection.disabled)
 
 
+@dataclass(frozen=True, slots=True)
+class _FreeMemoryFiles:
+    """What both free-memory detectors read: ``/proc/zoneinfo`` and ``watermark_scale_factor``
+    (None: missing), and the NUMA nodes in sysfs."""
+
+    zoneinfo: str | None
+    watermark_scale_factor: str | None
+    nodes: tuple[int, ...]
+
+    @staticmethod
+    def reader(sysfs: SysFs) -> Callable[[], _FreeMemoryFiles]:
+        """Reads the files at its first call and gives the same at later ones: one read per
+        detector cycle, whichever of the two detectors runs first, none when neither runs."""
+
+        @functools.cache
+        def read() -> _FreeMemoryFiles:
+            return _FreeMemoryFiles(sysfs.read(ZONEINFO), sysfs.read(WATERMARK_SCALE_FACTOR),
+                                    tuple(node_ids(sysfs)))
+
+        return read
+
+
 class DetectorsLoop(Loop):
     """The detectors that read files every ``detection.interval_s``."""
 
@@ -113,8 +137,10 @@ class DetectorsLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
+        free = _FreeMemoryFiles.reader(self._sysfs)
         runs: list[tuple[str, Callable[[DetectionConfig, float], None]]] = [
-            (SYSTEM_FREE, self._system_free), (NUMA_FREE, self._numa_free),
+            (SYSTEM_FREE, lambda c, t: self._system_free(c, t, free())),
+            (NUMA_FREE, lambda c, t: self._numa_free(c, t, free())),
             (KSWAPD, self._kswapd), (RSS_OVERUSE, self._rss_overuse),
             (FULFILLMENT, self._fulfillment), (PSI, self._pod_psi),
         ]
@@ -135,32 +161,32 @@ class DetectorsLoop(Loop):
             self._said.add(key)
             log.info("detector_unavailable", detector=key, reason=message)
 
-    def _system_free(self, cfg: DetectionConfig, now: float) -> None:
-        meminfo, zoneinfo = self._sysfs.read(MEMINFO), self._sysfs.read(ZONEINFO)
+    def _system_free(self, cfg: DetectionConfig, now: float, files: _FreeMemoryFiles) -> None:
+        meminfo, zoneinfo = self._sysfs.read(MEMINFO), files.zoneinfo
         if meminfo is None or zoneinfo is None:
             sample = d.unknown(SYSTEM_FREE, NODE, f"{MEMINFO} or {ZONEINFO} is missing",
                                now)
         else:
-            sample = d.system_free(meminfo, zoneinfo, self._sysfs.read(WATERMARK_SCALE_FACTOR),
-                                   max(len(node_ids(self._sysfs)), 1), cfg, PAGE_SIZE, now)
+            sample = d.system_free(meminfo, zoneinfo, files.watermark_scale_factor,
+                                   max(len(files.nodes), 1), cfg, PAGE_SIZE, now)
         self._publisher.offer(SYSTEM_FREE, [sample])
 
-    def _numa_free(self, cfg: DetectionConfig, now: float) -> None:
-        nodes = node_ids(self._sysfs)
+    def _numa_free(self, cfg: DetectionConfig, now: float, files: _FreeMemoryFiles) -> None:
+        nodes = files.nodes
         if not nodes or not self._host.numa_view.consistent:
             if not nodes:
                 self._say_once(NUMA_FREE, "numa_free is off: no NUMA nodes in sysfs (the "
                                           "kernel has no NUMA); system_free covers the machine")
             self._publisher.withdraw(NUMA_FREE)
             return
-        zoneinfo = self._sysfs.read(ZONEINFO)
+        zoneinfo = files.zoneinfo
         if zoneinfo is None:
             samples = [d.unknown(NUMA_FREE, f"numa:{n}", f"{ZONEINFO} is missing", now)
                        for n in nodes]
         else:
             samples = d.numa_free({n: self._sysfs.read(f"{NODE_DIR}/node{n}/meminfo")
                                    for n in nodes}, zoneinfo,
-                                  self._sysfs.read(WATERMARK_SCALE_FACTOR), cfg, PAGE_SIZE, now)
+                                  files.watermark_scale_factor, cfg, PAGE_SIZE, now)
         self._publisher.offer(NUMA_FREE, samples)
 
     def _kswapd(self, cfg: DetectionConfig, now: float) -> None:

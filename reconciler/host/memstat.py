@@ -11,13 +11,19 @@ reads files is not ranked as a memory hog. The pod cgroup's counters cover its c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from reconciler.host.cgroups import CgroupLayout, CgroupPathError, pod_parent_rel
 from reconciler.host.sysfs import SysFs
+
+ANON_KEYS: Mapping[bool, tuple[str, ...]] = {True: ("anon",), False: ("total_rss", "rss")}
+"""The ``memory.stat`` keys of anonymous memory, by cgroup v2 or not: the first one present
+counts (see the module doc)."""
 
 
 def anon_bytes(stat: str, v2: bool) -> int | None:
     """Anonymous bytes from the text of a ``memory.stat``; None when the key is absent or odd."""
-    wanted = ("anon",) if v2 else ("total_rss", "rss")
+    wanted = ANON_KEYS[v2]
     found: dict[str, str] = {}
     for line in stat.splitlines():
         key, _, value = line.partition(" ")

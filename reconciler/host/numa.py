@@ -31,7 +31,8 @@ VMSTAT = "/proc/vmstat"
 WATERMARK_SCALE_FACTOR = "/proc/sys/vm/watermark_scale_factor"
 
 _NODE_NAME = re.compile(r"node(\d+)")
-_ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
+"""The line that opens a zone's block in ``/proc/zoneinfo``: its node and zone name."""
 
 
 class NumaFormatError(ValueError):
@@ -76,7 +77,11 @@ def parse_meminfo(text: str) -> dict[str, int]:
 
 def read_meminfo(sysfs: SysFs) -> dict[str, int]:
     """``/proc/meminfo`` in bytes; empty when it is missing or does not parse."""
-    text = sysfs.read(MEMINFO)
+    return meminfo_values(sysfs.read(MEMINFO))
+
+
+def meminfo_values(text: str | None) -> dict[str, int]:
+    """The text of ``/proc/meminfo`` in bytes; empty when it is None or does not parse."""
     try:
         return parse_meminfo(text) if text else {}
     except NumaFormatError:
@@ -120,7 +125,7 @@ def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
     lows: dict[int, int] = {}
     node: int | None = None
     for line in text.splitlines():
-        header = _ZONE_HEADER.match(line)
+        header = ZONE_HEADER.match(line)
         if header:
             node = int(header.group(1))
             lows.setdefault(node, 0)
@@ -141,14 +146,16 @@ def node_ids(sysfs: SysFs) -> list[int]:
     return sorted(ids)
 
 
-def read_nodes(sysfs: SysFs, page_size: int) -> list[NumaNode]:
-    """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable."""
+def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None) -> list[NumaNode]:
+    """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable.
+    ``meminfo``: the text of ``/proc/meminfo`` when the caller has read it (None: read here
+    if needed)."""
     zoneinfo = sysfs.read(ZONEINFO)
     lows: Mapping[int, int] = parse_zoneinfo_low(zoneinfo, page_size) if zoneinfo else {}
     ids = node_ids(sysfs)
     nodes: list[NumaNode] = []
     if not ids:
-        text = sysfs.read(MEMINFO)
+        text = meminfo if meminfo is not None else sysfs.read(MEMINFO)
         if text is None:
             return []
         info = parse_meminfo(text)

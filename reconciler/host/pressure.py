@@ -39,8 +39,6 @@ class TriggerWatch:
     """An armed PSI trigger behind an epoll descriptor that is readable when it fired."""
 
     def __init__(self, sysfs: SysFs, path: str, stall_us: int, window_us: int) -> None:
-        self.path = path
-        self.window_us = window_us
         self._fd = sysfs.open_trigger(path, f"some {stall_us} {window_us}")
         self._epoll = select.epoll()
         try:
@@ -175,18 +173,3 @@ class PressureLevelWatch:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._fds.clear()
-
-
-async def while_readable(fds: Mapping[int, Callable[[], None]], stop: asyncio.Event) -> None:
-    """Call each descriptor's callback (on the event loop) whenever it is readable, until
-    ``stop``; the descriptors stay open (their owner closes them)."""
-    loop = asyncio.get_running_loop()
-    added: list[int] = []
-    try:
-        for fd, callback in fds.items():
-            loop.add_reader(fd, callback)
-            added.append(fd)
-        await stop.wait()
-    finally:
-        for fd in added:
-            loop.remove_reader(fd)

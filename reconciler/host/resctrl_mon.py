@@ -34,17 +34,12 @@ class ResctrlUsage:
 
 
 def _counter(fs: ResctrlFs, path: str) -> int | None:
+    """A counter's value; None when gone, not a number ("Unavailable", "Error") or negative."""
     try:
-        text = fs.sysfs.read(path)
+        value = fs.sysfs.read_int(path)
     except OSError:  # a counter the kernel fails to read costs that counter only
         return None
-    if text is None:
-        return None
-    try:
-        value = int(text.strip())
-    except ValueError:  # "Unavailable", "Error"
-        return None
-    return value if value >= 0 else None
+    return value if value is not None and value >= 0 else None
 
 
 def read_usage(fs: ResctrlFs) -> list[ResctrlUsage]:

@@ -56,7 +56,15 @@ from hooks.config_fields import setting
 from reconciler.aio import Callbacks
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
-from reconciler.host.numa import NumaNode, check_view, read_meminfo, read_nodes, system_node
+from reconciler.host.memstat import anon_bytes
+from reconciler.host.numa import (
+    MEMINFO,
+    NumaNode,
+    check_view,
+    meminfo_values,
+    read_nodes,
+    system_node,
+)
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.metrics import Metrics
@@ -179,17 +187,6 @@ def held(previous: int, anonymous: int, squeeze: Squeeze) -> int:
     return max(previous, (anonymous + squeeze.step_bytes) // PAGE_SIZE * PAGE_SIZE)
 
 
-def tier_anonymous(stat: str | None, v2: bool) -> int:
-    """The tier's anonymous memory from its memory.stat (v2 ``anon``, v1 ``total_rss``, which
-    includes huge pages); 0 when unreadable (the floor then still holds)."""
-    wanted = "anon" if v2 else "total_rss"
-    for line in (stat or "").splitlines():
-        name, _, value = line.partition(" ")
-        if name == wanted and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
 class MemoryGuardSections(Protocol):
     """The sections the memory guard reads."""
 
@@ -256,14 +253,15 @@ class MemoryGuardLoop(Loop):
                 log.warning("memory_guard_idle", reason="no BestEffort cgroup", path=tier)
             return
         self._warned_missing = False
-        nodes = read_nodes(sysfs, page)
+        meminfo = sysfs.read(MEMINFO)
+        nodes = read_nodes(sysfs, page, meminfo)
         usage = sysfs.read_int(f"{tier}/{'memory.current' if v2 else 'memory.usage_in_bytes'}")
         if not nodes or usage is None:
             return
         stat = sysfs.read(f"{tier}/memory.numa_stat")
         per_node = parse_numa_stat(stat, v2, page) if stat else {}
         reclaimed = sum(per_node.values()) if per_node else usage
-        view_nodes, floor = self._node_view(nodes, guard)
+        view_nodes, floor = self._node_view(nodes, meminfo_values(meminfo), guard)
         target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor)
         limit_file = f"{tier}/{'memory.max' if v2 else 'memory.limit_in_bytes'}"
         current_text = sysfs.read(limit_file)
@@ -273,8 +271,10 @@ class MemoryGuardLoop(Loop):
         squeeze = self._squeeze.current() if self._squeeze is not None else None
         if squeeze is None:
             self._held = None
+        # The tier's anonymous memory is taken as 0 when its memory.stat is unreadable: the
+        # floor then still holds.
         tight = None if squeeze is None else self._tight(
-            usage, tier_anonymous(sysfs.read(f"{tier}/memory.stat"), v2), squeeze)
+            usage, anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0, squeeze)
         cap = bounded_cap(target, previous, usage, guard.max_step_bytes)
         if tight is not None and not v2:
             # At once, not one step per cycle from the previous cap: only the usage bound (no
@@ -325,11 +325,10 @@ class MemoryGuardLoop(Loop):
         self._held = (squeeze.tightening, tight)
         return tight
 
-    def _node_view(self, nodes: list[NumaNode],
+    def _node_view(self, nodes: list[NumaNode], meminfo: dict[str, int],
                    guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:
         """The nodes the cap is computed over and the floor per node: the NUMA nodes, or the
         machine as one node when their totals do not add up (audited when that starts)."""
-        meminfo = read_meminfo(self._sysfs)
         view = check_view(nodes, meminfo.get("MemTotal", 0), guard.numa_view_tolerance_percent)
         consistent = view.consistent or not meminfo
         if consistent != self._numa_consistent:

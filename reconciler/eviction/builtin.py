@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.eviction.api import (
     NOT_MET,
     ActivePod,
@@ -36,7 +36,6 @@ from reconciler.eviction.config import EvictionConfig
 
 # Detectors whose value falls as things get worse (free memory, fulfillment); the others rise.
 _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
-_LEVELS = {"low": Level.LOW, "medium": Level.MEDIUM, "high": Level.HIGH}
 
 RECLAIMED = "reclaimed_cores"
 RECLAIMED_TIER = "tier:reclaimed"
@@ -80,7 +79,7 @@ class PressurePlugin:
         worst = max(readings, key=lambda r: r.level, default=None)
         if worst is None:
             return ThresholdMet(MetType.NOT_MET, condition=Condition(self._condition, False))
-        soft, hard = _LEVELS[cfg.soft_level], _LEVELS[cfg.hard_level]
+        soft, hard = LEVEL_BY_NAME[cfg.soft_level], LEVEL_BY_NAME[cfg.hard_level]
         met = MetType.HARD_MET if worst.level >= hard else \
             MetType.SOFT_MET if worst.level >= soft else MetType.NOT_MET
         operator = Operator.LESS_THAN if worst.detector in _FALLING else Operator.GREATER_THAN

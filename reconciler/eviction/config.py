@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hooks.config_fields import setting
+from reconciler.detection.signals import LEVEL_NAMES
 from reconciler.eviction.selector import check_selectors
 
 SYSTEM_CLUSTER_CRITICAL = 2_000_000_000
@@ -16,7 +17,6 @@ SYSTEM_NODE_CRITICAL = 2_000_001_000
 IN_TREE_PLUGINS = ("system_pressure", "numa_pressure", "rss_overuse", "reclaimed_pressure")
 SORT_KEYS = ("qos_level", "priority", "memory_usage")
 EVICTABLE_LEVELS = ("reclaimed_cores", "shared_cores", "dedicated_cores")
-LEVEL_NAMES = ("low", "medium", "high")
 
 _NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from hooks.levels import QosLevel
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.eviction.api import (
     NOT_MET,
@@ -37,7 +38,6 @@ from reconciler.eviction.config import EvictionConfig
 # Detectors whose value falls as things get worse (free memory, fulfillment); the others rise.
 _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
 
-RECLAIMED = "reclaimed_cores"
 RECLAIMED_TIER = "tier:reclaimed"
 
 Config = Callable[[], EvictionConfig]
@@ -91,7 +91,8 @@ class PressurePlugin:
                                     scope: str) -> TopPods:
         cfg = self._config()
         chosen = largest_first(active, self._levels(cfg), top_n)
-        every_reclaimed = bool(chosen) and all(p.qos_level == RECLAIMED for p in chosen)
+        every_reclaimed = bool(chosen) and all(
+            p.qos_level == QosLevel.RECLAIMED_CORES for p in chosen)
         grace = _grace(cfg.reclaimed_grace_period_s) if every_reclaimed else None
         return TopPods(tuple(p.uid for p in chosen), grace)
 
@@ -128,7 +129,7 @@ class RssOverusePlugin:
             if pod is None or reading.level <= Level.NONE or reading.value <= reading.threshold \
                     or pod.qos_level not in cfg.rss_overuse_levels:
                 continue
-            grace = cfg.reclaimed_grace_period_s if pod.qos_level == RECLAIMED \
+            grace = cfg.reclaimed_grace_period_s if pod.qos_level == QosLevel.RECLAIMED_CORES \
                 else cfg.grace_period_s
             found.append(EvictRequest(
                 pod.uid, f"anonymous memory {int(reading.value)} B over {int(reading.threshold)} "
@@ -162,6 +163,6 @@ def in_tree_plugins(board: Board, config: Config) -> dict[str, EvictionPlugin]:
         RssOverusePlugin(board, config),
         # The reclaimed tier's own shortage is only ever solved by its own pods.
         PressurePlugin("reclaimed_pressure", "NriQosReclaimedTierPressure", board, config,
-                       _reclaimed, lambda cfg: (RECLAIMED,)),
+                       _reclaimed, lambda cfg: (QosLevel.RECLAIMED_CORES,)),
     ]
     return {plugin.name: plugin for plugin in plugins}

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hooks.config_fields import setting
+from hooks.levels import QosLevel
 from reconciler.detection.signals import LEVEL_NAMES
 from reconciler.eviction.selector import check_selectors
 
@@ -16,7 +17,8 @@ SYSTEM_NODE_CRITICAL = 2_000_001_000
 
 IN_TREE_PLUGINS = ("system_pressure", "numa_pressure", "rss_overuse", "reclaimed_pressure")
 SORT_KEYS = ("qos_level", "priority", "memory_usage")
-EVICTABLE_LEVELS = ("reclaimed_cores", "shared_cores", "dedicated_cores")
+EVICTABLE_LEVELS: tuple[str, ...] = (QosLevel.RECLAIMED_CORES, QosLevel.SHARED_CORES,
+                                     QosLevel.DEDICATED_CORES)
 
 _NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 _PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -20,7 +20,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ import grpc
 import grpc.aio
 import structlog
 
+from hooks.levels import QosLevel
 from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
@@ -66,11 +67,11 @@ CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
 )
 
-_LEVELS_TO_PB = {
-    "reclaimed_cores": pb.RECLAIMED_CORES,
-    "shared_cores": pb.SHARED_CORES,
-    "dedicated_cores": pb.DEDICATED_CORES,
-    "system_cores": pb.SYSTEM_CORES,
+_LEVELS_TO_PB: Mapping[str, pb.QosLevel] = {
+    QosLevel.RECLAIMED_CORES: pb.RECLAIMED_CORES,
+    QosLevel.SHARED_CORES: pb.SHARED_CORES,
+    QosLevel.DEDICATED_CORES: pb.DEDICATED_CORES,
+    QosLevel.SYSTEM_CORES: pb.SYSTEM_CORES,
 }
 _MET = {pb.NOT_MET: MetType.NOT_MET, pb.SOFT_MET: MetType.SOFT_MET, pb.HARD_MET: MetType.HARD_MET}
 _OPERATORS = {pb.OPERATOR_UNSPECIFIED: Operator.UNSPECIFIED, pb.LESS_THAN: Operator.LESS_THAN,

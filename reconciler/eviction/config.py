@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
 from reconciler.detection.signals import LEVEL_NAMES
+from reconciler.eviction.api import PLUGIN_NAME
 from reconciler.eviction.selector import check_selectors
 
 SYSTEM_CLUSTER_CRITICAL = 2_000_000_000
@@ -21,7 +22,6 @@ EVICTABLE_LEVELS: tuple[str, ...] = (QosLevel.RECLAIMED_CORES, QosLevel.SHARED_C
                                      QosLevel.DEDICATED_CORES)
 
 _NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-_PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None]:
@@ -34,7 +34,7 @@ def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None
 
 
 _namespaces = _names(_NAMESPACE, "namespace name")
-_plugin_names = _names(_PLUGIN_NAME, "plugin name")
+_plugin_names = _names(PLUGIN_NAME, "plugin name")
 
 
 def _distinct(value: object) -> str | None:

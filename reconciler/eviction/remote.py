@@ -34,6 +34,7 @@ from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
 from reconciler.audit import AuditLog
 from reconciler.eviction.api import (
+    PLUGIN_NAME,
     ActivePod,
     Condition,
     EvictPods,
@@ -49,7 +50,6 @@ log = structlog.get_logger("nri_qos.eviction")
 M = TypeVar("M")
 
 SOCKET_SUFFIX = ".sock"
-PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 CONDITION_NAME = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
 KUBELET_CONDITIONS = frozenset({"Ready", "MemoryPressure", "DiskPressure", "PIDPressure",
                                 "NetworkUnavailable"})
@@ -276,7 +276,7 @@ class PluginDirectory:
             elif info.st_uid not in (0, own):
                 why = f"owned by uid {info.st_uid}, not root or the agent's user"
             elif not PLUGIN_NAME.fullmatch(name):
-                why = "name is not [A-Za-z0-9_.-]{1,64}"
+                why = f"name is not {PLUGIN_NAME.pattern}"
             elif name in reserved:
                 why = "name of an in-tree plugin"
             else:

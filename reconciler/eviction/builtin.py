@@ -33,7 +33,7 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
-from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.config import EvictionConfig, grace_of
 
 # Detectors whose value falls as things get worse (free memory, fulfillment); the others rise.
 _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
@@ -41,10 +41,6 @@ _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
 RECLAIMED_TIER = "tier:reclaimed"
 
 Config = Callable[[], EvictionConfig]
-
-
-def _grace(seconds: int) -> int | None:
-    return None if seconds < 0 else seconds
 
 
 def largest_first(active: Sequence[ActivePod], levels: Sequence[str],
@@ -93,7 +89,7 @@ class PressurePlugin:
         chosen = largest_first(active, self._levels(cfg), top_n)
         every_reclaimed = bool(chosen) and all(
             p.qos_level == QosLevel.RECLAIMED_CORES for p in chosen)
-        grace = _grace(cfg.reclaimed_grace_period_s) if every_reclaimed else None
+        grace = grace_of(cfg.reclaimed_grace_period_s) if every_reclaimed else None
         return TopPods(tuple(p.uid for p in chosen), grace)
 
     async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
@@ -133,7 +129,7 @@ class RssOverusePlugin:
                 else cfg.grace_period_s
             found.append(EvictRequest(
                 pod.uid, f"anonymous memory {int(reading.value)} B over {int(reading.threshold)} "
-                f"B (request x factor)", _grace(grace), force=False))
+                f"B (request x factor)", grace_of(grace), force=False))
         return EvictPods(tuple(found))
 
 

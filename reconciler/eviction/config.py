@@ -37,6 +37,12 @@ _namespaces = _names(_NAMESPACE, "namespace name")
 _plugin_names = _names(PLUGIN_NAME, "plugin name")
 
 
+def grace_of(seconds: int) -> int | None:
+    """A grace-period setting as an eviction asks for it: a negative one (-1) means the pod's
+    own terminationGracePeriodSeconds, which is None."""
+    return None if seconds < 0 else seconds
+
+
 def _distinct(value: object) -> str | None:
     items = value if isinstance(value, tuple) else (value,)
     return "each key at most once" if len(set(items)) != len(items) else None

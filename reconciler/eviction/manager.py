@@ -45,7 +45,7 @@ from reconciler.eviction.api import (
     TopPods,
 )
 from reconciler.eviction.choice import PodFacts, PodFilter, rank
-from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.config import EvictionConfig, grace_of
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.remote import PluginCallError, PluginDirectory
 from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
@@ -415,8 +415,7 @@ class EvictionManager:
             assert found is not None
             earlier = chosen.get(uid)
             if earlier is None or (forced and not earlier.forced):
-                grace = grace if grace is not None else (
-                    None if cfg.grace_period_s < 0 else cfg.grace_period_s)
+                grace = grace if grace is not None else grace_of(cfg.grace_period_s)
                 chosen[uid] = Candidate(found, plugin, reason, grace, forced)
         return list(chosen.values())
 

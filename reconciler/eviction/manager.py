@@ -269,8 +269,7 @@ class EvictionManager:
         names = [p.name for p in plugins]
         for key in [k for k in self._failing if k[0] not in names]:
             del self._failing[key]
-        for gone in self._met.plugins() - set(names):
-            self._met.forget(gone)
+        self._met.keep_only(names)
 
         snapshot = self._state.snapshot()
         facts = await asyncio.to_thread(self._pod_facts, snapshot)

@@ -123,7 +123,6 @@ class RoundReport:
     """What one round did: every chosen pod and its outcome, in order."""
 
     decisions: tuple[Decision, ...] = ()
-    plugins: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -306,7 +305,7 @@ class EvictionManager:
         chosen = self._choose(candidates, facts, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
         self._said &= self._seen
-        return RoundReport(tuple(decisions), tuple(names))
+        return RoundReport(tuple(decisions))
 
     async def _ask(self, plugin: EvictionPlugin, call: str, fn: Callable[[], Awaitable[T]],
                    deadline: float, into: dict[str, T]) -> None:
@@ -518,7 +517,8 @@ class EvictionManager:
 
     async def _keep_conditions(self, plugins: Sequence[EvictionPlugin], answers: _Answers,
                                cfg: EvictionConfig, now: float) -> None:
-        reported: dict[str, tuple[str, bool, str]] = {}
+        # condition -> (met, message) as this round's plugins report it
+        reported: dict[str, tuple[bool, str]] = {}
         for plugin in plugins:
             threshold = answers.threshold.get(plugin.name)
             wanted = answers.evict.get(plugin.name)
@@ -536,12 +536,11 @@ class EvictionManager:
                     continue
                 if owner is None:
                     self._conditions[condition.name] = _Condition(plugin.name)
-                _, met, message = reported.get(condition.name, (plugin.name, False, ""))
+                met, message = reported.get(condition.name, (False, ""))
                 reported[condition.name] = (
-                    plugin.name, met or condition.met,
-                    message if met else f"{plugin.name}: {detail}")
+                    met or condition.met, message if met else f"{plugin.name}: {detail}")
         for name, state in self._conditions.items():
-            _, met, message = reported.get(name, (state.plugin, False, ""))
+            met, message = reported.get(name, (False, ""))
             status = self._tracker.observe(name, met, now, cfg.condition_transition_s)
             dry = self._dry(state.plugin, cfg)
             if status != state.status:

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -284,7 +285,7 @@ class EvictionManager:
                 group.create_task(self._ask(plugin, "ThresholdMet", plugin.threshold_met,
                                             deadline, answers.threshold))
                 group.create_task(self._ask(plugin, "GetEvictPods",
-                                            _evict_pods_of(plugin, active),
+                                            functools.partial(plugin.get_evict_pods, active),
                                             deadline, answers.evict))
         hard = []
         for plugin in plugins:
@@ -299,7 +300,8 @@ class EvictionManager:
                 for plugin, answer in hard:
                     group.create_task(self._ask(
                         plugin, "GetTopEvictionPods",
-                        _top_pods_of(plugin, active, cfg.top_n, answer.scope),
+                        functools.partial(plugin.get_top_eviction_pods, active, cfg.top_n,
+                                          answer.scope),
                         deadline, answers.top))
         candidates = self._candidates(plugins, hard, answers, facts, cfg)
         chosen = self._choose(candidates, facts, cfg, now)
@@ -577,18 +579,3 @@ class EvictionManager:
         self._said.add(ident)
         self._audit.record(event, **fields)
 
-
-def _evict_pods_of(plugin: EvictionPlugin,
-                   active: Sequence[ActivePod]) -> Callable[[], Awaitable[EvictPods]]:
-    def call() -> Awaitable[EvictPods]:
-        return plugin.get_evict_pods(active)
-
-    return call
-
-
-def _top_pods_of(plugin: EvictionPlugin, active: Sequence[ActivePod], top_n: int,
-                 scope: str) -> Callable[[], Awaitable[TopPods]]:
-    def call() -> Awaitable[TopPods]:
-        return plugin.get_top_eviction_pods(active, top_n, scope)
-
-    return call

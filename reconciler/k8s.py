@@ -82,7 +82,8 @@ COMPONENT = "nri-qos"
 # A watch that ends sooner than this without any event counts as a failure (backoff), so a
 # server that keeps closing streams at once cannot make the watcher spin.
 MIN_HEALTHY_WATCH_S = 1.0
-# Errors a list or watch attempt may end with; everything else is a bug and propagates.
+# Errors a list or watch attempt, or a read-modify-write of the node, may end with; everything
+# else is a bug and propagates.
 _TRANSIENT = (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
 
 
@@ -670,7 +671,7 @@ class KubeActions:
         for _ in range(NODE_UPDATE_ATTEMPTS):
             try:
                 result = await asyncio.to_thread(attempt)
-            except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            except _TRANSIENT as exc:
                 _log.warning(f"{what}_failed", node=node, reason=_describe(exc))
                 return NodeOutcome.FAILED
             if result is not None:

@@ -76,7 +76,6 @@ MERGE_PATCH = "application/merge-patch+json"
 # Attempts of a read-modify-write of the node (taints, conditions) that keeps losing to other
 # writers.
 NODE_UPDATE_ATTEMPTS = 5
-TAINT_UPDATE_ATTEMPTS = NODE_UPDATE_ATTEMPTS
 # Who the Events and conditions the agent writes come from.
 COMPONENT = "nri-qos"
 # A watch that ends sooner than this without any event counts as a failure (backoff), so a
@@ -421,10 +420,6 @@ class NodeOutcome(enum.StrEnum):
     UNCHANGED = "unchanged"  # already as asked: nothing was written
     FAILED = "failed"
     UNAVAILABLE = "unavailable"
-
-
-TaintOutcome = NodeOutcome
-"""What :meth:`KubeActions.add_taint` and :meth:`KubeActions.remove_taint` return."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

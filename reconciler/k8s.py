@@ -436,14 +436,15 @@ class KubeActions:
     conditions; evictions and taints are audited here, conditions by their owner."""
 
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
-        self._api = api
+        # One API handle for every write; None in degraded mode.
+        self._core: Any = None if api is None else k8s_client.CoreV1Api(api)
         self._cfg = cfg
         self._audit = audit
 
     @property
     def available(self) -> bool:
         """False in degraded mode: every write reports ``unavailable``."""
-        return self._api is not None
+        return self._core is not None
 
     async def evict(
         self,
@@ -457,10 +458,10 @@ class KubeActions:
         """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``."""
         pod = f"{namespace}/{name}"
         self._audit.record("eviction_requested", pod=pod, reason=reason, dry_run=dry_run)
-        if self._api is None:
+        if self._core is None:
             self._audit.record("eviction_blocked", pod=pod, reason="no Kubernetes API access")
             return EvictionResult(EvictionOutcome.UNAVAILABLE, dry_run)
-        core = k8s_client.CoreV1Api(self._api)
+        core = self._core
         body = k8s_client.V1Eviction(
             api_version="policy/v1",
             kind="Eviction",
@@ -594,9 +595,9 @@ class KubeActions:
                                message: str) -> bool:
         """Records a Warning Event on the pod (``kubectl describe pod`` shows it); False when it
         could not be written (logged, never raised: the Event only tells what happened)."""
-        if self._api is None:
+        if self._core is None:
             return False
-        core = k8s_client.CoreV1Api(self._api)
+        core = self._core
         now = _rfc3339()
         body: Any = {
             "apiVersion": "v1", "kind": "Event",
@@ -633,10 +634,10 @@ class KubeActions:
         its resourceVersion. ``patch_for`` gets the node as read and returns the merge patch to
         apply, or None when nothing is to change. A 409 (someone else updated the node in
         between) rereads and retries."""
-        if self._api is None:
+        if self._core is None:
             _log.warning(f"{what}_skipped", node=node, reason="no Kubernetes API access")
             return NodeOutcome.UNAVAILABLE
-        core = k8s_client.CoreV1Api(self._api)
+        core = self._core
         timeout = self._cfg.request_timeout_s
 
         def attempt() -> NodeOutcome | None:

@@ -485,14 +485,15 @@ class KubeActions:
         try:
             status = await asyncio.to_thread(post)
         except ApiException as exc:
-            message = _status_message(exc)
+            sent = _status_body(exc)
+            message = _status_message(exc, sent)
             if exc.status == HTTP_NOT_FOUND:
                 self._audit.record("eviction_gone", pod=pod, status=exc.status)
                 return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
             blocked = exc.status == HTTP_TOO_MANY_REQUESTS
             if not blocked:
                 why = f"API error: {message}"
-            elif _budget_refused(exc):
+            elif _budget_refused(sent):
                 why = f"disruption budget: {message}"
             else:
                 # The API server's own throttling (Priority and Fairness): nothing was decided
@@ -711,31 +712,33 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _budget_refused(exc: ApiException) -> bool:
-    """A 429 from a PodDisruptionBudget: its Status names the cause ``DisruptionBudget``."""
+def _status_body(exc: ApiException) -> dict[str, Any] | None:
+    """The Status object the API sent with an error; None when the body is not one."""
     try:
         body = json.loads(exc.body or "")
     except (ValueError, TypeError):
-        return False
-    details = body.get("details") if isinstance(body, dict) else None
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _budget_refused(body: Mapping[str, Any] | None) -> bool:
+    """A 429 from a PodDisruptionBudget: its Status (``body``) names the cause
+    ``DisruptionBudget``."""
+    details = body.get("details") if body is not None else None
     causes = details.get("causes") if isinstance(details, dict) else None
     return isinstance(causes, list) and any(
         isinstance(cause, dict) and cause.get("reason") == "DisruptionBudget" for cause in causes)
 
 
-def _status_message(exc: ApiException) -> str:
-    """The ``message`` of the Status the API sent, else the HTTP reason."""
-    try:
-        body = json.loads(exc.body or "")
-    except (ValueError, TypeError):
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
+def _status_message(exc: ApiException, body: Mapping[str, Any] | None) -> str:
+    """The ``message`` of the Status the API sent (``body``), else the HTTP reason."""
+    if body is not None and isinstance(body.get("message"), str):
         return str(body["message"])
     return str(exc.reason or exc.status)
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
-        return f"HTTP {exc.status}: {_status_message(exc)}"
+        return f"HTTP {exc.status}: {_status_message(exc, _status_body(exc))}"
     return f"{type(exc).__name__}: {exc}"
 

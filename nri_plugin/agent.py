@@ -194,7 +194,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
             in_tree_plugins(board, lambda: store.current.eviction), metrics=metrics)
         services.append(evictor.run)
         mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
-                                      kube=None if api is None else kube, node=node,
+                                      kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, metrics=metrics)
         services.append(mitigation.run)
     # Endpoints only for a real agent: a simulation must not take the node agent's port or

@@ -76,13 +76,13 @@ MERGE_PATCH = "application/merge-patch+json"
 # Attempts of a read-modify-write of the node (taints, conditions) that keeps losing to other
 # writers.
 NODE_UPDATE_ATTEMPTS = 5
-TAINT_UPDATE_ATTEMPTS = NODE_UPDATE_ATTEMPTS
 # Who the Events and conditions the agent writes come from.
 COMPONENT = "nri-qos"
 # A watch that ends sooner than this without any event counts as a failure (backoff), so a
 # server that keeps closing streams at once cannot make the watcher spin.
 MIN_HEALTHY_WATCH_S = 1.0
-# Errors a list or watch attempt may end with; everything else is a bug and propagates.
+# Errors a list or watch attempt, or a read-modify-write of the node, may end with; everything
+# else is a bug and propagates.
 _TRANSIENT = (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
 
 
@@ -422,10 +422,6 @@ class NodeOutcome(enum.StrEnum):
     UNAVAILABLE = "unavailable"
 
 
-TaintOutcome = NodeOutcome
-"""What :meth:`KubeActions.add_taint` and :meth:`KubeActions.remove_taint` return."""
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class PodRef:
     """The pod an Event is about."""
@@ -440,14 +436,15 @@ class KubeActions:
     conditions; evictions and taints are audited here, conditions by their owner."""
 
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
-        self._api = api
+        # One API handle for every write; None in degraded mode.
+        self._core: Any = None if api is None else k8s_client.CoreV1Api(api)
         self._cfg = cfg
         self._audit = audit
 
     @property
     def available(self) -> bool:
         """False in degraded mode: every write reports ``unavailable``."""
-        return self._api is not None
+        return self._core is not None
 
     async def evict(
         self,
@@ -461,10 +458,10 @@ class KubeActions:
         """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``."""
         pod = f"{namespace}/{name}"
         self._audit.record("eviction_requested", pod=pod, reason=reason, dry_run=dry_run)
-        if self._api is None:
+        if self._core is None:
             self._audit.record("eviction_blocked", pod=pod, reason="no Kubernetes API access")
             return EvictionResult(EvictionOutcome.UNAVAILABLE, dry_run)
-        core = k8s_client.CoreV1Api(self._api)
+        core = self._core
         body = k8s_client.V1Eviction(
             api_version="policy/v1",
             kind="Eviction",
@@ -488,14 +485,15 @@ class KubeActions:
         try:
             status = await asyncio.to_thread(post)
         except ApiException as exc:
-            message = _status_message(exc)
+            sent = _status_body(exc)
+            message = _status_message(exc, sent)
             if exc.status == HTTP_NOT_FOUND:
                 self._audit.record("eviction_gone", pod=pod, status=exc.status)
                 return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
             blocked = exc.status == HTTP_TOO_MANY_REQUESTS
             if not blocked:
                 why = f"API error: {message}"
-            elif _budget_refused(exc):
+            elif _budget_refused(sent):
                 why = f"disruption budget: {message}"
             else:
                 # The API server's own throttling (Priority and Fairness): nothing was decided
@@ -598,9 +596,9 @@ class KubeActions:
                                message: str) -> bool:
         """Records a Warning Event on the pod (``kubectl describe pod`` shows it); False when it
         could not be written (logged, never raised: the Event only tells what happened)."""
-        if self._api is None:
+        if self._core is None:
             return False
-        core = k8s_client.CoreV1Api(self._api)
+        core = self._core
         now = _rfc3339()
         body: Any = {
             "apiVersion": "v1", "kind": "Event",
@@ -637,10 +635,10 @@ class KubeActions:
         its resourceVersion. ``patch_for`` gets the node as read and returns the merge patch to
         apply, or None when nothing is to change. A 409 (someone else updated the node in
         between) rereads and retries."""
-        if self._api is None:
+        if self._core is None:
             _log.warning(f"{what}_skipped", node=node, reason="no Kubernetes API access")
             return NodeOutcome.UNAVAILABLE
-        core = k8s_client.CoreV1Api(self._api)
+        core = self._core
         timeout = self._cfg.request_timeout_s
 
         def attempt() -> NodeOutcome | None:
@@ -670,7 +668,7 @@ class KubeActions:
         for _ in range(NODE_UPDATE_ATTEMPTS):
             try:
                 result = await asyncio.to_thread(attempt)
-            except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            except _TRANSIENT as exc:
                 _log.warning(f"{what}_failed", node=node, reason=_describe(exc))
                 return NodeOutcome.FAILED
             if result is not None:
@@ -714,31 +712,33 @@ def _resource_version(obj: Mapping[str, Any]) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _budget_refused(exc: ApiException) -> bool:
-    """A 429 from a PodDisruptionBudget: its Status names the cause ``DisruptionBudget``."""
+def _status_body(exc: ApiException) -> dict[str, Any] | None:
+    """The Status object the API sent with an error; None when the body is not one."""
     try:
         body = json.loads(exc.body or "")
     except (ValueError, TypeError):
-        return False
-    details = body.get("details") if isinstance(body, dict) else None
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _budget_refused(body: Mapping[str, Any] | None) -> bool:
+    """A 429 from a PodDisruptionBudget: its Status (``body``) names the cause
+    ``DisruptionBudget``."""
+    details = body.get("details") if body is not None else None
     causes = details.get("causes") if isinstance(details, dict) else None
     return isinstance(causes, list) and any(
         isinstance(cause, dict) and cause.get("reason") == "DisruptionBudget" for cause in causes)
 
 
-def _status_message(exc: ApiException) -> str:
-    """The ``message`` of the Status the API sent, else the HTTP reason."""
-    try:
-        body = json.loads(exc.body or "")
-    except (ValueError, TypeError):
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("message"), str):
+def _status_message(exc: ApiException, body: Mapping[str, Any] | None) -> str:
+    """The ``message`` of the Status the API sent (``body``), else the HTTP reason."""
+    if body is not None and isinstance(body.get("message"), str):
         return str(body["message"])
     return str(exc.reason or exc.status)
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ApiException):
-        return f"HTTP {exc.status}: {_status_message(exc)}"
+        return f"HTTP {exc.status}: {_status_message(exc, _status_body(exc))}"
     return f"{type(exc).__name__}: {exc}"
 

@@ -218,8 +218,9 @@ def test_hard_met_counts_after_a_streak() -> None:
     assert met.observe("p", None, 3) is MetType.NOT_MET  # no answer breaks it too
     assert met.observe("p", hard, 1) is hard
     assert met.observe("other", hard, 2) is MetType.SOFT_MET  # per plugin
-    met.forget("other")
+    met.keep_only(["p"])
     assert met.observe("other", hard, 2) is MetType.SOFT_MET
+    assert met.observe("p", hard, 2) is hard  # a kept plugin's streak goes on
 
 
 def test_condition_true_at_once_false_after_the_transition_period() -> None:

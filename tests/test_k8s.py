@@ -18,14 +18,12 @@ from structlog.testing import capture_logs
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.k8s import (
     NODE_UPDATE_ATTEMPTS,
-    TAINT_UPDATE_ATTEMPTS,
     EvictionOutcome,
     KubeActions,
     KubernetesConfig,
     NodeOutcome,
     PodRef,
     PodWatcher,
-    TaintOutcome,
     build_api_client,
     node_name,
 )
@@ -551,8 +549,8 @@ async def test_actions_without_api(cfg: KubernetesConfig, audit: MemoryAuditSink
     result = await actions.evict("default", "p", None, False)
     assert result.outcome is EvictionOutcome.UNAVAILABLE
     assert audit.named("eviction_blocked")[0]["reason"] == "no Kubernetes API access"
-    assert await actions.add_taint("n", "k", "v", "NoSchedule") is TaintOutcome.UNAVAILABLE
-    assert await actions.remove_taint("n", "k") is TaintOutcome.UNAVAILABLE
+    assert await actions.add_taint("n", "k", "v", "NoSchedule") is NodeOutcome.UNAVAILABLE
+    assert await actions.remove_taint("n", "k") is NodeOutcome.UNAVAILABLE
 
 
 async def test_eviction_shows_in_the_watch(
@@ -577,7 +575,7 @@ async def test_taints_add_and_remove_idempotently(
 ) -> None:
     fake.add_node("node-a", taints=[OTHER])
     assert await actions.add_taint("node-a", KEY, "true", "NoSchedule", reason="pressure") is (
-        TaintOutcome.CHANGED
+        NodeOutcome.CHANGED
     )
     assert fake.taints("node-a") == [OTHER, {"key": KEY, "value": "true", "effect": "NoSchedule"}]
     assert audit.named("taint_added") == [
@@ -587,28 +585,28 @@ async def test_taints_add_and_remove_idempotently(
     assert patch.headers["content-type"] == "application/merge-patch+json"
     assert patch.body["metadata"]["resourceVersion"]
 
-    assert await actions.add_taint("node-a", KEY, "true", "NoSchedule") is TaintOutcome.UNCHANGED
+    assert await actions.add_taint("node-a", KEY, "true", "NoSchedule") is NodeOutcome.UNCHANGED
     assert len(fake.requests("PATCH")) == 1
     assert len(audit.named("taint_added")) == 1
 
     # Same key and effect, new value: replaced, not duplicated.
-    assert await actions.add_taint("node-a", KEY, "high", "NoSchedule") is TaintOutcome.CHANGED
+    assert await actions.add_taint("node-a", KEY, "high", "NoSchedule") is NodeOutcome.CHANGED
     assert fake.taints("node-a") == [OTHER, {"key": KEY, "value": "high", "effect": "NoSchedule"}]
 
-    assert await actions.remove_taint("node-a", KEY, reason="calm") is TaintOutcome.CHANGED
+    assert await actions.remove_taint("node-a", KEY, reason="calm") is NodeOutcome.CHANGED
     assert fake.taints("node-a") == [OTHER]
     assert audit.named("taint_removed") == [
         {"node": "node-a", "taint": f"{KEY}=high:NoSchedule", "reason": "calm"}
     ]
-    assert await actions.remove_taint("node-a", KEY) is TaintOutcome.UNCHANGED
+    assert await actions.remove_taint("node-a", KEY) is NodeOutcome.UNCHANGED
     assert len(fake.requests("PATCH")) == 3
 
 
 async def test_taint_without_value(fake: FakeApiServer, actions: KubeActions) -> None:
     fake.add_node("node-a")
-    assert await actions.add_taint("node-a", KEY, "", "NoExecute") is TaintOutcome.CHANGED
+    assert await actions.add_taint("node-a", KEY, "", "NoExecute") is NodeOutcome.CHANGED
     assert fake.taints("node-a") == [{"key": KEY, "effect": "NoExecute"}]
-    assert await actions.add_taint("node-a", KEY, "", "NoExecute") is TaintOutcome.UNCHANGED
+    assert await actions.add_taint("node-a", KEY, "", "NoExecute") is NodeOutcome.UNCHANGED
 
 
 async def test_taint_retries_on_conflict(
@@ -616,7 +614,7 @@ async def test_taint_retries_on_conflict(
 ) -> None:
     fake.add_node("node-a")
     fake.conflict_next_patches(2)
-    assert await actions.add_taint("node-a", KEY, "true", "NoSchedule") is TaintOutcome.CHANGED
+    assert await actions.add_taint("node-a", KEY, "true", "NoSchedule") is NodeOutcome.CHANGED
     assert [r.status for r in fake.requests("PATCH")] == [409, 409, 200]
     assert len(fake.requests("GET", "/api/v1/nodes/node-a")) == 3
     assert len(audit.named("taint_added")) == 1
@@ -626,15 +624,15 @@ async def test_taint_gives_up_after_persistent_conflicts(
     fake: FakeApiServer, actions: KubeActions, audit: MemoryAuditSink
 ) -> None:
     fake.add_node("node-a")
-    fake.conflict_next_patches(TAINT_UPDATE_ATTEMPTS)
-    assert await actions.add_taint("node-a", KEY, "true", "NoSchedule") is TaintOutcome.FAILED
+    fake.conflict_next_patches(NODE_UPDATE_ATTEMPTS)
+    assert await actions.add_taint("node-a", KEY, "true", "NoSchedule") is NodeOutcome.FAILED
     assert fake.taints("node-a") == []
     assert audit.named("taint_added") == []
 
 
 async def test_taint_on_unknown_node_fails(actions: KubeActions) -> None:
-    assert await actions.add_taint("nowhere", KEY, "x", "NoSchedule") is TaintOutcome.FAILED
-    assert await actions.remove_taint("nowhere", KEY) is TaintOutcome.FAILED
+    assert await actions.add_taint("nowhere", KEY, "x", "NoSchedule") is NodeOutcome.FAILED
+    assert await actions.remove_taint("nowhere", KEY) is NodeOutcome.FAILED
 
 
 async def test_taint_effect_is_checked(actions: KubeActions) -> None:

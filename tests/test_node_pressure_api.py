@@ -112,10 +112,30 @@ async def test_condition_without_api_or_node(kube: tuple[KubeActions, MemoryAudi
 
 
 async def test_taint_action_without_api_is_skipped() -> None:
-    action = TaintAction(Config, None, "node-a", AuditLog(MemoryAuditSink()))
+    audit = AuditLog(MemoryAuditSink())
+    action = TaintAction(Config, KubeActions(None, KubernetesConfig(), audit), "node-a", audit)
     assert (await action.engage(Cause(Level.LOW), False)).detail == "no Kubernetes API access"
     assert (await action.release(Cause(Level.LOW), False)).result == "skipped"
     assert (await action.engage(Cause(Level.LOW), True)).result == "dry_run"
+    assert action.placed() == []
+
+
+async def test_taint_action_fails_when_the_api_refuses(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, audit = kube
+    # a node the API does not know: every read of it is refused (404)
+    action = TaintAction(Config, actions, "nowhere", AuditLog(MemoryAuditSink()))
+    engaged = await action.engage(Cause(Level.LOW), False)
+    assert (engaged.result, engaged.detail) == (
+        "failed", "taint nri-qos.io/memory-pressure:NoSchedule, NriQosMemoryPressure=True: the "
+        "API refused or did not answer (see the log)")
+    assert action.placed() == []
+    released = await action.release(Cause(Level.NONE), False)
+    assert (released.result, released.detail) == (
+        "failed", "remove taint nri-qos.io/memory-pressure, NriQosMemoryPressure=False: the "
+        "API refused or did not answer (see the log)")
+    assert audit.named("taint_added") == audit.named("taint_removed") == []
+    assert fake.taints("node-a") == []
 
 
 class Ladder:

@@ -11,7 +11,7 @@ never "no pressure" by silence.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -27,6 +27,11 @@ class Level(IntEnum):
     MEDIUM = 2
     HIGH = 3
 
+
+LEVEL_BY_NAME: Mapping[str, Level] = {"low": Level.LOW, "medium": Level.MEDIUM, "high": Level.HIGH}
+"""The levels a setting can name (a rung's level, a plugin's soft and hard level), by name."""
+LEVEL_NAMES: tuple[str, ...] = tuple(LEVEL_BY_NAME)
+"""Their names, mildest first."""
 
 NODE = "node"
 """Scope of a node-wide reading."""

@@ -9,9 +9,13 @@ an answer is checked before it is used.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""What a plugin may be called (an out-of-tree plugin's socket name without ``.sock``)."""
 
 
 class MetType(enum.IntEnum):

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from reconciler.detection.signals import NODE, Board, Level, Reading
+from hooks.levels import QosLevel
+from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.eviction.api import (
     NOT_MET,
     ActivePod,
@@ -32,20 +33,14 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
-from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.config import EvictionConfig, grace_of
 
 # Detectors whose value falls as things get worse (free memory, fulfillment); the others rise.
 _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
-_LEVELS = {"low": Level.LOW, "medium": Level.MEDIUM, "high": Level.HIGH}
 
-RECLAIMED = "reclaimed_cores"
 RECLAIMED_TIER = "tier:reclaimed"
 
 Config = Callable[[], EvictionConfig]
-
-
-def _grace(seconds: int) -> int | None:
-    return None if seconds < 0 else seconds
 
 
 def largest_first(active: Sequence[ActivePod], levels: Sequence[str],
@@ -80,7 +75,7 @@ class PressurePlugin:
         worst = max(readings, key=lambda r: r.level, default=None)
         if worst is None:
             return ThresholdMet(MetType.NOT_MET, condition=Condition(self._condition, False))
-        soft, hard = _LEVELS[cfg.soft_level], _LEVELS[cfg.hard_level]
+        soft, hard = LEVEL_BY_NAME[cfg.soft_level], LEVEL_BY_NAME[cfg.hard_level]
         met = MetType.HARD_MET if worst.level >= hard else \
             MetType.SOFT_MET if worst.level >= soft else MetType.NOT_MET
         operator = Operator.LESS_THAN if worst.detector in _FALLING else Operator.GREATER_THAN
@@ -92,8 +87,9 @@ class PressurePlugin:
                                     scope: str) -> TopPods:
         cfg = self._config()
         chosen = largest_first(active, self._levels(cfg), top_n)
-        every_reclaimed = bool(chosen) and all(p.qos_level == RECLAIMED for p in chosen)
-        grace = _grace(cfg.reclaimed_grace_period_s) if every_reclaimed else None
+        every_reclaimed = bool(chosen) and all(
+            p.qos_level == QosLevel.RECLAIMED_CORES for p in chosen)
+        grace = grace_of(cfg.reclaimed_grace_period_s) if every_reclaimed else None
         return TopPods(tuple(p.uid for p in chosen), grace)
 
     async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
@@ -129,11 +125,11 @@ class RssOverusePlugin:
             if pod is None or reading.level <= Level.NONE or reading.value <= reading.threshold \
                     or pod.qos_level not in cfg.rss_overuse_levels:
                 continue
-            grace = cfg.reclaimed_grace_period_s if pod.qos_level == RECLAIMED \
+            grace = cfg.reclaimed_grace_period_s if pod.qos_level == QosLevel.RECLAIMED_CORES \
                 else cfg.grace_period_s
             found.append(EvictRequest(
                 pod.uid, f"anonymous memory {int(reading.value)} B over {int(reading.threshold)} "
-                f"B (request x factor)", _grace(grace), force=False))
+                f"B (request x factor)", grace_of(grace), force=False))
         return EvictPods(tuple(found))
 
 
@@ -163,6 +159,6 @@ def in_tree_plugins(board: Board, config: Config) -> dict[str, EvictionPlugin]:
         RssOverusePlugin(board, config),
         # The reclaimed tier's own shortage is only ever solved by its own pods.
         PressurePlugin("reclaimed_pressure", "NriQosReclaimedTierPressure", board, config,
-                       _reclaimed, lambda cfg: (RECLAIMED,)),
+                       _reclaimed, lambda cfg: (QosLevel.RECLAIMED_CORES,)),
     ]
     return {plugin.name: plugin for plugin in plugins}

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from hooks.levels import QosLevel
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.selector import Selector, parse_selector
 from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION
@@ -22,7 +23,8 @@ READ_ANNOTATIONS = frozenset({MIRROR_ANNOTATION, CONFIG_SOURCE_ANNOTATION})
 """The annotations the filter reads; they must be kept with the pod."""
 
 # Lower ranks go first: offline pods before online ones.
-LEVEL_RANK = {"reclaimed_cores": 0, "shared_cores": 1, "dedicated_cores": 2, "system_cores": 3}
+LEVEL_RANK: Mapping[str, int] = {QosLevel.RECLAIMED_CORES: 0, QosLevel.SHARED_CORES: 1,
+                                  QosLevel.DEDICATED_CORES: 2, QosLevel.SYSTEM_CORES: 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +68,7 @@ class PodFilter:
         """Why the pod may not be evicted, or None. ``need_description``: with API access, a
         pod the watch has not described yet is refused (its owner and priority are unknown)."""
         pod = facts.pod
-        if pod.qos_level == "system_cores":
+        if pod.qos_level == QosLevel.SYSTEM_CORES:
             return "system_cores pod"
         if facts.static:
             return "static or mirror pod"

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hooks.config_fields import setting
+from hooks.levels import QosLevel
+from reconciler.detection.signals import LEVEL_NAMES
+from reconciler.eviction.api import PLUGIN_NAME
 from reconciler.eviction.selector import check_selectors
 
 SYSTEM_CLUSTER_CRITICAL = 2_000_000_000
@@ -15,11 +18,10 @@ SYSTEM_NODE_CRITICAL = 2_000_001_000
 
 IN_TREE_PLUGINS = ("system_pressure", "numa_pressure", "rss_overuse", "reclaimed_pressure")
 SORT_KEYS = ("qos_level", "priority", "memory_usage")
-EVICTABLE_LEVELS = ("reclaimed_cores", "shared_cores", "dedicated_cores")
-LEVEL_NAMES = ("low", "medium", "high")
+EVICTABLE_LEVELS: tuple[str, ...] = (QosLevel.RECLAIMED_CORES, QosLevel.SHARED_CORES,
+                                     QosLevel.DEDICATED_CORES)
 
 _NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-_PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None]:
@@ -32,7 +34,13 @@ def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None
 
 
 _namespaces = _names(_NAMESPACE, "namespace name")
-_plugin_names = _names(_PLUGIN_NAME, "plugin name")
+_plugin_names = _names(PLUGIN_NAME, "plugin name")
+
+
+def grace_of(seconds: int) -> int | None:
+    """A grace-period setting as an eviction asks for it: a negative one (-1) means the pod's
+    own terminationGracePeriodSeconds, which is None."""
+    return None if seconds < 0 else seconds
 
 
 def _distinct(value: object) -> str | None:

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -45,7 +46,7 @@ from reconciler.eviction.api import (
     TopPods,
 )
 from reconciler.eviction.choice import PodFacts, PodFilter, rank
-from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.config import EvictionConfig, grace_of
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.remote import PluginCallError, PluginDirectory
 from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
@@ -123,7 +124,6 @@ class RoundReport:
     """What one round did: every chosen pod and its outcome, in order."""
 
     decisions: tuple[Decision, ...] = ()
-    plugins: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -269,8 +269,7 @@ class EvictionManager:
         names = [p.name for p in plugins]
         for key in [k for k in self._failing if k[0] not in names]:
             del self._failing[key]
-        for gone in self._met.plugins() - set(names):
-            self._met.forget(gone)
+        self._met.keep_only(names)
 
         snapshot = self._state.snapshot()
         facts = await asyncio.to_thread(self._pod_facts, snapshot)
@@ -286,7 +285,7 @@ class EvictionManager:
                 group.create_task(self._ask(plugin, "ThresholdMet", plugin.threshold_met,
                                             deadline, answers.threshold))
                 group.create_task(self._ask(plugin, "GetEvictPods",
-                                            _evict_pods_of(plugin, active),
+                                            functools.partial(plugin.get_evict_pods, active),
                                             deadline, answers.evict))
         hard = []
         for plugin in plugins:
@@ -301,13 +300,14 @@ class EvictionManager:
                 for plugin, answer in hard:
                     group.create_task(self._ask(
                         plugin, "GetTopEvictionPods",
-                        _top_pods_of(plugin, active, cfg.top_n, answer.scope),
+                        functools.partial(plugin.get_top_eviction_pods, active, cfg.top_n,
+                                          answer.scope),
                         deadline, answers.top))
         candidates = self._candidates(plugins, hard, answers, facts, cfg)
         chosen = self._choose(candidates, facts, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
         self._said &= self._seen
-        return RoundReport(tuple(decisions), tuple(names))
+        return RoundReport(tuple(decisions))
 
     async def _ask(self, plugin: EvictionPlugin, call: str, fn: Callable[[], Awaitable[T]],
                    deadline: float, into: dict[str, T]) -> None:
@@ -415,8 +415,7 @@ class EvictionManager:
             assert found is not None
             earlier = chosen.get(uid)
             if earlier is None or (forced and not earlier.forced):
-                grace = grace if grace is not None else (
-                    None if cfg.grace_period_s < 0 else cfg.grace_period_s)
+                grace = grace if grace is not None else grace_of(cfg.grace_period_s)
                 chosen[uid] = Candidate(found, plugin, reason, grace, forced)
         return list(chosen.values())
 
@@ -520,7 +519,8 @@ class EvictionManager:
 
     async def _keep_conditions(self, plugins: Sequence[EvictionPlugin], answers: _Answers,
                                cfg: EvictionConfig, now: float) -> None:
-        reported: dict[str, tuple[str, bool, str]] = {}
+        # condition -> (met, message) as this round's plugins report it
+        reported: dict[str, tuple[bool, str]] = {}
         for plugin in plugins:
             threshold = answers.threshold.get(plugin.name)
             wanted = answers.evict.get(plugin.name)
@@ -538,12 +538,11 @@ class EvictionManager:
                     continue
                 if owner is None:
                     self._conditions[condition.name] = _Condition(plugin.name)
-                _, met, message = reported.get(condition.name, (plugin.name, False, ""))
+                met, message = reported.get(condition.name, (False, ""))
                 reported[condition.name] = (
-                    plugin.name, met or condition.met,
-                    message if met else f"{plugin.name}: {detail}")
+                    met or condition.met, message if met else f"{plugin.name}: {detail}")
         for name, state in self._conditions.items():
-            _, met, message = reported.get(name, (state.plugin, False, ""))
+            met, message = reported.get(name, (False, ""))
             status = self._tracker.observe(name, met, now, cfg.condition_transition_s)
             dry = self._dry(state.plugin, cfg)
             if status != state.status:
@@ -580,18 +579,3 @@ class EvictionManager:
         self._said.add(ident)
         self._audit.record(event, **fields)
 
-
-def _evict_pods_of(plugin: EvictionPlugin,
-                   active: Sequence[ActivePod]) -> Callable[[], Awaitable[EvictPods]]:
-    def call() -> Awaitable[EvictPods]:
-        return plugin.get_evict_pods(active)
-
-    return call
-
-
-def _top_pods_of(plugin: EvictionPlugin, active: Sequence[ActivePod], top_n: int,
-                 scope: str) -> Callable[[], Awaitable[TopPods]]:
-    def call() -> Awaitable[TopPods]:
-        return plugin.get_top_eviction_pods(active, top_n, scope)
-
-    return call

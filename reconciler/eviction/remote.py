@@ -20,7 +20,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,11 +28,13 @@ import grpc
 import grpc.aio
 import structlog
 
+from hooks.levels import QosLevel
 from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
 from reconciler.audit import AuditLog
 from reconciler.eviction.api import (
+    PLUGIN_NAME,
     ActivePod,
     Condition,
     EvictPods,
@@ -48,7 +50,6 @@ log = structlog.get_logger("nri_qos.eviction")
 M = TypeVar("M")
 
 SOCKET_SUFFIX = ".sock"
-PLUGIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 CONDITION_NAME = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
 KUBELET_CONDITIONS = frozenset({"Ready", "MemoryPressure", "DiskPressure", "PIDPressure",
                                 "NetworkUnavailable"})
@@ -66,11 +67,11 @@ CHANNEL_OPTIONS = (
     ("grpc.enable_retries", 0),
 )
 
-_LEVELS_TO_PB = {
-    "reclaimed_cores": pb.RECLAIMED_CORES,
-    "shared_cores": pb.SHARED_CORES,
-    "dedicated_cores": pb.DEDICATED_CORES,
-    "system_cores": pb.SYSTEM_CORES,
+_LEVELS_TO_PB: Mapping[str, pb.QosLevel] = {
+    QosLevel.RECLAIMED_CORES: pb.RECLAIMED_CORES,
+    QosLevel.SHARED_CORES: pb.SHARED_CORES,
+    QosLevel.DEDICATED_CORES: pb.DEDICATED_CORES,
+    QosLevel.SYSTEM_CORES: pb.SYSTEM_CORES,
 }
 _MET = {pb.NOT_MET: MetType.NOT_MET, pb.SOFT_MET: MetType.SOFT_MET, pb.HARD_MET: MetType.HARD_MET}
 _OPERATORS = {pb.OPERATOR_UNSPECIFIED: Operator.UNSPECIFIED, pb.LESS_THAN: Operator.LESS_THAN,
@@ -275,7 +276,7 @@ class PluginDirectory:
             elif info.st_uid not in (0, own):
                 why = f"owned by uid {info.st_uid}, not root or the agent's user"
             elif not PLUGIN_NAME.fullmatch(name):
-                why = "name is not [A-Za-z0-9_.-]{1,64}"
+                why = f"name is not {PLUGIN_NAME.pattern}"
             elif name in reserved:
                 why = "name of an in-tree plugin"
             else:

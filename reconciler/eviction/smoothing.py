@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from reconciler.eviction.api import MetType
@@ -29,12 +30,11 @@ class MetSmoother:
         self._streaks.pop(plugin, None)
         return met if met is not None else MetType.NOT_MET
 
-    def forget(self, plugin: str) -> None:
-        self._streaks.pop(plugin, None)
-
-    def plugins(self) -> set[str]:
-        """Plugins in a hard-met streak."""
-        return set(self._streaks)
+    def keep_only(self, plugins: Iterable[str]) -> None:
+        """Forget the streaks of plugins not in ``plugins`` (those no longer running)."""
+        keep = set(plugins)
+        for plugin in [p for p in self._streaks if p not in keep]:
+            del self._streaks[plugin]
 
 
 @dataclass

@@ -110,7 +110,7 @@ class PlacedTaint:
 class TaintAction:
     """Forbid scheduling: the node taint and the node condition."""
 
-    def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions | None,
+    def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions,
                  node: str, audit: AuditLog, metrics: Metrics | None = None) -> None:
         self._config = config
         self._metrics = metrics
@@ -124,7 +124,7 @@ class TaintAction:
         what = f"taint {rung.key}:{rung.effect}, {rung.condition}=True"
         if dry_run:
             return Result(DRY_RUN, f"would {what}")
-        if self._kube is None:
+        if not self._kube.available:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
         taint = await self._kube.add_taint(self._node, rung.key, rung.value, rung.effect,
@@ -145,7 +145,7 @@ class TaintAction:
         what = f"remove taint {rung.key}, {rung.condition}=False"
         if dry_run:
             return Result(DRY_RUN, f"would {what}")
-        if self._kube is None:
+        if not self._kube.available:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
         taint = await self._kube.remove_taint(self._node, rung.key, reason=reason)
@@ -166,7 +166,6 @@ class TaintAction:
 
     async def _condition(self, kind: str, status: bool, reason: str,
                          message: str) -> NodeOutcome:
-        assert self._kube is not None
         outcome = await self._kube.set_node_condition(self._node, kind, status, reason, message)
         if outcome is NodeOutcome.CHANGED:
             self._audit.record("node_condition", node=self._node, condition=kind,

@@ -18,8 +18,8 @@ from reconciler.detection.config import (
     PSI,
     SYSTEM_FREE,
 )
+from reconciler.detection.signals import LEVEL_NAMES as LEVELS
 
-LEVELS = ("low", "medium", "high")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 

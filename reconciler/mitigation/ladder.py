@@ -15,9 +15,10 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reconciler.detection.signals import Level
+from reconciler.detection.signals import LEVEL_BY_NAME, Level
 
-LEVEL_NAMES = {"low": Level.LOW, "medium": Level.MEDIUM, "high": Level.HIGH}
+LEVEL_NAMES = LEVEL_BY_NAME
+"""A rung's level by the name its setting gives (the shared table of the detection signals)."""
 
 
 class Step(enum.StrEnum):

@@ -283,11 +283,11 @@ class Mitigation:
 
 
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
-                     sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions | None,
+                     sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions,
                      node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
                      metrics: Metrics | None = None) -> Mitigation:
-    """The ladder with its four actions for this host. ``kube`` None: no API access (the taint
-    rung is audited as skipped); ``evictor`` None: no eviction manager (audited "no
+    """The ladder with its four actions for this host. ``kube`` without API access: the taint
+    rung is audited as skipped; ``evictor`` None: no eviction manager (audited "no
     evictor")."""
     taint = TaintAction(config, kube, node, audit, metrics)
     drop_cache = DropCacheAction(config, sysfs, host, PodIndex(state, host.cgroup), audit,

@@ -198,12 +198,22 @@ def _bounded(alloc: Allocation, level: ResctrlLevel | None, cfg: ResctrlConfig,
     if missing := sorted(set(alloc.mb_per_cache) - set(info.mb_ids)):
         problems.append(f"MB: no MB cache id {_listed([str(c) for c in missing])} on this node")
         mb_ok = False
-    for cid in info.l3_ids if info.has_l3 else ():
+    # Per cache id, the level's bounds under the admin caps (what a request is checked against)
+    # and the level's share (what a pod asking nothing there, or refused, gets): at least 1 %.
+    l3_bounds: dict[int, tuple[int, int]] = {}
+    mb_caps: dict[int, int] = {}
+    for cid in info.l3_ids:
         lo, hi, _ = _level_bounds(level, cid)
-        hi = min(hi, cfg.pod_l3_max_percent)
+        l3_bounds[cid] = (lo, min(hi, cfg.pod_l3_max_percent))
+    for cid in info.mb_ids:
+        mb_caps[cid] = min(_level_bounds(level, cid)[2], cfg.pod_mb_max_percent)
+    l3_share = {cid: (lo, max(hi, lo + 1)) for cid, (lo, hi) in l3_bounds.items()}
+    mb_share = {cid: max(cap, 1) for cid, cap in mb_caps.items()}
+    for cid in info.l3_ids if info.has_l3 else ():
+        lo, hi = l3_bounds[cid]
         wanted = alloc.l3_per_cache.get(cid, alloc.l3)
         if wanted is None:
-            l3[cid] = (lo, max(hi, lo + 1))
+            l3[cid] = l3_share[cid]
         elif wanted[0] < lo or wanted[1] > hi:
             problems.append(f"LLC: range {list(wanted)} on cache {cid} is outside the allowed "
                             f"[{lo}, {hi}]")
@@ -211,11 +221,10 @@ def _bounded(alloc: Allocation, level: ResctrlLevel | None, cfg: ResctrlConfig,
         else:
             l3[cid] = wanted
     for cid in info.mb_ids if info.has_mb else ():
-        _, _, cap = _level_bounds(level, cid)
-        cap = min(cap, cfg.pod_mb_max_percent)
+        cap = mb_caps[cid]
         want = alloc.mb_per_cache.get(cid, alloc.mb)
         if want is None:
-            mb[cid] = max(cap, 1)
+            mb[cid] = mb_share[cid]
         elif want > cap:
             problems.append(f"MB: {want} % on cache {cid} is above the allowed {cap} %")
             mb_ok = False
@@ -227,12 +236,9 @@ def _bounded(alloc: Allocation, level: ResctrlLevel | None, cfg: ResctrlConfig,
         return Allocation(), problems
     # A rejected part falls back to the level's share, so the group still never exceeds it.
     if not l3_ok:
-        l3 = {cid: (lo, max(min(hi, cfg.pod_l3_max_percent), lo + 1))
-              for cid in info.l3_ids
-              for lo, hi, _ in (_level_bounds(level, cid),)}
+        l3 = l3_share
     if not mb_ok:
-        mb = {cid: max(min(_level_bounds(level, cid)[2], cfg.pod_mb_max_percent), 1)
-              for cid in info.mb_ids}
+        mb = mb_share
     bounded = Allocation(l3_per_cache=MappingProxyType(l3), mb_per_cache=MappingProxyType(mb))
     return bounded, problems
 

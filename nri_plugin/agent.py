@@ -44,6 +44,7 @@ from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
+from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
 from reconciler.metrics import Metrics
 from reconciler.mitigation.service import Mitigation, build_mitigation
@@ -186,8 +187,10 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         node = node_name(cfg.kubernetes)
         kube = KubeActions(api, cfg.kubernetes, audit)
         squeeze = GuardSqueeze()
+        # One parse of the node state's containers for the loops and the mitigation actions.
+        managed = ManagedCache()
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze, metrics, tracker))
+                                    squeeze, metrics, tracker, managed))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit).run)
         evictor = EvictionManager(
             lambda: store.current, state, kube, node, audit, sysfs, host.cgroup,
@@ -195,7 +198,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         services.append(evictor.run)
         mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
-                                      squeeze=squeeze, evictor=evictor, metrics=metrics)
+                                      squeeze=squeeze, evictor=evictor, managed=managed,
+                                      metrics=metrics)
         services.append(mitigation.run)
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
@@ -238,12 +242,13 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
                 resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
-                squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker) -> Service:
+                squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker,
+                managed: ManagedCache) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
         loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze,
-                            metrics)
+                            metrics, managed=managed)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,

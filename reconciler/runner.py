@@ -25,6 +25,7 @@ from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
+from reconciler.loops.common import ManagedCache
 from reconciler.loops.drift import DriftConfig, DriftLoop
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, MemoryGuardSections
 from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop
@@ -45,20 +46,27 @@ class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Pr
 def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysfs: SysFs,
                 host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
                 squeeze: GuardSqueeze | None = None,
-                metrics: Metrics | None = None) -> list[Loop]:
+                metrics: Metrics | None = None, *,
+                managed: ManagedCache | None = None) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
-    the mitigation ladder's handle on the memory guard."""
+    the mitigation ladder's handle on the memory guard. ``managed``: the running containers'
+    cache, one for every loop (and whatever else reads the same node state); a new one when
+    None."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
+    if managed is None:
+        managed = ManagedCache()
     loops: list[Loop] = [
-        DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit),
+        DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
+                  managed=managed),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics),
-        NumaBindingLoop(config, state, sysfs, layout, audit),
+        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed),
     ]
     if resctrl is not None:
-        loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit))
+        loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,
+                                         managed=managed))
     return loops
 
 

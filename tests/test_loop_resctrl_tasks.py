@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from pathlib import Path
 from types import MappingProxyType
 
 import pytest
+from structlog.testing import capture_logs
 
 from hooks.levels import LEVEL_NAMES
 from nri_plugin.config.schema import Config
@@ -262,3 +264,32 @@ def test_monitor_group_made_after_its_group_is_used_from_the_next_full_scan(
     w.loop.cycle(1.0)
     w.loop.cycle(2.0)  # full scan
     assert w.tasks(group, monitor=True) == set(pod.containers[0].tids)
+
+
+def test_a_refused_move_is_logged_and_the_other_groups_moves_land(tmp_path: Path) -> None:
+    w = world(tmp_path, full_scan_every=100)
+    watched = w.host.add_pod(uid(5), tier="burstable")
+    group = f"{PREFIX}pod-{uid(5)}"
+    w.host.add_resctrl_group(group, monitor=True)
+    other = w.host.add_pod(uid(6), tier="besteffort")
+    w.sync()
+    w.loop.cycle(0.0)
+    assert w.tasks(group, monitor=True) == set(watched.containers[0].tids)
+    # The monitor group vanishes (its RMID gone) between full scans: writing its tasks file
+    # fails with ENOENT, not EROFS.
+    shutil.rmtree(w.resctrl / group / "mon_groups" / group)
+    new_watched = w.host.add_process(watched.containers[0])
+    new_other = w.host.add_process(other.containers[0])
+    with (w.resctrl / "tasks").open("a") as f:
+        f.write("".join(f"{t}\n" for t in (*new_watched, *new_other)))
+    with capture_logs() as logs:
+        w.loop.cycle(1.0)
+    failed = [e for e in logs if e["event"] == "resctrl_task_move_failed"]
+    # Every id of the pod's container was to go to the monitor group (the new one included).
+    assert set(new_watched) <= set(watched.containers[0].tids)
+    assert [(e["group"], e["monitor"], e["count"]) for e in failed] == [
+        (group, True, len(watched.containers[0].tids))]
+    assert "No such file or directory" in failed[0]["error"]
+    # The same cycle's other moves landed: the control group's and the class group's.
+    assert set(new_watched) <= w.tasks(group)
+    assert set(new_other) <= w.tasks(PREFIX + "reclaimed_cores")

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
@@ -113,3 +114,22 @@ def test_equal_binding_in_another_spelling_is_not_rewritten(tmp_path: Path) -> N
         (host.cg("", c.rel) / "cpuset.mems").write_text("0-1\n")
     loop.cycle(0.0)
     assert sink.records == []
+
+
+@pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
+def test_one_unbindable_container_does_not_stop_the_others(tmp_path: Path, version: int,
+                                                           driver: str) -> None:
+    host, loop, sink, offline, _ = setup(tmp_path, version, driver)
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    broken, healthy = offline.containers
+    # A cpuset.mems that cannot be read or written as a file.
+    mems_file = host.cg("cpuset", broken.rel) / "cpuset.mems"
+    mems_file.unlink()
+    mems_file.mkdir()
+    with capture_logs() as logs:
+        loop.cycle(0.0)
+    failed = [e for e in logs if e["event"] == "numa_binding_failed"]
+    assert [(e["container"], e["pod_uid"]) for e in failed] == [("c0", offline.info.uid)]
+    assert "Is a directory" in failed[0]["error"]
+    assert mems(host, offline, 1) == "0"
+    assert [r["container"] for r in sink.named("numa_binding")] == [healthy.info.name]

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
 
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
@@ -16,10 +22,14 @@ from nri_plugin.config.store import ConfigStore
 from nri_plugin.stub import PluginIdentity
 from reconciler.aio import Backoff, sleep_until
 from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.pods import PodIndex
+from reconciler.host.cgroups import CgroupRef, parse_cgroups_path
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
+from reconciler.loops import common
 from reconciler.loops.base import Loop, run_loop
+from reconciler.loops.common import ManagedCache
 from reconciler.runner import build_loops, run_reconciler
 from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost, read_ids
@@ -202,6 +212,74 @@ def test_build_loops_without_resctrl(tmp_path: Path) -> None:
     names = [loop.name for loop in build_loops(Store(Config()).get, state, sysfs,
                                                host_of(sysfs), None, AuditLog(sink))]
     assert names == ["drift", "memory_guard", "numa_binding"]
+
+
+def counted_parses(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[str]:
+    """The cgroups paths the running containers' cache parses, in order; each parse takes
+    ``delay`` seconds more (long enough for other threads to ask meanwhile)."""
+    parsed: list[str] = []
+
+    def counting(path: str) -> CgroupRef:
+        parsed.append(path)
+        time.sleep(delay)
+        return parse_cgroups_path(path)
+
+    monkeypatch.setattr(common, "parse_cgroups_path", counting)
+    return parsed
+
+
+def test_loops_and_pod_index_share_one_parse_per_snapshot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host, state, sysfs, resctrl, sink = make_host(tmp_path)
+    info = host_of(sysfs)
+    pod = host.add_pod("55555555-0000-0000-0000-000000000005", tier="besteffort")
+    odd = dataclasses.replace(pod.containers[0].info, id="odd", cgroups_path="not-a-path")
+    parsed = counted_parses(monkeypatch)
+    managed = ManagedCache()
+    loops = build_loops(Store(Config()).get, state, sysfs, info, resctrl, AuditLog(sink),
+                        managed=managed)
+    index = PodIndex(state, info.cgroup, managed)
+    with capture_logs() as logs:
+        for round_ in range(2):  # a new snapshot each round; the odd container still runs
+            state.replace_all([pod.info], [pod.containers[0].info, odd])
+            for loop in loops:
+                loop.cycle(float(round_))
+            [memory] = index.pods()
+            assert parsed.count("not-a-path") == round_ + 1
+            assert len(parsed) == 2 * (round_ + 1)
+    assert [e["container"] for e in logs if e["event"] == "container_skipped"] == ["odd"]
+    # Every reader did its work from the shared parse.
+    assert memory.uid == pod.info.uid
+    tasks = host.root / "sys/fs/resctrl/nriqos-reclaimed_cores/tasks"
+    assert set(read_ids(tasks)) == set(pod.containers[0].tids)
+    assert [r["container"] for r in sink.named("numa_binding")] == ["c0"]
+
+
+def test_readers_in_several_threads_parse_a_snapshot_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host, state, _, _, _ = make_host(tmp_path)
+    pod = host.add_pod("66666666-0000-0000-0000-000000000006", tier="besteffort", containers=3)
+    odd = dataclasses.replace(pod.containers[0].info, id="odd", cgroups_path="not-a-path")
+    pods, containers = host.nri()
+    state.replace_all(pods, [*containers, odd])
+    snapshot = state.snapshot()
+    parsed = counted_parses(monkeypatch, delay=0.01)
+    managed = ManagedCache()
+    readers = 8
+    start = threading.Barrier(readers)
+
+    def read() -> tuple[common.Managed, ...]:
+        start.wait()
+        return managed.get(snapshot)
+
+    with capture_logs() as logs, ThreadPoolExecutor(readers) as pool:
+        seen = list(pool.map(lambda _: read(), range(readers)))
+    assert len(parsed) == 4
+    assert all(items is seen[0] for items in seen)
+    assert len(seen[0]) == 3
+    assert [e["container"] for e in logs if e["event"] == "container_skipped"] == ["odd"]
 
 
 async def test_reconciler_runs_every_loop_and_reacts_to_nri_events(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 Built from a :class:`~reconciler.state.NodeState` snapshot: a pod's memory cgroup is the parent
 of its containers' cgroups (the runtime reports the containers' paths), its request the sum of
 its running containers' memory requests (from the pod watch, else from the runtime). Cached per
-snapshot, so an idle detector pays nothing to ask again.
+snapshot, so an idle detector pays nothing to ask again; the parsed containers come from a
+:class:`~reconciler.loops.common.ManagedCache`, which the loops may share.
 """
 
 from __future__ import annotations
@@ -30,19 +31,24 @@ class PodMemory:
 
 
 class PodIndex:
-    """Running pods with their memory cgroup, rebuilt only when the node state changed."""
+    """Running pods with their memory cgroup, rebuilt only when the node state changed.
 
-    def __init__(self, state: NodeState, layout: CgroupLayout) -> None:
+    ``managed``: the running containers' cache to read (a new one when None). Callers in
+    several threads may share an index: the snapshot and its pods are one attribute.
+    """
+
+    def __init__(self, state: NodeState, layout: CgroupLayout,
+                 managed: ManagedCache | None = None) -> None:
         self._state = state
         self._layout = layout
-        self._managed = ManagedCache()
-        self._key: Snapshot | None = None
-        self._pods: tuple[PodMemory, ...] = ()
+        self._managed = ManagedCache() if managed is None else managed
+        self._cached: tuple[Snapshot | None, tuple[PodMemory, ...]] = (None, ())
 
     def pods(self) -> tuple[PodMemory, ...]:
         snapshot = self._state.snapshot()
-        if snapshot is self._key:
-            return self._pods
+        key, cached = self._cached
+        if snapshot is key:
+            return cached
         found: dict[str, PodMemory] = {}
         requests: dict[str, int] = {}
         for managed in self._managed.get(snapshot):
@@ -53,7 +59,7 @@ class PodIndex:
                 found[info.uid] = PodMemory(
                     info.uid, bounded(f"{info.namespace}/{info.name}"), managed.level,
                     self._layout.dir("memory", pod_rel(managed.ref)), 0, info.annotations)
-        self._pods = tuple(PodMemory(p.uid, p.name, p.level, p.cgroup, requests[p.uid],
-                                     p.annotations) for p in found.values())
-        self._key = snapshot
-        return self._pods
+        pods = tuple(PodMemory(p.uid, p.name, p.level, p.cgroup, requests[p.uid], p.annotations)
+                     for p in found.values())
+        self._cached = (snapshot, pods)
+        return pods

@@ -2,11 +2,13 @@
 
 Parsing cgroup paths for thousands of containers every second would dominate an idle cycle, so
 the result is cached until the state changes. Levels come from the node state, the one place
-that decides them (for the NRI answers too).
+that decides them (for the NRI answers too). One cache is shared by the loops and the mitigation
+actions, so a snapshot is parsed once and an unusable path said once, whoever asks first.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import structlog
@@ -27,28 +29,39 @@ class Managed:
 
 
 class ManagedCache:
-    """Running containers with their level and parsed cgroup, rebuilt only on change."""
+    """Running containers with their level and parsed cgroup, rebuilt only on change.
+
+    Safe to share between threads: the snapshot, its items and the ids of the containers skipped
+    are one attribute, swapped whole, so a reader never pairs a snapshot with another's items;
+    a rebuild holds a lock, so concurrent readers of a new snapshot parse it (and warn) once.
+    """
 
     def __init__(self) -> None:
-        self._key: Snapshot | None = None
-        self._items: tuple[Managed, ...] = ()
-        self._bad_paths: set[str] = set()
+        self._cached: tuple[Snapshot | None, tuple[Managed, ...], frozenset[str]] = (
+            None, (), frozenset())
+        self._rebuild = threading.Lock()
 
     def get(self, snapshot: Snapshot) -> tuple[Managed, ...]:
-        if self._key is snapshot:
-            return self._items
-        items: list[Managed] = []
-        bad: set[str] = set()
-        for view in snapshot.running():
-            try:
-                ref = parse_cgroups_path(view.info.cgroups_path)
-            except CgroupPathError as exc:
-                bad.add(view.info.id)
-                if view.info.id not in self._bad_paths:
-                    log.warning("container_skipped", reason="unusable cgroups path",
-                                container=view.info.id, error=str(exc))
-                continue
-            items.append(Managed(view, view.pod.level, ref))
-        # Said once per container while it runs; forgotten with it.
-        self._key, self._items, self._bad_paths = snapshot, tuple(items), bad
-        return self._items
+        key, items, _ = self._cached
+        if key is snapshot:
+            return items
+        with self._rebuild:
+            key, items, said = self._cached
+            if key is snapshot:
+                return items
+            built: list[Managed] = []
+            bad: set[str] = set()
+            for view in snapshot.running():
+                try:
+                    ref = parse_cgroups_path(view.info.cgroups_path)
+                except CgroupPathError as exc:
+                    bad.add(view.info.id)
+                    if view.info.id not in said:
+                        log.warning("container_skipped", reason="unusable cgroups path",
+                                    container=view.info.id, error=str(exc))
+                    continue
+                built.append(Managed(view, view.pod.level, ref))
+            # Said once per container while it runs; forgotten with it.
+            items = tuple(built)
+            self._cached = (snapshot, items, frozenset(bad))
+            return items

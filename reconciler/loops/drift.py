@@ -74,7 +74,7 @@ class DriftLoop(Loop):
 
     def __init__(self, config: Callable[[], DriftConfig], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, memory_total: int, *,
-                 audit: AuditLog | None = None) -> None:
+                 audit: AuditLog | None = None, managed: ManagedCache | None = None) -> None:
         self._audit = audit
         # (pod uid, container, problems) of the annotations recorded and still unusable
         self._reported: set[tuple[str, str, str]] = set()
@@ -83,7 +83,7 @@ class DriftLoop(Loop):
         self._sysfs = sysfs
         self._layout = layout
         self._memory_total = memory_total
-        self._managed = ManagedCache()
+        self._managed = ManagedCache() if managed is None else managed
         self._desired_key: tuple[tuple[Managed, ...], DriftConfig] | None = None
         self._desired: list[tuple[Managed, ContainerSettings]] = []
 

@@ -82,13 +82,14 @@ class NumaBindingLoop(Loop):
     wake_on_meta = True
 
     def __init__(self, config: Callable[[], NumaBindingConfig], state: NodeState, sysfs: SysFs,
-                 layout: CgroupLayout, audit: AuditLog) -> None:
+                 layout: CgroupLayout, audit: AuditLog, *,
+                 managed: ManagedCache | None = None) -> None:
         self._config = config
         self._state = state
         self._sysfs = sysfs
         self._layout = layout
         self._audit = audit
-        self._managed = ManagedCache()
+        self._managed = ManagedCache() if managed is None else managed
         self._chosen: frozenset[int] = frozenset()
 
     def interval(self) -> float:

@@ -98,14 +98,15 @@ class ResctrlTasksLoop(Loop):
     wake_on_meta = True
 
     def __init__(self, config: Callable[[], ResctrlTasksConfig], state: NodeState, sysfs: SysFs,
-                 layout: CgroupLayout, resctrl: ResctrlFs, audit: AuditLog) -> None:
+                 layout: CgroupLayout, resctrl: ResctrlFs, audit: AuditLog, *,
+                 managed: ManagedCache | None = None) -> None:
         self._config = config
         self._state = state
         self._sysfs = sysfs
         self._layout = layout
         self._resctrl = resctrl
         self._audit = audit
-        self._managed = ManagedCache()
+        self._managed = ManagedCache() if managed is None else managed
         self._cycles = 0
         # Cached per (managed containers, existing groups): container id -> target, cgroup -> id.
         self._targets_key: tuple[tuple[Managed, ...], frozenset[str]] | None = None

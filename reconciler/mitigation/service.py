@@ -34,6 +34,7 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions
 from reconciler.loops.base import ReconcilerConfig
+from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
@@ -285,16 +286,17 @@ class Mitigation:
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
                      sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions,
                      node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
-                     metrics: Metrics | None = None) -> Mitigation:
+                     managed: ManagedCache, metrics: Metrics | None = None) -> Mitigation:
     """The ladder with its four actions for this host. ``kube`` without API access: the taint
     rung is audited as skipped; ``evictor`` None: no eviction manager (audited "no
-    evictor")."""
+    evictor"); ``managed``: the running containers' cache the loops share, read by the one pod
+    index of the actions."""
     taint = TaintAction(config, kube, node, audit, metrics)
-    drop_cache = DropCacheAction(config, sysfs, host, PodIndex(state, host.cgroup), audit,
-                                 metrics=metrics)
+    pods = PodIndex(state, host.cgroup, managed)
+    drop_cache = DropCacheAction(config, sysfs, host, pods, audit, metrics=metrics)
     actions: dict[str, Action] = {
         "taint": taint,
-        "tune": TuneAction(config, squeeze, sysfs, host, PodIndex(state, host.cgroup),
+        "tune": TuneAction(config, squeeze, sysfs, host, pods,
                            lambda: config().reconciler.enabled),
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),

@@ -30,7 +30,7 @@ class Level(IntEnum):
 
 LEVEL_BY_NAME: Mapping[str, Level] = {"low": Level.LOW, "medium": Level.MEDIUM, "high": Level.HIGH}
 """The levels a setting can name (a rung's level, a plugin's soft and hard level), by name."""
-LEVEL_NAMES: tuple[str, ...] = tuple(LEVEL_BY_NAME)
+SETTING_LEVEL_NAMES: tuple[str, ...] = tuple(LEVEL_BY_NAME)
 """Their names, mildest first."""
 
 NODE = "node"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
-from reconciler.detection.signals import LEVEL_NAMES
+from reconciler.detection.signals import SETTING_LEVEL_NAMES
 from reconciler.eviction.api import PLUGIN_NAME
 from reconciler.eviction.selector import check_selectors
 
@@ -117,10 +117,10 @@ class EvictionConfig:
         "long while it is still on the node.", unit="seconds", minimum=1, maximum=86_400)
     hard_level: str = setting(
         "high", "Detector level at which an in-tree pressure plugin's threshold is hard-met.",
-        choices=LEVEL_NAMES)
+        choices=SETTING_LEVEL_NAMES)
     soft_level: str = setting(
         "medium", "Detector level at which it is soft-met (condition only).",
-        choices=LEVEL_NAMES)
+        choices=SETTING_LEVEL_NAMES)
     system_detectors: tuple[str, ...] = setting(
         ("system_free", "psi", "kswapd"), "Node-wide detectors the system_pressure plugin "
         "reads.", check=_plugin_names)
@@ -135,6 +135,6 @@ class EvictionConfig:
         problems = []
         if self.retry_max_s < self.retry_initial_s:
             problems.append(("retry_max_s", "must be >= retry_initial_s"))
-        if LEVEL_NAMES.index(self.soft_level) > LEVEL_NAMES.index(self.hard_level):
+        if SETTING_LEVEL_NAMES.index(self.soft_level) > SETTING_LEVEL_NAMES.index(self.hard_level):
             problems.append(("soft_level", "must not be above hard_level"))
         return problems

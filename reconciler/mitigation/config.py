@@ -18,7 +18,7 @@ from reconciler.detection.config import (
     PSI,
     SYSTEM_FREE,
 )
-from reconciler.detection.signals import LEVEL_NAMES as LEVELS
+from reconciler.detection.signals import SETTING_LEVEL_NAMES
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
@@ -27,7 +27,7 @@ TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 class TaintRung:
     enabled: bool = setting(True, "Forbid scheduling: taint the node and set its condition.")
     level: str = setting("low", "Level from which the node is tainted: the mildest action, "
-                         "so from the first sign.", choices=LEVELS)
+                         "so from the first sign.", choices=SETTING_LEVEL_NAMES)
     dry_run: bool = setting(False, "Decide and audit only; no API call.")
     key: str = setting("nri-qos.io/memory-pressure", "Taint key.")
     value: str = setting("", "Taint value (may be empty).")
@@ -44,7 +44,7 @@ class TuneRung:
     enabled: bool = setting(True, "Tune memcg: squeeze the reclaimed tier through the memory "
                             "guard; memory.wmark_ratio of reclaimed pods where the kernel has it.")
     level: str = setting("low", "Level from which memcg is tuned: throttling offline "
-                         "allocation costs offline work only.", choices=LEVELS)
+                         "allocation costs offline work only.", choices=SETTING_LEVEL_NAMES)
     dry_run: bool = setting(False, "Decide and audit only; write nothing.")
     squeeze_bytes: int = setting(
         64 << 20, "How far below its usage the reclaimed tier is held (v1 limit, v2 "
@@ -74,7 +74,7 @@ class TuneRung:
 class DropCacheRung:
     enabled: bool = setting(True, "Drop the page cache of reclaimed_cores pods.")
     level: str = setting("medium", "Level from which caches are dropped: offline pods lose "
-                         "cached data and re-read it later.", choices=LEVELS)
+                         "cached data and re-read it later.", choices=SETTING_LEVEL_NAMES)
     dry_run: bool = setting(False, "Decide and audit only; write nothing.")
     timeout_s: float = setting(
         30.0, "A drop that takes longer is killed (the kernel stops reclaiming). Katalyst's "
@@ -100,7 +100,8 @@ class DropCacheRung:
 @dataclass(frozen=True, slots=True)
 class EvictRung:
     enabled: bool = setting(True, "Ask the eviction manager for a round.")
-    level: str = setting("high", "Level from which eviction is asked for.", choices=LEVELS)
+    level: str = setting("high", "Level from which eviction is asked for.",
+                         choices=SETTING_LEVEL_NAMES)
     dry_run: bool = setting(
         True, "Decide and audit only. On by default: evicting is the one action that ends "
         "work; turn it on after the audit trail showed what it would do.")

@@ -15,10 +15,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from reconciler.detection.signals import LEVEL_BY_NAME, Level
-
-LEVEL_NAMES = LEVEL_BY_NAME
-"""A rung's level by the name its setting gives (the shared table of the detection signals)."""
+from reconciler.detection.signals import Level
 
 
 class Step(enum.StrEnum):

@@ -29,7 +29,7 @@ from reconciler.audit import AuditLog
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.service import pressure_level_problem
-from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions
@@ -50,7 +50,7 @@ from reconciler.mitigation.actions import (
 )
 from reconciler.mitigation.config import MitigationConfig
 from reconciler.mitigation.drop_cache import DropCacheAction
-from reconciler.mitigation.ladder import LEVEL_NAMES, Ladder, Rung, Step
+from reconciler.mitigation.ladder import Ladder, Rung, Step
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.mitigation")
@@ -99,7 +99,7 @@ def rungs_of(cfg: LadderSections) -> list[Rung]:
              "tune": (m.tune.enabled, m.tune.level, m.tune.repeat_s),
              "drop_cache": (m.drop_cache.enabled, m.drop_cache.level, m.drop_cache.repeat_s),
              "evict": (m.evict.enabled, m.evict.level, m.evict.repeat_s)}
-    return [Rung(name, LEVEL_NAMES[level], repeat) for name in RUNGS
+    return [Rung(name, LEVEL_BY_NAME[level], repeat) for name in RUNGS
             for enabled, level, repeat in [specs[name]] if enabled]
 
 

@@ -12,7 +12,7 @@ from nri_plugin.config.render import render_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import DEFAULT_CONFIG_PATH, EMBEDDED_DEFAULTS, load_config
 from nri_plugin.logs import LEVELS
-from nri_plugin.status import agent_version
+from nri_plugin.version import agent_version
 
 
 def build_parser() -> argparse.ArgumentParser:

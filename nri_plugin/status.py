@@ -24,7 +24,6 @@ import socket
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import structlog
@@ -35,6 +34,7 @@ from nri_plugin.config.schema import Config
 from nri_plugin.features import Feature, evaluate, kubernetes_feature
 from nri_plugin.local_server import Clients
 from nri_plugin.stub import PluginStub
+from nri_plugin.version import agent_version
 from reconciler.detection.signals import Board
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo
@@ -68,14 +68,6 @@ class StatusSources:
     # When the agent started, by ``wall_clock``.
     started_unix: float
     sections: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
-
-
-def agent_version() -> str:
-    """The installed nri-qos version (``nri-qos --version`` and the status document)."""
-    try:
-        return metadata.version("nri-qos")
-    except metadata.PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def status_document(src: StatusSources) -> dict[str, Any]:

@@ -187,11 +187,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         node = node_name(cfg.kubernetes)
         kube = KubeActions(api, cfg.kubernetes, audit)
         squeeze = GuardSqueeze()
-        # One parse of the node state's containers for the loops and the mitigation actions.
+        # One parse of the node state's containers for the loops, detection and the actions.
         managed = ManagedCache()
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
                                     squeeze, metrics, tracker, managed))
-        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit).run)
+        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
+                                  managed=managed).run)
         evictor = EvictionManager(
             lambda: store.current, state, kube, node, audit, sysfs, host.cgroup,
             in_tree_plugins(board, lambda: store.current.eviction), metrics=metrics)

@@ -62,6 +62,7 @@ from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, PsiWat
 from reconciler.host.probe import PSI_MEMORY, HostInfo
 from reconciler.host.sysfs import PAGE_SIZE, SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig, run_loop
+from reconciler.loops.common import ManagedCache
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.detection")
@@ -115,15 +116,16 @@ class DetectorsLoop(Loop):
 
     def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
                  state: NodeState, sysfs: SysFs, host: HostInfo, *,
-                 audit: AuditLog | None = None) -> None:
+                 audit: AuditLog | None = None, managed: ManagedCache | None = None) -> None:
         """``audit`` receives an ``annotation_ignored`` record per pod and unusable RSS factor
-        annotation (without it the log has them)."""
+        annotation (without it the log has them); ``managed``: the running containers' cache
+        the loops share (a new one when None)."""
         self._config = config
         self._audit = audit
         self._publisher = publisher
         self._sysfs = sysfs
         self._host = host
-        self._pods = PodIndex(state, host.cgroup)
+        self._pods = PodIndex(state, host.cgroup, managed)
         self._reclaim: deque[d.Reclaim] = deque()
         self._pod_stalls: dict[str, d.Stall] = {}
         self._said: set[str] = set()
@@ -468,9 +470,11 @@ class Detection:
     """Every detection path of this host, publishing on ``board`` until stop."""
 
     def __init__(self, config: Callable[[], DetectionSections], board: Board, state: NodeState,
-                 sysfs: SysFs, host: HostInfo, audit: AuditLog) -> None:
+                 sysfs: SysFs, host: HostInfo, audit: AuditLog, *,
+                 managed: ManagedCache | None = None) -> None:
         self.publisher = Publisher(board, audit, lambda: config().detection)
-        self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host, audit=audit)
+        self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host, audit=audit,
+                                      managed=managed)
         self.node_psi = NodePsi(config, self.publisher, sysfs, host)
         self.pressure_levels = PressureLevels(config, self.publisher, sysfs, host)
         self._config = config

@@ -280,6 +280,27 @@ def test_a_refused_cap_is_not_recorded_and_the_guard_goes_on(tmp_path: Path,
     assert int(limit.read_text()) == record["cap_bytes"]
 
 
+@pytest.mark.skipif(not READ_ONLY_NUMBER.exists(), reason=f"no {READ_ONLY_NUMBER} here")
+def test_v2_a_refused_max_is_not_recorded_as_a_cap_even_when_high_was_written(
+        tmp_path: Path) -> None:
+    host, loop, sink = make(tmp_path, 2, "systemd")
+    host.set_numa([(8 * GIB, 32 * GIB, 0)] * 4)
+    host.set_tier_usage("besteffort", 2 * GIB, per_node=[GIB // 2] * 4)
+    d = host.tier_dir("besteffort")
+    refuse_writes(d / "memory.max")
+    loop.cycle(0.0)
+    [written] = sink.named("cgroup_write")
+    assert written["path"].endswith("memory.high")
+    assert [r["path"][-10:] for r in sink.named("cgroup_write_failed")] == ["memory.max"]
+    assert sink.named("memory_guard_cap") == []
+    # memory.max takes writes again: the cap is applied and recorded
+    (d / "memory.max").unlink()
+    (d / "memory.max").write_text("max\n")
+    loop.cycle(5.0)
+    [record] = sink.named("memory_guard_cap")
+    assert int((d / "memory.max").read_text()) == record["cap_bytes"]
+
+
 def test_a_missing_limit_file_writes_nothing_until_it_is_back(tmp_path: Path) -> None:
     host, loop, sink = make(tmp_path, 1, "cgroupfs")
     host.set_numa([(20 * GIB, 64 * GIB, 0)])

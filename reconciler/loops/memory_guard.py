@@ -298,7 +298,10 @@ class MemoryGuardLoop(Loop):
             outcomes = {path: sysfs.write_if_changed(path, str(value), reason, same=same_bytes)
                         for path, value in order}
             limit_outcome = outcomes[limit_file]
-            changed = Outcome.WRITTEN in outcomes.values()
+            # A cap is recorded once both files hold it: memory.high written beside a refused
+            # memory.max is not the cap (the failed write has its own record).
+            applied = all(o in (Outcome.WRITTEN, Outcome.UNCHANGED) for o in outcomes.values())
+            changed = applied and Outcome.WRITTEN in outcomes.values()
             extra = {"high_bytes": high}
         else:
             limit_outcome = sysfs.write_if_changed(limit_file, str(cap), reason, same=same_bytes)

@@ -213,7 +213,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         sources = StatusSources(
             stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.current,
             config_source=lambda: store.source, host=host,
-            kubernetes=lambda: kubernetes, reconciler_running=background,
+            kubernetes=kubernetes, reconciler_running=background,
             wall_clock=time.time, started_unix=time.time(),
             sections={} if mitigation is None or evictor is None else ladder_sections(
                 mitigation, evictor))

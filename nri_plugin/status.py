@@ -62,7 +62,7 @@ class StatusSources:
     config_source: Callable[[], str]
     host: HostInfo
     # Whether the reconciler got a Kubernetes API client (None: not started, or not running).
-    kubernetes: Callable[[], bool | None]
+    kubernetes: bool | None
     reconciler_running: bool
     wall_clock: Callable[[], float]
     # When the agent started, by ``wall_clock``.
@@ -81,7 +81,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
     levels: dict[str, int] = {}
     for view in snapshot.pods.values():
         levels[view.level] = levels.get(view.level, 0) + 1
-    kubernetes = kubernetes_feature(cfg, src.kubernetes(), "API client in use")
+    kubernetes = kubernetes_feature(cfg, src.kubernetes, "API client in use")
     features = evaluate(cfg, src.host, kubernetes)
     if not src.reconciler_running:
         for name, feature in features.items():

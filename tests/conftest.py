@@ -1,4 +1,7 @@
-"""Guards every test runs under: no task may outlive its test; a failure is always reported."""
+"""Guards every test runs under: no task may outlive its test; a failure is always reported.
+
+Also the real-kernel tier's hooks (:mod:`tests.vm.tier`): ``vm`` tests go to guests.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,32 @@ from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 import pytest
+
+from tests.vm import tier
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    tier.configure(config)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    tier.generate(metafunc)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # trylast: after the -m selection, so only the selected tests boot guests.
+    tier.replace_items(config, items)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    tier.record(report)
+
+
+@pytest.fixture(autouse=True)
+def kernel_under_test(request: pytest.FixtureRequest) -> str:
+    """``host`` or ``v1-guest`` for a ``real_kernel`` test (see :mod:`tests.vm.tier`)."""
+    return tier.kernel_under_test(request)
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,10 @@ One command per stdin line, one JSON answer per line on stdout:
 
 ``read`` and ``dirty`` answer ``onset``: the CLOCK_MONOTONIC time (ns) of the start of the first
 1 MiB read or write after which the memcg's failcnt moved (the limit was hit: reclaim began),
-``start`` and ``end``. ``quit`` ends the worker.
+``start`` and ``end``. The pressure lasts ``seconds`` from the onset, not from the start: how long
+filling the memcg up to its limit takes depends on the machine (a guest under emulation fills it
+ten times slower than the host), and what is measured is the pressure, not the filling. The limit
+must be reached within ``REACH_S``, or the answer's ``onset`` is null. ``quit`` ends the worker.
 
 Only page cache is used: memory the kernel can always reclaim, so the pressure never ends in an
 OOM kill, whatever the limit.
@@ -28,6 +31,7 @@ import sys
 import time
 
 MIB = 1 << 20
+REACH_S = 60.0
 
 
 def failcnt(path: str) -> int:
@@ -58,7 +62,7 @@ def pressure(path: str, seconds: float, limit_failcnt: str, dirty_mib: int | Non
         start_count = failcnt(limit_failcnt)
         onset = None
         started = time.monotonic_ns()
-        deadline = started + int(seconds * 1e9)
+        deadline = started + int(REACH_S * 1e9)
         done = 0
         while time.monotonic_ns() < deadline:
             before = time.monotonic_ns()
@@ -74,6 +78,7 @@ def pressure(path: str, seconds: float, limit_failcnt: str, dirty_mib: int | Non
             done += moved // MIB
             if onset is None and failcnt(limit_failcnt) != start_count:
                 onset = before
+                deadline = onset + int(seconds * 1e9)
         return {"onset": onset, "start": started, "end": time.monotonic_ns(), "mib": done}
     finally:
         os.close(fd)

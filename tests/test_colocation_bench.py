@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,11 @@ from bench.kubelet_node import (
 )
 from protos import nri_api_pb2 as api
 
-kernel = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")
+
+def kernel(test: Any) -> Any:
+    """A test of the real kernel: here, and once more in a cgroup v1 guest."""
+    return pytest.mark.real_kernel(pytest.mark.skipif(
+        bool(unavailable()), reason=unavailable() or "available")(test))
 UID = "0c010c01-0000-4000-8000-0000000000fe"
 
 

@@ -230,6 +230,7 @@ def no_swap() -> bool:
     return len(Path("/proc/swaps").read_text().splitlines()) <= 1
 
 
+@pytest.mark.real_kernel
 @pytest.mark.skipif(os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file()
                     or not no_swap(),
                     reason="needs root, the cgroup v1 memory controller and no swap")

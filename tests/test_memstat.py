@@ -52,6 +52,7 @@ def test_pod_anon_on_fake_trees(tmp_path: Path, version: int, driver: str) -> No
     assert pod_anon_bytes(sysfs, layout, "") is None
 
 
+@pytest.mark.real_kernel
 @pytest.mark.skipif(not REAL_V1.exists(), reason="no cgroup v1 memory controller here")
 def test_real_v1_root_memory_stat_parses() -> None:
     text = SysFs("/").read(str(REAL_V1))

@@ -121,6 +121,7 @@ def test_nothing_readable_is_no_nodes(tmp_path: Path) -> None:
     assert read_nodes(SysFs(tmp_path), 4096) == []
 
 
+@pytest.mark.real_kernel
 def test_this_machine_parses() -> None:
     nodes = read_nodes(SysFs("/"), 4096)
     assert nodes

@@ -98,6 +98,7 @@ def test_invalid_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "reconciler.root: must be a string" in capsys.readouterr().err
 
 
+@pytest.mark.real_kernel
 def test_this_machine(tmp_path: Path) -> None:
     """The acceptance check: the figure node-wide limits use is within 5 % of MemTotal, and a
     per-node view that does not add up is reported."""

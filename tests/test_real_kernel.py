@@ -33,9 +33,9 @@ UID = "55555555-0000-4000-8000-000000000005"
 CID = "f" * 64
 MIB = 1 << 20
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.real_kernel, pytest.mark.skipif(
     os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file(),
-    reason="needs root and the cgroup v1 memory controller")
+    reason="needs root and the cgroup v1 memory controller")]
 
 
 @dataclasses.dataclass

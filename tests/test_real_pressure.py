@@ -35,7 +35,8 @@ from reconciler.state import NodeState
 from tests.polling import eventually
 from tests.realroot import MIB, RealRoot, Worker, unavailable
 
-pytestmark = pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")
+pytestmark = [pytest.mark.real_kernel,
+              pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")]
 
 UID = "66666666-0000-4000-8000-000000000006"
 CID = "e" * 64

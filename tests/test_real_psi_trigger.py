@@ -21,6 +21,8 @@ from reconciler.host.pressure import PsiWatch
 from reconciler.host.sysfs import SysFs
 from tests.polling import BOUND_S, eventually
 
+pytestmark = pytest.mark.real_kernel
+
 
 def cgroup2_mount() -> Path | None:
     for line in Path("/proc/self/mounts").read_text().splitlines():

@@ -144,7 +144,13 @@ def check_sys_path(path: str) -> str:
 
 
 def read_file_bytes(real: str) -> bytes | None:
-    """A whole file through raw descriptors (cheaper than a text file object); None when gone."""
+    """A whole file through raw descriptors (cheaper than a text file object); None when gone.
+
+    Reads until ``read()`` returns nothing: a short read is not the end of a kernel file. A
+    seq_file (``/proc/zoneinfo``, ``/proc/vmstat``, ``memory.stat``) hands out whole records one
+    buffer at a time, so its first read can stop at any record boundary; on a two-socket server
+    ``/proc/zoneinfo`` is tens of KiB and every zone past the first buffer would be lost.
+    """
     try:
         fd = os.open(real, os.O_RDONLY)
     except OSError as exc:
@@ -152,10 +158,7 @@ def read_file_bytes(real: str) -> bytes | None:
             return None
         raise
     try:
-        data = os.read(fd, 1 << 16)
-        if len(data) < 1 << 16:
-            return data
-        chunks = [data]
+        chunks = []
         while chunk := os.read(fd, 1 << 16):
             chunks.append(chunk)
         return b"".join(chunks)

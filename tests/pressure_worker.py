@@ -1,6 +1,6 @@
 """A bounded memory-pressure generator, run inside a memcg by the real-kernel tests and bench.
 
-    python pressure_worker.py <memory.failcnt of the memcg whose limit is pushed>
+    python pressure_worker.py <memory.failcnt (v1) or memory.events (v2) of the memcg pushed>
 
 One command per stdin line, one JSON answer per line on stdout:
 
@@ -35,8 +35,14 @@ REACH_S = 60.0
 
 
 def failcnt(path: str) -> int:
+    """How often the limit was hit: v1 ``memory.failcnt``, or v2 ``memory.events`` (its
+    ``high`` and ``max`` counts)."""
     with open(path, "rb") as f:
-        return int(f.read())
+        text = f.read()
+    if not path.endswith("memory.events"):
+        return int(text)
+    counts = dict(line.split() for line in text.decode().splitlines())
+    return int(counts["high"]) + int(counts["max"])
 
 
 def write(path: str, mib: int) -> dict[str, object]:

@@ -31,8 +31,10 @@ def make(tmp_path: Path, version: int, driver: str, *, step: int = STEP,
          factor: float = 1.0) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
     host = FakeHost(tmp_path, version=version, driver=driver)
     cfg = Config()
+    # The floor unbounded by node size (tested on its own below): the whole 4 GiB applies.
     cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(
-        cfg.memory_guard, max_step_bytes=step, watermark_scale_factor=factor))
+        cfg.memory_guard, max_step_bytes=step, watermark_scale_factor=factor,
+        watermark_floor_percent=100.0))
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(tmp_path, audit)
@@ -244,7 +246,8 @@ def test_kernel_without_numa_reads_meminfo_once_per_cycle(tmp_path: Path) -> Non
     loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit)
     loop.cycle(0.0)
     assert sysfs.reads["/proc/meminfo"] == 1
-    assert int(limit_of(host)) == GIB + (10 - 4) * GIB
+    # floor: 10 % of the machine's 16 GiB
+    assert int(limit_of(host)) == (GIB + 10 * GIB - 16 * GIB // 10) // 4096 * 4096
     assert sink.named("numa_view_inconsistent") == []
 
 
@@ -314,3 +317,66 @@ def test_a_missing_limit_file_writes_nothing_until_it_is_back(tmp_path: Path) ->
     loop.cycle(5.0)
     assert int(limit.read_text()) == GIB + (20 - 4) * GIB
     assert len(sink.named("memory_guard_cap")) == 1
+
+
+# -- small nodes: the floor bounded by node size, and a cap never below the minimum -----------
+
+def guard_on(tmp_path: Path, version: int, **guard: object
+             ) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
+    host = FakeHost(tmp_path, version=version, driver="cgroupfs")
+    base = Config()
+    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(base.memory_guard, **guard))
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs(tmp_path, audit)
+    return host, MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), audit), sink
+
+
+@pytest.mark.parametrize(("total", "floor"), [
+    (40 * GIB, 4 * GIB),  # 10 % of 40 GiB is the 4 GiB floor itself
+    (40 * GIB + 10 * 4096, 4 * GIB),  # above it the fixed floor holds
+    (40 * GIB - 10 * 4096, 4 * GIB - 4096),  # below it the share does
+    (3 * GIB, 3 * GIB // 10),
+])
+def test_the_floor_is_at_most_a_share_of_the_node(total: int, floor: int) -> None:
+    node = NumaNode(0, total, total, 0)
+    assert node.watermark(4 * GIB, 1.0, 10.0) == floor
+    assert target_cap([node], 0, 4 * GIB, 1.0, 10.0) == total - floor
+
+
+def test_two_small_numa_nodes_leave_the_tier_room(tmp_path: Path) -> None:
+    """Two NUMA nodes of 3 GiB with 2.5 GiB free each: with the fixed 4 GiB floor the tier was
+    capped at 0 (every offline pod OOM-killed); each node now keeps 10 % of its memory."""
+    host, loop, sink = guard_on(tmp_path, 2)
+    host.set_numa([(5 * GIB // 2, 3 * GIB, 1000)] * 2)
+    host.set_tier_usage("besteffort", 0, per_node=[0, 0])
+    loop.cycle(0.0)
+    floor = 3 * GIB // 10
+    assert int(limit_of(host)) == 2 * (5 * GIB // 2 - floor) // 4096 * 4096
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_no_headroom_caps_at_the_minimum_not_at_zero(tmp_path: Path, version: int) -> None:
+    host, loop, sink = guard_on(tmp_path, version, watermark_floor_percent=100.0)
+    host.set_numa([(GIB, 4 * GIB, 0), (GIB, 4 * GIB, 0)])  # both under the 4 GiB floor
+    host.set_tier_usage("besteffort", 0, per_node=[0, 0])
+    loop.cycle(0.0)
+    assert int(limit_of(host)) == 512 * MIB
+    [record] = sink.named("memory_guard_cap")
+    assert record["target_bytes"] == 0
+    if version == 2:
+        high = int((host.tier_dir("besteffort") / "memory.high").read_text())
+        assert high == int(512 * MIB * 0.95) // 4096 * 4096
+
+
+@pytest.mark.parametrize(("free_above_floor", "cap"), [
+    (512 * MIB - 4096, 512 * MIB),  # a page short of the minimum: the minimum
+    (512 * MIB, 512 * MIB),
+    (512 * MIB + 4096, 512 * MIB + 4096),  # a page above it: the formula
+])
+def test_the_minimum_cap_boundary(tmp_path: Path, free_above_floor: int, cap: int) -> None:
+    host, loop, _ = guard_on(tmp_path, 1, watermark_floor_percent=100.0)
+    host.set_numa([(4 * GIB + free_above_floor, 64 * GIB, 0)])
+    host.set_tier_usage("besteffort", 0, per_node=[0])
+    loop.cycle(0.0)
+    assert int(limit_of(host)) == cap

@@ -46,13 +46,19 @@ class NumaNode:
     total_bytes: int
     low_watermark_bytes: int
 
-    def watermark(self, floor_bytes: int, scale_factor: float) -> int:
-        """Memory kept free on this node for online pods: max(floor, low watermark x factor)."""
-        return max(floor_bytes, int(self.low_watermark_bytes * scale_factor))
+    def watermark(self, floor_bytes: int, scale_factor: float,
+                  floor_percent: float | None = None) -> int:
+        """Memory kept free on this node for online pods: max(floor, low watermark x factor),
+        the floor at most ``floor_percent`` of the node's memory when given (a fixed floor as
+        large as a small node would leave nothing above it)."""
+        floor = floor_bytes if floor_percent is None else min(
+            floor_bytes, int(self.total_bytes * floor_percent / 100))
+        return max(floor, int(self.low_watermark_bytes * scale_factor))
 
-    def headroom(self, floor_bytes: int, scale_factor: float) -> int:
+    def headroom(self, floor_bytes: int, scale_factor: float,
+                 floor_percent: float | None = None) -> int:
         """Free memory above the watermark; negative when the node is under it."""
-        return self.free_bytes - self.watermark(floor_bytes, scale_factor)
+        return self.free_bytes - self.watermark(floor_bytes, scale_factor, floor_percent)
 
 
 def parse_meminfo(text: str) -> dict[str, int]:

@@ -2,13 +2,20 @@
 
 Per NUMA node ``n``::
 
-    watermark(n) = max(floor, low_watermark(n) x scale_factor)
-    cap          = sum over n of ( reclaimed_used(n) + max(free(n) - watermark(n), 0) )
+    floor(n)     = min(watermark_floor_bytes, total(n) x watermark_floor_percent / 100)
+    watermark(n) = max(floor(n), low_watermark(n) x scale_factor)
+    cap          = max(minimum_cap_bytes,
+                       sum over n of ( reclaimed_used(n) + max(free(n) - watermark(n), 0) ))
+
+(the squeeze below may go under ``minimum_cap_bytes``, down to its own ``floor_bytes``)
 
 so the offline tier may keep what it uses and grow into the free memory above each node's
 watermark, never into the reserve kept for online pods. ``reclaimed_used(n)`` comes from the tier
 cgroup's ``memory.numa_stat`` (v1: ``hierarchical_total`` pages; v2: ``anon`` + ``file`` bytes);
-without that file the tier's whole usage is used, which gives the same sum.
+without that file the tier's whole usage is used, which gives the same sum. The floor is bounded
+by a share of each node's memory so that a node of a few GiB per NUMA node keeps room for the
+tier, and the cap never falls below ``minimum_cap_bytes``: a cap of zero (an empty tier on a node
+with no headroom) OOM-kills every pod of the tier, new ones at once.
 
 When the NUMA nodes' ``MemTotal`` does not add up to ``/proc/meminfo``'s (hot-added or ballooned
 memory, see :mod:`reconciler.host.numa`), per-node free memory is not the machine's: the cap is
@@ -78,8 +85,20 @@ class MemoryGuardConfig:
     interval_s: float = setting(5.0, "Period of the guard loop.", unit="seconds",
                                 minimum=0.1, maximum=3600)
     watermark_floor_bytes: int = setting(
-        4 << 30, "Lowest per-NUMA-node watermark kept free for online pods.", unit="bytes",
+        4 << 30, "Lowest per-NUMA-node watermark kept free for online pods (at most "
+        "watermark_floor_percent of the node's memory).", unit="bytes",
         minimum=0, maximum=1 << 50,
+    )
+    watermark_floor_percent: float = setting(
+        10.0, "The floor of a NUMA node is at most this share of its memory: a 4 GiB floor on "
+        "a node of 2-4 GiB per NUMA node would keep all of it from the offline tier. 4 GiB "
+        "applies from 40 GiB per NUMA node up.", unit="percent", minimum=0, maximum=100,
+    )
+    minimum_cap_bytes: int = setting(
+        512 << 20, "The cap never goes below this, whatever the nodes' free memory: a cap of "
+        "zero OOM-kills every pod of the tier, new ones at their first allocation. Enough "
+        "for a few offline pods to start; cgroup v2's memory.high is high_ratio of it.",
+        unit="bytes", minimum=16 << 20, maximum=1 << 50,
     )
     watermark_scale_factor: float = setting(
         1.0, "Multiplier of the kernel low watermark.", minimum=0.0, maximum=100.0
@@ -121,9 +140,9 @@ def parse_numa_stat(text: str, v2: bool, page_size: int) -> dict[int, int]:
 
 
 def target_cap(nodes: Sequence[NumaNode], reclaimed_used: int, floor_bytes: int,
-               scale_factor: float) -> int:
+               scale_factor: float, floor_percent: float | None = None) -> int:
     """The formula of the module doc (the per-node usage terms sum to the tier's usage)."""
-    spare = sum(max(n.headroom(floor_bytes, scale_factor), 0) for n in nodes)
+    spare = sum(max(n.headroom(floor_bytes, scale_factor, floor_percent), 0) for n in nodes)
     return reclaimed_used + spare
 
 
@@ -262,7 +281,8 @@ class MemoryGuardLoop(Loop):
         per_node = parse_numa_stat(stat, v2, page) if stat else {}
         reclaimed = sum(per_node.values()) if per_node else usage
         view_nodes, floor = self._node_view(nodes, meminfo_values(meminfo), guard)
-        target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor)
+        target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor,
+                            guard.watermark_floor_percent)
         limit_file = f"{tier}/{'memory.max' if v2 else 'memory.limit_in_bytes'}"
         current_text = sysfs.read(limit_file)
         if current_text is None:
@@ -275,7 +295,9 @@ class MemoryGuardLoop(Loop):
         # floor then still holds.
         tight = None if squeeze is None else self._tight(
             usage, anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0, squeeze)
-        cap = bounded_cap(target, previous, usage, guard.max_step_bytes)
+        # The minimum bounds the guard's own cap; a squeeze has its own floor (floor_bytes).
+        cap = max(bounded_cap(target, previous, usage, guard.max_step_bytes),
+                  guard.minimum_cap_bytes)
         if tight is not None and not v2:
             # At once, not one step per cycle from the previous cap: only the usage bound (no
             # OOM cliff) still holds.

@@ -51,13 +51,15 @@ class NumaConfig:
 
 
 def choose_nodes(nodes: list[NumaNode], floor_bytes: int, scale_factor: float,
-                 max_nodes: int, keep: frozenset[int] = frozenset()) -> list[int]:
+                 max_nodes: int, keep: frozenset[int] = frozenset(),
+                 floor_percent: float | None = None) -> list[int]:
     """Nodes with headroom, most headroom first; at most ``max_nodes`` (0: no limit).
 
     Nodes in ``keep`` (the current choice) come first while they still have headroom, so two
     nodes with similar headroom do not trade places every cycle and migrate memory back and
     forth."""
-    ranked = sorted(((n.headroom(floor_bytes, scale_factor), n.id) for n in nodes),
+    ranked = sorted(((n.headroom(floor_bytes, scale_factor, floor_percent), n.id)
+                     for n in nodes),
                     key=lambda item: (item[1] not in keep, -item[0], item[1]))
     chosen = [node for room, node in ranked if room > 0]
     return sorted(chosen[:max_nodes]) if max_nodes else sorted(chosen)
@@ -104,7 +106,7 @@ class NumaBindingLoop(Loop):
             return
         guard = cfg.memory_guard
         chosen = choose_nodes(nodes, guard.watermark_floor_bytes, guard.watermark_scale_factor,
-                              cfg.numa.max_nodes, self._chosen)
+                              cfg.numa.max_nodes, self._chosen, guard.watermark_floor_percent)
         if not chosen:
             log.info("numa_binding_unchanged",
                      reason="no node has free memory above its watermark")

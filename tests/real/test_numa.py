@@ -1,0 +1,159 @@
+"""NUMA on a real two-node kernel: what the agent reads of each node, the NUMA free detector,
+and an offline pod bound to the node with room, its pages moving there.
+
+The guest has two nodes of 2 GiB, each with its own zones and watermarks in ``/proc/zoneinfo``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hooks.model import ContainerInfo, PodInfo
+from nri_plugin.config.schema import Config
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.service import DetectorsLoop
+from reconciler.detection.signals import Board, Level
+from reconciler.host.cgroups import layout_for
+from reconciler.host.numa import read_nodes
+from reconciler.host.probe import probe_host
+from reconciler.host.sysfs import PAGE_SIZE, SysFs
+from reconciler.loops.numa_binding import NumaBindingLoop
+from reconciler.state import NodeState
+from tests.real.conftest import MIB, Node, numa_stat
+
+pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
+
+UID = "4e4e4e4e-0000-4000-8000-000000000001"
+CID = "a" * 64
+REPO = Path(__file__).resolve().parents[2]
+
+
+def zone_lows() -> dict[int, list[int]]:
+    """Each node's zones' ``low`` pages, from a whole read of /proc/zoneinfo."""
+    lows: dict[int, list[int]] = {}
+    node = None
+    with open("/proc/zoneinfo") as f:  # a text file object reads to the end
+        for line in f:
+            words = line.split()
+            if line.startswith("Node "):
+                node = int(words[1].rstrip(","))
+                lows.setdefault(node, [])
+            elif len(words) == 2 and words[0] == "low" and node is not None:
+                lows[node].append(int(words[1]))
+    return lows
+
+
+def node_meminfo(node: int) -> dict[str, int]:
+    found = {}
+    for line in Path(f"/sys/devices/system/node/node{node}/meminfo").read_text().splitlines():
+        words = line.split()
+        found[words[2].rstrip(":")] = int(words[3]) * 1024
+    return found
+
+
+def test_every_node_has_its_own_free_memory_and_low_watermark() -> None:
+    lows = zone_lows()
+    assert sorted(lows) == [0, 1]
+    nodes = read_nodes(SysFs("/"), PAGE_SIZE)
+    assert [n.id for n in nodes] == [0, 1]
+    for n in nodes:
+        expected = sum(lows[n.id])
+        # ±1 page per zone: the watermarks move while the kernel runs
+        assert abs(n.low_watermark_bytes // PAGE_SIZE - expected) <= len(lows[n.id])
+        assert n.low_watermark_bytes > 0
+        info = node_meminfo(n.id)
+        assert n.total_bytes == info["MemTotal"]
+        assert abs(n.free_bytes - info["MemFree"]) < 64 * MIB
+    assert nodes[0].free_bytes != nodes[1].free_bytes or nodes[0].total_bytes > 0
+
+
+def test_probe_reports_both_nodes_and_psi_triggers() -> None:
+    """The acceptance check of the harness: ``nri-qos probe --json`` in a v2 guest of two nodes."""
+    done = subprocess.run([sys.executable, "-m", "nri_plugin", "probe", "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, check=True)
+    found = json.loads(done.stdout)
+    assert found["cgroup"]["version"] == 2
+    lows = zone_lows()
+    nodes = found["numa_nodes"]
+    assert [n["id"] for n in nodes] == [0, 1]
+    for n in nodes:
+        assert n["free_bytes"] > 0
+        assert abs(n["low_watermark_bytes"] // PAGE_SIZE - sum(lows[n["id"]])) <= len(
+            lows[n["id"]])
+    trigger = found["psi"]["system_trigger"]
+    assert trigger["accepted"], trigger
+    assert trigger["window_us"] <= 500_000, trigger
+
+
+def detector_levels(cfg: Config) -> dict[str, Level]:
+    sysfs = SysFs("/")
+    host = probe_host(sysfs)
+    board = Board()
+    publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: cfg.detection)
+    loop = DetectorsLoop(lambda: cfg, publisher, NodeState(), sysfs, host)
+    for at in range(cfg.detection.entry_samples):
+        loop.cycle(float(at))
+    return {r.scope: r.level for r in board.current() if r.detector == "numa_free"}
+
+
+def test_numa_free_fires_for_the_pressed_node_only(node: Node) -> None:
+    # A floor small enough that an idle 2 GiB node is well above it.
+    base = Config()
+    cfg = dataclasses.replace(base, detection=dataclasses.replace(
+        base.detection, free_floor_bytes=192 * MIB))
+    assert detector_levels(cfg) == {"numa:0": Level.NONE, "numa:1": Level.NONE}
+    pod, _ = node.container("besteffort", UID, CID)
+    (pod / "cpuset.mems").write_text("1")
+    free = node_meminfo(1)["MemFree"]
+    # Take node 1 down to about 100 MiB free: under the floor, not under half of it.
+    holder = node.holder(pod, (free - 100 * MIB) // MIB)
+    levels = detector_levels(cfg)
+    assert levels["numa:0"] is Level.NONE, levels
+    assert levels["numa:1"] >= Level.MEDIUM, (levels, node_meminfo(1)["MemFree"])
+    holder.kill()
+    holder.wait()
+
+
+def test_an_offline_pod_is_bound_to_the_node_with_room_and_its_pages_move(node: Node) -> None:
+    cgroup, cgroups_path = node.container("besteffort", UID, CID)
+    (cgroup / "cpuset.mems").write_text("0")
+    holder = node.holder(cgroup, 256)
+    before = numa_stat(cgroup, "anon")
+    assert before[0] >= 250 * MIB
+    assert before[1] < 8 * MIB
+    # Node 0 is pressed (its free memory under the watermark the binding uses), node 1 is not.
+    base = Config()
+    floor = node_meminfo(0)["MemFree"] + 64 * MIB
+    assert node_meminfo(1)["MemFree"] > floor + 64 * MIB, "node 1 must have room"
+    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
+        base.memory_guard, watermark_floor_bytes=floor))
+    state = NodeState()
+    state.replace_all(
+        [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",
+                 cgroup_parent=f"/kubepods/besteffort/pod{UID}",
+                 annotations={"qos.nri-qos.io/level": "reclaimed_cores"})],
+        [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path)])
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs("/", audit)
+    NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), audit).cycle(0.0)
+    assert (cgroup / "cpuset.mems").read_text().strip() == "1"
+    [bound] = sink.named("numa_binding")
+    assert bound["mems"] == "1"
+    # cgroup v2 migrates a cgroup's pages when its cpuset.mems changes.
+    deadline = time.monotonic() + 30
+    while numa_stat(cgroup, "anon")[1] < 250 * MIB and time.monotonic() < deadline:
+        time.sleep(0.2)
+    after = numa_stat(cgroup, "anon")
+    assert after[1] >= 250 * MIB, after
+    assert after[0] < 8 * MIB, after
+    holder.kill()
+    holder.wait()

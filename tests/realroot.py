@@ -104,6 +104,10 @@ class Worker:
     def __init__(self, process: subprocess.Popen[str]) -> None:
         self._process = process
 
+    def kill(self) -> None:
+        """Ends the worker: a command it is running answers with RuntimeError."""
+        self._process.kill()
+
     def ask(self, command: str) -> dict[str, Any]:
         assert self._process.stdin is not None
         assert self._process.stdout is not None

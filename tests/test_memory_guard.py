@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -321,7 +322,7 @@ def test_a_missing_limit_file_writes_nothing_until_it_is_back(tmp_path: Path) ->
 
 # -- small nodes: the floor bounded by node size, and a cap never below the minimum -----------
 
-def guard_on(tmp_path: Path, version: int, **guard: object
+def guard_on(tmp_path: Path, version: int, **guard: Any
              ) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
     host = FakeHost(tmp_path, version=version, driver="cgroupfs")
     base = Config()
@@ -347,7 +348,7 @@ def test_the_floor_is_at_most_a_share_of_the_node(total: int, floor: int) -> Non
 def test_two_small_numa_nodes_leave_the_tier_room(tmp_path: Path) -> None:
     """Two NUMA nodes of 3 GiB with 2.5 GiB free each: with the fixed 4 GiB floor the tier was
     capped at 0 (every offline pod OOM-killed); each node now keeps 10 % of its memory."""
-    host, loop, sink = guard_on(tmp_path, 2)
+    host, loop, _ = guard_on(tmp_path, 2)
     host.set_numa([(5 * GIB // 2, 3 * GIB, 1000)] * 2)
     host.set_tier_usage("besteffort", 0, per_node=[0, 0])
     loop.cycle(0.0)

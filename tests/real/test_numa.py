@@ -33,6 +33,7 @@ pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
 UID = "4e4e4e4e-0000-4000-8000-000000000001"
 CID = "a" * 64
+OTHER = "4e4e4e4e-0000-4000-8000-000000000002"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -129,12 +130,18 @@ def test_an_offline_pod_is_bound_to_the_node_with_room_and_its_pages_move(node: 
     before = numa_stat(cgroup, "anon")
     assert before[0] >= 250 * MIB
     assert before[1] < 8 * MIB
-    # Node 0 is pressed (its free memory under the watermark the binding uses), node 1 is not.
+    # Node 0 is pressed (an online pod's memory on it: its free memory 400 MiB under node 1's),
+    # and the floor the binding uses lies between the two nodes' free memory.
+    ballast, _ = node.container("burstable", OTHER, "f" * 64)
+    (ballast / "cpuset.mems").write_text("0")
+    extra = node_meminfo(0)["MemFree"] - node_meminfo(1)["MemFree"] + 400 * MIB
+    if extra > 0:
+        node.holder(ballast, extra // MIB)
     base = Config()
-    floor = node_meminfo(0)["MemFree"] + 64 * MIB
-    assert node_meminfo(1)["MemFree"] > floor + 64 * MIB, "node 1 must have room"
+    floor = node_meminfo(0)["MemFree"] + 150 * MIB
+    assert node_meminfo(1)["MemFree"] > floor + 150 * MIB, "node 1 must have room"
     cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, watermark_floor_bytes=floor))
+        base.memory_guard, watermark_floor_bytes=floor, watermark_floor_percent=100.0))
     state = NodeState()
     state.replace_all(
         [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",

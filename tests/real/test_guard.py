@@ -1,0 +1,112 @@
+"""The memory guard on a real cgroup v2 kernel, the guest being the whole node: its cap on the
+BestEffort tier (``memory.max`` and ``memory.high``) holds against a real writing process, a
+squeeze lowers ``memory.high`` and its end lifts it back, the fulfillment detector reads the
+cap, and no node size gives a cap under the minimum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hooks.model import ContainerInfo, PodInfo
+from nri_plugin.config.schema import Config
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.service import DetectorsLoop
+from reconciler.detection.signals import Board, Level
+from reconciler.host.cgroups import layout_for
+from reconciler.host.probe import probe_host
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze
+from reconciler.state import NodeState
+from tests.real.conftest import CGROUP, MIB, Node, read_int
+
+pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
+
+UID = "9a9a9a9a-0000-4000-8000-000000000001"
+CID = "b" * 64
+TIER = CGROUP / "kubepods/besteffort"
+
+
+def guard(cfg: Config, squeeze: GuardSqueeze | None = None
+          ) -> tuple[MemoryGuardLoop, MemoryAuditSink]:
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs("/", audit)
+    return MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), audit, squeeze=squeeze), sink
+
+
+def test_the_default_guard_on_a_small_node_leaves_the_tier_room(node: Node) -> None:
+    """Two NUMA nodes of 1 GiB: the fixed 4 GiB floor alone would cap the tier at 0."""
+    loop, sink = guard(Config())
+    loop.cycle(0.0)
+    cap = read_int(TIER / "memory.max")
+    high = read_int(TIER / "memory.high")
+    minimum = Config().memory_guard.minimum_cap_bytes
+    assert cap >= minimum
+    assert high == int(cap * 0.95) // 4096 * 4096
+    [record] = sink.named("memory_guard_cap")
+    assert record["cap_bytes"] == cap
+    # a pod of the tier starts and allocates under that cap
+    cgroup, _ = node.container("besteffort", UID, CID)
+    holder = node.holder(cgroup, 64)
+    assert holder.poll() is None
+
+
+def test_the_cap_holds_against_a_writing_process_and_a_squeeze_ends(node: Node) -> None:
+    base = Config()
+    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
+        base.memory_guard, minimum_cap_bytes=256 * MIB,
+        # the whole node but 256 MiB is kept from the tier: a cap well under the node's memory
+        watermark_floor_bytes=1 << 40, watermark_floor_percent=100.0))
+    squeeze = GuardSqueeze()
+    loop, sink = guard(cfg, squeeze)
+    loop.cycle(0.0)
+    assert read_int(TIER / "memory.max") == 256 * MIB
+    cgroup, _ = node.container("besteffort", UID, CID)
+    worker = node.worker(cgroup, TIER)
+    answer = worker.ask(f"dirty /var/tmp/guard.bin 1.0 {512}")
+    assert answer["onset"] is not None, "the tier's cap was never reached"
+    assert read_int(TIER / "memory.current") <= 256 * MIB
+    assert read_int(TIER / "memory.peak") <= 256 * MIB if (TIER / "memory.peak").exists() \
+        else True
+    high = read_int(TIER / "memory.high")
+    squeeze.set(Squeeze(tightening=1, step_bytes=64 * MIB, floor_bytes=64 * MIB,
+                        reason="test"))
+    loop.cycle(1.0)
+    squeezed = read_int(TIER / "memory.high")
+    assert squeezed < high
+    assert read_int(TIER / "memory.max") == 256 * MIB  # v2: the squeeze is memory.high only
+    squeeze.set(None)
+    loop.cycle(2.0)
+    assert read_int(TIER / "memory.high") == high
+    assert [r["squeezed"] for r in sink.named("memory_guard_cap")] == [False, True, False]
+
+
+def test_fulfillment_reads_the_cap_against_the_tiers_requests(node: Node) -> None:
+    base = Config()
+    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
+        base.memory_guard, minimum_cap_bytes=256 * MIB, watermark_floor_bytes=1 << 40,
+        watermark_floor_percent=100.0))
+    loop, _ = guard(cfg)
+    loop.cycle(0.0)
+    _, cgroups_path = node.container("besteffort", UID, CID)
+    state = NodeState()
+    state.replace_all(
+        [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",
+                 cgroup_parent=f"/kubepods/besteffort/pod{UID}",
+                 annotations={"qos.nri-qos.io/level": "reclaimed_cores"})],
+        # requests twice the cap: the tier cannot hold what its pods asked for
+        [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
+                       memory_request=512 * MIB)])
+    sysfs = SysFs("/")
+    board = Board()
+    publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: cfg.detection)
+    detectors = DetectorsLoop(lambda: cfg, publisher, state, sysfs, probe_host(sysfs))
+    for at in range(cfg.detection.entry_samples):
+        detectors.cycle(float(at))
+    [reading] = [r for r in board.current() if r.detector == "fulfillment"]
+    assert reading.level > Level.NONE, reading
+    assert str(256 * MIB) in reading.reason, reading

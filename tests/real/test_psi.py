@@ -1,0 +1,117 @@
+"""PSI on a real cgroup v2 kernel that accepts short trigger windows: the node's trigger and a
+pod cgroup's trigger (500 ms windows) fire under real pressure, and the stall-counter poll takes
+over when the kernel refuses a trigger.
+
+Pressure: a worker in an offline pod writes a file through a small ``memory.max`` over and over,
+so reclaim waits for writeback of its dirty pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from nri_plugin.config.schema import Config
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.service import NodePsi, psi_path
+from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.host.pressure import PsiWatch
+from reconciler.host.probe import probe_host
+from reconciler.host.sysfs import SysFs
+from tests.polling import eventually
+from tests.real.conftest import MIB, Node
+from tests.realroot import Worker
+
+pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
+
+UID = "5a5a5a5a-0000-4000-8000-000000000001"
+CID = "c" * 64
+WINDOW_MS = 500
+
+
+@pytest.fixture
+def pressed(node: Node) -> tuple[Path, Worker]:
+    cgroup, _ = node.container("besteffort", UID, CID)
+    (cgroup / "memory.max").write_text(str(64 * MIB))
+    return cgroup, node.worker(cgroup, cgroup)
+
+
+def config(window_ms: int = WINDOW_MS) -> Config:
+    base = Config()
+    return dataclasses.replace(base, detection=dataclasses.replace(
+        base.detection, psi_trigger_window_ms=window_ms))
+
+
+async def node_psi(cfg: Config, worker: Worker, data: Path, *, refuse: bool = False
+                   ) -> tuple[str, Reading]:
+    sysfs = SysFs("/")
+    host = probe_host(sysfs)
+    if refuse:  # as on a kernel that refuses every trigger
+        host = dataclasses.replace(host, psi=dataclasses.replace(
+            host.psi, system=dataclasses.replace(host.psi.system, window_us=None)))
+    board = Board()
+    publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: cfg.detection)
+    seen: list[Reading] = []
+    board.subscribe(lambda: seen.extend(r for r in board.current()
+                                        if r.detector == "psi" and r.scope == NODE
+                                        and r.level > Level.NONE))
+    psi = NodePsi(lambda: cfg, publisher, sysfs, host)
+    stop = asyncio.Event()
+    task = asyncio.create_task(psi.run(stop))
+    try:
+        await asyncio.sleep(0.5)  # the trigger armed, or a first sample of the counter
+        mode = psi.mode
+        made = asyncio.create_task(asyncio.to_thread(worker.ask, f"dirty {data} 3.0 256"))
+        await eventually(lambda: bool(seen), 60.0)
+        answer = await made
+        assert answer["onset"] is not None
+        return mode, seen[0]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_the_node_trigger_fires_under_real_pressure(
+        pressed: tuple[Path, Worker], tmp_path: Path) -> None:
+    cfg = config()
+    host = probe_host(SysFs("/"))
+    assert psi_path(cfg.detection, host)[0] == "trigger", host.psi
+    mode, reading = await node_psi(cfg, pressed[1], tmp_path / "dirty.bin")
+    assert mode == "trigger"
+    assert reading.reason.startswith("PSI trigger"), reading
+    assert reading.level >= Level.LOW
+
+
+async def test_a_refused_trigger_falls_back_to_the_stall_counter(
+        pressed: tuple[Path, Worker], tmp_path: Path) -> None:
+    mode, reading = await node_psi(config(), pressed[1], tmp_path / "dirty.bin", refuse=True)
+    assert mode == "poll"
+    assert reading.reason.startswith("some "), reading
+
+
+async def test_a_pod_cgroups_trigger_fires(pressed: tuple[Path, Worker], tmp_path: Path) -> None:
+    cgroup, worker = pressed
+    window_us = WINDOW_MS * 1000
+    watch = PsiWatch(SysFs("/"), f"{cgroup.parent}/memory.pressure",
+                     (window_us // 10, window_us))
+    fired: list[float] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(watch.run(
+        stop, interval=lambda: 0.1, idle=lambda: 0.5, active=lambda: True,
+        keep_reading=lambda: False, on_trigger=fired.append, on_text=lambda text, at: None,
+        on_pause=lambda: None))
+    try:
+        await asyncio.sleep(0.3)
+        assert watch.mode == "trigger"  # armed: the kernel took a 500 ms window on a pod
+        made = asyncio.create_task(asyncio.to_thread(
+            worker.ask, f"dirty {tmp_path / 'pod.bin'} 3.0 256"))
+        await eventually(lambda: bool(fired), 60.0)
+        await made
+        assert watch.mode == "trigger"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

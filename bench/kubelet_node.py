@@ -60,6 +60,16 @@ def v2_memory() -> bool:
         return False
 
 
+def enable_at_root(enable: str) -> None:
+    """cgroup v2: the root passes ``enable`` (``+memory +cpu``) to its children, as systemd sets
+    it up at boot on every node. A root set up by anything else may enable nothing, and then no
+    cgroup below it has a memory controller. Left enabled: other cgroups may come to rely on it."""
+    wanted = enable.split()
+    have = (CGROUP / "cgroup.subtree_control").read_text().split()
+    if any(c.lstrip("+") not in have for c in wanted):
+        (CGROUP / "cgroup.subtree_control").write_text(enable)
+
+
 def unavailable() -> str:
     """Why no node can be made here ("" when one can)."""
     if os.geteuid() != 0:
@@ -109,6 +119,7 @@ class KubeletNode:
             controllers = (CGROUP / "cgroup.controllers").read_text().split()
             self.cpu: Path | None = self.memory if "cpu" in controllers else None
             self._enable = " ".join(f"+{c}" for c in ("memory", "cpu") if c in controllers)
+            enable_at_root(self._enable)
         else:
             self.cpu = CPU_V1 / self.name if (CPU_V1 / "cpu.shares").is_file() else None
             self._enable = ""

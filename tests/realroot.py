@@ -2,8 +2,10 @@
 
 A :class:`RealRoot` is a directory to use as ``reconciler.root``: its ``/proc``, ``/sys/devices``
 and ``/sys/kernel`` are the machine's (symbolic links), while its ``/sys/fs/cgroup/memory`` is a
-fresh child memcg of the machine's cgroup v1 memory hierarchy, with a limit. The agent's code
-runs unchanged: it finds kubelet's layout (``kubepods``, ``kubepods/burstable``,
+fresh child memcg of the machine's cgroup v1 memory hierarchy, with a limit; on a cgroup v2
+machine without the v1 memory controller, its whole ``/sys/fs/cgroup`` is a fresh child cgroup
+of the v2 hierarchy (its ``memory.max`` the limit, memory passed down to its children). The
+agent's code runs unchanged: it finds kubelet's layout (``kubepods``, ``kubepods/burstable``,
 ``kubepods/besteffort``) in that memcg, its "root memcg" is the child (whose limit stands for the
 node's memory), and everything it writes stays inside. Processes are put into the memcgs as pods'
 containers would be.
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 MEMORY_V1 = Path("/sys/fs/cgroup/memory")
+CGROUP_V2 = Path("/sys/fs/cgroup")
 WORKER = Path(__file__).with_name("pressure_worker.py")
 MIB = 1 << 20
 
@@ -36,19 +39,42 @@ def unavailable() -> str:
     return ""
 
 
+def unavailable_any() -> str:
+    """Why no :class:`RealRoot` of either cgroup version can be made here ("" when one can)."""
+    if not unavailable() or not v2_unavailable():
+        return ""
+    return f"{unavailable()}; or a cgroup v2 root with memory: {v2_unavailable()}"
+
+
+def v2_unavailable() -> str:
+    if os.geteuid() != 0:
+        return "needs root"
+    controllers = CGROUP_V2 / "cgroup.controllers"
+    if not controllers.is_file() or "memory" not in controllers.read_text().split():
+        return "needs a cgroup v2 hierarchy with the memory controller at /sys/fs/cgroup"
+    return ""
+
+
 class RealRoot:
     def __init__(self, directory: Path, name: str, limit_bytes: int) -> None:
         if limit_bytes > 4 << 30:
             raise ValueError("memory experiments stay under a 4 GiB limit")
+        self.v2 = bool(unavailable()) and not v2_unavailable()
         self.root = directory / "root"
-        self.memcg = MEMORY_V1 / f"nriqos-{name}-{os.getpid()}"
+        self.memcg = (CGROUP_V2 if self.v2 else MEMORY_V1) / f"nriqos-{name}-{os.getpid()}"
         self.memcg.mkdir()
         self._made = [self.memcg]
         self._workers: list[subprocess.Popen[str]] = []
-        (self.memcg / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        self._limit = "memory.max" if self.v2 else "memory.limit_in_bytes"
+        (self.memcg / self._limit).write_text(str(limit_bytes))
         cgroup = self.root / "sys/fs/cgroup"
-        cgroup.mkdir(parents=True)
-        (cgroup / "memory").symlink_to(self.memcg)
+        if self.v2:
+            (self.memcg / "cgroup.subtree_control").write_text("+memory")
+            cgroup.parent.mkdir(parents=True)
+            cgroup.symlink_to(self.memcg)
+        else:
+            cgroup.mkdir(parents=True)
+            (cgroup / "memory").symlink_to(self.memcg)
         (self.root / "proc").symlink_to("/proc")
         for name_ in ("devices", "kernel"):
             (self.root / "sys" / name_).symlink_to(f"/sys/{name_}")
@@ -59,6 +85,9 @@ class RealRoot:
         path = self.memcg / rel
         path.mkdir()
         self._made.append(path)
+        if self.v2 and (rel.count("/") < 2 or path.name.startswith("pod")):
+            # the QoS and pod levels pass memory down; containers are leaves
+            (path / "cgroup.subtree_control").write_text("+memory")
         return path
 
     def container(self, tier: str, uid: str, cid: str) -> tuple[Path, str]:
@@ -74,13 +103,14 @@ class RealRoot:
         # The shell puts itself into the memcg before it becomes the worker.
         process = subprocess.Popen(
             ["/bin/sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh",
-             str(memcg), sys.executable, "-I", str(WORKER), str(self.memcg / "memory.failcnt")],
+             str(memcg), sys.executable, "-I", str(WORKER),
+             str(self.memcg / ("memory.events" if self.v2 else "memory.failcnt"))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._workers.append(process)
         return Worker(process)
 
     def usage(self, memcg: Path) -> int:
-        return int((memcg / "memory.usage_in_bytes").read_text())
+        return int((memcg / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
 
     def close(self) -> None:
         for process in self._workers:

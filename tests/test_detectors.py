@@ -122,8 +122,9 @@ def test_system_free_on_the_real_files() -> None:
     (512 * 1024 - 1, Level.HIGH),
 ])
 def test_system_free_levels_at_their_thresholds(free_kb: int, level: Level) -> None:
-    # W = the 1 GiB floor (a small machine: the other terms are far below it)
-    sample = d.system_free(meminfo(4 * 1024 * 1024, free_kb), fixture("proc_zoneinfo"), "10",
+    # W = the 1 GiB floor (a 16 GiB machine: the other terms are far below it, and 10 % of
+    # its memory above it)
+    sample = d.system_free(meminfo(16 * 1024 * 1024, free_kb), fixture("proc_zoneinfo"), "10",
                            1, CFG, PAGE, 0.0)
     assert sample.level is level
     assert sample.reading(level).threshold == {Level.NONE: 2 * GIB, Level.LOW: 2 * GIB,
@@ -144,8 +145,32 @@ def test_watermark_terms() -> None:
     assert d.system_free(meminfo(1 << 30, 100), zoneinfo, None, 1, no_floor, PAGE,
                          0.0).thresholds[1] == zone_low_bytes(zoneinfo)
     # the floor counts once per NUMA node
-    assert d.system_free(meminfo(1 << 20, 100), zoneinfo, "10", 4, CFG, PAGE,
+    assert d.system_free(meminfo(64 << 20, 100), zoneinfo, "10", 4, CFG, PAGE,
                          0.0).thresholds[1] == 4 * GIB
+
+
+@pytest.mark.parametrize(("total", "mark"), [
+    (10 * GIB, GIB),  # 10 % of 10 GiB is the 1 GiB floor itself
+    (10 * GIB + 10 * 1024, GIB),  # above it the floor holds
+    (10 * GIB - 10 * 1024, GIB - 1024),  # below it the share does
+    (4 * GIB, 4 * GIB // 10),  # a 4 GiB node keeps 410 MiB, not 1 GiB
+])
+def test_the_floor_is_at_most_a_share_of_the_memory(total: int, mark: int) -> None:
+    no_other_term = dataclasses.replace(CFG, free_wsf_factor=0, free_zone_low_factor=0)
+    sample = d.system_free(meminfo(total // 1024, total // 2048), fixture("proc_zoneinfo"), "10",
+                           1, no_other_term, PAGE, 0.0)
+    assert sample.thresholds[1] == mark
+    text = f"Node 0 MemTotal: {total // 1024} kB\nNode 0 MemFree: {total // 2048} kB\n"
+    [node] = d.numa_free({0: text}, fixture("numa2_zoneinfo"), "10", no_other_term, PAGE, 0.0)
+    assert node.thresholds[1] == mark
+
+
+def test_an_idle_four_gib_node_is_not_under_pressure() -> None:
+    """3.8 GiB free of 4 GiB over two NUMA nodes: with the fixed 1 GiB floor per node this was
+    level low (free under 2 x 2 GiB), and the ladder stayed engaged on an idle node."""
+    sample = d.system_free(meminfo(4 << 20, 3891 << 10), fixture("proc_zoneinfo"), "10", 2,
+                           CFG, PAGE, 0.0)
+    assert sample.level is Level.NONE
 
 
 @pytest.mark.parametrize(("meminfo_text", "zoneinfo_cut", "wsf", "reason"), [

@@ -58,8 +58,14 @@ class DetectionConfig:
     free_floor_bytes: int = setting(
         1 << 30, "Lowest watermark W per NUMA node (the system's is this times the node "
         "count). Katalyst's advisor uses 4 GiB; 1 GiB because the memory guard already keeps "
-        "its 4 GiB reserve free of offline memory, and small nodes would sit under 4 GiB.",
+        "its 4 GiB reserve free of offline memory, and small nodes would sit under 4 GiB. "
+        "At most free_floor_percent of the node's memory.",
         unit="bytes", minimum=0, maximum=1 << 50)
+    free_floor_percent: float = setting(
+        10.0, "The floor is at most this share of the memory it is compared with (the NUMA "
+        "node's, or the machine's for system_free): on a node of 4 GiB, 1 GiB per NUMA node "
+        "put the idle node under 2 x W and kept the ladder engaged. The 1 GiB applies from "
+        "10 GiB per NUMA node up.", unit="percent", minimum=0, maximum=100)
     free_wsf_factor: float = setting(
         2.0, "W is at least total x vm.watermark_scale_factor / 10000 x this (Katalyst's "
         "critical watermark uses 2).", minimum=0, maximum=1000)

@@ -101,9 +101,11 @@ def grade_falling(value: float, thresholds: Thresholds) -> Level:
 # -- free memory against the watermark ------------------------------------------------------------
 
 def watermark(total: int, wsf: int, zone_low: int, floor: int, cfg: DetectionConfig) -> int:
-    """W = max(floor, total x watermark_scale_factor / 10000 x wsf_factor,
-    zones' low watermarks x zone_low_factor), in bytes."""
-    return int(max(floor, total * wsf / 10000 * cfg.free_wsf_factor,
+    """W = max(min(floor, total x free_floor_percent / 100),
+    total x watermark_scale_factor / 10000 x wsf_factor, zones' low watermarks x zone_low_factor),
+    in bytes."""
+    bounded = min(floor, int(total * cfg.free_floor_percent / 100))
+    return int(max(bounded, total * wsf / 10000 * cfg.free_wsf_factor,
                    zone_low * cfg.free_zone_low_factor))
 
 

@@ -1,0 +1,33 @@
+"""Reaction time on a real cgroup v2 kernel: ``bench/reaction.py`` in the guest, pressure onset to
+the agent's first mitigation write through the node's PSI (a trigger there), p99 printed.
+
+A few onsets only: the figure is the benchmark's business (run it through ``python -m tests.vm``
+for a distribution); here it must run, be raised by PSI and react to every onset."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
+
+REPO = Path(__file__).resolve().parents[2]
+ONSETS = 4
+
+
+def test_the_reaction_benchmark_runs_on_the_psi_trigger_path() -> None:
+    done = subprocess.run([sys.executable, "bench/reaction.py", "--skip-fake", "--onsets",
+                           str(ONSETS)], cwd=REPO, capture_output=True, text=True, timeout=600,
+                          check=True)
+    lines = done.stdout.splitlines()
+    [series] = [line for line in lines if line.startswith("real kernel, default configuration")]
+    assert "'psi'" in series, series  # the ladder raised by the PSI detector
+    assert f"n={ONSETS} missed=0" in series, series
+    last = re.fullmatch(r"reaction p50=([\d.]+) ms p99=([\d.]+) ms n=(\d+)", lines[-1])
+    assert last is not None, lines[-1]
+    assert int(last.group(3)) == ONSETS
+    assert float(last.group(1)) <= float(last.group(2))

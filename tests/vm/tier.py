@@ -8,6 +8,8 @@ failure text, or a failure when it was skipped there (a test of the tier that ca
 guest is a bug of the tier) or never ran. Inside a guest (``NRIQOS_VM`` set) the tests run
 as they are, and each report is written to ``$NRIQOS_VM_ARTIFACTS/results.jsonl``.
 
+``vm(host=True)`` marks a test of the harness itself: it runs on the host, with the tier.
+
 ``real_kernel`` marks a test of this machine's kernel that must also run in a cgroup v1 guest:
 it is parametrized ``host`` (runs here, as before) and ``v1-guest`` (marked ``vm``).
 """
@@ -46,7 +48,9 @@ def guest_of(item: pytest.Item) -> Guest:
 
 def configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vm(numa=1, mem_mib=2048, cgroup='v2'): runs in a guest "
-                                       "with a real kernel (python -m pytest -m vm)")
+                                       "with a real kernel (python -m pytest -m vm); "
+                                       "vm(host=True): a test of the tier's harness itself, "
+                                       "run on the host with the tier")
     config.addinivalue_line("markers", "real_kernel: a test of this machine's kernel that runs "
                                        "once more in a cgroup v1 guest")
     config.stash[_RUNS] = {}
@@ -66,7 +70,8 @@ def replace_items(config: pytest.Config, items: list[pytest.Item]) -> None:
     if in_guest():
         return
     for index, item in enumerate(items):
-        if item.get_closest_marker("vm") is not None and item.parent is not None:
+        marker = item.get_closest_marker("vm")
+        if marker is not None and not marker.kwargs.get("host") and item.parent is not None:
             items[index] = GuestTest.from_parent(item.parent, name=item.name, twin=item)
 
 

@@ -1,0 +1,127 @@
+"""The guest harness itself: its command line, the QEMU machine it describes, the tier's reading
+of a guest's reports (no guest booted), and real guests run from the host with the tier."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.vm.image import Image
+from tests.vm.machine import NO_STATUS, Guest, Result, qemu_argv, run
+from tests.vm.tier import GuestFailure, GuestRun
+
+REPO = Path(__file__).resolve().parents[2]
+IMAGE = Image(Path("/k/vmlinuz"), Path("/k/initramfs.gz"), "6.1.0-test")
+host_tier = pytest.mark.vm(host=True)
+
+
+def leftovers() -> set[str]:
+    tmp = Path(tempfile.gettempdir())
+    return {p.name for p in tmp.glob("nriqos-vm-*")}
+
+
+def qemu_running() -> bool:
+    return subprocess.run(["pgrep", "-f", "qemu-system-x86_64.*nriqos"],
+                          capture_output=True, check=False).returncode == 0
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--", "true", "--numa", "0"], ""),  # options after -- belong to the command
+    (["--numa", "0", "--", "true"], "numa must be 1 to 8 nodes"),
+    (["--cgroup", "v3", "--", "true"], "invalid choice: 'v3'"),
+    (["--mem-mib", "128", "--", "true"], "at least 256 MiB"),
+    (["--disk"], "no command"),
+])
+def test_the_command_line_refuses_what_cannot_boot(argv: list[str], message: str) -> None:
+    if not message:
+        from tests.vm.__main__ import parse
+        guest, command, _ = parse(argv)
+        assert command == ["true", "--numa", "0"]
+        assert guest == Guest()
+        return
+    done = subprocess.run([sys.executable, "-m", "tests.vm", *argv], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_numa_nodes_get_their_memory_and_cpus() -> None:
+    argv = qemu_argv(Guest(numa=2, mem_mib=3072, cpus=2, disk=True), IMAGE, Path("/x"),
+                     Path("/x/disk.img"))
+    joined = " ".join(argv)
+    assert "-m 6144" in joined
+    assert "memory-backend-ram,id=m0,size=3072M -numa node,nodeid=0,memdev=m0,cpus=0" in joined
+    assert "memory-backend-ram,id=m1,size=3072M -numa node,nodeid=1,memdev=m1,cpus=1" in joined
+    assert "file=/x/disk.img,if=virtio,format=raw,cache=none" in joined
+    assert "nriqos.cgroup=v2" in joined
+    # a third node has memory and no CPU (two CPUs to spread)
+    three = " ".join(qemu_argv(Guest(numa=3), IMAGE, Path("/x"), None))
+    assert three.endswith("nodeid=2,memdev=m2")
+    assert "-drive" not in three
+
+
+def result(lines: list[str], status: int = 0) -> Result:
+    return Result(status, "out", "console", 1.0, {"results.jsonl": "\n".join(lines)})
+
+
+def report(nodeid: str, when: str, outcome: str, longrepr: str = "") -> str:
+    import json
+    return json.dumps({"nodeid": nodeid, "when": when, "outcome": outcome,
+                       "longrepr": longrepr, "duration": 0.1})
+
+
+def test_a_guest_report_is_the_tests_verdict() -> None:
+    run_ = GuestRun(result([report("a", "call", "passed"), report("b", "call", "failed", "E x"),
+                            report("c", "setup", "skipped", "no PSI")]))
+    run_.verdict("a")
+    with pytest.raises(GuestFailure, match="E x"):
+        run_.verdict("b")
+    with pytest.raises(GuestFailure, match=r"skipped in the guest.*no PSI"):
+        run_.verdict("c")
+    with pytest.raises(GuestFailure, match="did not run in the guest"):
+        run_.verdict("d")
+    with pytest.raises(GuestFailure, match="the guest did not finish"):
+        GuestRun(result([], NO_STATUS)).verdict("a")
+    with pytest.raises(GuestFailure, match="no guest could be run: no qemu"):
+        GuestRun(None, "no guest could be run: no qemu").verdict("a")
+
+
+@host_tier
+def test_a_v2_guest_runs_a_command_and_leaves_nothing_behind() -> None:
+    before = leftovers()
+    done = run(Guest(numa=2, mem_mib=512), ["sh", "-c", "cat /sys/fs/cgroup/cgroup.subtree_control;"
+               " ls -d /sys/devices/system/node/node*; touch /usr/written-here; exit 7"])
+    assert done.status == 7
+    lines = done.output.splitlines()
+    assert lines[0].split() == ["cpuset", "cpu", "io", "memory", "pids"]
+    assert lines[1:3] == ["/sys/devices/system/node/node0", "/sys/devices/system/node/node1"]
+    assert not Path("/usr/written-here").exists()  # the guest's writes stay in the guest
+    assert leftovers() == before
+    assert not qemu_running()
+
+
+@host_tier
+def test_a_v1_guest_with_a_scratch_disk() -> None:
+    done = run(Guest(cgroup="v1", disk=True, mem_mib=512), [
+        "sh", "-c", "ls /sys/fs/cgroup; stat -f -c %T /var/tmp; echo $TMPDIR; "
+                    "python3 -c 'import socket; socket.socket(socket.AF_UNIX).bind(\"/var/tmp/s\")'"
+                    " && echo socket"])
+    assert done.status == 0, done.output
+    lines = done.output.split()
+    assert {"memory", "cpu,cpuacct", "cpuset", "pids", "unified"} <= set(lines)
+    assert "ext2/ext3" in lines
+    assert lines[-2:] == ["/var/tmp", "socket"]
+
+
+@host_tier
+def test_a_guest_past_its_deadline_is_killed() -> None:
+    before = leftovers()
+    done = run(Guest(mem_mib=512), ["sleep", "600"], timeout_s=30)
+    assert done.status == NO_STATUS
+    assert done.seconds < 60
+    assert leftovers() == before
+    assert not qemu_running()

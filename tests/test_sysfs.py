@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from reconciler.host.sysfs import (
     format_id_list,
     parse_bytes,
     parse_id_list,
+    read_file_bytes,
     read_id_file,
     same_bytes,
     same_id_list,
@@ -129,3 +132,24 @@ def test_id_lists() -> None:
 
 def test_root_may_be_a_pathlike(tmp_path: Path) -> None:
     assert SysFs(os.fspath(tmp_path)).real("/proc") == f"{tmp_path}/proc"
+
+
+def test_a_short_read_is_not_the_end_of_the_file(tmp_path: Path) -> None:
+    """A seq_file hands out a buffer of whole records per read(); a FIFO written in two parts
+    does the same: the reader must go on until read() returns nothing."""
+    fifo = tmp_path / "seq"
+    os.mkfifo(fifo)
+    first, second = b"Node 0, zone Normal\n" * 200, b"Node 1, zone Normal\n" * 200
+
+    def writer() -> None:
+        with open(fifo, "wb", buffering=0) as f:
+            f.write(first)
+            time.sleep(0.2)  # the reader's first read() returns the first part only
+            f.write(second)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        assert read_file_bytes(str(fifo)) == first + second
+    finally:
+        thread.join()

@@ -27,7 +27,7 @@ from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capability import Capability
 from nri_plugin.config.loader import ConfigError
-from nri_plugin.config.schema import Config
+from nri_plugin.config.schema import OBSERVE, Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.metrics_server import MetricsEndpoint
@@ -151,7 +151,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     host (its answers still say what the reconciler would apply)."""
     cfg = store.current
     metrics = Metrics()
-    sysfs = sysfs.metered(metrics)
+    sysfs = sysfs.metered(metrics).observing(lambda: store.current.agent.mode == OBSERVE)
     state = NodeState(qos=lambda: store.current.qos)
     board = Board()
     tracker = LoopTracker(metrics)
@@ -193,11 +193,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                                     squeeze, metrics, tracker, managed))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
                                   managed=managed).run)
+        # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
-            lambda: store.current, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.current.eviction), metrics=metrics)
+            lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
+            in_tree_plugins(board, lambda: store.in_force.eviction), metrics=metrics)
         services.append(evictor.run)
-        mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
+        mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
                                       metrics=metrics)
@@ -211,7 +212,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         services.append(endpoint.serve)
     if run_background and cfg.status.enabled:
         sources = StatusSources(
-            stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.current,
+            stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.in_force,
             config_source=lambda: store.source, host=host,
             kubernetes=kubernetes, reconciler_running=background,
             wall_clock=time.time, started_unix=time.time(),

@@ -103,7 +103,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
         "agent": {"version": agent_version(), "pid": os.getpid(),
                   "uptime_s": round(wall - src.started_unix, 3),
                   "plugin": f"{stub.identity.index}-{stub.identity.name}",
-                  "config": src.config_source()},
+                  "config": src.config_source(), "mode": src.config().agent.mode},
         "connection": {"state": stub.connection_state, "for_s": round(age, 3),
                        "since_unix": round(wall - age, 3), "connections": stub.connections},
         "runtime": None if stub.connection_state == "disconnected" or not runtime.name else {

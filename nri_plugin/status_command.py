@@ -107,6 +107,7 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     agent, conn = doc["agent"], doc["connection"]
     out.write(f"agent             nri-qos {agent['version']} (pid {agent['pid']}, plugin "
               f"{agent['plugin']}), up {agent['uptime_s']:.0f} s, config {agent['config']}\n")
+    out.write(f"mode              {agent['mode']}\n")
     out.write(f"connection        {conn['state']} since {_since(conn['since_unix'])} "
               f"({conn['for_s']:.1f} s); {conn['connections']} connection(s) so far\n")
     runtime = doc.get("runtime")

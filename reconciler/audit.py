@@ -48,6 +48,9 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("event_failed", ("nri_event", "reason"),
                "An NRI event handler failed; the answer was empty, partial or an error."),
     AuditEvent("cgroup_write", ("path", "value", "reason"), "A cgroup or procfs file was written."),
+    AuditEvent("write_observed", ("path", "value", "reason"),
+               "Observe mode: a cgroup, procfs or resctrl file would have been written; once per "
+               "file and value."),
     AuditEvent("cgroup_write_failed", ("path", "value", "reason", "error"),
                "A write failed after its retries."),
     AuditEvent("resctrl_group_created", ("group", "schemata", "reason"),

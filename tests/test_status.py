@@ -72,6 +72,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
     sock = short_dir / "run" / "status.sock"
     config = tmp_path / "config.toml"
     config.write_text(
+        '[agent]\nmode = "enforce"\n'
         f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
         "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
         f'[kubernetes]\nenabled = false\n[status]\nsocket = "{sock}"\n')
@@ -101,6 +102,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         assert doc["format"] == 1
         assert doc["agent"]["plugin"] == "10-nri-qos"
         assert doc["agent"]["config"] == str(config)
+        assert doc["agent"]["mode"] == "enforce"
         connection = doc["connection"]
         assert connection["state"] == "synchronized"
         assert connection["connections"] == 1
@@ -259,7 +261,7 @@ async def test_a_failing_document_is_an_error_not_a_hang(short_dir: Path) -> Non
 def test_printing_the_ladder_evictions_and_taints() -> None:
     doc: dict[str, Any] = {
         "agent": {"version": "1", "pid": 1, "plugin": "10-nri-qos", "uptime_s": 5,
-                  "config": "embedded defaults"},
+                  "config": "embedded defaults", "mode": "observe"},
         "connection": {"state": "disconnected", "since_unix": 0, "for_s": 1.0, "connections": 0},
         "runtime": None, "features": {}, "node": {"pods": 0, "containers": 0,
                                                   "running_containers": 0, "pods_by_level": {},
@@ -279,6 +281,7 @@ def test_printing_the_ladder_evictions_and_taints() -> None:
     out = io.StringIO()
     print_status(doc, out)
     text = out.getvalue()
+    assert "\nmode              observe\n" in text
     assert "runtime           none (not connected)" in text
     assert "reconciler        not running" in text
     assert "  psi              node                     high     50 percent (threshold 40)" in text

@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from nri_plugin.config.loader import ConfigError, load_file
-from nri_plugin.config.schema import Config
+from nri_plugin.config.schema import Config, in_force
 from reconciler.aio import sleep_until
 from reconciler.audit import AuditLog
 
@@ -77,6 +77,7 @@ class ConfigStore:
         self._audit = audit
         self._default_path = default_path
         self._current = config if config is not None else Config()
+        self._in_force = in_force(self._current)
         self._clock = clock
         self._path: Path | None = None
         self._explicit = False
@@ -87,6 +88,12 @@ class ConfigStore:
     @property
     def current(self) -> Config:
         return self._current
+
+    @property
+    def in_force(self) -> Config:
+        """The current configuration as the actions run with it: in observe mode with every
+        mitigation rung and the eviction manager held in dry-run (:func:`in_force`)."""
+        return self._in_force
 
     @property
     def source(self) -> str:
@@ -170,7 +177,7 @@ class ConfigStore:
     def _swap(self, cfg: Config) -> bool:
         old, changed = self._current, cfg != self._current
         if changed:
-            self._current = cfg
+            self._current, self._in_force = cfg, in_force(cfg)
             for subscriber in list(self._subscribers):
                 try:
                     subscriber(old, cfg)

@@ -136,7 +136,7 @@ def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigSt
     try:
         store.load_initial(config_path)
     except ConfigError as exc:
-        log.error("config_invalid", source=exc.source or config_path, errors=list(exc.errors),
+        log.error("config_invalid", source=config_path, errors=exc.lines(),
                   hint="check the file with: nri-qos check-config PATH")
         return None
     logging_setup.apply(store.current.logging)

@@ -98,8 +98,8 @@ def main_probe(config_path: str | None, *, as_json: bool, out: TextIO = sys.stdo
         try:
             cfg, _ = load_config(config_path)
         except ConfigError as exc:
-            for error in exc.errors:
-                sys.stderr.write(f"{exc.source or config_path}: {error}\n")
+            for line in exc.lines():
+                sys.stderr.write(f"{line}\n")
             return 2
         host, _ = probe(cfg, AuditLog(MemoryAuditSink()))
         found = report(cfg, host)

@@ -167,8 +167,8 @@ def main_status(config_path: str | None, socket: str | None, *, as_json: bool,
         try:
             socket = socket_path(config_path)
         except ConfigError as exc:
-            for error in exc.errors:
-                err.write(f"{exc.source or config_path}: {error}\n")
+            for line in exc.lines():
+                err.write(f"{line}\n")
             return 2
     try:
         document = fetch(socket)

@@ -25,6 +25,14 @@ class AuditEvent:
     name: str
     required: tuple[str, ...]
     description: str
+    # The log level the record's line carries, so a log pipeline filtering on level keeps the
+    # records that need someone's attention.
+    level: str = "info"
+
+
+def level_of(event: str) -> str:
+    spec = CATALOGUE.get(event)
+    return "info" if spec is None else spec.level
 
 
 def _catalogue(*events: AuditEvent) -> Mapping[str, AuditEvent]:
@@ -34,7 +42,7 @@ def _catalogue(*events: AuditEvent) -> Mapping[str, AuditEvent]:
 CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("config_loaded", ("source",), "A configuration was validated and took effect."),
     AuditEvent("config_rejected", ("source", "errors"),
-               "A configuration was invalid; the previous one stays in force."),
+               "A configuration was invalid; the previous one stays in force.", level="error"),
     AuditEvent("adjustment_applied", ("pod_uid", "container", "qos_level", "fields"),
                "A CreateContainer answer carried these settings."),
     AuditEvent("adjustment_skipped", ("pod_uid", "container", "reason"),
@@ -46,13 +54,14 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                                        "rejected_owner"),
                "Two capabilities asked for different values of one field."),
     AuditEvent("event_failed", ("nri_event", "reason"),
-               "An NRI event handler failed; the answer was empty, partial or an error."),
+               "An NRI event handler failed; the answer was empty, partial or an error.",
+               level="error"),
     AuditEvent("cgroup_write", ("path", "value", "reason"), "A cgroup or procfs file was written."),
     AuditEvent("write_observed", ("path", "value", "reason"),
                "Observe mode: a cgroup, procfs or resctrl file would have been written; once per "
                "file and value."),
     AuditEvent("cgroup_write_failed", ("path", "value", "reason", "error"),
-               "A write failed after its retries."),
+               "A write failed after its retries.", level="warning"),
     AuditEvent("resctrl_group_created", ("group", "schemata", "reason"),
                "A resctrl control group was created or its schemata rewritten."),
     AuditEvent("resctrl_group_removed", ("group", "reason"), "A resctrl group was removed."),

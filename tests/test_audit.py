@@ -244,10 +244,10 @@ def test_sink_writes_stream_and_file_with_one_timestamp(tmp_path: Path) -> None:
     sink.set_file(None)
     stamp = "2023-11-14T22:13:20.250000Z"
     assert stream.lines == [("info", "adjustment_skipped", {
-        "timestamp": stamp, "logger": "nri_qos.audit", "audit": True,
+        "timestamp": stamp, "level": "info", "logger": "nri_qos.audit", "audit": True,
         "pod_uid": "u1", "container": "c", "reason": "r"})]
     assert read_lines(tmp_path / "a.jsonl") == [{
-        "timestamp": stamp, "logger": "nri_qos.audit", "audit": True,
+        "timestamp": stamp, "level": "info", "logger": "nri_qos.audit", "audit": True,
         "event": "adjustment_skipped", "nri_event": "create_container", "pod_uid": "u1",
         "container": "c", "reason": "r"}]
     assert errors.lines == []

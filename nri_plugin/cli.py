@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--nri-version", metavar="VERSION",
                           help="the NRI version the runtime states (default: what that runtime "
                                "release sends)")
+    simulate.add_argument("--cgroup", choices=("v1", "v2"),
+                          help="preview the answers of a host of this cgroup version (default: "
+                               "this host's, or [memory] cgroup_version)")
+    simulate.add_argument("--json", action="store_true",
+                          help="one JSON object per answer, without the header")
 
     probe = commands.add_parser(
         "probe", help="print what the agent sees on this host and which features will run"
@@ -126,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from nri_plugin.simulate import main_simulate
 
         return main_simulate(args.scenario, args.config, args.log_level, args.runtime,
-                             args.nri_version)
+                             args.nri_version, cgroup=args.cgroup, as_json=args.json)
     if args.command == "probe":
         from nri_plugin.probe_command import main_probe
 

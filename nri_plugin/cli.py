@@ -4,6 +4,8 @@ agent for its status, check or print the configuration."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,8 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run the plugin (connects to the runtime's NRI socket)")
     run.add_argument("--config", metavar="PATH", help=config_help)
-    run.add_argument("--socket", metavar="PATH", help="NRI socket, overriding [plugin] socket")
+    run.add_argument("--nri-socket", "--socket", dest="nri_socket", metavar="PATH",
+                     help="the runtime's NRI socket, overriding [plugin] socket (--socket is "
+                          "the same option, under its older name)")
     run.add_argument("--log-level", choices=tuple(LEVELS), help=level_help)
+    run.add_argument("--allow-second-agent", action="store_true",
+                     help="start even when another agent answers on the status socket (two "
+                          "agents adjust every container twice; for a takeover only)")
 
     simulate = commands.add_parser(
         "simulate", help="play a scenario against the plugin with a built-in runtime simulator"
@@ -63,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--config", metavar="PATH",
                         help=config_help.replace("configuration file", "configuration file naming "
                                                  "the socket ([status] socket)"))
-    status.add_argument("--socket", metavar="PATH", help="status socket, overriding the config")
+    status.add_argument("--status-socket", metavar="PATH",
+                        help="the agent's status socket, overriding [status] socket of the "
+                             "configuration")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
     check = commands.add_parser(
@@ -121,12 +130,29 @@ def _at(obj: Any, key: tuple[str, ...]) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; a reader that goes away early (``nri-qos status | head -1``) ends it
+    quietly, with the status of a process killed by SIGPIPE, as other Unix tools end."""
+    try:
+        code = _dispatch(argv)
+        # Inside the try: what is still buffered is written here, not at interpreter exit.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more may reach the closed pipe, not even the interpreter's final flush.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
         from nri_plugin.daemon import main_run
 
-        return main_run(args.config, args.socket, args.log_level)
+        return main_run(args.config, args.nri_socket, args.log_level,
+                        allow_second_agent=args.allow_second_agent)
     if args.command == "simulate":
         from nri_plugin.simulate import main_simulate
 
@@ -139,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "status":
         from nri_plugin.status_command import main_status
 
-        return main_status(args.config, args.socket, as_json=args.json)
+        return main_status(args.config, args.status_socket, as_json=args.json)
     if args.command == "check-config":
         return check_config(args.path)
     if args.command == "default-config":

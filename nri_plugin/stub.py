@@ -432,8 +432,8 @@ class PluginStub:
         mask = mask_of(wanted) & support.valid_events
         dropped = mask_of(wanted) & ~support.valid_events
         if dropped:
-            log.warning("events_unsupported_by_runtime", dropped=hex(dropped),
-                        valid=hex(support.valid_events))
+            log.warning("events_unsupported_by_runtime", dropped=_event_names(dropped),
+                        valid=_event_names(support.valid_events))
         return mask or (mask_of(STATE_EVENTS) & support.valid_events)
 
     async def _synchronize(self, request: envelope.Request) -> bytes:
@@ -924,3 +924,8 @@ def _note_refusal(sync: _SyncProgress, error: str) -> None:
     sync.refused_objects += 1
     if not sync.first_refusal:
         sync.first_refusal = error
+
+
+def _event_names(mask: int) -> list[str]:
+    """The events of a mask by name (``update_pod_sandbox``), for a person reading the log."""
+    return [e.name.lower() for e in Event if mask & e.bit]

@@ -67,16 +67,21 @@ def test_check_config_on_a_missing_explicit_file(
 
 
 def test_run_hands_its_arguments_to_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[str | None, str | None, str | None]] = []
+    calls: list[tuple[str | None, ...]] = []
 
-    def fake_run(config: str | None, socket: str | None, level: str | None) -> int:
-        calls.append((config, socket, level))
+    def fake_run(config: str | None, socket: str | None, level: str | None, *,
+                 allow_second_agent: bool) -> int:
+        calls.append((config, socket, level, str(allow_second_agent)))
         return 7
 
     monkeypatch.setattr(nri_plugin.daemon, "main_run", fake_run)
     assert main(["run"]) == 7
-    assert main(["run", "--config", "/c.toml", "--socket", "/s.sock", "--log-level", "debug"]) == 7
-    assert calls == [(None, None, None), ("/c.toml", "/s.sock", "debug")]
+    assert main(["run", "--config", "/c.toml", "--nri-socket", "/s.sock", "--log-level",
+                 "debug", "--allow-second-agent"]) == 7
+    # --socket: the older name of --nri-socket.
+    assert main(["run", "--socket", "/old.sock"]) == 7
+    assert calls == [(None, None, None, "False"), ("/c.toml", "/s.sock", "debug", "True"),
+                     (None, "/old.sock", None, "False")]
 
 
 def test_simulate_hands_its_arguments_to_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:

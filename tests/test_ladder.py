@@ -396,4 +396,4 @@ def test_cause_text_names_the_reading(level: Level) -> None:
 
 def test_cause_text_shows_bytes_whole() -> None:
     free = Reading("system_free", NODE, Level.LOW, 23446401024.0, 2147483648.0, "bytes", "r")
-    assert "system_free node 23446401024 bytes vs 2147483648 (r)" in Cause(Level.LOW, free).text()
+    assert "system_free node 21.8 GiB vs 2.0 GiB (r)" in Cause(Level.LOW, free).text()

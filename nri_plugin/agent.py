@@ -33,6 +33,7 @@ from nri_plugin.logs import LoggingSetup
 from nri_plugin.metrics_server import MetricsEndpoint
 from nri_plugin.status import StatusServer, StatusSources, ladder_sections, status_document
 from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.version import agent_version
 from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board
@@ -150,7 +151,10 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     watch) when the configuration enables it; off for a simulation, whose pods are not on this
     host (its answers still say what the reconciler would apply)."""
     cfg = store.current
-    metrics = Metrics()
+    metrics = Metrics(agent_version())
+    # The configuration in force was loaded before there were metrics to count it.
+    metrics.config_reload(True, time.time())
+    store.on_load(lambda ok: metrics.config_reload(ok, time.time()))
     sysfs = sysfs.metered(metrics).observing(lambda: store.current.agent.mode == OBSERVE)
     state = NodeState(qos=lambda: store.current.qos)
     board = Board()

@@ -111,6 +111,7 @@ class ConfigStore:
         self._stamp: Stamp | None = None
         self._source = EMBEDDED_DEFAULTS
         self._subscribers: list[Subscriber] = []
+        self._load_listeners: list[Callable[[bool], None]] = []
         self._reload_requested = asyncio.Event()
 
     @property
@@ -133,6 +134,11 @@ class ConfigStore:
         self._subscribers.append(subscriber)
         return lambda: self._subscribers.remove(subscriber)
 
+    def on_load(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(took_effect)`` after every later load: True when a configuration was
+        read and is in force (changed or not), False when it was refused."""
+        self._load_listeners.append(listener)
+
     def load_initial(self, path: str | os.PathLike[str] | None) -> Config:
         """Load the configuration at startup.
 
@@ -151,8 +157,15 @@ class ConfigStore:
             cfg, source = self._read()
         except ConfigError:
             # Said by the config_rejected record.
+            self._loaded(False)
             return False
-        return self._swap(cfg, source)
+        changed = self._swap(cfg, source)
+        self._loaded(True)
+        return changed
+
+    def _loaded(self, ok: bool) -> None:
+        for listener in self._load_listeners:
+            listener(ok)
 
     def changed_on_disk(self) -> bool:
         return self._path is not None and config_stamp(self._path) != self._stamp

@@ -146,10 +146,12 @@ def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigSt
 
 
 def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysFs,
-                identity: PluginIdentity, *, run_background: bool) -> Agent:
+                identity: PluginIdentity, *, run_background: bool,
+                metrics_address: str | None = None) -> Agent:
     """Every component of the agent. ``run_background``: run the reconciler (with the pod
     watch) when the configuration enables it; off for a simulation, whose pods are not on this
-    host (its answers still say what the reconciler would apply)."""
+    host (its answers still say what the reconciler would apply). ``metrics_address``
+    overrides ``[metrics] address``."""
     cfg = store.current
     metrics = Metrics(agent_version())
     # The configuration in force was loaded before there were metrics to count it.
@@ -211,7 +213,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     # socket.
     endpoint = status = None
     if run_background and cfg.metrics.enabled:
-        endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
+        endpoint = MetricsEndpoint(metrics.registry, metrics_address or cfg.metrics.address,
+                                   cfg.metrics.port,
                                    ready=lambda: stub.connection_state == "synchronized")
         services.append(endpoint.serve)
     if run_background and cfg.status.enabled:

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the runtime's NRI socket, overriding [plugin] socket (--socket is "
                           "the same option, under its older name)")
     run.add_argument("--log-level", choices=tuple(LEVELS), help=level_help)
+    run.add_argument("--metrics-address", metavar="ADDRESS",
+                     help="listen address of the metrics endpoint, overriding [metrics] address "
+                          "(the DaemonSet passes the pod's IP)")
     run.add_argument("--allow-second-agent", action="store_true",
                      help="start even when another agent answers on the status socket (two "
                           "agents adjust every container twice; for a takeover only)")
@@ -152,7 +155,8 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         from nri_plugin.daemon import main_run
 
         return main_run(args.config, args.nri_socket, args.log_level,
-                        allow_second_agent=args.allow_second_agent)
+                        allow_second_agent=args.allow_second_agent,
+                        metrics_address=args.metrics_address)
     if args.command == "simulate":
         from nri_plugin.simulate import main_simulate
 

@@ -46,7 +46,7 @@ def connection_for(cfg: Config, socket_path: str | None,
 
 async def serve(config_path: str | None, socket_path: str | None, log_level: str | None, *,
                 stop: asyncio.Event, prelaunched: Prelaunched | None,
-                allow_second_agent: bool = False) -> int:
+                allow_second_agent: bool = False, metrics_address: str | None = None) -> int:
     """Load the config, then run the agent until ``stop`` is set; the exit status (1 without
     starting when another agent answers on the status socket, unless ``allow_second_agent``)."""
     # A runtime's large messages must not leave their memory behind (see nri_plugin.allocator).
@@ -68,7 +68,7 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
             return 1
         host, sysfs = probe(cfg, audit)
         agent = build_agent(store, audit, host, sysfs, identity_for(cfg, prelaunched),
-                            run_background=True)
+                            run_background=True, metrics_address=metrics_address)
         log.info("mode", mode="pre-launched" if prelaunched else "external")
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, store.request_reload)
@@ -81,7 +81,7 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
 
 
 def main_run(config_path: str | None, socket_path: str | None, log_level: str | None, *,
-             allow_second_agent: bool = False) -> int:
+             allow_second_agent: bool = False, metrics_address: str | None = None) -> int:
     """``nri-qos run``: serve until SIGTERM/SIGINT; SIGHUP reloads the config."""
     try:
         prelaunched = take_prelaunched_env(os.environ)
@@ -89,14 +89,15 @@ def main_run(config_path: str | None, socket_path: str | None, log_level: str | 
         structlog.get_logger("nri_qos").error("prelaunched_env_invalid", error=str(exc))
         return 2
     return asyncio.run(_main(config_path, socket_path, log_level, prelaunched,
-                             allow_second_agent))
+                             allow_second_agent, metrics_address))
 
 
 async def _main(config_path: str | None, socket_path: str | None, log_level: str | None,
-                prelaunched: Prelaunched | None, allow_second_agent: bool) -> int:
+                prelaunched: Prelaunched | None, allow_second_agent: bool,
+                metrics_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     return await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched,
-                       allow_second_agent=allow_second_agent)
+                       allow_second_agent=allow_second_agent, metrics_address=metrics_address)

@@ -70,18 +70,19 @@ def test_run_hands_its_arguments_to_the_daemon(monkeypatch: pytest.MonkeyPatch) 
     calls: list[tuple[str | None, ...]] = []
 
     def fake_run(config: str | None, socket: str | None, level: str | None, *,
-                 allow_second_agent: bool) -> int:
-        calls.append((config, socket, level, str(allow_second_agent)))
+                 allow_second_agent: bool, metrics_address: str | None) -> int:
+        calls.append((config, socket, level, str(allow_second_agent), metrics_address))
         return 7
 
     monkeypatch.setattr(nri_plugin.daemon, "main_run", fake_run)
     assert main(["run"]) == 7
     assert main(["run", "--config", "/c.toml", "--nri-socket", "/s.sock", "--log-level",
-                 "debug", "--allow-second-agent"]) == 7
+                 "debug", "--allow-second-agent", "--metrics-address", "10.0.0.7"]) == 7
     # --socket: the older name of --nri-socket.
     assert main(["run", "--socket", "/old.sock"]) == 7
-    assert calls == [(None, None, None, "False"), ("/c.toml", "/s.sock", "debug", "True"),
-                     (None, "/old.sock", None, "False")]
+    assert calls == [(None, None, None, "False", None),
+                     ("/c.toml", "/s.sock", "debug", "True", "10.0.0.7"),
+                     (None, "/old.sock", None, "False", None)]
 
 
 def test_simulate_hands_its_arguments_to_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:

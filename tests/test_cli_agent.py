@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -166,3 +167,29 @@ def test_events_the_runtime_does_not_take_are_named() -> None:
                if "events_unsupported_by_runtime" in x]
     assert line["dropped"] == ["update_pod_sandbox"]
     assert "create_container" in line["valid"]
+
+
+def test_metrics_address_on_the_command_line_wins_over_the_config(short_dir: Path) -> None:
+    found = Agent(short_dir)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with found.config.open("a") as config:
+        config.write(f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n')
+    process = found.start("--metrics-address", "127.0.0.2")
+    try:
+        found.wait_answering(process)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.2", port), timeout=5) as conn:
+                    conn.sendall(b"GET /healthz HTTP/1.1\r\n\r\n")
+                    assert conn.recv(100).startswith(b"HTTP/1.1 200")
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    finally:
+        stop(process)

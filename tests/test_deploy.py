@@ -331,8 +331,10 @@ def test_probes_ask_the_metrics_endpoint(daemonset: Doc, shipped_config: Config)
     container = _container(daemonset)
     metrics = shipped_config.metrics
     assert metrics.enabled is True
-    # The kubelet probes the pod's IP: the endpoint must listen beyond loopback.
-    assert metrics.address == "0.0.0.0"
+    # The kubelet probes the pod's IP: the endpoint listens there, given on the command line
+    # (tests/test_monitoring.py), not on the loopback address of the configuration.
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.metrics_address == "$(POD_IP)"
     (port,) = container["ports"]
     assert (port["name"], port["containerPort"]) == ("metrics", metrics.port)
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}

@@ -14,9 +14,10 @@ a simulated one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +160,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     store.on_load(lambda ok: metrics.config_reload(ok, time.time()))
     sysfs = sysfs.metered(metrics).observing(lambda: store.current.agent.mode == OBSERVE)
     state = NodeState(qos=lambda: store.current.qos)
+    audit.identify(functools.partial(_pod_identity, state))
     board = Board()
     tracker = LoopTracker(metrics)
     resctrl = _resctrl(store, host, sysfs, audit)
@@ -234,6 +236,16 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
              reconciler=reconcile and run_background)
     return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
                  metrics, board, tracker, endpoint, status, evictor, mitigation)
+
+
+def _pod_identity(state: NodeState, fields: Mapping[str, Any]) -> Mapping[str, str]:
+    pod = fields.get("pod")
+    found = state.pod_identity(uid=str(fields.get("pod_uid", "")),
+                               ref=pod if isinstance(pod, str) else "")
+    if found is None:
+        return {}
+    uid, namespace, name = found
+    return {"pod_uid": uid, "pod_namespace": namespace, "pod_name": name}
 
 
 def _counts(state: NodeState) -> tuple[int, int]:

@@ -727,7 +727,7 @@ class PluginStub:
         if payload:
             # Recorded on the next turn of the loop, like the event line: after the answer.
             asyncio.get_running_loop().call_soon(
-                self._record_applied, pod.uid, container.name, prepared.view.level, decided)
+                self._record_applied, pod, container.name, prepared.view.level, decided)
         return payload
 
     def _audit_decided(self, decided: adjustment.Adjustment, pod_uid: str, name: str) -> None:
@@ -779,6 +779,8 @@ class PluginStub:
         asyncio.get_running_loop().call_soon(functools.partial(
             self._event_done, "fail-open" if failed_open else _METRIC_RESULT[result], seconds,
             nri_event=name, pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
+            pod_uid=bounded(pod_msg.uid), pod_namespace=bounded(pod_msg.namespace),
+            pod_name=bounded(pod_msg.name),
             container=bounded(container_msg.name) if container_msg is not None else None,
             duration_ms=round(seconds * 1000, 3), result=result, **extra,
         ))
@@ -815,10 +817,11 @@ class PluginStub:
                        f"{decision.level} from {decision.source}",
             )
 
-    def _record_applied(self, pod_uid: str, container: str, level: str,
+    def _record_applied(self, pod: PodInfo, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
         fields = adjustment.set_fields(decided.settings)
-        self._audit.record("adjustment_applied", pod_uid=bounded(pod_uid),
+        self._audit.record("adjustment_applied", pod_uid=bounded(pod.uid),
+                           pod_namespace=bounded(pod.namespace), pod_name=bounded(pod.name),
                            container=bounded(container), qos_level=level, fields=fields)
         if self._metrics is not None:
             # Annotation keys are the admin's: one label value for all of them.

@@ -10,7 +10,7 @@ test keeps the two in sync.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -138,11 +138,26 @@ class AuditSink(Protocol):
     def __call__(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
+PodIdentity = Callable[[Mapping[str, Any]], Mapping[str, str]]
+"""What the node knows of the pod a record is about (``pod_uid``, or ``pod`` as
+``namespace/name``): the identity fields the record lacks, empty when the pod is unknown."""
+
+POD_KEYS = frozenset({"pod_uid", "pod"})
+
+
 class AuditLog:
-    """Checks records against the catalogue and hands them to a sink (structlog in production)."""
+    """Checks records against the catalogue and hands them to a sink (structlog in production).
+
+    With :meth:`identify`, every record about a pod carries ``pod_uid``, ``pod_namespace`` and
+    ``pod_name``, so records written where only the uid (or only the name) is at hand join with
+    the rest and with the Kubernetes API's view."""
 
     def __init__(self, sink: AuditSink) -> None:
         self._sink = sink
+        self._identity: PodIdentity | None = None
+
+    def identify(self, identity: PodIdentity) -> None:
+        self._identity = identity
 
     def record(self, event: str, /, **fields: Any) -> None:
         spec = CATALOGUE.get(event)
@@ -155,6 +170,10 @@ class AuditLog:
         if reserved:
             raise ValueError(f"audit event {event!r} uses reserved field names: "
                              f"{', '.join(reserved)}")
+        identity = self._identity
+        if identity is not None and not POD_KEYS.isdisjoint(fields) and not (
+                "pod_namespace" in fields and "pod_name" in fields and "pod_uid" in fields):
+            fields = {**identity(fields), **fields}
         self._sink(event, fields)
 
 

@@ -202,3 +202,14 @@ async def test_observe_mode_answers_at_creation_and_writes_nothing_else(
     assert (f"/proc/{pid}/oom_score_adj", "1000") in observed
     assert any(path.endswith("/tasks") for path, _ in observed)
     assert len(observed) == len(set(observed))
+    # Every record about a pod names it fully, and joins with the per-request line.
+    about_pods = [r for r in records if r.get("audit") and ("pod_uid" in r or "pod" in r)]
+    assert about_pods
+    for r in about_pods:
+        assert {"pod_uid", "pod_namespace", "pod_name"} <= set(r), r
+    (applied,) = [r for r in records if r.get("event") == "adjustment_applied"]
+    (line,) = [r for r in records if r.get("event") == "nri_event"
+               and r.get("nri_event") == "create_container"]
+    assert (line["pod_uid"], line["pod_namespace"], line["pod_name"]) == (
+        applied["pod_uid"], applied["pod_namespace"], applied["pod_name"])
+    assert line["pod"] == f"{applied['pod_namespace']}/{applied['pod_name']}"

@@ -178,10 +178,10 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                       reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2,
                       metrics=metrics)
     metrics.watch_node(lambda: _counts(state))
-    metrics.watch_board(board)
+    metrics.watch_board(board, lambda: _pod_names(state))
     metrics.watch_rejections(stub.rejections.as_dict)
     if resctrl is not None:
-        metrics.watch_resctrl(lambda: read_usage(resctrl))
+        metrics.watch_resctrl(lambda: read_usage(resctrl), lambda: _pod_names(state))
     services: list[Service] = [store.watch]
     background = reconcile and run_background
     evictor = None
@@ -246,6 +246,11 @@ def _pod_identity(state: NodeState, fields: Mapping[str, Any]) -> Mapping[str, s
         return {}
     uid, namespace, name = found
     return {"pod_uid": uid, "pod_namespace": namespace, "pod_name": name}
+
+
+def _pod_names(state: NodeState) -> Mapping[str, tuple[str, str]]:
+    return {view.info.uid: (view.info.namespace, view.info.name)
+            for view in state.snapshot().pods.values()}
 
 
 def _counts(state: NodeState) -> tuple[int, int]:

@@ -67,6 +67,9 @@ class ReadingLike(Protocol):
     @property
     def level(self) -> int: ...
 
+    @property
+    def pod_uid(self) -> str | None: ...
+
 
 class ReadingSource(Protocol):
     """The detection board, as far as metrics read it."""
@@ -95,6 +98,13 @@ class ResctrlUsageLike(Protocol):
 
     @property
     def mbm_local_bytes(self) -> int | None: ...
+
+    @property
+    def pod_uid(self) -> str | None: ...
+
+
+PodNames = Callable[[], Mapping[str, tuple[str, str]]]
+"""uid -> (namespace, name) of the pods the agent knows now."""
 
 
 class Metrics:
@@ -288,14 +298,16 @@ class Metrics:
         names such as ``oversized_frame``, never text from the peer; every kind present)."""
         self.registry.register(_RejectionCollector(counts))
 
-    def watch_board(self, board: ReadingSource) -> None:
-        """Export each detector's latest level per scope (-1 unknown, 0 none ... 3 high)."""
-        self.registry.register(_BoardCollector(board))
+    def watch_board(self, board: ReadingSource, pods: PodNames = dict) -> None:
+        """Export each detector's latest level per scope (-1 unknown, 0 none ... 3 high); a
+        pod's scope with the pod's ``namespace`` and ``pod`` from ``pods``."""
+        self.registry.register(_BoardCollector(board, pods))
 
-    def watch_resctrl(self, read: Callable[[], Iterable[ResctrlUsageLike]]) -> None:
+    def watch_resctrl(self, read: Callable[[], Iterable[ResctrlUsageLike]],
+                      pods: PodNames = dict) -> None:
         """Export resctrl monitoring (LLC occupancy, MBM bytes) of our groups, read at scrape
-        time through ``read``."""
-        self.registry.register(_ResctrlCollector(read))
+        time through ``read``; a pod's group with the pod's ``namespace`` and ``pod``."""
+        self.registry.register(_ResctrlCollector(read, pods))
 
 
 class _OptionalGauge(Collector):
@@ -329,26 +341,39 @@ class _RejectionCollector(Collector):
         yield family
 
 
+def _names(pods: Mapping[str, tuple[str, str]], uid: str | None) -> list[str]:
+    """``namespace`` and ``pod`` label values, the labels kube-state-metrics puts on a pod's
+    series: empty (no label, for Prometheus) where no pod or an unknown one is concerned, so a
+    pod's labels go with its series when it goes."""
+    return list(pods.get(uid, ("", ""))) if uid else ["", ""]
+
+
 class _BoardCollector(Collector):
-    def __init__(self, board: ReadingSource) -> None:
+    def __init__(self, board: ReadingSource, pods: PodNames) -> None:
         self._board = board
+        self._pods = pods
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             f"{PREFIX}_detector_level",
-            "Latest level per detector and scope: -1 unknown, 0 none, 1 low, 2 medium, 3 high.",
-            labels=["detector", "scope"])
+            "Latest level per detector and scope: -1 unknown, 0 none, 1 low, 2 medium, 3 high; "
+            "a pod's scope also by namespace and pod.",
+            labels=["detector", "scope", "namespace", "pod"])
+        pods = self._pods()
         for reading in self._board.current():
-            family.add_metric([reading.detector, reading.scope], int(reading.level))
+            family.add_metric([reading.detector, reading.scope, *_names(pods, reading.pod_uid)],
+                              int(reading.level))
         yield family
 
 
 class _ResctrlCollector(Collector):
-    def __init__(self, read: Callable[[], Iterable[ResctrlUsageLike]]) -> None:
+    def __init__(self, read: Callable[[], Iterable[ResctrlUsageLike]], pods: PodNames) -> None:
         self._read = read
+        self._pods = pods
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["group", "kind", "domain"]
+        labels = ["group", "kind", "domain", "namespace", "pod"]
+        pods = self._pods()
         llc = GaugeMetricFamily(f"{PREFIX}_resctrl_llc_occupancy_bytes",
                                 "L3 cache occupied by a resctrl group's tasks, per L3 domain.",
                                 labels=labels)
@@ -359,7 +384,7 @@ class _ResctrlCollector(Collector):
                                     "Memory traffic of a resctrl group to its local NUMA node "
                                     "(MBM local), per L3 domain.", labels=labels)
         for usage in self._read():
-            values = [usage.group, usage.kind, usage.domain]
+            values = [usage.group, usage.kind, usage.domain, *_names(pods, usage.pod_uid)]
             if usage.llc_occupancy_bytes is not None:
                 llc.add_metric(values, usage.llc_occupancy_bytes)
             if usage.mbm_total_bytes is not None:

@@ -151,7 +151,7 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         agent.board.publish("memory_free", [
             Reading("memory_free", NODE, Level.LOW, 9.0, 10.0, "percent"),
             Reading("memory_free", pod_scope(UID_A), Level.UNKNOWN, 0, 0, "percent",
-                    reason="unreadable"),
+                    reason="unreadable", pod_uid=UID_A),
         ])
         loops = ("resctrl_tasks", "drift", "memory_guard", "numa_binding")
         cycles = {name: agent.tracker.last()[name].cycles for name in loops}
@@ -212,20 +212,24 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         limit = (host.tier_dir("besteffort") / "memory.limit_in_bytes").read_text()
         assert value(after, "nri_qos_memory_guard_cap_bytes") == int(limit)
         assert value(after, "nri_qos_reclaimed_tier_usage_bytes") == 1 * GIB
-        assert value(after, "nri_qos_detector_level", detector="memory_free", scope=NODE) == 1
+        # No pod: empty namespace and pod labels (absent, for Prometheus). A pod: the labels
+        # kube-state-metrics puts on its series, beside its uid.
+        assert value(after, "nri_qos_detector_level", detector="memory_free", scope=NODE,
+                     namespace="", pod="") == 1
+        pod_labels = {"namespace": existing.info.namespace, "pod": existing.info.name}
         assert value(after, "nri_qos_detector_level", detector="memory_free",
-                     scope=pod_scope(UID_A)) == -1
+                     scope=pod_scope(UID_A), **pod_labels) == -1
         assert value(after, "nri_qos_pods") == 1
         assert value(after, "nri_qos_containers") == 1
         # resctrl monitoring per group and L3 domain; "Unavailable" is left out.
-        cls = {"group": "nriqos-reclaimed_cores", "kind": "class"}
+        cls = {"group": "nriqos-reclaimed_cores", "kind": "class", "namespace": "", "pod": ""}
         assert value(after, "nri_qos_resctrl_llc_occupancy_bytes", domain="00", **cls) == 1 << 20
         assert ("nri_qos_resctrl_llc_occupancy_bytes",
                 frozenset({**cls, "domain": "01"}.items())) not in after
         assert value(after, "nri_qos_resctrl_mbm_total_bytes_total", domain="01", **cls) == 7000
         assert value(after, "nri_qos_resctrl_mbm_local_bytes_total", domain="00", **cls) == 4000
         assert value(after, "nri_qos_resctrl_mbm_total_bytes_total", domain="00",
-                     group=f"nriqos-pod-{UID_A}", kind="pod") == 300
+                     group=f"nriqos-pod-{UID_A}", kind="pod", **pod_labels) == 300
 
         # The runtime restarts: a reconnect, and the state goes through disconnected.
         await simulator.stop()
@@ -418,12 +422,21 @@ async def test_port_in_use_is_logged_and_the_agent_goes_on() -> None:
 def test_board_levels_follow_publications() -> None:
     metrics = Metrics()
     board = Board()
-    metrics.watch_board(board)
-    board.publish("psi", [Reading("psi", NODE, Level.HIGH, 50.0, 40.0, "percent")])
+    pods = {UID_A: ("shop", "web-0")}
+    metrics.watch_board(board, lambda: pods)
+    board.publish("psi", [Reading("psi", NODE, Level.HIGH, 50.0, 40.0, "percent"),
+                          Reading("psi", pod_scope(UID_A), Level.LOW, 5.0, 4.0, "percent",
+                                  pod_uid=UID_A)])
     get = metrics.registry.get_sample_value
-    assert get("nri_qos_detector_level", {"detector": "psi", "scope": NODE}) == 3
+    node = {"detector": "psi", "scope": NODE, "namespace": "", "pod": ""}
+    pod = {"detector": "psi", "scope": pod_scope(UID_A), "namespace": "shop", "pod": "web-0"}
+    assert get("nri_qos_detector_level", node) == 3
+    assert get("nri_qos_detector_level", pod) == 1
+    # The pod goes: its names go with it, never kept for a pod the node no longer has.
+    del pods[UID_A]
+    assert get("nri_qos_detector_level", pod) is None
     board.publish("psi", [])
-    assert get("nri_qos_detector_level", {"detector": "psi", "scope": NODE}) is None
+    assert get("nri_qos_detector_level", node) is None
 
 
 async def request(port: int, head: str) -> tuple[int, dict[str, str], bytes]:

@@ -35,6 +35,7 @@ class Usage:
     llc_occupancy_bytes = 1
     mbm_total_bytes = 2
     mbm_local_bytes = 3
+    pod_uid = None
 
 
 def exported() -> set[str]:
@@ -148,6 +149,8 @@ def test_the_prometheus_operator_component_scrapes_the_agents(tmp_path: Path) ->
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     ports = {p["name"] for p in _container(daemonset)["ports"]}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
+    # The series' own namespace and pod labels (a workload pod's) are kept.
+    assert all(e["honorLabels"] for e in monitor["spec"]["podMetricsEndpoints"])
     # AgentDown names the job the PodMonitor makes: <namespace>/<name>.
     job = f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}"
     down = next(r for g in rule["spec"]["groups"] for r in g["rules"]

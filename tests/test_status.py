@@ -284,7 +284,8 @@ def test_printing_the_ladder_evictions_and_taints() -> None:
                       {"detector": "system_free", "scope": "node", "level": "none",
                        "value": 19658117120.0, "threshold": 2147483648.0, "unit": "bytes",
                        "reason": None}],
-        "mitigation": {"level": "medium", "cause": "level medium: psi node 50 percent vs 40",
+        "mitigation": {"level": "medium",
+                       "cause": "level medium: psi on node at 50 percent, threshold 40",
                        "engaged": ["taint", "tune", "drop_cache"],
                        "last": {"drop_cache": {"step": "engage", "result": "done",
                                               "detail": "2 pod(s), 512 B freed"}}},
@@ -305,9 +306,9 @@ def test_printing_the_ladder_evictions_and_taints() -> None:
     # Sizes for people, not 19658117120.0 bytes.
     assert ("  system_free      node                     none     18.3 GiB (threshold 2.0 GiB)"
             in text)
-    assert ("mitigation ladder level medium (level medium: psi node 50 percent vs 40); taint, "
-            "tune, drop_cache\n  drop_cache       last engage: done (2 pod(s), 512 B freed)\n"
-            ) in text
+    assert ("mitigation ladder level medium (level medium: psi on node at 50 percent, "
+            "threshold 40); taint, tune, drop_cache\n"
+            "  drop_cache       last engage: done (2 pod(s), 512 B freed)\n") in text
     assert ("last evictions    \n  ns/p evicted (system_pressure: free memory low) 2.5 s ago\n"
             ) in text
     assert "taints            \n  nri-qos.io/memory-pressure=:NoSchedule for 61 s\n" in text
@@ -370,7 +371,8 @@ async def test_ladder_sections_show_what_the_ladder_and_the_eviction_manager_did
             ladder = sections["mitigation"]()
             # rungs of level low; only the taint rung has an action here
             assert (ladder["level"], ladder["engaged"]) == ("low", ["taint", "tune"])
-            assert ladder["cause"] == "level low: psi node 20 percent vs 10 percent (some avg10)"
+            assert ladder["cause"] == (
+                "level low: psi on node at 20 percent, threshold 10 percent (some avg10)")
             assert ladder["last"]["taint"]["step"] == "engage"
             assert ladder["last"]["taint"]["result"] == "done"
             (placed,) = sections["taints"]()

@@ -49,8 +49,9 @@ class Cause:
         r = self.reading
         if r is None:
             return f"level {self.level.name.lower()}: {self.note}"
-        return (f"level {self.level.name.lower()}: {r.detector} {r.scope} "
-                f"{quantity(r.value, r.unit)} vs {quantity(r.threshold, r.unit)} ({r.reason})")
+        return (f"level {self.level.name.lower()}: {r.detector} on {r.scope} at "
+                f"{quantity(r.value, r.unit)}, threshold {quantity(r.threshold, r.unit)} "
+                f"({r.reason})")
 
 
 @dataclass(frozen=True, slots=True)

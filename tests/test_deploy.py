@@ -266,7 +266,7 @@ def test_host_paths_are_only_what_the_agent_uses(daemonset: Doc) -> None:
     pod = daemonset["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"]: v["name"] for v in pod["volumes"] if "hostPath" in v}
     assert set(host_paths) == {"/var/run/nri", "/sys/fs", "/sys/devices/system/node",
-                               "/proc", "/var/lib/nri-qos/eviction-plugins"}
+                               "/proc", "/var/lib/nri-qos/eviction-plugins", "/run/nri-qos"}
     mounts = {m["name"]: m for m in _container(daemonset)["volumeMounts"]}
     # Only read: the NUMA topology and the configuration.
     assert mounts[host_paths["/sys/devices/system/node"]].get("readOnly") is True
@@ -320,11 +320,12 @@ def test_daemonset_runs_the_agent(daemonset: Doc, shipped_config: Config) -> Non
     # Requests only for CPU (throttling delays NRI answers), a memory limit kept.
     assert set(container["resources"]["requests"]) == {"cpu", "memory"}
     assert set(container["resources"]["limits"]) == {"memory"}
-    # The status socket's directory is writable (an emptyDir) on a read-only root.
+    # The status socket's directory is the host's (writable on a read-only root): a second
+    # agent on the node finds this one there.
     status_dir = str(PurePosixPath(shipped_config.status.socket).parent)
     volumes = {v["name"]: v for v in pod["volumes"]}
     (status_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == status_dir]
-    assert "emptyDir" in volumes[status_mount["name"]]
+    assert volumes[status_mount["name"]]["hostPath"]["path"] == status_dir
 
 
 def test_probes_ask_the_metrics_endpoint(daemonset: Doc, shipped_config: Config) -> None:

@@ -164,3 +164,17 @@ def test_the_embedded_defaults_are_named_when_no_file_is_read(tmp_path: Path) ->
     store = ConfigStore(AuditLog(MemoryAuditSink()), default_path=str(tmp_path / "absent.toml"))
     store.load_initial(None)
     assert store.source == EMBEDDED_DEFAULTS
+
+
+def test_a_drop_in_directory_made_after_start_is_picked_up(tmp_path: Path) -> None:
+    # The README's first switch to enforce: no main file, no directory yet.
+    default = tmp_path / "config.toml"
+    store = ConfigStore(AuditLog(MemoryAuditSink()), default_path=str(default))
+    store.load_initial(None)
+    assert store.current.agent.mode == "observe"
+    (tmp_path / "config.toml.d").mkdir()
+    drop_in(default, "90-enforce.toml", '[agent]\nmode = "enforce"\n')
+    assert store.changed_on_disk()
+    assert store.reload()
+    assert store.current.agent.mode == "enforce"
+    assert store.in_force.mitigation.taint.dry_run is False

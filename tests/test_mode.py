@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -84,3 +87,29 @@ def test_sysfs_in_observe_mode_writes_nothing_and_audits_each_value_once(tmp_pat
     observing[0] = False
     assert sysfs.write_if_changed(path, "1000", "test") is Outcome.WRITTEN
     assert (target / "memory.high").read_text() == "1000"
+
+
+def probe_json(config: Path) -> dict[str, Any]:
+    done = subprocess.run([str(Path(sys.executable).with_name("nri-qos")), "probe", "--json",
+                           "--config", str(config)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    found: dict[str, Any] = json.loads(done.stdout)
+    return found
+
+
+def test_probe_reports_the_mode_and_the_actions_as_they_would_run(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[agent]\nmode = "observe"\n')
+    observing = probe_json(config)
+    assert observing["mode"] == "observe"
+    assert observing["features"]["mitigation.tune"]["detail"].startswith("dry-run")
+    config.write_text('[agent]\nmode = "enforce"\n')
+    enforcing = probe_json(config)
+    assert enforcing["mode"] == "enforce"
+    assert not enforcing["features"]["mitigation.tune"]["detail"].startswith("dry-run")
+    done = subprocess.run([str(Path(sys.executable).with_name("nri-qos")), "probe",
+                           "--config", str(config)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert "mode              enforce\n" in done.stdout
+    # Sizes for people.
+    assert "iB for node-wide limits" in done.stdout

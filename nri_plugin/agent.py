@@ -14,9 +14,10 @@ a simulated one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +28,13 @@ from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capability import Capability
 from nri_plugin.config.loader import ConfigError
-from nri_plugin.config.schema import Config
+from nri_plugin.config.schema import OBSERVE, Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.metrics_server import MetricsEndpoint
 from nri_plugin.status import StatusServer, StatusSources, ladder_sections, status_document
 from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.version import agent_version
 from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board
@@ -136,7 +138,7 @@ def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigSt
     try:
         store.load_initial(config_path)
     except ConfigError as exc:
-        log.error("config_invalid", source=exc.source or config_path, errors=list(exc.errors),
+        log.error("config_invalid", source=config_path, errors=exc.lines(),
                   hint="check the file with: nri-qos check-config PATH")
         return None
     logging_setup.apply(store.current.logging)
@@ -145,14 +147,20 @@ def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigSt
 
 
 def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysFs,
-                identity: PluginIdentity, *, run_background: bool) -> Agent:
+                identity: PluginIdentity, *, run_background: bool,
+                metrics_address: str | None = None) -> Agent:
     """Every component of the agent. ``run_background``: run the reconciler (with the pod
     watch) when the configuration enables it; off for a simulation, whose pods are not on this
-    host (its answers still say what the reconciler would apply)."""
+    host (its answers still say what the reconciler would apply). ``metrics_address``
+    overrides ``[metrics] address``."""
     cfg = store.current
-    metrics = Metrics()
-    sysfs = sysfs.metered(metrics)
+    metrics = Metrics(agent_version())
+    # The configuration in force was loaded before there were metrics to count it.
+    metrics.config_reload(True, time.time())
+    store.on_load(lambda ok: metrics.config_reload(ok, time.time()))
+    sysfs = sysfs.metered(metrics).observing(lambda: store.current.agent.mode == OBSERVE)
     state = NodeState(qos=lambda: store.current.qos)
+    audit.identify(functools.partial(_pod_identity, state))
     board = Board()
     tracker = LoopTracker(metrics)
     resctrl = _resctrl(store, host, sysfs, audit)
@@ -170,10 +178,10 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                       reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2,
                       metrics=metrics)
     metrics.watch_node(lambda: _counts(state))
-    metrics.watch_board(board)
+    metrics.watch_board(board, lambda: _pod_names(state))
     metrics.watch_rejections(stub.rejections.as_dict)
     if resctrl is not None:
-        metrics.watch_resctrl(lambda: read_usage(resctrl))
+        metrics.watch_resctrl(lambda: read_usage(resctrl), lambda: _pod_names(state))
     services: list[Service] = [store.watch]
     background = reconcile and run_background
     evictor = None
@@ -193,11 +201,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                                     squeeze, metrics, tracker, managed))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
                                   managed=managed).run)
+        # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
-            lambda: store.current, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.current.eviction), metrics=metrics)
+            lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
+            in_tree_plugins(board, lambda: store.in_force.eviction), metrics=metrics)
         services.append(evictor.run)
-        mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
+        mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
                                       metrics=metrics)
@@ -206,12 +215,13 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     # socket.
     endpoint = status = None
     if run_background and cfg.metrics.enabled:
-        endpoint = MetricsEndpoint(metrics.registry, cfg.metrics.address, cfg.metrics.port,
+        endpoint = MetricsEndpoint(metrics.registry, metrics_address or cfg.metrics.address,
+                                   cfg.metrics.port,
                                    ready=lambda: stub.connection_state == "synchronized")
         services.append(endpoint.serve)
     if run_background and cfg.status.enabled:
         sources = StatusSources(
-            stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.current,
+            stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.in_force,
             config_source=lambda: store.source, host=host,
             kubernetes=kubernetes, reconciler_running=background,
             wall_clock=time.time, started_unix=time.time(),
@@ -226,6 +236,21 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
              reconciler=reconcile and run_background)
     return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
                  metrics, board, tracker, endpoint, status, evictor, mitigation)
+
+
+def _pod_identity(state: NodeState, fields: Mapping[str, Any]) -> Mapping[str, str]:
+    pod = fields.get("pod")
+    found = state.pod_identity(uid=str(fields.get("pod_uid", "")),
+                               ref=pod if isinstance(pod, str) else "")
+    if found is None:
+        return {}
+    uid, namespace, name = found
+    return {"pod_uid": uid, "pod_namespace": namespace, "pod_name": name}
+
+
+def _pod_names(state: NodeState) -> Mapping[str, tuple[str, str]]:
+    return {view.info.uid: (view.info.namespace, view.info.name)
+            for view in state.snapshot().pods.values()}
 
 
 def _counts(state: NodeState) -> tuple[int, int]:

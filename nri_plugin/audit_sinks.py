@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import orjson
 
 from nri_plugin.log_context import current_fields
-from reconciler.audit import AUDIT_LOGGER
+from reconciler.audit import AUDIT_LOGGER, level_of
 
 
 def json_default(value: Any) -> Any:
@@ -141,11 +141,13 @@ class LogAuditSink:
             "+00:00", "Z")
         with self._lock:
             stream, errors, file = self._stream, self._errors, self._file
-        stream.info(event, timestamp=timestamp, logger=AUDIT_LOGGER, audit=True, **fields)
+        level = level_of(event)
+        stream.info(event, timestamp=timestamp, level=level, logger=AUDIT_LOGGER, audit=True,
+                    **fields)
         if file is None:
             return
-        line: dict[str, Any] = {"timestamp": timestamp, "logger": AUDIT_LOGGER, "audit": True,
-                                "event": event}
+        line: dict[str, Any] = {"timestamp": timestamp, "level": level, "logger": AUDIT_LOGGER,
+                                "audit": True, "event": event}
         for key, value in current_fields().items():
             line.setdefault(key, value)
         line.update(fields)

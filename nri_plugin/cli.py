@@ -4,13 +4,16 @@ agent for its status, check or print the configuration."""
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from nri_plugin.config.loader import ConfigError
-from nri_plugin.config.render import render_toml
+from nri_plugin.config.loader import ConfigError, Layered
+from nri_plugin.config.render import render_toml, toml_value
 from nri_plugin.config.schema import Config
-from nri_plugin.config.store import DEFAULT_CONFIG_PATH, EMBEDDED_DEFAULTS, load_config
+from nri_plugin.config.store import DEFAULT_CONFIG_PATH, load_layered
 from nri_plugin.logs import LEVELS
 from nri_plugin.version import agent_version
 
@@ -28,8 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run the plugin (connects to the runtime's NRI socket)")
     run.add_argument("--config", metavar="PATH", help=config_help)
-    run.add_argument("--socket", metavar="PATH", help="NRI socket, overriding [plugin] socket")
+    run.add_argument("--nri-socket", "--socket", dest="nri_socket", metavar="PATH",
+                     help="the runtime's NRI socket, overriding [plugin] socket (--socket is "
+                          "the same option, under its older name)")
     run.add_argument("--log-level", choices=tuple(LEVELS), help=level_help)
+    run.add_argument("--metrics-address", metavar="ADDRESS",
+                     help="listen address of the metrics endpoint, overriding [metrics] address "
+                          "(the DaemonSet passes the pod's IP)")
+    run.add_argument("--allow-second-agent", action="store_true",
+                     help="start even when another agent answers on the status socket (two "
+                          "agents adjust every container twice; for a takeover only)")
 
     simulate = commands.add_parser(
         "simulate", help="play a scenario against the plugin with a built-in runtime simulator"
@@ -44,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--nri-version", metavar="VERSION",
                           help="the NRI version the runtime states (default: what that runtime "
                                "release sends)")
+    simulate.add_argument("--cgroup", choices=("v1", "v2"),
+                          help="preview the answers of a host of this cgroup version (default: "
+                               "this host's, or [memory] cgroup_version)")
+    simulate.add_argument("--json", action="store_true",
+                          help="one JSON object per answer, without the header")
 
     probe = commands.add_parser(
         "probe", help="print what the agent sees on this host and which features will run"
@@ -57,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--config", metavar="PATH",
                         help=config_help.replace("configuration file", "configuration file naming "
                                                  "the socket ([status] socket)"))
-    status.add_argument("--socket", metavar="PATH", help="status socket, overriding the config")
+    status.add_argument("--status-socket", metavar="PATH",
+                        help="the agent's status socket, overriding [status] socket of the "
+                             "configuration")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
     check = commands.add_parser(
@@ -73,32 +91,77 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_config(path: str | None) -> int:
     try:
-        cfg, source = load_config(path)
+        layered = load_layered(path)
     except ConfigError as exc:
-        where = exc.source or path or DEFAULT_CONFIG_PATH
-        for error in exc.errors:
-            print(f"{where}: {error}", file=sys.stderr)
-        print(f"{where}: invalid configuration ({len(exc.errors)} "
-              f"error{'s' if len(exc.errors) != 1 else ''})", file=sys.stderr)
+        lines = exc.lines()
+        for line in lines:
+            print(line, file=sys.stderr)
+        print(f"{path or DEFAULT_CONFIG_PATH}: invalid configuration ({len(lines)} "
+              f"error{'s' if len(lines) != 1 else ''})", file=sys.stderr)
         return 1
-    if source == EMBEDDED_DEFAULTS:
-        print(f"no file at {DEFAULT_CONFIG_PATH}: the embedded defaults apply", file=sys.stderr)
-    sys.stdout.write(render_toml(cfg, commented=False))
+    if not layered.files:
+        print(f"no file at {DEFAULT_CONFIG_PATH} nor in {DEFAULT_CONFIG_PATH}.d: the embedded "
+              "defaults apply", file=sys.stderr)
+    # Comments, so that the whole output stays a configuration file.
+    for line in origin_lines(layered):
+        sys.stdout.write(f"# {line}\n")
+    sys.stdout.write(render_toml(layered.config, commented=False))
     return 0
 
 
+def origin_lines(layered: Layered) -> list[str]:
+    """``key = value  (file)`` for every value a file set to other than its default (none when
+    the files only repeat defaults)."""
+    defaults = Config()
+    found = [f"{'.'.join(key)} = {toml_value(_at(layered.data, key))}  ({source})"
+             for key, source in layered.origins.items()
+             if _at(layered.config, key) != _at(defaults, key)]
+    if not found:
+        return []
+    return ["values set by the files, where they differ from the defaults:",
+            *(f"  {line}" for line in found)]
+
+
+def _at(obj: Any, key: tuple[str, ...]) -> Any:
+    """The value at ``key`` in a config object or a parsed document; None where there is none
+    (a table key the defaults do not have)."""
+    for part in key:
+        obj = obj.get(part) if isinstance(obj, Mapping) else getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command; a reader that goes away early (``nri-qos status | head -1``) ends it
+    quietly, with the status of a process killed by SIGPIPE, as other Unix tools end."""
+    try:
+        code = _dispatch(argv)
+        # Inside the try: what is still buffered is written here, not at interpreter exit.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Nothing more may reach the closed pipe, not even the interpreter's final flush.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
+    return code
+
+
+def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
         from nri_plugin.daemon import main_run
 
-        return main_run(args.config, args.socket, args.log_level)
+        return main_run(args.config, args.nri_socket, args.log_level,
+                        allow_second_agent=args.allow_second_agent,
+                        metrics_address=args.metrics_address)
     if args.command == "simulate":
         from nri_plugin.simulate import main_simulate
 
         return main_simulate(args.scenario, args.config, args.log_level, args.runtime,
-                             args.nri_version)
+                             args.nri_version, cgroup=args.cgroup, as_json=args.json)
     if args.command == "probe":
         from nri_plugin.probe_command import main_probe
 
@@ -106,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "status":
         from nri_plugin.status_command import main_status
 
-        return main_status(args.config, args.socket, as_json=args.json)
+        return main_status(args.config, args.status_socket, as_json=args.json)
     if args.command == "check-config":
         return check_config(args.path)
     if args.command == "default-config":

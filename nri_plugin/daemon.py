@@ -20,6 +20,7 @@ from nri_plugin.allocator import return_large_blocks
 from nri_plugin.config.schema import Config
 from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
 from nri_plugin.logs import LoggingSetup
+from nri_plugin.status import another_agent_answers
 from nri_plugin.stub import PluginIdentity
 from reconciler.aio import Backoff
 
@@ -44,8 +45,10 @@ def connection_for(cfg: Config, socket_path: str | None,
 
 
 async def serve(config_path: str | None, socket_path: str | None, log_level: str | None, *,
-                stop: asyncio.Event, prelaunched: Prelaunched | None) -> int:
-    """Load the config, then run the agent until ``stop`` is set; the exit status."""
+                stop: asyncio.Event, prelaunched: Prelaunched | None,
+                allow_second_agent: bool = False, metrics_address: str | None = None) -> int:
+    """Load the config, then run the agent until ``stop`` is set; the exit status (1 without
+    starting when another agent answers on the status socket, unless ``allow_second_agent``)."""
     # A runtime's large messages must not leave their memory behind (see nri_plugin.allocator).
     return_large_blocks()
     logging_setup = LoggingSetup(level=log_level)
@@ -55,9 +58,17 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
         if store is None:
             return 2
         cfg = store.current
+        if (cfg.status.enabled and not allow_second_agent
+                and await another_agent_answers(cfg.status.socket)):
+            # Two agents would both register with the runtime and adjust every container.
+            log.error("agent_already_running", status_socket=cfg.status.socket,
+                      hint="another nri-qos agent answers on this node's status socket (see "
+                           "`nri-qos status`); stop it first, or pass --allow-second-agent to "
+                           "start anyway")
+            return 1
         host, sysfs = probe(cfg, audit)
         agent = build_agent(store, audit, host, sysfs, identity_for(cfg, prelaunched),
-                            run_background=True)
+                            run_background=True, metrics_address=metrics_address)
         log.info("mode", mode="pre-launched" if prelaunched else "external")
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, store.request_reload)
@@ -69,20 +80,24 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
         logging_setup.close()
 
 
-def main_run(config_path: str | None, socket_path: str | None, log_level: str | None) -> int:
+def main_run(config_path: str | None, socket_path: str | None, log_level: str | None, *,
+             allow_second_agent: bool = False, metrics_address: str | None = None) -> int:
     """``nri-qos run``: serve until SIGTERM/SIGINT; SIGHUP reloads the config."""
     try:
         prelaunched = take_prelaunched_env(os.environ)
     except ValueError as exc:
         structlog.get_logger("nri_qos").error("prelaunched_env_invalid", error=str(exc))
         return 2
-    return asyncio.run(_main(config_path, socket_path, log_level, prelaunched))
+    return asyncio.run(_main(config_path, socket_path, log_level, prelaunched,
+                             allow_second_agent, metrics_address))
 
 
 async def _main(config_path: str | None, socket_path: str | None, log_level: str | None,
-                prelaunched: Prelaunched | None) -> int:
+                prelaunched: Prelaunched | None, allow_second_agent: bool,
+                metrics_address: str | None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    return await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched)
+    return await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched,
+                       allow_second_agent=allow_second_agent, metrics_address=metrics_address)

@@ -18,12 +18,16 @@ class Clients:
     @contextlib.asynccontextmanager
     async def answering(self, writer: asyncio.StreamWriter) -> AsyncIterator[None]:
         """Around one client's handler: known to :meth:`serve_until`; its connection closed
-        at the end, whatever happened."""
+        at the end, whatever happened. A handler cancelled because the server stops ends
+        normally: asyncio's stream server (3.11) logs a traceback for a handler task that ends
+        cancelled."""
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
             yield
+        except asyncio.CancelledError:
+            pass
         finally:
             self._tasks.discard(task)
             writer.close()

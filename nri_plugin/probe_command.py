@@ -13,9 +13,10 @@ import sys
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from hooks.units import human_bytes
 from nri_plugin.agent import probe
 from nri_plugin.config.loader import ConfigError
-from nri_plugin.config.schema import Config
+from nri_plugin.config.schema import Config, in_force
 from nri_plugin.config.store import load_config
 from nri_plugin.features import evaluate, kubernetes_feature
 from nri_plugin.logs import LoggingSetup
@@ -41,6 +42,7 @@ def report(cfg: Config, host: HostInfo) -> dict[str, Any]:
                        cbm_mask=f"{info.cbm_mask:x}", mba=info.has_mb, mb_cache_ids=info.mb_ids,
                        mb_absolute=info.mb_absolute, monitoring=info.monitoring)
     return {
+        "mode": cfg.agent.mode,
         "kernel": host.kernel,
         "root": host.root,
         "memory_total_bytes": host.memory_total_bytes,
@@ -66,10 +68,13 @@ def _print(found: dict[str, Any], out: TextIO) -> None:
     cgroup = found["cgroup"]
     out.write(f"kernel            {found['kernel']}\n")
     out.write(f"cgroup            v{cgroup['version']}, {cgroup['driver']} driver\n")
-    out.write(f"memory            {found['memory_total_bytes']} bytes for node-wide limits\n")
+    out.write(f"mode              {found['mode']}\n")
+    out.write(f"memory            {human_bytes(found['memory_total_bytes'])} for node-wide "
+              "limits\n")
     for node in found["numa_nodes"]:
-        out.write(f"  NUMA node {node['id']:<5} {node['total_bytes']} bytes, "
-                  f"{node['free_bytes']} free, low watermark {node['low_watermark_bytes']}\n")
+        out.write(f"  NUMA node {node['id']:<5} {human_bytes(node['total_bytes'])}, "
+                  f"{human_bytes(node['free_bytes'])} free, low watermark "
+                  f"{human_bytes(node['low_watermark_bytes'])}\n")
     knobs = [name for name, present in found["memcg"].items() if present is True]
     out.write(f"memcg knobs       {', '.join(knobs) or 'none'} (in {found['memcg']['where']})\n")
     resctrl = found["resctrl"]
@@ -98,11 +103,12 @@ def main_probe(config_path: str | None, *, as_json: bool, out: TextIO = sys.stdo
         try:
             cfg, _ = load_config(config_path)
         except ConfigError as exc:
-            for error in exc.errors:
-                sys.stderr.write(f"{exc.source or config_path}: {error}\n")
+            for line in exc.lines():
+                sys.stderr.write(f"{line}\n")
             return 2
         host, _ = probe(cfg, AuditLog(MemoryAuditSink()))
-        found = report(cfg, host)
+        # The features as the agent would run them: in observe mode, the actions in dry-run.
+        found = report(in_force(cfg), host)
     finally:
         logging_setup.close()
     if as_json:

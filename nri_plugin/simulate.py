@@ -2,8 +2,9 @@
 
 The agent is assembled as ``nri-qos run`` assembles it, from the same configuration, except that
 the pods are not on this host: the background loops do not run (the answers still say which
-settings they would apply), resctrl is left alone, and cgroup v2 is assumed unless the
-configuration says v1. ``--runtime NAME/VERSION`` (and ``--nri-version``) impersonates a given
+settings they would apply) and resctrl is left alone. The answers are those of this host's
+cgroup version, unless ``--cgroup v1|v2`` (or ``[memory] cgroup_version``) names another one to
+preview. ``--runtime NAME/VERSION`` (and ``--nri-version``) impersonates a given
 runtime: what it sends in Configure, which events it accepts and how it delivers them, so an
 operator sees what a containerd 1.7.20 node would get before rolling out.
 """
@@ -60,15 +61,17 @@ def runtime_spec(text: str, nri_version: str | None = None) -> RuntimeSpec:
                        registration_timeout_ms=5000 if timeouts else 0)
 
 
-def simulated_host(host: HostInfo, cfg: Config) -> HostInfo:
-    """This host, as far as the answers depend on it, for pods that are not on it."""
-    version = 1 if cfg.memory.cgroup_version == "v1" else 2
+def simulated_host(host: HostInfo, cfg: Config, cgroup: str | None = None) -> HostInfo:
+    """This host, as far as the answers depend on it, for pods that are not on it: its own
+    cgroup version unless ``cgroup`` (the command line) or the configuration names one."""
+    wanted = cgroup or cfg.memory.cgroup_version
+    version = host.cgroup.version if wanted == "auto" else int(wanted.removeprefix("v"))
     return dataclasses.replace(host, cgroup=CgroupLayout(version, host.cgroup.driver),
                                resctrl=None, resctrl_problem="not used by a simulation")
 
 
 def header(runtime: RuntimeSpec, events: int, cfg: Config,
-           reconciler_fields: frozenset[str]) -> str:
+           reconciler_fields: frozenset[str], host: HostInfo) -> str:
     """What the simulated runtime said and which settings reach containers which way."""
     support = RuntimeSupport.detect(runtime.nri_version, runtime.name, runtime.version)
     routes = adjustment.routes(support, cfg.resctrl.clos_field, reconciler_fields)
@@ -81,6 +84,7 @@ def header(runtime: RuntimeSpec, events: int, cfg: Config,
         f"# fields applied from the answer: {', '.join(routes['adjustment']) or 'none'} "
         f"({support.basis})",
         f"# fields the reconciler applies after start: {', '.join(routes['reconciler']) or 'none'}",
+        f"# answers for cgroup v{host.cgroup.version}",
     ]
     if routes["none"]:
         lines.append(f"# fields not applied on this runtime: {', '.join(routes['none'])}")
@@ -107,7 +111,8 @@ def print_answers(answers: Sequence[Answer], updates: Sequence[api.ContainerUpda
 
 
 async def simulate(scenario: Scenario, config_path: str | None, log_level: str | None,
-                   *, as_json: bool = False, out: TextIO = sys.stdout) -> int:
+                   *, as_json: bool = False, cgroup: str | None = None,
+                   out: TextIO = sys.stdout) -> int:
     """Run the agent in-process against a simulated runtime playing ``scenario``."""
     logging_setup = LoggingSetup(level=log_level)
     try:
@@ -116,7 +121,8 @@ async def simulate(scenario: Scenario, config_path: str | None, log_level: str |
             return 2
         cfg = store.current
         host, sysfs = probe(cfg, logging_setup.audit)
-        agent = build_agent(store, logging_setup.audit, simulated_host(host, cfg), sysfs,
+        host = simulated_host(host, cfg, cgroup)
+        agent = build_agent(store, logging_setup.audit, host, sysfs,
                             PluginIdentity(cfg.plugin.name, cfg.plugin.index),
                             run_background=False)
         pods, containers = initial_state(scenario)
@@ -143,7 +149,7 @@ async def simulate(scenario: Scenario, config_path: str | None, log_level: str |
                     stop.set()
                     await simulator.stop()
         if not as_json:
-            out.write(header(scenario.runtime, peer.events, cfg, agent.reconciler_fields))
+            out.write(header(scenario.runtime, peer.events, cfg, agent.reconciler_fields, host))
         print_answers(peer.answers, peer.updates, as_json=as_json, out=out)
         return plugin.result()
     finally:
@@ -151,9 +157,10 @@ async def simulate(scenario: Scenario, config_path: str | None, log_level: str |
 
 
 def main_simulate(scenario_path: str | None, config_path: str | None, log_level: str | None,
-                  runtime: str | None = None, nri_version: str | None = None) -> int:
-    """``nri-qos simulate [SCENARIO] [--runtime NAME/VERSION]``: play a scenario and print the
-    agent's answers."""
+                  runtime: str | None = None, nri_version: str | None = None, *,
+                  cgroup: str | None = None, as_json: bool = False) -> int:
+    """``nri-qos simulate [SCENARIO] [--runtime NAME/VERSION] [--cgroup v1|v2] [--json]``: play
+    a scenario and print the agent's answers."""
     try:
         scenario = load_scenario(Path(scenario_path) if scenario_path else None)
         if runtime is not None or nri_version is not None:
@@ -165,4 +172,5 @@ def main_simulate(scenario_path: str | None, config_path: str | None, log_level:
     except ValueError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
-    return asyncio.run(simulate(scenario, config_path, log_level))
+    return asyncio.run(simulate(scenario, config_path, log_level, as_json=as_json,
+                                cgroup=cgroup))

@@ -103,7 +103,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
         "agent": {"version": agent_version(), "pid": os.getpid(),
                   "uptime_s": round(wall - src.started_unix, 3),
                   "plugin": f"{stub.identity.index}-{stub.identity.name}",
-                  "config": src.config_source()},
+                  "config": src.config_source(), "mode": src.config().agent.mode},
         "connection": {"state": stub.connection_state, "for_s": round(age, 3),
                        "since_unix": round(wall - age, 3), "connections": stub.connections},
         "runtime": None if stub.connection_state == "disconnected" or not runtime.name else {
@@ -197,7 +197,7 @@ class StatusServer:
         if existing is not None:
             if not stat.S_ISSOCK(existing.st_mode):
                 raise AgentAlreadyServing(f"{self.path} exists and is not a socket; not touched")
-            if await _answers(self.path):
+            if await another_agent_answers(self.path):
                 raise AgentAlreadyServing(f"another agent answers on {self.path}")
             os.unlink(self.path)  # left behind by an agent that did not stop cleanly
         # Bound under a temporary name, made 0600, then renamed: the socket is never reachable
@@ -234,7 +234,8 @@ class StatusServer:
                     await writer.drain()
 
 
-async def _answers(path: str) -> bool:
+async def another_agent_answers(path: str) -> bool:
+    """Whether a process answers on the status socket ``path`` (an agent running)."""
     try:
         async with asyncio.timeout(1.0):
             _, writer = await asyncio.open_unix_connection(path)

@@ -1,9 +1,11 @@
 """``nri-qos status``: ask the running agent what it is doing, over its local status socket.
 
-The socket is ``--socket``, else ``[status] socket`` of the configuration (``--config`` or the
-default file). The agent writes one JSON document (:mod:`nri_plugin.status`) and closes; this
-command prints it for a person, or as it is with ``--json``. Exit status: 0 when the agent
-answered, 1 when no agent answers (or the answer is unusable), 2 for an invalid configuration.
+The socket is ``--status-socket``, else ``[status] socket`` of the configuration (``--config``
+or the default file with its drop-ins). The agent writes one JSON document
+(:mod:`nri_plugin.status`) and closes; this command prints it for a person, or as it is with
+``--json``. Exit status: 0 when the agent answered, 1 when no agent answers (or the answer is
+unusable), 2 for an invalid configuration; with ``--json`` the failures are JSON too
+(``{"running": false, "error": ...}``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from hooks.units import quantity
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.store import load_config
 
@@ -35,9 +38,10 @@ def fetch(path: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
             sock.connect(path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise NoAgent(
-                f"no nri-qos agent is running: nothing answers on {path} ({exc.strerror}). "
-                "Start it with `nri-qos run` (or check the DaemonSet's pod on this node); if it "
-                "uses another socket, pass --socket PATH or --config PATH.") from exc
+                f"no nri-qos agent is running: nothing answers on the status socket {path} "
+                f"({exc.strerror}). Start it with `nri-qos run` (or check the DaemonSet's pod on "
+                "this node); if it uses another status socket, pass the agent's --config PATH "
+                "or --status-socket PATH (not the NRI socket of `run --nri-socket`).") from exc
         except PermissionError as exc:
             raise NoAgent(f"permission denied on {path}: the status socket is root-only; run "
                           "`nri-qos status` as root.") from exc
@@ -107,6 +111,7 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     agent, conn = doc["agent"], doc["connection"]
     out.write(f"agent             nri-qos {agent['version']} (pid {agent['pid']}, plugin "
               f"{agent['plugin']}), up {agent['uptime_s']:.0f} s, config {agent['config']}\n")
+    out.write(f"mode              {agent['mode']}\n")
     out.write(f"connection        {conn['state']} since {_since(conn['since_unix'])} "
               f"({conn['for_s']:.1f} s); {conn['connections']} connection(s) so far\n")
     runtime = doc.get("runtime")
@@ -115,7 +120,8 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     else:
         out.write(f"runtime           {runtime['name']} {runtime['version']}, NRI "
                   f"{runtime['nri_version']}, request timeout {runtime['request_timeout_ms']} ms\n")
-        out.write(f"event mask        {runtime['event_mask']}: {', '.join(runtime['events'])}\n")
+        out.write(f"events            {', '.join(runtime['events'])} "
+                  f"(mask {runtime['event_mask']})\n")
     node = doc["node"]
     levels = ", ".join(f"{n} {level}" for level, n in node["pods_by_level"].items()) or "none"
     out.write(f"node              {node['pods']} pods ({levels}), {node['containers']} "
@@ -142,14 +148,23 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     out.write(f"detector levels   {'no readings' if not detection else ''}\n")
     for reading in detection:
         why = f" ({reading['reason']})" if reading["reason"] else ""
+        unit = reading["unit"]
         out.write(f"  {reading['detector']:<16} {reading['scope']:<24} {reading['level']:<8} "
-                  f"{reading['value']} {reading['unit']} (threshold {reading['threshold']})"
-                  f"{why}\n")
+                  f"{quantity(reading['value'], unit)} "
+                  f"(threshold {quantity(reading['threshold'], unit)}){why}\n")
     _ladder(out, doc.get("mitigation"))
     _listing(out, "last evictions", doc.get("evictions"), lambda e: (
         f"{e['pod']} {e['outcome']} ({e['plugin']}: {e['reason']}) {_ago(e['ago_s'])}"))
     _listing(out, "taints", doc.get("taints"), lambda t: (
         f"{t['key']}={t['value']}:{t['effect']} for {t['for_s']:.0f} s"))
+
+
+def _json_failure(out: TextIO, error: str, socket: str | None = None) -> None:
+    """What a script reading ``--json`` gets when there is no document: still JSON."""
+    failure: dict[str, Any] = {"running": False, "error": error}
+    if socket is not None:
+        failure["socket"] = socket
+    out.write(json.dumps(failure, sort_keys=True) + "\n")
 
 
 def socket_path(config_path: str | None) -> str:
@@ -166,12 +181,16 @@ def main_status(config_path: str | None, socket: str | None, *, as_json: bool,
         try:
             socket = socket_path(config_path)
         except ConfigError as exc:
-            for error in exc.errors:
-                err.write(f"{exc.source or config_path}: {error}\n")
+            if as_json:
+                _json_failure(out, "; ".join(exc.lines()))
+            for line in exc.lines():
+                err.write(f"{line}\n")
             return 2
     try:
         document = fetch(socket)
     except NoAgent as exc:
+        if as_json:
+            _json_failure(out, str(exc), socket)
         err.write(f"nri-qos status: {exc}\n")
         return 1
     if as_json:

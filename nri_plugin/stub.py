@@ -432,8 +432,8 @@ class PluginStub:
         mask = mask_of(wanted) & support.valid_events
         dropped = mask_of(wanted) & ~support.valid_events
         if dropped:
-            log.warning("events_unsupported_by_runtime", dropped=hex(dropped),
-                        valid=hex(support.valid_events))
+            log.warning("events_unsupported_by_runtime", dropped=_event_names(dropped),
+                        valid=_event_names(support.valid_events))
         return mask or (mask_of(STATE_EVENTS) & support.valid_events)
 
     async def _synchronize(self, request: envelope.Request) -> bytes:
@@ -727,7 +727,7 @@ class PluginStub:
         if payload:
             # Recorded on the next turn of the loop, like the event line: after the answer.
             asyncio.get_running_loop().call_soon(
-                self._record_applied, pod.uid, container.name, prepared.view.level, decided)
+                self._record_applied, pod, container.name, prepared.view.level, decided)
         return payload
 
     def _audit_decided(self, decided: adjustment.Adjustment, pod_uid: str, name: str) -> None:
@@ -779,6 +779,8 @@ class PluginStub:
         asyncio.get_running_loop().call_soon(functools.partial(
             self._event_done, "fail-open" if failed_open else _METRIC_RESULT[result], seconds,
             nri_event=name, pod=bounded(f"{pod_msg.namespace}/{pod_msg.name}"),
+            pod_uid=bounded(pod_msg.uid), pod_namespace=bounded(pod_msg.namespace),
+            pod_name=bounded(pod_msg.name),
             container=bounded(container_msg.name) if container_msg is not None else None,
             duration_ms=round(seconds * 1000, 3), result=result, **extra,
         ))
@@ -815,10 +817,11 @@ class PluginStub:
                        f"{decision.level} from {decision.source}",
             )
 
-    def _record_applied(self, pod_uid: str, container: str, level: str,
+    def _record_applied(self, pod: PodInfo, container: str, level: str,
                         decided: adjustment.Adjustment) -> None:
         fields = adjustment.set_fields(decided.settings)
-        self._audit.record("adjustment_applied", pod_uid=bounded(pod_uid),
+        self._audit.record("adjustment_applied", pod_uid=bounded(pod.uid),
+                           pod_namespace=bounded(pod.namespace), pod_name=bounded(pod.name),
                            container=bounded(container), qos_level=level, fields=fields)
         if self._metrics is not None:
             # Annotation keys are the admin's: one label value for all of them.
@@ -924,3 +927,8 @@ def _note_refusal(sync: _SyncProgress, error: str) -> None:
     sync.refused_objects += 1
     if not sync.first_refusal:
         sync.first_refusal = error
+
+
+def _event_names(mask: int) -> list[str]:
+    """The events of a mask by name (``update_pod_sandbox``), for a person reading the log."""
+    return [e.name.lower() for e in Event if mask & e.bit]

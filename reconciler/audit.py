@@ -10,7 +10,7 @@ test keeps the two in sync.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -25,6 +25,14 @@ class AuditEvent:
     name: str
     required: tuple[str, ...]
     description: str
+    # The log level the record's line carries, so a log pipeline filtering on level keeps the
+    # records that need someone's attention.
+    level: str = "info"
+
+
+def level_of(event: str) -> str:
+    spec = CATALOGUE.get(event)
+    return "info" if spec is None else spec.level
 
 
 def _catalogue(*events: AuditEvent) -> Mapping[str, AuditEvent]:
@@ -34,7 +42,7 @@ def _catalogue(*events: AuditEvent) -> Mapping[str, AuditEvent]:
 CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("config_loaded", ("source",), "A configuration was validated and took effect."),
     AuditEvent("config_rejected", ("source", "errors"),
-               "A configuration was invalid; the previous one stays in force."),
+               "A configuration was invalid; the previous one stays in force.", level="error"),
     AuditEvent("adjustment_applied", ("pod_uid", "container", "qos_level", "fields"),
                "A CreateContainer answer carried these settings."),
     AuditEvent("adjustment_skipped", ("pod_uid", "container", "reason"),
@@ -46,10 +54,14 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                                        "rejected_owner"),
                "Two capabilities asked for different values of one field."),
     AuditEvent("event_failed", ("nri_event", "reason"),
-               "An NRI event handler failed; the answer was empty, partial or an error."),
+               "An NRI event handler failed; the answer was empty, partial or an error.",
+               level="error"),
     AuditEvent("cgroup_write", ("path", "value", "reason"), "A cgroup or procfs file was written."),
+    AuditEvent("write_observed", ("path", "value", "reason"),
+               "Observe mode: a cgroup, procfs or resctrl file would have been written; once per "
+               "file and value."),
     AuditEvent("cgroup_write_failed", ("path", "value", "reason", "error"),
-               "A write failed after its retries."),
+               "A write failed after its retries.", level="warning"),
     AuditEvent("resctrl_group_created", ("group", "schemata", "reason"),
                "A resctrl control group was created or its schemata rewritten."),
     AuditEvent("resctrl_group_removed", ("group", "reason"), "A resctrl group was removed."),
@@ -126,11 +138,26 @@ class AuditSink(Protocol):
     def __call__(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
+PodIdentity = Callable[[Mapping[str, Any]], Mapping[str, str]]
+"""What the node knows of the pod a record is about (``pod_uid``, or ``pod`` as
+``namespace/name``): the identity fields the record lacks, empty when the pod is unknown."""
+
+POD_KEYS = frozenset({"pod_uid", "pod"})
+
+
 class AuditLog:
-    """Checks records against the catalogue and hands them to a sink (structlog in production)."""
+    """Checks records against the catalogue and hands them to a sink (structlog in production).
+
+    With :meth:`identify`, every record about a pod carries ``pod_uid``, ``pod_namespace`` and
+    ``pod_name``, so records written where only the uid (or only the name) is at hand join with
+    the rest and with the Kubernetes API's view."""
 
     def __init__(self, sink: AuditSink) -> None:
         self._sink = sink
+        self._identity: PodIdentity | None = None
+
+    def identify(self, identity: PodIdentity) -> None:
+        self._identity = identity
 
     def record(self, event: str, /, **fields: Any) -> None:
         spec = CATALOGUE.get(event)
@@ -143,6 +170,10 @@ class AuditLog:
         if reserved:
             raise ValueError(f"audit event {event!r} uses reserved field names: "
                              f"{', '.join(reserved)}")
+        identity = self._identity
+        if identity is not None and not POD_KEYS.isdisjoint(fields) and not (
+                "pod_namespace" in fields and "pod_name" in fields and "pod_uid" in fields):
+            fields = {**identity(fields), **fields}
         self._sink(event, fields)
 
 

@@ -23,11 +23,20 @@ project), so any layer may record into it; sources from higher layers are typed 
 
 from __future__ import annotations
 
+import platform
 import posixpath
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -58,6 +67,9 @@ class ReadingLike(Protocol):
     @property
     def level(self) -> int: ...
 
+    @property
+    def pod_uid(self) -> str | None: ...
+
 
 class ReadingSource(Protocol):
     """The detection board, as far as metrics read it."""
@@ -87,13 +99,36 @@ class ResctrlUsageLike(Protocol):
     @property
     def mbm_local_bytes(self) -> int | None: ...
 
+    @property
+    def pod_uid(self) -> str | None: ...
+
+
+PodNames = Callable[[], Mapping[str, tuple[str, str]]]
+"""uid -> (namespace, name) of the pods the agent knows now."""
+
 
 class Metrics:
     """The agent's series and the methods that record them; safe to call from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, version: str = "unknown") -> None:
+        # A counter's ``_created`` series doubles every counter for a value nobody queries.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # the library's own stub
         self.registry = CollectorRegistry()
         r = self.registry
+        # The agent's own process (its /proc/self): resident memory, CPU seconds, open fds.
+        ProcessCollector(registry=r)
+        Gauge(f"{PREFIX}_build_info", "1, labelled with the agent's and Python's versions.",
+              ["version", "python"], registry=r).labels(
+                  version, platform.python_version()).set(1)
+        self._reloads = Counter(
+            f"{PREFIX}_config_reloads_total",
+            "Configuration loads, at start and on every reload, per result (success, failure).",
+            ["result"], registry=r)
+        for result in ("success", "failure"):
+            self._reloads.labels(result)
+        self._reload_success = Gauge(
+            f"{PREFIX}_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last configuration load that took effect.", registry=r)
         # -- NRI -------------------------------------------------------------------------------
         self._nri_duration = Histogram(
             f"{PREFIX}_nri_request_duration_seconds",
@@ -110,7 +145,7 @@ class Metrics:
             "1 for the state the runtime connection is in (disconnected, connected, "
             "synchronized), 0 for the others.", ["state"], registry=r)
         self._nri_state_since = Gauge(
-            f"{PREFIX}_nri_connection_state_since_seconds",
+            f"{PREFIX}_nri_connection_state_timestamp_seconds",
             "Unix time the runtime connection entered its current state.", registry=r)
         self._nri_reconnects = Counter(
             f"{PREFIX}_nri_reconnects_total",
@@ -135,9 +170,10 @@ class Metrics:
             "Writes to cgroup, procfs and resctrl files, per file name and outcome (written, "
             "unchanged, gone, failed).", ["file", "outcome"], registry=r)
         # -- memory ----------------------------------------------------------------------------
-        self._guard_cap = Gauge(
-            f"{PREFIX}_memory_guard_cap_bytes",
-            "Memory cap the guard set on the reclaimed tier.", registry=r)
+        # Absent, not 0, until the guard holds a cap: 0 would read as "no memory allowed".
+        self._guard_cap = _OptionalGauge(
+            f"{PREFIX}_memory_guard_cap_bytes", "Memory cap the guard set on the reclaimed tier.")
+        r.register(self._guard_cap)
         self._tier_usage = Gauge(
             f"{PREFIX}_reclaimed_tier_usage_bytes",
             "Memory usage of the reclaimed tier, as the guard last read it.", registry=r)
@@ -215,8 +251,16 @@ class Metrics:
 
     def memory_guard(self, cap_bytes: int, usage_bytes: int) -> None:
         """The guard's cap on the reclaimed tier and the tier's usage, after a cycle."""
-        self._guard_cap.set(cap_bytes)
+        self._guard_cap.value = cap_bytes
         self._tier_usage.set(usage_bytes)
+
+    # -- configuration ---------------------------------------------------------------------------
+
+    def config_reload(self, ok: bool, unix_time: float) -> None:
+        """A configuration load took effect (``ok``) or was refused."""
+        self._reloads.labels("success" if ok else "failure").inc()
+        if ok:
+            self._reload_success.set(unix_time)
 
     def ladder_level(self, level: int) -> None:
         """The mitigation ladder acts on ``level`` now (0: none, no rung engaged)."""
@@ -254,14 +298,33 @@ class Metrics:
         names such as ``oversized_frame``, never text from the peer; every kind present)."""
         self.registry.register(_RejectionCollector(counts))
 
-    def watch_board(self, board: ReadingSource) -> None:
-        """Export each detector's latest level per scope (-1 unknown, 0 none ... 3 high)."""
-        self.registry.register(_BoardCollector(board))
+    def watch_board(self, board: ReadingSource, pods: PodNames = dict) -> None:
+        """Export each detector's latest level per scope (-1 unknown, 0 none ... 3 high); a
+        pod's scope with the pod's ``namespace`` and ``pod`` from ``pods``."""
+        self.registry.register(_BoardCollector(board, pods))
 
-    def watch_resctrl(self, read: Callable[[], Iterable[ResctrlUsageLike]]) -> None:
+    def watch_resctrl(self, read: Callable[[], Iterable[ResctrlUsageLike]],
+                      pods: PodNames = dict) -> None:
         """Export resctrl monitoring (LLC occupancy, MBM bytes) of our groups, read at scrape
-        time through ``read``."""
-        self.registry.register(_ResctrlCollector(read))
+        time through ``read``; a pod's group with the pod's ``namespace`` and ``pod``."""
+        self.registry.register(_ResctrlCollector(read, pods))
+
+
+class _OptionalGauge(Collector):
+    """A gauge without labels that is exported only once it has a value."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self.value: float | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        value = self.value
+        if value is not None:
+            yield GaugeMetricFamily(self._name, self._documentation, value=value)
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._name, self._documentation)
 
 
 class _RejectionCollector(Collector):
@@ -278,26 +341,39 @@ class _RejectionCollector(Collector):
         yield family
 
 
+def _names(pods: Mapping[str, tuple[str, str]], uid: str | None) -> list[str]:
+    """``namespace`` and ``pod`` label values, the labels kube-state-metrics puts on a pod's
+    series: empty (no label, for Prometheus) where no pod or an unknown one is concerned, so a
+    pod's labels go with its series when it goes."""
+    return list(pods.get(uid, ("", ""))) if uid else ["", ""]
+
+
 class _BoardCollector(Collector):
-    def __init__(self, board: ReadingSource) -> None:
+    def __init__(self, board: ReadingSource, pods: PodNames) -> None:
         self._board = board
+        self._pods = pods
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             f"{PREFIX}_detector_level",
-            "Latest level per detector and scope: -1 unknown, 0 none, 1 low, 2 medium, 3 high.",
-            labels=["detector", "scope"])
+            "Latest level per detector and scope: -1 unknown, 0 none, 1 low, 2 medium, 3 high; "
+            "a pod's scope also by namespace and pod.",
+            labels=["detector", "scope", "namespace", "pod"])
+        pods = self._pods()
         for reading in self._board.current():
-            family.add_metric([reading.detector, reading.scope], int(reading.level))
+            family.add_metric([reading.detector, reading.scope, *_names(pods, reading.pod_uid)],
+                              int(reading.level))
         yield family
 
 
 class _ResctrlCollector(Collector):
-    def __init__(self, read: Callable[[], Iterable[ResctrlUsageLike]]) -> None:
+    def __init__(self, read: Callable[[], Iterable[ResctrlUsageLike]], pods: PodNames) -> None:
         self._read = read
+        self._pods = pods
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["group", "kind", "domain"]
+        labels = ["group", "kind", "domain", "namespace", "pod"]
+        pods = self._pods()
         llc = GaugeMetricFamily(f"{PREFIX}_resctrl_llc_occupancy_bytes",
                                 "L3 cache occupied by a resctrl group's tasks, per L3 domain.",
                                 labels=labels)
@@ -308,7 +384,7 @@ class _ResctrlCollector(Collector):
                                     "Memory traffic of a resctrl group to its local NUMA node "
                                     "(MBM local), per L3 domain.", labels=labels)
         for usage in self._read():
-            values = [usage.group, usage.kind, usage.domain]
+            values = [usage.group, usage.kind, usage.domain, *_names(pods, usage.pod_uid)]
             if usage.llc_occupancy_bytes is not None:
                 llc.add_metric(values, usage.llc_occupancy_bytes)
             if usage.mbm_total_bytes is not None:

@@ -178,6 +178,15 @@ class NodeState:
                 self._changed()
         return self._view(pod)
 
+    def pod_identity(self, uid: str = "", ref: str = "") -> tuple[str, str, str] | None:
+        """(uid, namespace, name) of the known pod with this ``uid`` or ``namespace/name``
+        ``ref``; None when there is none. A scan: for audit records, not for every event."""
+        with self._lock:
+            for pod in self._pods.values():
+                if (uid and pod.uid == uid) or (ref and f"{pod.namespace}/{pod.name}" == ref):
+                    return pod.uid, pod.namespace, pod.name
+        return None
+
     def put_pod(self, pod: PodInfo, event: Event) -> None:
         with self._lock:
             self._add_pod(pod)

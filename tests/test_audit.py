@@ -6,6 +6,7 @@ import ast
 import json
 import re
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -244,10 +245,10 @@ def test_sink_writes_stream_and_file_with_one_timestamp(tmp_path: Path) -> None:
     sink.set_file(None)
     stamp = "2023-11-14T22:13:20.250000Z"
     assert stream.lines == [("info", "adjustment_skipped", {
-        "timestamp": stamp, "logger": "nri_qos.audit", "audit": True,
+        "timestamp": stamp, "level": "info", "logger": "nri_qos.audit", "audit": True,
         "pod_uid": "u1", "container": "c", "reason": "r"})]
     assert read_lines(tmp_path / "a.jsonl") == [{
-        "timestamp": stamp, "logger": "nri_qos.audit", "audit": True,
+        "timestamp": stamp, "level": "info", "logger": "nri_qos.audit", "audit": True,
         "event": "adjustment_skipped", "nri_event": "create_container", "pod_uid": "u1",
         "container": "c", "reason": "r"}]
     assert errors.lines == []
@@ -291,3 +292,30 @@ def test_json_text_renders_what_orjson_refuses() -> None:
     fast = {"pod": "ns/ä", "n": 3, "fields": ("x",), "mapping": MappingProxyType({"k": 1})}
     assert json.loads(json_text(fast)) == {"pod": "ns/ä", "n": 3, "fields": ["x"],
                                            "mapping": {"k": 1}}
+
+
+def test_records_about_a_pod_are_given_its_whole_identity() -> None:
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    known = {"u-1": ("u-1", "shop", "web-0")}
+
+    def identity(fields: Mapping[str, Any]) -> Mapping[str, str]:
+        uid = fields.get("pod_uid")
+        found = known.get(str(uid)) if uid else next(
+            (v for v in known.values() if f"{v[1]}/{v[2]}" == fields.get("pod")), None)
+        if found is None:
+            return {}
+        return {"pod_uid": found[0], "pod_namespace": found[1], "pod_name": found[2]}
+
+    audit.identify(identity)
+    audit.record("resctrl_fallback", pod_uid="u-1", group="g", reason="r")
+    audit.record("eviction_done", pod="shop/web-0")
+    audit.record("resctrl_fallback", pod_uid="u-gone", group="g", reason="r")
+    audit.record("cgroup_write", path="/p", value="1", reason="r")
+    assert [dict(fields) for _, fields in sink.records] == [
+        {"pod_uid": "u-1", "pod_namespace": "shop", "pod_name": "web-0", "group": "g",
+         "reason": "r"},
+        {"pod_uid": "u-1", "pod_namespace": "shop", "pod_name": "web-0", "pod": "shop/web-0"},
+        {"pod_uid": "u-gone", "group": "g", "reason": "r"},
+        {"path": "/p", "value": "1", "reason": "r"},
+    ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -66,32 +67,76 @@ def test_check_config_on_a_missing_explicit_file(
 
 
 def test_run_hands_its_arguments_to_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[tuple[str | None, str | None, str | None]] = []
+    calls: list[tuple[str | None, ...]] = []
 
-    def fake_run(config: str | None, socket: str | None, level: str | None) -> int:
-        calls.append((config, socket, level))
+    def fake_run(config: str | None, socket: str | None, level: str | None, *,
+                 allow_second_agent: bool, metrics_address: str | None) -> int:
+        calls.append((config, socket, level, str(allow_second_agent), metrics_address))
         return 7
 
     monkeypatch.setattr(nri_plugin.daemon, "main_run", fake_run)
     assert main(["run"]) == 7
-    assert main(["run", "--config", "/c.toml", "--socket", "/s.sock", "--log-level", "debug"]) == 7
-    assert calls == [(None, None, None), ("/c.toml", "/s.sock", "debug")]
+    assert main(["run", "--config", "/c.toml", "--nri-socket", "/s.sock", "--log-level",
+                 "debug", "--allow-second-agent", "--metrics-address", "10.0.0.7"]) == 7
+    # --socket: the older name of --nri-socket.
+    assert main(["run", "--socket", "/old.sock"]) == 7
+    assert calls == [(None, None, None, "False", None),
+                     ("/c.toml", "/s.sock", "debug", "True", "10.0.0.7"),
+                     (None, "/old.sock", None, "False", None)]
 
 
 def test_simulate_hands_its_arguments_to_the_simulator(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str | None, ...]] = []
 
     def fake_simulate(scenario: str | None, config: str | None, level: str | None,
-                      runtime: str | None, nri_version: str | None) -> int:
-        calls.append((scenario, config, level, runtime, nri_version))
+                      runtime: str | None, nri_version: str | None, *, cgroup: str | None,
+                      as_json: bool) -> int:
+        calls.append((scenario, config, level, runtime, nri_version, cgroup, str(as_json)))
         return 0
 
     monkeypatch.setattr(nri_plugin.simulate, "main_simulate", fake_simulate)
     assert main(["simulate"]) == 0
     assert main(["simulate", "s.toml", "--config", "c.toml", "--log-level", "warning",
-                 "--runtime", "containerd/v1.7.20", "--nri-version", "v0.6.1"]) == 0
-    assert calls == [(None, None, None, None, None),
-                     ("s.toml", "c.toml", "warning", "containerd/v1.7.20", "v0.6.1")]
+                 "--runtime", "containerd/v1.7.20", "--nri-version", "v0.6.1",
+                 "--cgroup", "v1", "--json"]) == 0
+    assert calls == [(None, None, None, None, None, None, "False"),
+                     ("s.toml", "c.toml", "warning", "containerd/v1.7.20", "v0.6.1", "v1",
+                      "True")]
+
+
+NRI_QOS = str(Path(sys.executable).with_name("nri-qos"))
+
+
+def simulated_answers(*args: str) -> dict[str, dict[str, object]]:
+    """The CreateContainer answers of the bundled scenario, by container, as the installed
+    command prints them with --json."""
+    done = subprocess.run([NRI_QOS, "simulate", "--json", "--log-level", "error", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line) for line in done.stdout.splitlines()]
+    return {a["container"]: a["response"] for a in answers if a["event"] == "create_container"}
+
+
+def this_hosts_cgroup() -> int:
+    done = subprocess.run([NRI_QOS, "probe", "--json"], capture_output=True, text=True,
+                          timeout=120, check=True)
+    version: int = json.loads(done.stdout)["cgroup"]["version"]
+    return version
+
+
+def test_simulate_previews_this_hosts_cgroup_version_or_the_one_asked_for() -> None:
+    v1, v2 = simulated_answers("--cgroup", "v1"), simulated_answers("--cgroup", "v2")
+    assert "memory.high" in json.dumps(v2["etl"])
+    assert "unified" not in json.dumps(v1["etl"])
+    assert simulated_answers() == (v1 if this_hosts_cgroup() == 1 else v2)
+
+
+def test_simulate_json_is_only_json() -> None:
+    done = subprocess.run([NRI_QOS, "simulate", "--json", "--log-level", "error"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert not done.stdout.startswith("#")
+    assert all(isinstance(json.loads(line), dict) for line in done.stdout.splitlines())
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -89,9 +89,12 @@ def test_missing_default_file_means_embedded_defaults(h: Harness) -> None:
 def test_missing_explicit_file_is_an_error(h: Harness) -> None:
     with pytest.raises(ConfigError) as info:
         h.store.load_initial(str(h.path))
-    assert info.value.errors == ("cannot read: No such file or directory",)
-    assert h.sink.records == [("config_rejected", {
-        "source": str(h.path), "errors": ["cannot read: No such file or directory"]})]
+    assert info.value.lines() == [f"{h.path}: cannot read: No such file or directory"]
+    ((name, fields),) = h.sink.records
+    assert name == "config_rejected"
+    assert fields["source"] == str(h.path)
+    assert fields["drop_ins"] == f"{h.path}.d"
+    assert fields["errors"] == [f"{h.path}: cannot read: No such file or directory"]
 
 
 def test_initial_file_is_loaded_and_announced(h: Harness) -> None:
@@ -109,10 +112,10 @@ def test_invalid_initial_file_raises_and_is_audited(h: Harness) -> None:
     with pytest.raises(ConfigError):
         h.store.load_initial(str(h.path))
     assert h.store.current == Config()
-    assert h.sink.named("config_rejected") == [{
-        "source": str(h.path),
-        "errors": ["oom.levels.reclaimed_cores.score: must be -1000..1000, got 5000"],
-    }]
+    (rejected,) = h.sink.named("config_rejected")
+    assert rejected["source"] == str(h.path)
+    assert rejected["errors"] == [
+        f"{h.path}: oom.levels.reclaimed_cores.score: must be -1000..1000, got 5000"]
 
 
 def test_reload_before_load_initial_is_a_programming_error(h: Harness) -> None:
@@ -145,12 +148,10 @@ def test_bad_file_keeps_the_old_config_and_says_why(h: Harness) -> None:
     (rejected,) = h.sink.named("config_rejected")
     assert rejected["source"] == str(h.path)
     assert len(rejected["errors"]) == 1
-    assert rejected["errors"][0].startswith("invalid TOML: ")
-    (line,) = logs
-    assert line["event"] == "config_rejected"
-    assert line["log_level"] == "error"
-    assert line["errors"] == rejected["errors"]
-    assert "previous configuration stays in force" in line["hint"]
+    assert rejected["errors"][0].startswith(f"{h.path}: invalid TOML: ")
+    assert "previous configuration stays in force" in rejected["hint"]
+    # Said once, by the audit record: no second line with other keys.
+    assert logs == []
     # The rejected version is remembered: it is not re-read until it changes again.
     assert not h.store.changed_on_disk()
 
@@ -162,8 +163,8 @@ def test_invalid_values_are_listed_one_per_error(h: Harness) -> None:
                          "[plugin]\nstrict = \"yes\"\n")
     assert h.store.reload() is False
     assert h.sink.named("config_rejected")[0]["errors"] == [
-        "plugin.strict: must be a boolean, got string",
-        "memory.levels.reclaimed_cores.high_ratio: must be 0..100, got 140",
+        f"{h.path}: plugin.strict: must be a boolean, got string",
+        f"{h.path}: memory.levels.reclaimed_cores.high_ratio: must be 0..100, got 140",
     ]
 
 
@@ -197,7 +198,7 @@ def test_explicit_file_disappearing_keeps_the_config(h: Harness) -> None:
     assert h.store.reload() is False
     assert h.store.current.plugin.strict
     assert h.sink.named("config_rejected")[-1]["errors"] == [
-        "cannot read: No such file or directory"
+        f"{h.path}: cannot read: No such file or directory"
     ]
 
 

@@ -18,8 +18,9 @@ from tests.fakesys import FakeHost, nri_messages, read_ids
 LEVEL = "qos.nri-qos.io/level"
 
 
-def config_for(root: Path) -> str:
+def config_for(root: Path, mode: str = "enforce") -> str:
     return (
+        f'[agent]\nmode = "{mode}"\n'
         "[reconciler]\n"
         f'root = "{root}"\n'
         "resctrl_interval_s = 0.1\n"
@@ -148,3 +149,67 @@ async def test_old_containerd_gets_oom_score_adj_from_the_reconciler_after_start
                and r["path"] == f"/proc/{pid}/oom_score_adj"]
     assert written[0]["value"] == "1000"
     assert "runtime does not apply oom_score_adj at creation" in written[0]["reason"]
+
+
+async def test_observe_mode_answers_at_creation_and_writes_nothing_else(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The same node as above in observe mode: the creation answer still carries every setting,
+    # but no running container's task ids or oom_score_adj are touched, the class group keeps
+    # the kernel's schemata, and each held-back write is audited once.
+    root = tmp_path / "host"
+    host = FakeHost(root)
+    resctrl = host.make_resctrl()
+    existing = host.add_pod("0d0d0d0d-1111-2222-3333-444444444444", tier="besteffort",
+                            annotations={LEVEL: "reclaimed_cores"}, threads=3)
+    created = host.add_pod("0e0e0e0e-1111-2222-3333-444444444444", tier="besteffort",
+                           annotations={LEVEL: "reclaimed_cores"}, threads=2)
+    config = tmp_path / "config.toml"
+    config.write_text(config_for(root, mode="observe"))
+    pid = existing.containers[0].pids[0]
+    oom = root / f"proc/{pid}/oom_score_adj"
+    oom_before = oom.read_text()
+    pod_a, containers_a = nri_messages(existing)
+    simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
+    await simulator.start()
+    stop = asyncio.Event()
+    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "info",
+                                            stop=stop, prelaunched=None))
+    try:
+        connection = await simulator.wait_ready()
+        pod_b, containers_b = nri_messages(created)
+        await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_b)
+        response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_b,
+                                        containers_b[0])
+        assert isinstance(response, api.CreateContainerResponse)
+        assert response.adjust.linux.rdt.clos_id.value == "nriqos-reclaimed_cores"
+        assert response.adjust.linux.oom_score_adj.value == 1000
+        # Several reconciler cycles (0.1 s each) decide the same writes again.
+        await asyncio.sleep(1.0)
+    finally:
+        stop.set()
+        status = await task
+        await simulator.stop()
+    assert status == 0
+    group = resctrl / "nriqos-reclaimed_cores"
+    assert group.is_dir()
+    assert ids(group / "tasks") == set()
+    assert not (group / "schemata").exists()
+    assert oom.read_text() == oom_before
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+               if line.startswith("{")]
+    assert not [r for r in records if r.get("event") in ("cgroup_write", "tasks_moved")]
+    observed = [(r["path"], r["value"]) for r in records if r.get("event") == "write_observed"]
+    assert (f"/proc/{pid}/oom_score_adj", "1000") in observed
+    assert any(path.endswith("/tasks") for path, _ in observed)
+    assert len(observed) == len(set(observed))
+    # Every record about a pod names it fully, and joins with the per-request line.
+    about_pods = [r for r in records if r.get("audit") and ("pod_uid" in r or "pod" in r)]
+    assert about_pods
+    for r in about_pods:
+        assert {"pod_uid", "pod_namespace", "pod_name"} <= set(r), r
+    (applied,) = [r for r in records if r.get("event") == "adjustment_applied"]
+    (line,) = [r for r in records if r.get("event") == "nri_event"
+               and r.get("nri_event") == "create_container"]
+    assert (line["pod_uid"], line["pod_namespace"], line["pod_name"]) == (
+        applied["pod_uid"], applied["pod_namespace"], applied["pod_name"])
+    assert line["pod"] == f"{applied['pod_namespace']}/{applied['pod_name']}"

@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import tomllib
 from functools import cache
 from pathlib import Path, PurePosixPath
@@ -28,8 +29,8 @@ import yaml
 from kubernetes.client import ApiClient
 
 from nri_plugin.cli import build_parser
-from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
+from nri_plugin.config.store import DEFAULT_CONFIG_PATH, load_layered
 from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET
 from reconciler import k8s
 from tests.paths import REPO
@@ -92,10 +93,22 @@ def daemonset() -> Doc:
     return _one(base_docs(), "DaemonSet")
 
 
+def config_of(configmap: Doc) -> Config:
+    """The configuration the agent reads from the ConfigMap's drop-ins, mounted as the
+    DaemonSet mounts them: the embedded defaults with the files of ``config.toml.d``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        main = Path(tmp) / "config.toml"
+        directory = Path(tmp) / "config.toml.d"
+        directory.mkdir()
+        for name, text in configmap["data"].items():
+            (directory / name).write_text(text)
+        config: Config = load_layered(None, default_path=str(main)).config
+    return config
+
+
 @pytest.fixture(scope="module")
 def shipped_config() -> Config:
-    config: Config = parse_toml(Config, _one(base_docs(), "ConfigMap")["data"]["config.toml"])
-    return config
+    return config_of(_one(base_docs(), "ConfigMap"))
 
 
 def _container(daemonset: Doc) -> Doc:
@@ -161,18 +174,26 @@ def test_kustomize_builds_into_client_models(directory: Path) -> None:
         assert doc["metadata"]["labels"]["app.kubernetes.io/name"] == "nri-qos"
         if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
             assert doc["metadata"]["namespace"] == "kube-system"
-    parse_toml(Config, configmap["data"]["config.toml"])
+    config_of(configmap)
 
 
-def test_canary_overlay_selects_canary_nodes_and_holds_actions_back() -> None:
+def test_canary_overlay_selects_canary_nodes_and_observes() -> None:
     docs = built(CANARY)
     pod = _one(docs, "DaemonSet")["spec"]["template"]["spec"]
-    assert pod["nodeSelector"] == {"nri-qos.io/canary": "true"}
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", "nri-qos.io/canary": "true"}
+    # The image comes from the base's one images: entry.
     assert _container(_one(docs, "DaemonSet"))["image"] == "registry.example.com/nri-qos:0.1.0"
-    config: Config = parse_toml(Config, _one(docs, "ConfigMap")["data"]["config.toml"])
-    assert config.mitigation.enabled is False
-    assert config.eviction.enabled is False
-    assert config.eviction.dry_run is True
+    configmap = _one(docs, "ConfigMap")
+    assert set(configmap["data"]) == {"00-daemonset.toml"}
+    assert config_of(configmap).agent.mode == "observe"
+
+
+def test_the_image_is_named_once() -> None:
+    (image,) = yaml.safe_load((BASE / "kustomization.yaml").read_text())["images"]
+    assert image["name"] == _container(_one(base_docs(), "DaemonSet"))["image"] == "nri-qos"
+    for kustomization in (DEPLOY / "kustomize").rglob("kustomization.yaml"):
+        if kustomization.parent != BASE:
+            assert "images" not in yaml.safe_load(kustomization.read_text()), kustomization
 
 
 def _with_component(tmp_path: Path, component: str) -> list[Doc]:
@@ -185,17 +206,28 @@ def _with_component(tmp_path: Path, component: str) -> list[Doc]:
     return built(tmp_path)
 
 
-def test_no_resctrl_component_drops_only_the_resctrl_mount(tmp_path: Path) -> None:
+def test_no_resctrl_component_is_a_drop_in(tmp_path: Path) -> None:
     docs = _with_component(tmp_path, "no-resctrl")
     assert_parses_into_models(docs)
-    daemonset = _one(docs, "DaemonSet")
-    pod = daemonset["spec"]["template"]["spec"]
-    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
-    assert host_paths == {"/var/run/nri", "/sys/fs/cgroup", "/sys/devices/system/node", "/proc",
-                          "/var/lib/nri-qos/eviction-plugins"}
-    mounts = {m["mountPath"] for m in _container(daemonset)["volumeMounts"]}
-    assert not any("resctrl" in m for m in mounts)
-    assert len(mounts) == len(_container(_one(base_docs(), "DaemonSet"))["volumeMounts"]) - 1
+    configmap = _one(docs, "ConfigMap")
+    assert set(configmap["data"]) == {"00-daemonset.toml", "20-no-resctrl.toml"}
+    config = config_of(configmap)
+    assert config.resctrl.enabled is False
+    assert config.reconciler.root == "/host"  # the base's file still applies
+    assert _one(docs, "DaemonSet")["spec"] == _one(built(BASE), "DaemonSet")["spec"] | {
+        "template": _one(docs, "DaemonSet")["spec"]["template"]}
+
+
+def test_enforce_component_switches_the_mode_and_rolls_the_daemonset(tmp_path: Path) -> None:
+    docs = _with_component(tmp_path, "enforce")
+    configmap = _one(docs, "ConfigMap")
+    assert set(configmap["data"]) == {"00-daemonset.toml", "90-enforce.toml"}
+    assert config_of(configmap).agent.mode == "enforce"
+    # Another name (hash): the DaemonSet's pods are replaced node by node.
+    base_name = _one(built(BASE), "ConfigMap")["metadata"]["name"]
+    assert configmap["metadata"]["name"] != base_name
+    volumes = {v["name"]: v for v in _one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
 
 
 def test_privileged_component_makes_the_agent_privileged(tmp_path: Path) -> None:
@@ -204,11 +236,13 @@ def test_privileged_component_makes_the_agent_privileged(tmp_path: Path) -> None
     assert _container(_one(docs, "DaemonSet"))["securityContext"] == {"privileged": True}
 
 
-def test_canary_config_keeps_every_base_setting() -> None:
-    base = tomllib.loads((BASE / "config.toml").read_text())
-    canary = tomllib.loads((CANARY / "config.toml").read_text())
-    for section, values in base.items():
-        assert canary[section] == values, f"[{section}] of the canary differs from the base"
+def test_drop_ins_of_overlays_and_components_repeat_nothing_of_the_base() -> None:
+    base = tomllib.loads((BASE / "00-daemonset.toml").read_text())
+    dropped = [p for p in (DEPLOY / "kustomize").rglob("*.toml") if p.parent != BASE]
+    assert dropped
+    for path in dropped:
+        for section, values in tomllib.loads(path.read_text()).items():
+            assert not set(values) & set(base.get(section, {})), path
 
 
 def test_shipped_config_is_valid(shipped_config: Config) -> None:
@@ -231,14 +265,17 @@ def test_reconciler_root_reaches_the_host(
 def test_host_paths_are_only_what_the_agent_uses(daemonset: Doc) -> None:
     pod = daemonset["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"]: v["name"] for v in pod["volumes"] if "hostPath" in v}
-    assert set(host_paths) == {"/var/run/nri", "/sys/fs/cgroup", "/sys/devices/system/node",
-                               "/proc", "/sys/fs/resctrl", "/var/lib/nri-qos/eviction-plugins"}
+    assert set(host_paths) == {"/var/run/nri", "/sys/fs", "/sys/devices/system/node",
+                               "/proc", "/var/lib/nri-qos/eviction-plugins", "/run/nri-qos"}
     mounts = {m["name"]: m for m in _container(daemonset)["volumeMounts"]}
     # Only read: the NUMA topology and the configuration.
     assert mounts[host_paths["/sys/devices/system/node"]].get("readOnly") is True
     assert mounts["config"].get("readOnly") is True
-    # Mounted by the host possibly after the pod started.
-    assert mounts[host_paths["/sys/fs/resctrl"]]["mountPropagation"] == "HostToContainer"
+    # resctrl through its parent, which every node has: mounted by the host possibly after
+    # the pod started, or never.
+    assert mounts[host_paths["/sys/fs"]]["mountPropagation"] == "HostToContainer"
+    pod_volumes = {v["name"]: v for v in pod["volumes"]}
+    assert pod_volumes[host_paths["/sys/fs"]]["hostPath"]["type"] == "Directory"
 
 
 def test_resctrl_and_socket_are_mounted(daemonset: Doc, shipped_config: Config) -> None:
@@ -262,7 +299,11 @@ def test_daemonset_runs_the_agent(daemonset: Doc, shipped_config: Config) -> Non
     container = _container(daemonset)
     assert pod["hostPID"] is True
     assert pod["priorityClassName"] == "system-node-critical"
-    assert daemonset["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == 1
+    assert pod["nodeSelector"]["kubernetes.io/os"] == "linux"
+    # A percentage, each batch ready for a while before the next.
+    assert re.fullmatch(r"\d+%", daemonset["spec"]["updateStrategy"]["rollingUpdate"]
+                        ["maxUnavailable"])
+    assert daemonset["spec"]["minReadySeconds"] >= 10
     security = container["securityContext"]
     assert security["privileged"] is False
     assert security["readOnlyRootFilesystem"] is True
@@ -271,24 +312,30 @@ def test_daemonset_runs_the_agent(daemonset: Doc, shipped_config: Config) -> Non
     assert container["command"][0] == "nri-qos"
     assert args.command == "run"
     (config_mount,) = [m for m in container["volumeMounts"] if m["name"] == "config"]
-    assert PurePosixPath(args.config).parent == PurePosixPath(config_mount["mountPath"])
+    # The default path, whose drop-in directory the ConfigMap is.
+    assert args.config is None
+    assert config_mount["mountPath"] == f"{DEFAULT_CONFIG_PATH}.d"
     (node_env,) = [e for e in container["env"] if e["name"] == "NODE_NAME"]
     assert node_env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    for kind in ("requests", "limits"):
-        assert {"cpu", "memory"} <= set(container["resources"][kind])
-    # The status socket's directory is writable (an emptyDir) on a read-only root.
+    # Requests only for CPU (throttling delays NRI answers), a memory limit kept.
+    assert set(container["resources"]["requests"]) == {"cpu", "memory"}
+    assert set(container["resources"]["limits"]) == {"memory"}
+    # The status socket's directory is the host's (writable on a read-only root): a second
+    # agent on the node finds this one there.
     status_dir = str(PurePosixPath(shipped_config.status.socket).parent)
     volumes = {v["name"]: v for v in pod["volumes"]}
     (status_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == status_dir]
-    assert "emptyDir" in volumes[status_mount["name"]]
+    assert volumes[status_mount["name"]]["hostPath"]["path"] == status_dir
 
 
 def test_probes_ask_the_metrics_endpoint(daemonset: Doc, shipped_config: Config) -> None:
     container = _container(daemonset)
     metrics = shipped_config.metrics
     assert metrics.enabled is True
-    # The kubelet probes the pod's IP: the endpoint must listen beyond loopback.
-    assert metrics.address == "0.0.0.0"
+    # The kubelet probes the pod's IP: the endpoint listens there, given on the command line
+    # (tests/test_monitoring.py), not on the loopback address of the configuration.
+    args = build_parser().parse_args([*container["command"][1:], *container["args"]])
+    assert args.metrics_address == "$(POD_IP)"
     (port,) = container["ports"]
     assert (port["name"], port["containerPort"]) == ("metrics", metrics.port)
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}

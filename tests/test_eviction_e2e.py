@@ -37,6 +37,7 @@ ONLINE_UID = "0e0e0e0e-1111-2222-3333-444444444444"
 
 def config_text(root: Path, kubeconfig: Path, plugins: Path, dry_run: bool) -> str:
     return (
+        '[agent]\nmode = "enforce"\n'
         "[reconciler]\n"
         f'root = "{root}"\n'
         "drift_interval_s = 0.5\n"

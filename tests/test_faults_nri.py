@@ -398,7 +398,7 @@ POD_GROUP = {"node.koordinator.sh/resctrl":
 
 
 def restart_config(root: Path) -> str:
-    return (f'[reconciler]\nroot = "{root}"\ngc_grace_s = 0\n'
+    return (f'[agent]\nmode = "enforce"\n[reconciler]\nroot = "{root}"\ngc_grace_s = 0\n'
             "[kubernetes]\nenabled = false\n[status]\nenabled = false\n"
             "[metrics]\nenabled = false\n")
 

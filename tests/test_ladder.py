@@ -205,7 +205,7 @@ async def test_the_service_escalates_and_releases_with_audit() -> None:
         record = run.sink.named("mitigation_action")[0]
         assert (record["detector"], record["scope"], record["value"], record["threshold"]) == (
             "psi", NODE, 42.0, 10.0)
-        assert "psi node 42 percent vs 10" in record["reason"]
+        assert "psi on node at 42 percent, threshold 10" in record["reason"]
         run.board.publish("psi", [reading("psi", Level.NONE)])
         await run.until(lambda: len(run.calls) == 4)  # released after the 0.2 s cooldown
         assert run.calls[2:] == [("tune", "release", False), ("taint", "release", False)]
@@ -365,7 +365,7 @@ async def test_state_reports_level_engaged_rungs_and_last_results() -> None:
         assert state.level is Level.LOW
         assert state.engaged == ("taint", "tune")
         assert state.last["taint"] == ("engage", DONE, "taint engage")
-        assert "psi node" in state.cause
+        assert "psi on node" in state.cause
 
 
 async def test_evict_rung_without_an_evictor() -> None:
@@ -391,9 +391,9 @@ async def test_evict_rung_without_an_evictor() -> None:
 def test_cause_text_names_the_reading(level: Level) -> None:
     assert Cause(level).text() == f"level {level.name.lower()}: no detector reports pressure"
     text = Cause(level, reading("psi", level)).text()
-    assert text.startswith(f"level {level.name.lower()}: psi node 42 percent vs 10")
+    assert text.startswith(f"level {level.name.lower()}: psi on node at 42 percent, threshold 10")
 
 
 def test_cause_text_shows_bytes_whole() -> None:
     free = Reading("system_free", NODE, Level.LOW, 23446401024.0, 2147483648.0, "bytes", "r")
-    assert "system_free node 23446401024 bytes vs 2147483648 (r)" in Cause(Level.LOW, free).text()
+    assert "system_free on node at 21.8 GiB, threshold 2.0 GiB (r)" in Cause(Level.LOW, free).text()

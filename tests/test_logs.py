@@ -173,10 +173,23 @@ def test_audit_records_bypass_the_level_and_carry_the_context(
     assert line["logger"] == "nri_qos.audit"
     assert line["event"] == "adjustment_applied"
     assert line["qos_level"] == "reclaimed_cores"
-    assert "level" not in line  # audit lines carry no log level, and no field may pose as one
+    assert line["level"] == "info"  # the record's own level, not the log filter's
     assert line["fields"] == ["memory_high"]
     assert line["nri_event"] == "create_container"
     assert ISO_UTC.match(line["timestamp"])
+
+
+def test_every_audit_line_has_a_level_and_a_rejected_config_is_an_error(
+    make_setup: Callable[..., LoggingSetup],
+) -> None:
+    out = io.StringIO()
+    setup = make_setup(LoggingConfig(level="info"), stream=out)
+    setup.audit.record("config_rejected", source="/etc/nri-qos/config.toml", errors=["x"])
+    setup.audit.record("cgroup_write_failed", path="/p", value="1", reason="r", error="EACCES")
+    setup.audit.record("cgroup_write", path="/p", value="1", reason="r")
+    assert [(line["event"], line["level"]) for line in json_lines(out)] == [
+        ("config_rejected", "error"), ("cgroup_write_failed", "warning"),
+        ("cgroup_write", "info")]
 
 
 def test_audit_file_follows_the_configuration(

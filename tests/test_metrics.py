@@ -8,8 +8,12 @@ pod lifecycle and reconcile cycles: every series must exist and move.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
+import gzip
+import logging
+import platform
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -19,14 +23,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
+import nri_plugin.metrics_server
 from hooks.events import Event
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
+from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
 from nri_plugin.logs import LoggingSetup
-from nri_plugin.metrics_server import READ_TIMEOUT_S, MetricsEndpoint
+from nri_plugin.metrics_server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, MetricsEndpoint
 from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
+from nri_plugin.version import agent_version
 from reconciler.aio import Backoff
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
@@ -103,6 +110,7 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
     port = free_port()
     config = tmp_path / "config.toml"
     config.write_text(
+        '[agent]\nmode = "enforce"\n'
         f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
         "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
         "[kubernetes]\nenabled = false\n[status]\nenabled = false\n"
@@ -143,7 +151,7 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         agent.board.publish("memory_free", [
             Reading("memory_free", NODE, Level.LOW, 9.0, 10.0, "percent"),
             Reading("memory_free", pod_scope(UID_A), Level.UNKNOWN, 0, 0, "percent",
-                    reason="unreadable"),
+                    reason="unreadable", pod_uid=UID_A),
         ])
         loops = ("resctrl_tasks", "drift", "memory_guard", "numa_binding")
         cycles = {name: agent.tracker.last()[name].cycles for name in loops}
@@ -170,7 +178,18 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         assert value(after, "nri_qos_nri_runtime_info", runtime="containerd",
                      version=simulator.runtime.version,
                      nri_version=simulator.runtime.nri_version) == 1
-        assert value(after, "nri_qos_nri_connection_state_since_seconds") > 0
+        assert value(after, "nri_qos_nri_connection_state_timestamp_seconds") > 0
+        # The process, the build, the configuration loaded at start.
+        assert value(after, "process_resident_memory_bytes") > 0
+        assert value(after, "process_open_fds") > 0
+        assert ("process_cpu_seconds_total", frozenset()) in after
+        assert value(after, "nri_qos_build_info", version=agent_version(),
+                     python=platform.python_version()) == 1
+        assert value(after, "nri_qos_config_reloads_total", result="success") == 1
+        assert value(after, "nri_qos_config_reloads_total", result="failure") == 0
+        assert value(after, "nri_qos_config_last_reload_success_timestamp_seconds") > 0
+        # No _created series beside the counters.
+        assert not [name for name in names(after) if name.endswith("_created")]
         assert value(after, "nri_qos_nri_wire_rejections_total", reason="bad_payload") == 1
         # Every kind is exported, at 0 until it happens.
         assert ("nri_qos_nri_wire_rejections_total",
@@ -193,20 +212,24 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
         limit = (host.tier_dir("besteffort") / "memory.limit_in_bytes").read_text()
         assert value(after, "nri_qos_memory_guard_cap_bytes") == int(limit)
         assert value(after, "nri_qos_reclaimed_tier_usage_bytes") == 1 * GIB
-        assert value(after, "nri_qos_detector_level", detector="memory_free", scope=NODE) == 1
+        # No pod: empty namespace and pod labels (absent, for Prometheus). A pod: the labels
+        # kube-state-metrics puts on its series, beside its uid.
+        assert value(after, "nri_qos_detector_level", detector="memory_free", scope=NODE,
+                     namespace="", pod="") == 1
+        pod_labels = {"namespace": existing.info.namespace, "pod": existing.info.name}
         assert value(after, "nri_qos_detector_level", detector="memory_free",
-                     scope=pod_scope(UID_A)) == -1
+                     scope=pod_scope(UID_A), **pod_labels) == -1
         assert value(after, "nri_qos_pods") == 1
         assert value(after, "nri_qos_containers") == 1
         # resctrl monitoring per group and L3 domain; "Unavailable" is left out.
-        cls = {"group": "nriqos-reclaimed_cores", "kind": "class"}
+        cls = {"group": "nriqos-reclaimed_cores", "kind": "class", "namespace": "", "pod": ""}
         assert value(after, "nri_qos_resctrl_llc_occupancy_bytes", domain="00", **cls) == 1 << 20
         assert ("nri_qos_resctrl_llc_occupancy_bytes",
                 frozenset({**cls, "domain": "01"}.items())) not in after
         assert value(after, "nri_qos_resctrl_mbm_total_bytes_total", domain="01", **cls) == 7000
         assert value(after, "nri_qos_resctrl_mbm_local_bytes_total", domain="00", **cls) == 4000
         assert value(after, "nri_qos_resctrl_mbm_total_bytes_total", domain="00",
-                     group=f"nriqos-pod-{UID_A}", kind="pod") == 300
+                     group=f"nriqos-pod-{UID_A}", kind="pod", **pod_labels) == 300
 
         # The runtime restarts: a reconnect, and the state goes through disconnected.
         await simulator.stop()
@@ -355,7 +378,7 @@ async def test_endpoint_answers_health_and_refuses_the_rest() -> None:
         stopping = asyncio.get_running_loop().time()
         stop.set()
     # Stopping closed the idle connection too, at once: not when its read timed out.
-    assert asyncio.get_running_loop().time() - stopping < READ_TIMEOUT_S
+    assert asyncio.get_running_loop().time() - stopping < REQUEST_TIMEOUT_S
     assert await idle_reader.read() == b""
     idle_writer.close()
 
@@ -399,9 +422,174 @@ async def test_port_in_use_is_logged_and_the_agent_goes_on() -> None:
 def test_board_levels_follow_publications() -> None:
     metrics = Metrics()
     board = Board()
-    metrics.watch_board(board)
-    board.publish("psi", [Reading("psi", NODE, Level.HIGH, 50.0, 40.0, "percent")])
+    pods = {UID_A: ("shop", "web-0")}
+    metrics.watch_board(board, lambda: pods)
+    board.publish("psi", [Reading("psi", NODE, Level.HIGH, 50.0, 40.0, "percent"),
+                          Reading("psi", pod_scope(UID_A), Level.LOW, 5.0, 4.0, "percent",
+                                  pod_uid=UID_A)])
     get = metrics.registry.get_sample_value
-    assert get("nri_qos_detector_level", {"detector": "psi", "scope": NODE}) == 3
+    node = {"detector": "psi", "scope": NODE, "namespace": "", "pod": ""}
+    pod = {"detector": "psi", "scope": pod_scope(UID_A), "namespace": "shop", "pod": "web-0"}
+    assert get("nri_qos_detector_level", node) == 3
+    assert get("nri_qos_detector_level", pod) == 1
+    # The pod goes: its names go with it, never kept for a pod the node no longer has.
+    del pods[UID_A]
+    assert get("nri_qos_detector_level", pod) is None
     board.publish("psi", [])
-    assert get("nri_qos_detector_level", {"detector": "psi", "scope": NODE}) is None
+    assert get("nri_qos_detector_level", node) is None
+
+
+async def request(port: int, head: str) -> tuple[int, dict[str, str], bytes]:
+    """One raw request; the status, the header fields (lower-case names) and the body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head.encode())
+    await writer.drain()
+    data = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    top, _, body = data.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    fields = {}
+    for line in lines[1:]:
+        name, _, text = line.partition(":")
+        fields[name.strip().lower()] = text.strip()
+    return int(lines[0].split()[1]), fields, body
+
+
+class Serving:
+    """A metrics endpoint of its own on a free port, for one test."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.endpoint = MetricsEndpoint(metrics.registry, "127.0.0.1", 0, ready=lambda: True)
+        self.stop = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> int:
+        self.task = asyncio.create_task(self.endpoint.serve(self.stop))
+        await until(lambda: self.endpoint.bound is not None)
+        assert self.endpoint.bound is not None
+        return self.endpoint.bound[1]
+
+    async def __aexit__(self, *_: object) -> None:
+        self.stop.set()
+        assert self.task is not None
+        await self.task
+
+
+def counted_metrics() -> Metrics:
+    metrics = Metrics("9.9.9")
+    metrics.nri_request("create_container", "ok", 0.001)
+    return metrics
+
+
+async def test_scrapes_negotiate_the_format_with_the_librarys_exposition() -> None:
+    async with Serving(counted_metrics()) as port:
+        status, fields, body = await request(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200
+        assert fields["content-type"].startswith("text/plain; version=0.0.4")
+        text = body.decode()
+        assert 'nri_qos_nri_requests_total{event="create_container",result="ok"} 1.0' in text
+        assert "_created" not in text
+        status, fields, body = await request(
+            port, "GET /metrics HTTP/1.1\r\nHost: x\r\n"
+                  "Accept: application/openmetrics-text; version=1.0.0\r\n\r\n")
+        assert status == 200
+        assert fields["content-type"].startswith("application/openmetrics-text")
+        open_text = body.decode()
+        assert open_text.endswith("# EOF\n")
+        assert 'nri_qos_nri_requests_total{event="create_container",result="ok"} 1.0' in open_text
+        assert "_created" not in open_text
+
+
+async def test_gzip_when_the_scraper_accepts_it() -> None:
+    async with Serving(counted_metrics()) as port:
+        status, fields, body = await request(
+            port, "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n")
+        assert status == 200
+        assert fields["content-encoding"] == "gzip"
+        assert b"nri_qos_nri_requests_total" in gzip.decompress(body)
+        assert int(fields["content-length"]) == len(body)
+
+
+async def test_head_is_answered_without_a_body() -> None:
+    async with Serving(counted_metrics()) as port:
+        _, got, body = await request(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, fields, empty = await request(port, "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status == 200
+        assert empty == b""
+        assert fields["content-type"] == got["content-type"]
+        # Within a few bytes of the GET's: the process series move between the two scrapes.
+        assert abs(int(fields["content-length"]) - len(body)) < 64
+        for path in ("/healthz", "/readyz"):
+            status, fields, empty = await request(port, f"HEAD {path} HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (status, empty) == (200, b"")
+            assert int(fields["content-length"]) > 0
+
+
+def test_the_guard_cap_is_absent_until_one_is_set() -> None:
+    metrics = Metrics()
+    assert "nri_qos_memory_guard_cap_bytes" not in prometheus_client.generate_latest(
+        metrics.registry).decode()
+    metrics.memory_guard(1 << 30, 1 << 29)
+    assert value(parse(prometheus_client.generate_latest(metrics.registry).decode()),
+                 "nri_qos_memory_guard_cap_bytes") == 1 << 30
+
+
+def test_config_reloads_are_counted(tmp_path: Path) -> None:
+
+
+    metrics = Metrics()
+    path = tmp_path / "config.toml"
+    path.write_text("")
+    store = ConfigStore(AuditLog(MemoryAuditSink()))
+    store.load_initial(str(path))
+    store.on_load(lambda ok: metrics.config_reload(ok, 1234.0))
+    path.write_text("[plugin]\nstrict = 1\n")
+    store.reload()
+    path.write_text("[plugin]\nstrict = true\n")
+    store.reload()
+    samples = parse(prometheus_client.generate_latest(metrics.registry).decode())
+    assert value(samples, "nri_qos_config_reloads_total", result="failure") == 1
+    assert value(samples, "nri_qos_config_reloads_total", result="success") == 1
+    assert value(samples, "nri_qos_config_last_reload_success_timestamp_seconds") == 1234.0
+
+
+async def test_connections_over_the_cap_are_closed_unanswered(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with Serving(Metrics()) as port:
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_CONNECTIONS)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /healthz HTTP/1.1\r\n\r\n")
+        # Closed unanswered: an end of file, or a reset since the request was not read.
+        with contextlib.suppress(ConnectionResetError):
+            assert await reader.read() == b""
+        writer.close()
+        for _, idle_writer in idle:
+            idle_writer.close()
+        await asyncio.sleep(0.1)
+        assert (await http_get(port, "/healthz"))[0] == 200
+        still_open = [await asyncio.open_connection("127.0.0.1", port) for _ in range(4)]
+        await asyncio.sleep(0.1)
+    # Stopped with handlers waiting on their clients: they end without a traceback.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    for _, writer in still_open:
+        writer.close()
+
+
+async def test_a_slow_client_is_cut_off_after_the_request_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each byte in time for any per-read timeout, the whole request far too slow.
+    monkeypatch.setattr(nri_plugin.metrics_server, "REQUEST_TIMEOUT_S", 0.5)
+    async with Serving(Metrics()) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ConnectionError):  # noqa: PT012 - the write that finds it closed
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n":
+                writer.write(bytes([byte]))
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                if reader.at_eof():
+                    raise ConnectionResetError
+        assert asyncio.get_running_loop().time() - started < 2.0
+        writer.close()

@@ -36,7 +36,10 @@ from tests.paths import REPO
 NO_RESCTRL = "[resctrl]\nenabled = false\n"
 
 
-async def run_scenario(tmp_path: Path, scenario_text: str | None) -> list[dict[str, object]]:
+async def run_scenario(tmp_path: Path, scenario_text: str | None,
+                       cgroup: str | None = "v2") -> list[dict[str, object]]:
+    """The answers, as for a cgroup v2 host unless ``cgroup`` says otherwise (None: this
+    host's version)."""
     config = tmp_path / "config.toml"
     config.write_text(NO_RESCTRL)
     if scenario_text is None:
@@ -46,7 +49,8 @@ async def run_scenario(tmp_path: Path, scenario_text: str | None) -> list[dict[s
         path.write_text(scenario_text)
         scenario = load_scenario(path)
     out = io.StringIO()
-    assert await simulate(scenario, str(config), "warning", as_json=True, out=out) == 0
+    assert await simulate(scenario, str(config), "warning", as_json=True, cgroup=cgroup,
+                          out=out) == 0
     return [json.loads(line) for line in out.getvalue().splitlines()]
 
 
@@ -56,8 +60,8 @@ async def test_default_scenario_full_lifecycle(tmp_path: Path) -> None:
     assert set(creates) == {"nginx", "etl"}
     offline = creates["etl"]["response"]
     assert offline["adjust"]["linux"]["oomScoreAdj"]["value"] == "1000"  # type: ignore[index]
-    # The simulated pods are on no real host: "auto" means cgroup v2 whatever this machine
-    # runs, so the reclaimed default (memory.high = 95 % of the 2Gi limit, page-aligned) shows.
+    # Previewed for cgroup v2, the reclaimed default (memory.high = 95 % of the 2Gi limit,
+    # page-aligned) shows.
     unified = offline["adjust"]["linux"]["resources"]["unified"]  # type: ignore[index]
     assert unified == {"memory.high": str((2 << 30) * 95 // 100 // 4096 * 4096)}
     assert "oomScoreAdj" not in json.dumps(creates["nginx"]["response"])

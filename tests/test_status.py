@@ -72,6 +72,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
     sock = short_dir / "run" / "status.sock"
     config = tmp_path / "config.toml"
     config.write_text(
+        '[agent]\nmode = "enforce"\n'
         f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
         "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
         f'[kubernetes]\nenabled = false\n[status]\nsocket = "{sock}"\n')
@@ -101,6 +102,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         assert doc["format"] == 1
         assert doc["agent"]["plugin"] == "10-nri-qos"
         assert doc["agent"]["config"] == str(config)
+        assert doc["agent"]["mode"] == "enforce"
         connection = doc["connection"]
         assert connection["state"] == "synchronized"
         assert connection["connections"] == 1
@@ -139,7 +141,8 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         assert code == 0
         assert "connection        synchronized since " in text
         assert f"runtime           containerd {simulator.runtime.version}, NRI " in text
-        assert f"event mask        {runtime['event_mask']}: " in text
+        assert f"events            {', '.join(runtime['events'])} (mask {runtime['event_mask']})" \
+            in text
         assert "off memory_qos" in text
         assert "2 pods (1 reclaimed_cores, 1 shared_cores), 2 containers, 2 running" in text
         assert "  drift            last cycle " in text
@@ -155,21 +158,28 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
     assert not sock.exists()
     code, out, err = await status(sock)
     assert code == 1
-    assert out == ""
+    assert json.loads(out)["running"] is False
     assert "no nri-qos agent is running" in err
 
 
 def test_no_agent_is_a_clear_error(short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["status", "--socket", str(short_dir / "absent.sock")]) == 1
+    assert main(["status", "--status-socket", str(short_dir / "absent.sock")]) == 1
     err = capsys.readouterr().err
     assert "no nri-qos agent is running" in err
     assert "nri-qos run" in err
+    assert "--status-socket PATH" in err
+    assert "--config PATH" in err
     # A socket left behind by an agent that died: nothing answers either.
     stale = short_dir / "stale.sock"
     with socket.socket(socket.AF_UNIX) as dead:
         dead.bind(str(stale))
-    assert main(["status", "--socket", str(stale), "--json"]) == 1
-    assert "no nri-qos agent is running" in capsys.readouterr().err
+    assert main(["status", "--status-socket", str(stale), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert "no nri-qos agent is running" in captured.err
+    answer = json.loads(captured.out)
+    assert answer["running"] is False
+    assert answer["socket"] == str(stale)
+    assert "no nri-qos agent is running" in answer["error"]
 
 
 def test_socket_path_comes_from_the_config(short_dir: Path, tmp_path: Path,
@@ -181,6 +191,10 @@ def test_socket_path_comes_from_the_config(short_dir: Path, tmp_path: Path,
     config.write_text('[status]\nsocket = "relative.sock"\n')
     assert main(["status", "--config", str(config)]) == 2
     assert "status.socket" in capsys.readouterr().err
+    assert main(["status", "--config", str(config), "--json"]) == 2
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["running"] is False
+    assert "status.socket" in answer["error"]
 
 
 async def test_a_second_agent_leaves_the_first_ones_socket_alone(short_dir: Path) -> None:
@@ -259,15 +273,19 @@ async def test_a_failing_document_is_an_error_not_a_hang(short_dir: Path) -> Non
 def test_printing_the_ladder_evictions_and_taints() -> None:
     doc: dict[str, Any] = {
         "agent": {"version": "1", "pid": 1, "plugin": "10-nri-qos", "uptime_s": 5,
-                  "config": "embedded defaults"},
+                  "config": "embedded defaults", "mode": "observe"},
         "connection": {"state": "disconnected", "since_unix": 0, "for_s": 1.0, "connections": 0},
         "runtime": None, "features": {}, "node": {"pods": 0, "containers": 0,
                                                   "running_containers": 0, "pods_by_level": {},
                                                   "synchronized": False},
         "reconciler": {"running": False, "loops": {}},
         "detection": [{"detector": "psi", "scope": "node", "level": "high", "value": 50,
-                       "threshold": 40, "unit": "percent", "reason": None}],
-        "mitigation": {"level": "medium", "cause": "level medium: psi node 50 percent vs 40",
+                       "threshold": 40, "unit": "percent", "reason": None},
+                      {"detector": "system_free", "scope": "node", "level": "none",
+                       "value": 19658117120.0, "threshold": 2147483648.0, "unit": "bytes",
+                       "reason": None}],
+        "mitigation": {"level": "medium",
+                       "cause": "level medium: psi on node at 50 percent, threshold 40",
                        "engaged": ["taint", "tune", "drop_cache"],
                        "last": {"drop_cache": {"step": "engage", "result": "done",
                                               "detail": "2 pod(s), 512 B freed"}}},
@@ -279,12 +297,18 @@ def test_printing_the_ladder_evictions_and_taints() -> None:
     out = io.StringIO()
     print_status(doc, out)
     text = out.getvalue()
+    assert "\nmode              observe\n" in text
+    assert "events" not in text  # not connected: no event list
     assert "runtime           none (not connected)" in text
     assert "reconciler        not running" in text
-    assert "  psi              node                     high     50 percent (threshold 40)" in text
-    assert ("mitigation ladder level medium (level medium: psi node 50 percent vs 40); taint, "
-            "tune, drop_cache\n  drop_cache       last engage: done (2 pod(s), 512 B freed)\n"
-            ) in text
+    assert ("  psi              node                     high     50 percent (threshold 40 percent)"
+            in text)
+    # Sizes for people, not 19658117120.0 bytes.
+    assert ("  system_free      node                     none     18.3 GiB (threshold 2.0 GiB)"
+            in text)
+    assert ("mitigation ladder level medium (level medium: psi on node at 50 percent, "
+            "threshold 40); taint, tune, drop_cache\n"
+            "  drop_cache       last engage: done (2 pod(s), 512 B freed)\n") in text
     assert ("last evictions    \n  ns/p evicted (system_pressure: free memory low) 2.5 s ago\n"
             ) in text
     assert "taints            \n  nri-qos.io/memory-pressure=:NoSchedule for 61 s\n" in text
@@ -347,7 +371,8 @@ async def test_ladder_sections_show_what_the_ladder_and_the_eviction_manager_did
             ladder = sections["mitigation"]()
             # rungs of level low; only the taint rung has an action here
             assert (ladder["level"], ladder["engaged"]) == ("low", ["taint", "tune"])
-            assert ladder["cause"] == "level low: psi node 20 percent vs 10 (some avg10)"
+            assert ladder["cause"] == (
+                "level low: psi on node at 20 percent, threshold 10 percent (some avg10)")
             assert ladder["last"]["taint"]["step"] == "engage"
             assert ladder["last"]["taint"]["result"] == "done"
             (placed,) = sections["taints"]()

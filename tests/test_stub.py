@@ -681,7 +681,7 @@ async def test_connection_state_follows_the_session(make) -> None:
     assert stub.connection_state == "synchronized"
     assert stub.connections == 1
     assert 0 <= stub.state_age_s() < 5
-    since = metrics.registry.get_sample_value("nri_qos_nri_connection_state_since_seconds")
+    since = metrics.registry.get_sample_value("nri_qos_nri_connection_state_timestamp_seconds")
     assert since is not None
     assert abs(since - time.time()) < 5
     stub.close()

@@ -18,6 +18,7 @@ import tomllib
 import types
 import typing
 from collections.abc import Mapping
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,9 @@ its length and hash, so a hostile file cannot flood the terminal or the log."""
 
 
 class ConfigError(Exception):
-    """The configuration is invalid; ``errors`` holds one line per problem, with its key path."""
+    """The configuration is invalid; ``errors`` holds one line per problem, with its key path
+    (and, when the configuration comes from several files, the file first: ``source`` is then
+    empty)."""
 
     def __init__(self, errors: list[str], source: str = "") -> None:
         # Bounded, with control characters escaped: keys and values are the file's, and each
@@ -53,6 +56,10 @@ class ConfigError(Exception):
         self.source = source
         where = f"{source}: " if source else ""
         super().__init__(where + "; ".join(self.errors))
+
+    def lines(self) -> list[str]:
+        """Every error with the file it is about."""
+        return [f"{self.source}: {error}" if self.source else error for error in self.errors]
 
 
 def parse_size(text: str) -> int:
@@ -103,9 +110,12 @@ def _toml_type(value: Any) -> str:
 class _Builder:
     def __init__(self) -> None:
         self.errors: list[str] = []
+        # The key path of each error, for naming the file that set it.
+        self.paths: list[str] = []
 
     def error(self, path: str, text: str) -> None:
         self.errors.append(f"{path}: {text}" if path else text)
+        self.paths.append(path)
 
     def build(self, cls: type[Any], data: Mapping[str, Any], path: str, base: Any = None) -> Any:
         """Build ``cls`` from ``data``; unset keys keep ``base``'s values (or the defaults)."""
@@ -317,15 +327,117 @@ def load_file(cls: type[Any], path: Path) -> Any:
 
     Opened without blocking, so a FIFO or a device named by mistake is refused rather than
     waited on (at start, at every reload) or read without end."""
+    return parse_toml(cls, _read_text(path), str(path))
+
+
+def _read_text(path: Path) -> str:
     try:
         data = _read_regular(path)
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(path)) from exc
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError([f"not UTF-8 text: {exc}"], str(path)) from exc
-    return parse_toml(cls, text, str(path))
+
+
+def _parse_document(path: Path) -> dict[str, Any]:
+    text = _read_text(path)
+    try:
+        return tomllib.loads(text)
+    except ValueError as exc:
+        raise ConfigError([f"invalid TOML: {exc}"], str(path)) from exc
+    except RecursionError as exc:
+        raise ConfigError(["invalid TOML: arrays or inline tables nested too deep"],
+                          str(path)) from exc
+
+
+KeyPath = tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Layered:
+    """A configuration read from a main file and its drop-ins."""
+
+    config: Any
+    # The files read, in the order they apply.
+    files: tuple[str, ...]
+    # Each value a file set (tables are walked into, arrays are values) -> the file whose value
+    # is in force, the last one that set it; ``data`` is what that file said.
+    origins: Mapping[KeyPath, str]
+    data: Mapping[str, Any]
+
+
+def drop_in_dir(main: Path) -> Path:
+    """Where the drop-ins of ``main`` are: ``config.toml`` -> ``config.toml.d``."""
+    return main.with_name(main.name + ".d")
+
+
+def drop_ins(main: Path) -> list[Path]:
+    """The drop-in files of ``main``, in the order they apply: ``*.toml`` in lexical order
+    (hidden names, such as a ConfigMap volume's ``..data``, left out)."""
+    directory = drop_in_dir(main)
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(directory)) from exc
+    return [directory / name for name in sorted(names)
+            if name.endswith(".toml") and not name.startswith(".")]
+
+
+def load_layers(cls: type[Any], files: list[Path]) -> Layered:
+    """Build ``cls`` from ``files`` applied in order over the defaults: tables merge key by
+    key, a later file's value (an array included) replaces an earlier one. Every error names
+    the file it is about; all errors of all files are reported at once."""
+    merged: dict[str, Any] = {}
+    origins: dict[KeyPath, str] = {}
+    errors: list[str] = []
+    for path in files:
+        try:
+            document = _parse_document(path)
+        except ConfigError as exc:
+            errors.extend(exc.lines())
+            continue
+        _merge(merged, document, str(path), origins, ())
+    if errors:
+        raise ConfigError(errors)
+    builder = _Builder()
+    result = builder.build(cls, merged, "")
+    if builder.errors:
+        fallback = str(files[-1]) if files else ""
+        raise ConfigError([f"{_origin_of(path, origins, fallback)}: {error}"
+                           for path, error in zip(builder.paths, builder.errors, strict=True)])
+    return Layered(result, tuple(str(f) for f in files), origins, merged)
+
+
+def _merge(into: dict[str, Any], document: Mapping[str, Any], source: str,
+           origins: dict[KeyPath, str], at: KeyPath) -> None:
+    for key, value in document.items():
+        here = (*at, key)
+        if isinstance(value, dict):
+            table = into.get(key)
+            if not isinstance(table, dict):
+                table = into[key] = {}
+            _merge(table, value, source, origins, here)
+        else:
+            into[key] = value
+            origins[here] = source
+
+
+def _origin_of(path: str, origins: Mapping[KeyPath, str], fallback: str) -> str:
+    """The file that set the value an error is about, or one that set something in the same
+    table (a rule between two keys of a table names the other key), else ``fallback``."""
+    parts = tuple(path.split("[", 1)[0].split(".")) if path else ()
+    while parts:
+        if parts in origins:
+            return origins[parts]
+        inside = [source for key, source in origins.items() if key[:len(parts)] == parts]
+        if inside:
+            return inside[-1]
+        parts = parts[:-1]
+    return fallback
 
 
 def _read_regular(path: Path) -> bytes:

@@ -100,6 +100,16 @@ def _literal(value: Any, meta: SettingMeta | None = None) -> str:
     raise TypeError(f"cannot render config value {value!r}")
 
 
+def toml_value(value: Any) -> str:
+    """A value of a parsed TOML document (arrays as lists, tables as dicts) written back."""
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = ", ".join(f"{_key(k)} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + items + " }" if items else "{}"
+    return _literal(value)
+
+
 # --- types --------------------------------------------------------------------------------------
 
 def _unwrap(tp: Any) -> Any:

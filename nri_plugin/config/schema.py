@@ -8,6 +8,7 @@ daemon loads, reloads and hands down, section by section.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,24 @@ def _plugin_index(value: Any) -> str | None:
     if not re.fullmatch(r"[0-9]{2}", value):
         return f"must be exactly two digits, got {value!r}"
     return None
+
+
+OBSERVE = "observe"
+ENFORCE = "enforce"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    mode: str = setting(
+        OBSERVE,
+        "observe: the agent decides and audits everything but writes nothing beyond the "
+        "settings of its container-creation answers (no cgroup, procfs or resctrl schemata "
+        "writes to running containers, every mitigation rung and the eviction manager in "
+        "dry-run, no taint, no node condition); enforce: it acts, each rung and the eviction "
+        "manager keeping their own dry_run. Observe is the default so that an install shows "
+        "what it would do before it does it.",
+        choices=(OBSERVE, ENFORCE),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +168,7 @@ class StatusConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    agent: AgentConfig = section(AgentConfig, "The agent as a whole: observe or enforce.")
     plugin: PluginConfig = section(PluginConfig, "Connection to the runtime and failure policy.")
     qos: QosConfig = section(QosConfig, "How a pod's QoS level is resolved.")
     resctrl: ResctrlConfig = section(ResctrlConfig, "Intel RDT / AMD QoS through resctrl.")
@@ -191,3 +211,21 @@ class Config:
                 for i, hook in enumerate(entries):
                     yield f"oci_hooks.levels.{level}.{stage.value}[{i}].path", hook.path
 
+
+
+def in_force(cfg: Config) -> Config:
+    """What the agent runs with: in observe mode every action that reaches beyond the creation
+    answers is held in dry-run, whatever its own setting says, so that one key decides whether a
+    node is acted on."""
+    if cfg.agent.mode != OBSERVE:
+        return cfg
+    rungs = cfg.mitigation
+    mitigation = dataclasses.replace(
+        rungs,
+        taint=dataclasses.replace(rungs.taint, dry_run=True),
+        tune=dataclasses.replace(rungs.tune, dry_run=True),
+        drop_cache=dataclasses.replace(rungs.drop_cache, dry_run=True),
+        evict=dataclasses.replace(rungs.evict, dry_run=True),
+    )
+    return dataclasses.replace(cfg, mitigation=mitigation,
+                               eviction=dataclasses.replace(cfg.eviction, dry_run=True))

@@ -6,9 +6,13 @@ to hear about a new one. A reload validates the whole file first and swaps only 
 configuration: an invalid file leaves the running one in force, with a ``config_rejected`` audit
 record and an error in the log listing every problem.
 
-Reloads happen when the file changes (device, inode, size or modification time differ, which
-also catches the atomic symlink swap of a Kubernetes ConfigMap volume) and on request
-(:meth:`ConfigStore.request_reload`, wired to SIGHUP by the daemon).
+The configuration is the main file and its drop-ins, ``<main>.d/*.toml`` applied over it in
+lexical order (as containerd's, systemd's and the kubelet's drop-ins are): an overlay or an
+operator changes a few keys in a file of its own instead of copying the whole configuration.
+
+Reloads happen when a file changes (device, inode, size or modification time differ, which also
+catches the atomic symlink swap of a Kubernetes ConfigMap volume), when a drop-in comes or goes,
+and on request (:meth:`ConfigStore.request_reload`, wired to SIGHUP by the daemon).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from typing import Any
 
 import structlog
 
-from nri_plugin.config.loader import ConfigError, load_file
-from nri_plugin.config.schema import Config
+from nri_plugin.config.loader import ConfigError, Layered, drop_in_dir, drop_ins, load_layers
+from nri_plugin.config.schema import Config, in_force
 from reconciler.aio import sleep_until
 from reconciler.audit import AuditLog
 
@@ -52,16 +56,39 @@ def file_stamp(path: Path) -> FileStamp | None:
     return FileStamp(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+Stamp = tuple[FileStamp | None, tuple[tuple[str, FileStamp | None], ...]]
+"""What identifies one version of a configuration: its main file and each drop-in."""
+
+
+def config_stamp(main: Path) -> Stamp:
+    try:
+        dropped = drop_ins(main)
+    except ConfigError:
+        dropped = []
+    return file_stamp(main), tuple((p.name, file_stamp(p)) for p in dropped)
+
+
+def load_layered(path: str | None, *, default_path: str = DEFAULT_CONFIG_PATH) -> Layered:
+    """The configuration of the file at ``path`` (which must exist) or, with ``path`` None, at
+    ``default_path`` (the embedded defaults when it does not exist), with the drop-ins beside
+    it. Raises :class:`ConfigError`."""
+    main = Path(path if path is not None else default_path)
+    files = drop_ins(main)
+    if path is not None or main.exists():
+        files.insert(0, main)
+    return load_layers(Config, files)
+
+
 def load_config(path: str | None, *,
                 default_path: str = DEFAULT_CONFIG_PATH) -> tuple[Config, str]:
-    """The configuration and where it came from: the file at ``path``, or with ``path`` None the
-    file at ``default_path`` if there is one, else the embedded defaults. Raises
-    :class:`ConfigError` (a missing explicit ``path`` included)."""
-    target = Path(path if path is not None else default_path)
-    if path is None and not target.exists():
-        return Config(), EMBEDDED_DEFAULTS
-    cfg: Config = load_file(Config, target)
-    return cfg, str(target)
+    """The configuration and where it came from (:func:`load_layered`): the files read, or
+    the embedded defaults. Raises :class:`ConfigError`."""
+    layered = load_layered(path, default_path=default_path)
+    return layered.config, sources_text(layered.files)
+
+
+def sources_text(files: tuple[str, ...]) -> str:
+    return ", ".join(files) if files else EMBEDDED_DEFAULTS
 
 
 class ConfigStore:
@@ -77,11 +104,14 @@ class ConfigStore:
         self._audit = audit
         self._default_path = default_path
         self._current = config if config is not None else Config()
+        self._in_force = in_force(self._current)
         self._clock = clock
         self._path: Path | None = None
         self._explicit = False
-        self._stamp: FileStamp | None = None
+        self._stamp: Stamp | None = None
+        self._source = EMBEDDED_DEFAULTS
         self._subscribers: list[Subscriber] = []
+        self._load_listeners: list[Callable[[bool], None]] = []
         self._reload_requested = asyncio.Event()
 
     @property
@@ -89,16 +119,25 @@ class ConfigStore:
         return self._current
 
     @property
+    def in_force(self) -> Config:
+        """The current configuration as the actions run with it: in observe mode with every
+        mitigation rung and the eviction manager held in dry-run (:func:`in_force`)."""
+        return self._in_force
+
+    @property
     def source(self) -> str:
-        """The file the current configuration came from, or ``embedded defaults``."""
-        if self._path is None or (not self._explicit and self._stamp is None):
-            return EMBEDDED_DEFAULTS
-        return str(self._path)
+        """The files the current configuration came from, or ``embedded defaults``."""
+        return self._source
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call ``subscriber(old, new)`` after every swap; returns the unsubscribe function."""
         self._subscribers.append(subscriber)
         return lambda: self._subscribers.remove(subscriber)
+
+    def on_load(self, listener: Callable[[bool], None]) -> None:
+        """Call ``listener(took_effect)`` after every later load: True when a configuration was
+        read and is in force (changed or not), False when it was refused."""
+        self._load_listeners.append(listener)
 
     def load_initial(self, path: str | os.PathLike[str] | None) -> Config:
         """Load the configuration at startup.
@@ -109,23 +148,27 @@ class ConfigStore:
         """
         self._explicit = path is not None
         self._path = Path(path) if path is not None else Path(self._default_path)
-        cfg = self._read()
-        self._swap(cfg)
-        return cfg
+        self._swap(*self._read())
+        return self._current
 
     def reload(self) -> bool:
         """Re-read the file now; True when a different configuration took effect."""
         try:
-            cfg = self._read()
-        except ConfigError as exc:
-            log.error("config_rejected", path=str(self._path), errors=list(exc.errors),
-                      hint="the previous configuration stays in force; "
-                           "check the file with: nri-qos check-config PATH")
+            cfg, source = self._read()
+        except ConfigError:
+            # Said by the config_rejected record.
+            self._loaded(False)
             return False
-        return self._swap(cfg)
+        changed = self._swap(cfg, source)
+        self._loaded(True)
+        return changed
+
+    def _loaded(self, ok: bool) -> None:
+        for listener in self._load_listeners:
+            listener(ok)
 
     def changed_on_disk(self) -> bool:
-        return self._path is not None and file_stamp(self._path) != self._stamp
+        return self._path is not None and config_stamp(self._path) != self._stamp
 
     def request_reload(self) -> None:
         """Ask :meth:`watch` to reload now (the SIGHUP path). Call from the loop's thread."""
@@ -152,25 +195,29 @@ class ConfigStore:
                     self.reload()
 
 
-    def _read(self) -> Config:
+    def _read(self) -> tuple[Config, str]:
         """Read and check the file; a rejected one is audited (``config_rejected``) and raised."""
         if self._path is None:
             raise RuntimeError("load_initial() must run first")
         # Stamp first: a change made while reading is then seen by the next check.
-        self._stamp = file_stamp(self._path)
+        self._stamp = config_stamp(self._path)
         try:
-            cfg, _ = load_config(str(self._path) if self._explicit else None,
-                                 default_path=str(self._path))
+            layered = load_layered(str(self._path) if self._explicit else None,
+                                   default_path=str(self._path))
         except ConfigError as exc:
             self._audit.record("config_rejected", source=str(self._path),
-                               errors=list(exc.errors))
+                               drop_ins=str(drop_in_dir(self._path)), errors=exc.lines(),
+                               hint="the previous configuration stays in force; check the "
+                                    "files with: nri-qos check-config PATH")
             raise
-        return cfg
+        cfg: Config = layered.config
+        return cfg, sources_text(layered.files)
 
-    def _swap(self, cfg: Config) -> bool:
+    def _swap(self, cfg: Config, source: str) -> bool:
         old, changed = self._current, cfg != self._current
+        self._source = source
         if changed:
-            self._current = cfg
+            self._current, self._in_force = cfg, in_force(cfg)
             for subscriber in list(self._subscribers):
                 try:
                     subscriber(old, cfg)

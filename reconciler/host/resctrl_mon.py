@@ -31,6 +31,8 @@ class ResctrlUsage:
     llc_occupancy_bytes: int | None
     mbm_total_bytes: int | None
     mbm_local_bytes: int | None
+    # The pod of a pod's group; None for a class group.
+    pod_uid: str | None = None
 
 
 def _counter(fs: ResctrlFs, path: str) -> int | None:
@@ -61,5 +63,5 @@ def read_usage(fs: ResctrlFs) -> list[ResctrlUsage]:
             if llc is None and total is None and local is None:
                 continue
             found.append(ResctrlUsage(group, ref.kind, entry[len(DOMAIN_PREFIX):], llc, total,
-                                      local))
+                                      local, ref.key if ref.kind == "pod" else None))
     return found

@@ -136,6 +136,10 @@ class ResctrlFs:
                 return False
         outcome = self.sysfs.write(f"{path}/schemata", schemata_text(schemata),
                                    f"resctrl group {group}: {reason}", create=True)
+        if outcome is Outcome.OBSERVED:
+            # Observe mode: the group exists for the class the creation answers name, with the
+            # kernel's default schemata (the whole cache and bandwidth), so nothing is limited.
+            return created
         if outcome is not Outcome.WRITTEN:
             if created:
                 self.sysfs.remove_dir(path)

@@ -21,6 +21,10 @@ classified once, here:
   only counted, until a write succeeds again (the tree was remounted) and the next refusal is
   said again.
 * anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``.
+
+Observe mode (``observe`` returns True): every write is decided as usual but not done; it is
+counted as :attr:`Outcome.OBSERVED` and audited as ``write_observed``, once per file and value,
+since a loop decides the same write again every cycle while the file stays as it is.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ class Outcome(Enum):
     GONE = "gone"
     FAILED = "failed"
     TIMEOUT = "timeout"
+    OBSERVED = "observed"
+
+
+OBSERVED_MEMORY = 4096
+"""Files whose last observed value is kept to audit each observed write once: a node's
+containers' cgroup files fit, and past it the memory starts over rather than grow."""
 
 
 _CHILD_WRITER = (
@@ -190,6 +200,7 @@ class SysFs:
         backoff_s: float = 0.01,
         sleep: Callable[[float], None] = time.sleep,
         metrics: Metrics | None = None,
+        observe: Callable[[], bool] | None = None,
     ) -> None:
         if retries < 1:
             raise ValueError("retries must be at least 1")
@@ -200,13 +211,35 @@ class SysFs:
         self._backoff_s = backoff_s
         self._sleep = sleep
         self._metrics = metrics
+        self._observe = observe
+        # The value last audited per file in observe mode.
+        self._observed: dict[str, str] = {}
         # A write was refused with EROFS and said so; cleared by the next write that succeeds.
         self._read_only_said = False
 
     def metered(self, metrics: Metrics) -> SysFs:
         """The same tree and write policy, counting every write into ``metrics``."""
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
-                     sleep=self._sleep, metrics=metrics)
+                     sleep=self._sleep, metrics=metrics, observe=self._observe)
+
+    def observing(self, observe: Callable[[], bool]) -> SysFs:
+        """The same tree and write policy, writing nothing while ``observe()`` is true."""
+        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
+                     sleep=self._sleep, metrics=self._metrics, observe=observe)
+
+    def _observed_only(self, path: str, value: str, reason: str, count: int = 1) -> bool:
+        """True (after counting and, once per file and value, auditing) when the write is
+        held back by observe mode."""
+        if self._observe is None or not self._observe():
+            return False
+        shown = bounded(value.strip())
+        if self._observed.get(path) != shown:
+            if len(self._observed) >= OBSERVED_MEMORY:
+                self._observed.clear()
+            self._observed[path] = shown
+            self._record("write_observed", path=path, value=shown, reason=reason)
+        self._count(path, Outcome.OBSERVED, count)
+        return True
 
     def real(self, path: str) -> str:
         """Where the system path ``path`` is below the root."""
@@ -340,7 +373,10 @@ class SysFs:
         thread could not abandon but a killed writer interrupts (the kernel checks for a
         pending signal while it reclaims). Not audited here: the caller records the action.
 
-        Returns the outcome (WRITTEN, GONE, FAILED or TIMEOUT) and, unless written, why."""
+        Returns the outcome (WRITTEN, GONE, FAILED, TIMEOUT or OBSERVED) and, unless written,
+        why."""
+        if self._observed_only(path, value, "bounded write"):
+            return Outcome.OBSERVED, "observe mode: not written"
         try:
             done = subprocess.run(
                 [sys.executable, "-I", "-S", "-c", _CHILD_WRITER, self.real(path), value],
@@ -365,6 +401,9 @@ class SysFs:
         ``create``: the file belongs to a group this process made, which the kernel fills with
         its files; a plain directory tree standing in for it needs the file created.
         """
+        ids = [tid for tid in ids if tid > 0]
+        if ids and self._observed_only(path, " ".join(map(str, ids)), "task ids", len(ids)):
+            return 0
         flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
         try:
             fd = os.open(self.real(path), flags, 0o644)
@@ -376,8 +415,6 @@ class SysFs:
         written = 0
         try:
             for tid in ids:
-                if tid <= 0:
-                    continue
                 try:
                     os.write(fd, b"%d\n" % tid)
                 except ProcessLookupError:
@@ -410,6 +447,8 @@ class SysFs:
         ``create`` as for :meth:`append_ids`.
         """
         real = self.real(path)
+        if self._observed_only(path, value, reason):
+            return Outcome.OBSERVED
         data = value.encode("ascii")
         attempt = 0
         while True:

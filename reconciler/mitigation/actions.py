@@ -15,6 +15,7 @@ from typing import Protocol
 import structlog
 
 from hooks.levels import QosLevel
+from hooks.units import quantity
 from reconciler.audit import AuditLog
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
@@ -48,14 +49,9 @@ class Cause:
         r = self.reading
         if r is None:
             return f"level {self.level.name.lower()}: {self.note}"
-        return (f"level {self.level.name.lower()}: {r.detector} {r.scope} "
-                f"{_number(r.value, r.unit)} {r.unit} vs {_number(r.threshold, r.unit)} "
+        return (f"level {self.level.name.lower()}: {r.detector} on {r.scope} at "
+                f"{quantity(r.value, r.unit)}, threshold {quantity(r.threshold, r.unit)} "
                 f"({r.reason})")
-
-
-def _number(value: float, unit: str) -> str:
-    """Bytes as whole numbers (23446401024, not 2.34464e+10), the rest as short as exact."""
-    return str(int(value)) if unit == "bytes" else f"{value:g}"
 
 
 @dataclass(frozen=True, slots=True)

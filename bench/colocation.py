@@ -173,7 +173,9 @@ class Agent:
 
     def config(self, root: Path, kubeconfig: Path) -> str:
         return (
-            "# Everything not set here keeps its default (deploy/config.toml).\n"
+            "# Everything not set here keeps its default (deploy/config.toml); the agent acts\n"
+            "# (enforce), where a first install only observes.\n"
+            '[agent]\nmode = "enforce"\n'
             f'[reconciler]\nroot = "{root}"\n'
             f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
             f'[logging]\naudit_file = "{self.audit_file}"\n'

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nri_plugin.agent import build_agent, probe
-from nri_plugin.config.schema import Config
+from nri_plugin.config.schema import ENFORCE, Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.stub import PluginIdentity
@@ -102,9 +102,11 @@ class Onset:
 
 
 def agent_config(root: Path, kubeconfig: Path, **detection: Any) -> Config:
+    """The default configuration, enforcing (a first install only observes: no action to time)."""
     cfg = Config()
     return dataclasses.replace(
         cfg,
+        agent=dataclasses.replace(cfg.agent, mode=ENFORCE),
         reconciler=dataclasses.replace(cfg.reconciler, root=str(root)),
         kubernetes=dataclasses.replace(cfg.kubernetes, kubeconfig=str(kubeconfig),
                                        node_name=NODE),

@@ -49,7 +49,7 @@ from reconciler.loops.memory_guard import GuardSqueeze
 from reconciler.metrics import Metrics
 from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, run_reconciler
-from reconciler.state import NodeState
+from reconciler.state import NodeState, report_refusals
 
 HOOK_THREADS = 4
 """Worker threads running capabilities that may block; more than one so one stuck past its
@@ -152,7 +152,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     cfg = store.current
     metrics = Metrics()
     sysfs = sysfs.metered(metrics)
-    state = NodeState(qos=lambda: store.current.qos)
+    state = NodeState(qos=lambda: store.current.qos,
+                      on_refused=report_refusals(audit, metrics))
     board = Board()
     tracker = LoopTracker(metrics)
     resctrl = _resctrl(store, host, sysfs, audit)

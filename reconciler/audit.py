@@ -45,6 +45,10 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("adjustment_conflict", ("pod_uid", "container", "field", "kept_owner",
                                        "rejected_owner"),
                "Two capabilities asked for different values of one field."),
+    AuditEvent("qos_level_refused", ("pod_uid", "pod", "claim", "source", "reason"),
+               "A pod claimed a QoS level above what its Kubernetes QoS class, its namespace or "
+               "its level at creation allow; it runs at its class's level instead. Once per pod "
+               "and refusal."),
     AuditEvent("event_failed", ("nri_event", "reason"),
                "An NRI event handler failed; the answer was empty, partial or an error."),
     AuditEvent("cgroup_write", ("path", "value", "reason"), "A cgroup or procfs file was written."),

@@ -83,7 +83,7 @@ async def test_filtered_pods_are_audited_once_with_the_reason(
     tmp_path: Path, fake: FakeApiServer
 ) -> None:
     env = make_env(tmp_path, fake, exclude_selectors=("team=infra",))
-    env.add_pod("sys", level="system_cores", fake=fake)
+    env.add_pod("sys", level="system_cores", namespace="kube-system", fake=fake)
     env.add_pod("ds", owner="DaemonSet", fake=fake)
     env.add_pod("crit", priority=2_000_001_000, fake=fake)
     env.add_pod("going", fake=fake, deletionTimestamp="2026-01-01T00:00:00Z")
@@ -96,7 +96,7 @@ async def test_filtered_pods_are_audited_once_with_the_reason(
     whys = dict(zip(env.audited("eviction_filtered"), env.audited("eviction_filtered", "why"),
                     strict=True))
     assert whys == {
-        "batch/sys": "system_cores pod",
+        "kube-system/sys": "system_cores pod",
         "batch/ds": "owned by a DaemonSet",
         "batch/crit": "priority 2000001000 >= 2000000000",
         "batch/going": "terminating",

@@ -139,10 +139,10 @@ async def test_taint_action_fails_when_the_api_refuses(
 
 
 class Ladder:
-    def __init__(self, kube: KubeActions, cooldown_s: float) -> None:
+    def __init__(self, kube: KubeActions, cooldown_s: float, **mitigation: Any) -> None:
         cfg = Config()
         self.cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
-            cfg.mitigation, cooldown_s=cooldown_s))
+            cfg.mitigation, cooldown_s=cooldown_s, **mitigation))
         self.board = Board()
         self.sink = MemoryAuditSink()
         self.metrics = Metrics()
@@ -205,6 +205,71 @@ async def test_the_ladder_taints_once_and_removes_after_the_cooldown(
         assert results == [("release", "done"), ("engage", "done"), ("release", "done")]
         assert [r["status"] for r in ladder.sink.named("node_condition")] == [
             "False", "True", "False"]
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+TAINT_KEY = "nri-qos.io/memory-pressure"
+
+
+async def test_a_refused_release_is_retried_until_the_taint_is_gone(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    ladder = Ladder(actions, cooldown_s=0.2, retry_initial_s=0.1, retry_max_s=0.2)
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 1)
+        ladder.pressure(Level.LOW, 20.0)
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 2)
+        assert fake.taints("node-a") != []
+        # The API server is away for a while: every write to the node fails.
+        fake.fail_next("GET", "/api/v1/nodes/node-a", 503, count=4)
+        ladder.pressure(Level.NONE, 1.0)
+        await ladder.until(lambda: len([
+            r for r in ladder.sink.named("mitigation_action")
+            if (r["step"], r["result"]) == ("release", "failed")]) >= 2)
+        assert ladder.mitigation.state().engaged == ()
+        # Back: the taint goes without any new pressure or calm.
+        await ladder.until(lambda: fake.taints("node-a") == [])
+        await ladder.until(lambda: condition(fake)["status"] == "False")  # type: ignore[index]
+        assert ladder.mitigation.taints() == []
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_release_removes_the_key_placed_when_the_key_changed_while_engaged(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    ladder = Ladder(actions, cooldown_s=0.2)
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 1)
+        ladder.pressure(Level.LOW, 20.0)
+        await ladder.until(lambda: fake.taints("node-a") != [])
+        m = ladder.cfg.mitigation
+        ladder.cfg = dataclasses.replace(ladder.cfg, mitigation=dataclasses.replace(
+            m, taint=dataclasses.replace(m.taint, key="example.com/busy")))
+        ladder.pressure(Level.NONE, 1.0)
+        await ladder.until(lambda: fake.taints("node-a") == [])
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_the_start_clears_a_taint_left_even_when_the_rung_is_now_off(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    fake.add_node("node-a", taints=[{"key": TAINT_KEY, "effect": "NoSchedule"}],
+                  conditions=[*KUBELET, {"type": KIND, "status": "True"}])
+    cfg = Config()
+    ladder = Ladder(actions, cooldown_s=0.2, taint=dataclasses.replace(
+        cfg.mitigation.taint, enabled=False))
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await ladder.until(lambda: fake.taints("node-a") == [])
+        await ladder.until(lambda: condition(fake)["status"] == "False")  # type: ignore[index]
     finally:
         ladder.stop.set()
         await asyncio.wait_for(task, BOUND_S)

@@ -115,6 +115,8 @@ class TaintAction:
         self._config = config
         self._metrics = metrics
         self._placed: PlacedTaint | None = None
+        # The node condition this agent last set True (None: none, as far as it knows).
+        self._condition_set: str | None = None
         self._kube = kube
         self._node = node
         self._audit = audit
@@ -127,6 +129,11 @@ class TaintAction:
         if not self._kube.available:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
+        outcomes = []
+        placed = self._placed
+        if placed is not None and placed.key != rung.key:
+            # The key changed while engaged: the old taint is ours too and must not stay.
+            outcomes.append(await self._remove(placed.key, reason))
         taint = await self._kube.add_taint(self._node, rung.key, rung.value, rung.effect,
                                            reason=reason)
         self._taint_is(rung.key, True, taint)
@@ -134,27 +141,45 @@ class TaintAction:
                 self._placed is None or self._placed.key != rung.key):
             self._placed = PlacedTaint(rung.key, rung.value, rung.effect,
                                        asyncio.get_running_loop().time())
+        if self._condition_set is not None and self._condition_set != rung.condition:
+            outcomes.append(await self._condition(self._condition_set, False,
+                                                  "NoMemoryInterference", reason))
         condition = await self._condition(rung.condition, True, "MemoryInterference", reason)
-        return _node_result([taint, condition], what)
+        if condition in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            self._condition_set = rung.condition
+        return _node_result([*outcomes, taint, condition], what)
 
     async def repeat(self, cause: Cause, dry_run: bool) -> Result:
         return await self.engage(cause, dry_run)
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
+        """Removes the taint key placed (and the configured one, which an earlier run may have
+        placed) and sets the condition False."""
         rung = self._config().mitigation.taint
-        what = f"remove taint {rung.key}, {rung.condition}=False"
+        keys = list(dict.fromkeys(
+            [*([self._placed.key] if self._placed is not None else []), rung.key]))
+        conditions = list(dict.fromkeys(
+            [*([self._condition_set] if self._condition_set is not None else []),
+             rung.condition]))
+        what = f"remove taint {', '.join(keys)}, {'=False, '.join(conditions)}=False"
         if dry_run:
             return Result(DRY_RUN, f"would {what}")
         if not self._kube.available:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
-        taint = await self._kube.remove_taint(self._node, rung.key, reason=reason)
-        self._taint_is(rung.key, False, taint)
-        if taint in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+        outcomes = [await self._remove(key, reason) for key in keys]
+        if all(o in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED) for o in outcomes):
             self._placed = None
-        condition = await self._condition(rung.condition, False, "NoMemoryInterference",
-                                          reason)
-        return _node_result([taint, condition], what)
+        cleared = [await self._condition(kind, False, "NoMemoryInterference", reason)
+                   for kind in conditions]
+        if all(o in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED) for o in cleared):
+            self._condition_set = None
+        return _node_result([*outcomes, *cleared], what)
+
+    async def _remove(self, key: str, reason: str) -> NodeOutcome:
+        outcome = await self._kube.remove_taint(self._node, key, reason=reason)
+        self._taint_is(key, False, outcome)
+        return outcome
 
     def placed(self) -> list[PlacedTaint]:
         """The taints this agent has on the node now (empty or one)."""

@@ -11,7 +11,9 @@ Each rung's action runs in a task of its own, one step at a time per rung (a ste
 while the previous one runs waits, and only the latest waits: actions are idempotent), so an
 action that hangs or fails stalls neither the ladder nor the other rungs. Every step is audited
 as ``mitigation_action`` with the cause (detector, scope, value, threshold), the result and
-whether it was a dry run; a change of the ladder's level as ``mitigation_level``.
+whether it was a dry run; a change of the ladder's level as ``mitigation_level``. The result goes
+back to the ladder too: a step that failed or timed out is tried again (see
+:mod:`reconciler.mitigation.ladder`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
     FAILED,
+    TIMEOUT,
     Action,
     Cause,
     EvictAction,
@@ -50,13 +53,16 @@ from reconciler.mitigation.actions import (
 )
 from reconciler.mitigation.config import MitigationConfig
 from reconciler.mitigation.drop_cache import DropCacheAction
-from reconciler.mitigation.ladder import Ladder, Rung, Step
+from reconciler.mitigation.ladder import Backoff, Ladder, Rung, Step
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.mitigation")
 
 RUNGS = ("taint", "tune", "drop_cache", "evict")
 """The rungs, least harmful first."""
+
+UNCONFIRMED = frozenset({FAILED, TIMEOUT})
+"""Results that leave a step's effect unknown: the ladder tries the step again."""
 
 IDLE_RECHECK_S = 5.0
 """With nothing due, the service still looks again this often (a configuration reload may have
@@ -173,6 +179,9 @@ class Mitigation:
         self._cause = Cause(Level.NONE)
         self._last_known: dict[tuple[str, str], Level] = {}
         self._last: dict[str, tuple[str, str, str]] = {}
+        # Set while running: the clock, and the wake-up of the loop after a step's result.
+        self._now: Callable[[], float] = lambda: 0.0
+        self._wake: Callable[[], None] = lambda: None
 
     def state(self) -> LadderState:
         return LadderState(self._level, self._cause.text(), self._ladder.engaged,
@@ -216,6 +225,7 @@ class Mitigation:
                 loop.call_soon_threadsafe(changed.set)
 
         unsubscribe = self._board.subscribe(wake)
+        self._now, self._wake = clock, changed.set
         runners = {name: _RungRunner(name, action, self._finished)
                    for name, action in self._actions.items()}
         try:
@@ -259,19 +269,22 @@ class Mitigation:
 
     def _clear_leftovers(self, runners: Mapping[str, _RungRunner],
                          group: asyncio.TaskGroup) -> None:
-        """Release, once at start, every rung the ladder does not hold: a taint or condition
-        left by an earlier run of the agent (a crash, an upgrade) would otherwise stay until
-        pressure came and went. Releases are idempotent: usually nothing changes."""
+        """Release, once at start, every rung the ladder does not hold, switched on or not: a
+        taint or condition left by an earlier run of the agent (a crash, an upgrade, a rung
+        switched off since) would otherwise stay until pressure came and went. Releases are
+        idempotent (usually nothing changes) and retried until they succeed."""
         cfg = self._config()
         cause = Cause(Level.NONE, None, "start: clearing what an earlier run may have left")
-        for rung in rungs_of(cfg):
-            if rung.name not in self._ladder.engaged and rung.name in runners:
-                runners[rung.name].submit(Step.RELEASE, cause,
-                                          dry_run_of(cfg.mitigation, rung.name), group)
+        for name, step in self._ladder.release_leftovers(runners):
+            runners[name].submit(step, cause, dry_run_of(cfg.mitigation, name), group)
 
     def _finished(self, name: str, step: Step, cause: Cause, dry_run: bool,
                   result: Result) -> None:
         self._last[name] = (str(step), result.result, result.detail)
+        m = self._config().mitigation
+        self._ladder.finished(name, step, result.result not in UNCONFIRMED, self._now(),
+                              Backoff(m.retry_initial_s, m.retry_max_s))
+        self._wake()
         reading = cause.reading
         self._audit.record(
             "mitigation_action", action=name, step=str(step),

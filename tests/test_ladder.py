@@ -439,7 +439,7 @@ def test_a_failed_release_is_retried_with_backoff_until_it_succeeds() -> None:
         assert ladder.step(Level.NONE, now, [TAINT], COOLDOWN) == [("taint", Step.RELEASE)]
     assert waits == [2.0, 4.0, 4.0, 4.0]
     ladder.finished("taint", Step.RELEASE, True, now, BACKOFF)
-    assert ladder.releasing == ()
+    assert not ladder.releasing
     assert ladder.next_due([TAINT], COOLDOWN) is None
     assert ladder.step(Level.NONE, now + 100, [TAINT], COOLDOWN) == []
 

@@ -431,6 +431,11 @@ class PodRef:
     uid: str
 
 
+MIN_GRACE_S = 1
+"""The shortest grace period an eviction may ask for. 0 means immediate deletion: the pod gets
+no SIGTERM and no graceful shutdown, and the kubelet's record of it goes at once."""
+
+
 class KubeActions:
     """Writes to the API: evictions (with an Event on the pod), node taints and node status
     conditions; evictions and taints are audited here, conditions by their owner."""
@@ -453,9 +458,15 @@ class KubeActions:
         grace_seconds: int | None,
         dry_run: bool,
         *,
+        uid: str | None = None,
         reason: str = "unspecified",
     ) -> EvictionResult:
-        """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``."""
+        """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``. ``uid``: the
+        pod the decision was about, sent as a precondition so that a pod re-created under the
+        same name in the meantime is not the one evicted (the API answers 409). A grace period
+        below :data:`MIN_GRACE_S` is a programming error."""
+        if grace_seconds is not None and grace_seconds < MIN_GRACE_S:
+            raise ValueError(f"grace period {grace_seconds} s is below {MIN_GRACE_S} s")
         pod = f"{namespace}/{name}"
         self._audit.record("eviction_requested", pod=pod, reason=reason, dry_run=dry_run)
         if self._core is None:
@@ -466,8 +477,10 @@ class KubeActions:
             api_version="policy/v1",
             kind="Eviction",
             metadata=k8s_client.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=None if grace_seconds is None else k8s_client.V1DeleteOptions(
-                grace_period_seconds=grace_seconds
+            delete_options=None if grace_seconds is None and uid is None
+            else k8s_client.V1DeleteOptions(
+                grace_period_seconds=grace_seconds,
+                preconditions=None if uid is None else k8s_client.V1Preconditions(uid=uid),
             ),
         )
 
@@ -487,7 +500,9 @@ class KubeActions:
         except ApiException as exc:
             sent = _status_body(exc)
             message = _status_message(exc, sent)
-            if exc.status == HTTP_NOT_FOUND:
+            if exc.status == HTTP_NOT_FOUND or (exc.status == HTTP_CONFLICT and uid is not None):
+                # 409 on a uid precondition: a pod of that name exists, but not the one the
+                # decision was about (re-created); that one is gone.
                 self._audit.record("eviction_gone", pod=pod, status=exc.status)
                 return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
             blocked = exc.status == HTTP_TOO_MANY_REQUESTS

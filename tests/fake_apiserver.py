@@ -685,10 +685,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _evict(self, record: Recorded, namespace: str, name: str) -> None:
         api = self.api
         dry_run = record.query.get("dryRun") == "All"
+        body = record.body if isinstance(record.body, dict) else {}
+        wanted_uid = ((body.get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
         with api._lock:
             key = (namespace, name)
             if key not in api._state.pods:
                 code, reason, message = 404, "NotFound", f'pods "{name}" not found'
+            elif wanted_uid is not None \
+                    and api._state.pods[key]["metadata"].get("uid") != wanted_uid:
+                # As the API server answers a precondition that does not hold.
+                code, reason = 409, "Conflict"
+                message = (f"Operation cannot be fulfilled on Pod \"{name}\": Precondition "
+                           f"failed: UID in precondition: {wanted_uid}, UID in object meta: "
+                           f"{api._state.pods[key]['metadata'].get('uid')}")
             elif key in api._state.pdb_blocked:
                 self._status(
                     record, 429, "TooManyRequests",

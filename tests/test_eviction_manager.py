@@ -76,6 +76,19 @@ async def test_dry_run_per_plugin(tmp_path: Path, fake: FakeApiServer) -> None:
     assert await env.round() == [("batch/b", "evicted")]
 
 
+async def test_a_pod_re_created_under_the_same_name_is_not_evicted(
+    tmp_path: Path, fake: FakeApiServer
+) -> None:
+    env = make_env(tmp_path, fake)
+    env.add_pod("a", fake=fake)
+    # The API's pod "a" is another one now (deleted and re-created); the node still runs the
+    # one the decision is about.
+    fake.modify_pod("batch", "a", lambda pod: pod["metadata"].update(uid="someone-else"))
+    forced(env, "a")
+    assert await env.round() == [("batch/a", "gone")]
+    assert fake.pod("batch", "a") is not None
+
+
 # ---- filter -------------------------------------------------------------------------------------
 
 
@@ -265,7 +278,8 @@ async def test_hard_met_asks_for_top_pods_after_the_streak(
     assert chosen["reason"] == "threshold hard-met: system_free node: 50 bytes < 100 bytes"
     assert chosen["grace_s"] == 3
     (post,) = [r for r in fake.requests("POST") if r.path.endswith("eviction")]
-    assert post.body["deleteOptions"]["gracePeriodSeconds"] == 3
+    assert post.body["deleteOptions"] == {"gracePeriodSeconds": 3,
+                                          "preconditions": {"uid": env.uid("b")}}
     # A soft-met round breaks the streak.
     env.system.threshold = ThresholdMet(MetType.SOFT_MET)
     await env.round()

@@ -258,6 +258,9 @@ def test_defaults() -> None:
     ('exclude_namespaces = ["Not_A_Namespace"]', "not a namespace name"),
     ('sort_keys = ["priority", "priority"]', "each key at most once"),
     ('sort_keys = ["age"]', "must be one of qos_level, priority, memory_usage"),
+    ("grace_period_s = 0", "eviction.grace_period_s: 0 would delete the pod at once"),
+    ("reclaimed_grace_period_s = 0", "eviction.reclaimed_grace_period_s: 0 would delete"),
+    ("grace_period_s = -2", "eviction.grace_period_s: must be"),
     ("retry_initial_s = 10.0\nretry_max_s = 5.0", "eviction.retry_max_s: must be >= "),
     ('soft_level = "high"\nhard_level = "medium"', "eviction.soft_level: must not be above"),
     ('plugins = ["kubelet"]', "must be one of"),
@@ -268,6 +271,12 @@ def test_config_errors(toml: str, error: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_toml(Config, f"[eviction]\n{toml}\n")
     assert any(error in line for line in caught.value.errors), caught.value.errors
+
+
+@pytest.mark.parametrize("toml", ["grace_period_s = 1", "grace_period_s = -1",
+                                  "reclaimed_grace_period_s = 1"])
+def test_grace_periods_from_one_second_or_the_pods_own(toml: str) -> None:
+    parse_toml(Config, f"[eviction]\n{toml}\n")
 
 
 def test_config_reads_the_static_pod_annotations() -> None:

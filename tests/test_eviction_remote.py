@@ -84,11 +84,20 @@ def test_top_pods_and_evict_pods_answers() -> None:
     top.grace_period_seconds = -1
     with pytest.raises(PluginCallError, match="grace period -1"):
         top_pods_from(top, 2)
+    # 0 is immediate deletion, no graceful shutdown: refused; 1 s is the least.
+    top.grace_period_seconds = 0
+    with pytest.raises(PluginCallError, match=r"grace period 0 s is outside 1\.\.86400"):
+        top_pods_from(top, 2)
+    top.grace_period_seconds = 1
+    assert top_pods_from(top, 2).grace_s == 1
+    with pytest.raises(PluginCallError, match="grace period 0"):
+        evict_pods_from(pb.GetEvictPodsResponse(evict_pods=[
+            pb.EvictPod(uid="b", grace_period_seconds=0)]))
     wanted = evict_pods_from(pb.GetEvictPodsResponse(evict_pods=[
         pb.EvictPod(uid="a", reason="x" * 500, force=True),
-        pb.EvictPod(uid="b", grace_period_seconds=0)]))
+        pb.EvictPod(uid="b", grace_period_seconds=1)]))
     assert [(p.uid, p.force, p.grace_s) for p in wanted.pods] == [("a", True, None),
-                                                                 ("b", False, 0)]
+                                                                 ("b", False, 1)]
     assert wanted.pods[0].reason.startswith("x" * 128 + "… (500 chars")
     assert wanted.pods[1].reason == "no reason given"
     with pytest.raises(PluginCallError, match="without uid"):

@@ -11,6 +11,7 @@ from hooks.levels import QosLevel
 from reconciler.detection.signals import SETTING_LEVEL_NAMES
 from reconciler.eviction.api import PLUGIN_NAME
 from reconciler.eviction.selector import check_selectors
+from reconciler.k8s import MIN_GRACE_S
 
 SYSTEM_CLUSTER_CRITICAL = 2_000_000_000
 SYSTEM_NODE_CRITICAL = 2_000_001_000
@@ -35,6 +36,13 @@ def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None
 
 _namespaces = _names(_NAMESPACE, "namespace name")
 _plugin_names = _names(PLUGIN_NAME, "plugin name")
+
+
+def _no_immediate_deletion(value: object) -> str | None:
+    if value == 0:
+        return (f"0 would delete the pod at once, skipping its graceful shutdown: use "
+                f"{MIN_GRACE_S} or more, or -1 for the pod's own")
+    return None
 
 
 def grace_of(seconds: int) -> int | None:
@@ -102,10 +110,12 @@ class EvictionConfig:
         choices=SORT_KEYS, check=_distinct)
     grace_period_s: int = setting(
         -1, "Grace period of an eviction whose plugin names none; -1: the pod's own "
-        "terminationGracePeriodSeconds.", unit="seconds", minimum=-1, maximum=86_400)
+        "terminationGracePeriodSeconds; 0 (immediate deletion) is refused.", unit="seconds",
+        minimum=-1, maximum=86_400, check=_no_immediate_deletion)
     reclaimed_grace_period_s: int = setting(
         1, "Grace period the in-tree plugins ask for reclaimed_cores pods (Katalyst's "
-        "default); -1: the pod's own.", unit="seconds", minimum=-1, maximum=86_400)
+        "default); -1: the pod's own; 0 is refused.", unit="seconds", minimum=-1,
+        maximum=86_400, check=_no_immediate_deletion)
     retry_initial_s: float = setting(
         5.0, "First wait before a pod whose eviction was refused (429 from a disruption "
         "budget) or failed is tried again; doubles per failure.", unit="seconds",

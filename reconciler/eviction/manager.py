@@ -484,7 +484,7 @@ class EvictionManager:
         bucket = self._bucket
         assert bucket is not None
         result = await self._actions.evict(pod.namespace, pod.name, candidate.grace_s, False,
-                                           reason=f"{plugin}: {candidate.reason}")
+                                           uid=pod.uid, reason=f"{plugin}: {candidate.reason}")
         outcome = result.outcome
         if outcome is EvictionOutcome.EVICTED:
             self._retries.pop(pod.uid, None)

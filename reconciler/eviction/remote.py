@@ -33,6 +33,7 @@ from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
 from reconciler.audit import AuditLog
+from reconciler.k8s import MIN_GRACE_S
 from reconciler.eviction.api import (
     PLUGIN_NAME,
     ActivePod,
@@ -122,8 +123,8 @@ def _grace(message: Any) -> int | None:
     if not message.HasField("grace_period_seconds"):
         return None
     value = int(message.grace_period_seconds)
-    if not 0 <= value <= MAX_GRACE_S:
-        raise _invalid(f"grace period {value} s is outside 0..{MAX_GRACE_S}")
+    if not MIN_GRACE_S <= value <= MAX_GRACE_S:
+        raise _invalid(f"grace period {value} s is outside {MIN_GRACE_S}..{MAX_GRACE_S}")
     return value
 
 

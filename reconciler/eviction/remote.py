@@ -33,7 +33,6 @@ from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
 from reconciler.audit import AuditLog
-from reconciler.k8s import MIN_GRACE_S
 from reconciler.eviction.api import (
     PLUGIN_NAME,
     ActivePod,
@@ -45,6 +44,7 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
+from reconciler.k8s import MIN_GRACE_S
 
 log = structlog.get_logger("nri_qos.eviction")
 

@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from hooks.config_fields import setting
 from reconciler.aio import Backoff, done_or_stopped, sleep_until
 from reconciler.audit import AuditLog
-from reconciler.podmeta import PodMeta, pod_meta_from_object
+from reconciler.podmeta import OwnerRef, PodMeta, pod_meta_from_object
 
 _log = structlog.get_logger(__name__)
 
@@ -443,6 +443,7 @@ class KubeActions:
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
         # One API handle for every write; None in degraded mode.
         self._core: Any = None if api is None else k8s_client.CoreV1Api(api)
+        self._apps: Any = None if api is None else k8s_client.AppsV1Api(api)
         self._cfg = cfg
         self._audit = audit
 
@@ -606,6 +607,36 @@ class KubeActions:
             return {"status": {"conditions": [*kept, wanted]}}
 
         return await self._update_node(node, patch, status=True, what="condition")
+
+    async def owner_exists(self, namespace: str, owner: OwnerRef) -> bool | None:
+        """Whether the DaemonSet ``owner`` names exists with that uid, as ``kubectl drain``
+        checks before treating a pod as a DaemonSet's; None when the API could not tell."""
+        if self._apps is None:
+            return None
+        apps = self._apps
+
+        def read() -> bool:
+            response: Any = apps.read_namespaced_daemon_set(
+                owner.name, namespace, _preload_content=False,
+                _request_timeout=self._cfg.request_timeout_s)
+            try:
+                found = json.loads(response.data)
+            finally:
+                response.release_conn()
+            meta = found.get("metadata") if isinstance(found, dict) else None
+            return isinstance(meta, dict) and meta.get("uid") == owner.uid
+
+        try:
+            return await asyncio.to_thread(read)
+        except ApiException as exc:
+            if exc.status == HTTP_NOT_FOUND:
+                return False
+            _log.warning("owner_check_failed", namespace=namespace, owner=owner.name,
+                         reason=_describe(exc))
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            _log.warning("owner_check_failed", namespace=namespace, owner=owner.name,
+                         reason=_describe(exc))
+        return None
 
     async def create_pod_event(self, pod: PodRef, node: str, reason: str,
                                message: str) -> bool:

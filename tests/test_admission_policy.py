@@ -4,6 +4,8 @@ policy, for pods as the API server holds them at CREATE and UPDATE."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import celpy
@@ -15,6 +17,15 @@ from tests.paths import REPO
 from tests.qos_claims import CASES, KOORD, OURS, Claim
 
 POLICY = REPO / "deploy" / "admission" / "qos-level-policy.yaml"
+
+
+@pytest.fixture(autouse=True)
+def _recursion_limit() -> Iterator[None]:
+    """celpy raises the interpreter's recursion limit for good; the other tests' bounds on
+    nesting expect the default, so it is put back."""
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)
 
 
 def docs() -> list[dict[str, Any]]:

@@ -89,6 +89,46 @@ async def test_a_pod_re_created_under_the_same_name_is_not_evicted(
     assert fake.pod("batch", "a") is not None
 
 
+@pytest.mark.parametrize(("exists", "outcome"), [
+    ("same uid", []),
+    ("another uid", [("batch/ds", "evicted")]),
+    ("no", [("batch/ds", "evicted")]),
+])
+async def test_a_daemonset_owner_counts_only_once_the_api_shows_it(
+    tmp_path: Path, fake: FakeApiServer, exists: str, outcome: list[tuple[str, str]]
+) -> None:
+    env = make_env(tmp_path, fake)
+    env.add_pod("ds", owner="DaemonSet", fake=fake)
+    (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]
+    if exists != "no":
+        fake.add_daemonset("batch", ref["name"],
+                           ref["uid"] if exists == "same uid" else "someone-else")
+    forced(env, "ds")
+    assert await env.round() == outcome
+    daemonset_gets = [r for r in fake.requests("GET") if "/daemonsets/" in r.path]
+    assert [r.path for r in daemonset_gets] == [
+        f"/apis/apps/v1/namespaces/batch/daemonsets/{ref['name']}"]
+
+
+async def test_an_unconfirmed_daemonset_owner_waits_and_the_answer_is_kept(
+    tmp_path: Path, fake: FakeApiServer
+) -> None:
+    env = make_env(tmp_path, fake)
+    env.add_pod("ds", owner="DaemonSet", fake=fake)
+    (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]
+    fake.add_daemonset("batch", ref["name"], ref["uid"])
+    fake.fail_next("GET", "/apis/apps/v1/", 503)
+    forced(env, "ds")
+    assert await env.round() == []
+    assert env.audited("eviction_filtered", "why") == [
+        "DaemonSet owner not confirmed by the API yet"]
+    assert await env.round() == []
+    assert await env.round() == []
+    # Confirmed once, then kept: one more request, not one per round.
+    assert len([r for r in fake.requests("GET") if "/daemonsets/" in r.path]) == 2
+    assert env.audited("eviction_filtered", "why")[-1] == "owned by a DaemonSet"
+
+
 # ---- filter -------------------------------------------------------------------------------------
 
 
@@ -98,6 +138,8 @@ async def test_filtered_pods_are_audited_once_with_the_reason(
     env = make_env(tmp_path, fake, exclude_selectors=("team=infra",))
     env.add_pod("sys", level="system_cores", namespace="kube-system", fake=fake)
     env.add_pod("ds", owner="DaemonSet", fake=fake)
+    (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]
+    fake.add_daemonset("batch", ref["name"], ref["uid"])
     env.add_pod("crit", priority=2_000_001_000, fake=fake)
     env.add_pod("going", fake=fake, deletionTimestamp="2026-01-01T00:00:00Z")
     env.add_pod("infra", fake=fake, labels={"team": "infra"})

@@ -18,6 +18,7 @@ from reconciler.eviction.config import SYSTEM_CLUSTER_CRITICAL, SYSTEM_NODE_CRIT
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.selector import SelectorError, parse_selector
 from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
+from reconciler.podmeta import OwnerRef
 
 GIB = 1 << 30
 
@@ -28,11 +29,17 @@ def pod(uid: str = "u", *, level: str = "reclaimed_cores", priority: int | None 
     return ActivePod(uid, namespace, f"pod-{uid}", level, priority, request, usage)
 
 
+DAEMONSET = OwnerRef("apps/v1", "DaemonSet", "agent", "uid-ds")
+
+
 def facts(active: ActivePod | None = None, *, labels: dict[str, str] | None = None,
           annotations: dict[str, str] | None = None, owner: str | None = "ReplicaSet",
-          terminating: bool = False, described: bool = True) -> PodFacts:
+          terminating: bool = False, described: bool = True,
+          daemonset: bool | None = False) -> PodFacts:
+    claimed = DAEMONSET if owner == "DaemonSet" else None
     return PodFacts(active or pod(), MappingProxyType(labels or {}),
-                    MappingProxyType(annotations or {}), owner, terminating, described)
+                    MappingProxyType(annotations or {}), terminating, described,
+                    claimed_daemonset=claimed, daemonset=daemonset if claimed else False)
 
 
 # ---- selectors ----------------------------------------------------------------------------------
@@ -84,6 +91,10 @@ def test_an_ordinary_offline_pod_passes() -> None:
     assert why(facts(labels=EVICTABLE)) is None
 
 
+def test_a_daemonset_the_api_does_not_have_protects_nothing() -> None:
+    assert why(facts(labels=EVICTABLE, owner="DaemonSet", daemonset=False)) is None
+
+
 @pytest.mark.parametrize(("item", "reason"), [
     (facts(pod(level="system_cores"), labels=EVICTABLE), "system_cores pod"),
     (facts(labels=EVICTABLE, annotations={"kubernetes.io/config.mirror": "abc"}),
@@ -95,7 +106,9 @@ def test_an_ordinary_offline_pod_passes() -> None:
     (facts(labels=EVICTABLE, terminating=True), "terminating"),
     (facts(labels=EVICTABLE, described=False),
      "not described by the API yet (owner and priority unknown)"),
-    (facts(labels=EVICTABLE, owner="DaemonSet"), "owned by a DaemonSet"),
+    (facts(labels=EVICTABLE, owner="DaemonSet", daemonset=True), "owned by a DaemonSet"),
+    (facts(labels=EVICTABLE, owner="DaemonSet", daemonset=None),
+     "DaemonSet owner not confirmed by the API yet"),
     (facts(pod(priority=SYSTEM_NODE_CRITICAL), labels=EVICTABLE),
      f"priority {SYSTEM_NODE_CRITICAL} >= {SYSTEM_CLUSTER_CRITICAL}"),
     (facts(pod(priority=SYSTEM_CLUSTER_CRITICAL), labels=EVICTABLE),

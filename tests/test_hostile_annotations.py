@@ -488,7 +488,7 @@ RECONCILER_UID = "77777777-0000-4000-8000-000000000007"
 
 def api_meta(annotations: dict[str, str], labels: dict[str, str] | None = None) -> PodMeta:
     meta = PodMeta(uid=RECONCILER_UID, namespace="hostile", name="p", annotations=annotations,
-                   labels=labels or {}, priority=0, owner_kind="ReplicaSet",
+                   labels=labels or {}, priority=0,
                    memory_requests={"c0": 256 << 20}, memory_limits={"c0": 1 << 30})
     # What the pod watch keeps of a pod.
     return meta.trimmed(Config().read_keys())

@@ -188,7 +188,7 @@ async def test_list_then_watch_delivers_changes(
         assert [m.name for m in first] == ["a", "c"]
         assert first[0] == PodMeta(
             uid="uid-a", namespace="default", name="a", annotations={}, labels={},
-            priority=10, owner_kind="ReplicaSet",
+            priority=10,
             memory_requests={"app": 1 << 30}, memory_limits={"app": 2 << 30}, deleted=False,
         )
         fake.modify_pod("default", "a", annotate("qos.nri-qos.io/level", "reclaimed_cores"))

@@ -31,7 +31,7 @@ UID = "0d0d0d0d-1111-2222-3333-444444444444"
 
 def meta(level: str) -> PodMeta:
     return PodMeta(uid=UID, namespace="ns", name="p", annotations={LEVEL: level}, labels={},
-                   priority=None, owner_kind=None, memory_requests={}, memory_limits={})
+                   priority=None, memory_requests={}, memory_limits={})
 
 
 async def test_creation_and_reconcile_agree_before_and_after_an_annotation_change(

@@ -28,7 +28,7 @@ def ctr(n: int, m: int = 0, **kw: object) -> ContainerInfo:
 def meta(n: int, **kw: object) -> PodMeta:
     fields: dict[str, object] = dict(
         uid=f"uid-{n}", namespace="ns", name=f"p{n}", annotations={}, labels={},
-        priority=None, owner_kind=None, memory_requests={}, memory_limits={})
+        priority=None, memory_requests={}, memory_limits={})
     fields.update(kw)
     return PodMeta(**fields)  # type: ignore[arg-type]
 

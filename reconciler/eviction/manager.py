@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import enum
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -157,6 +158,11 @@ class _Failing:
     kinds: set[str] = field(default_factory=set)
 
 
+OWNER_CHECK_TTL_S = 300.0
+"""How long the API's answer about a pod's DaemonSet owner is kept: owners come and go far less
+often than rounds run (one a second under pressure)."""
+
+
 @dataclass(slots=True)
 class _Answers:
     threshold: dict[str, ThresholdMet] = field(default_factory=dict)
@@ -198,6 +204,8 @@ class EvictionManager:
         self._said: set[tuple[str, ...]] = set()
         self._seen: set[tuple[str, ...]] = set()
         self._told_unavailable = False
+        # (namespace, DaemonSet name, uid) -> (whether it exists, when the API said so)
+        self._owners: dict[tuple[str, str, str], tuple[bool, float]] = {}
         self._requests: collections.deque[str] = collections.deque(maxlen=64)
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -303,6 +311,10 @@ class EvictionManager:
                         functools.partial(plugin.get_top_eviction_pods, active, cfg.top_n,
                                           answer.scope),
                         deadline, answers.top))
+        proposed = {uid for plugin, _ in hard if plugin.name in answers.top
+                    for uid in answers.top[plugin.name].uids}
+        proposed |= {request.uid for wanted in answers.evict.values() for request in wanted.pods}
+        facts = await self._confirm_owners(facts, proposed, now)
         candidates = self._candidates(plugins, hard, answers, facts, cfg)
         chosen = self._choose(candidates, facts, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
@@ -360,9 +372,30 @@ class EvictionManager:
                             request, usage)
             facts[info.uid] = PodFacts(
                 pod, info.labels, info.annotations,
-                owner_kind=meta.owner_kind if meta is not None else None,
                 terminating=meta.terminating if meta is not None else False,
-                described=meta is not None)
+                described=meta is not None,
+                claimed_daemonset=meta.daemonset if meta is not None else None)
+        return facts
+
+    async def _confirm_owners(self, facts: dict[str, PodFacts], proposed: set[str],
+                              now: float) -> dict[str, PodFacts]:
+        """Proposed pods naming an apps/v1 DaemonSet as controller, with whether the API has
+        it (a pod's author can write any owner reference). Answers are kept for
+        :data:`OWNER_CHECK_TTL_S`; a failed check leaves the pod unconfirmed (not evicted)."""
+        for key in [k for k, (_, at) in self._owners.items() if now - at >= OWNER_CHECK_TTL_S]:
+            del self._owners[key]
+        for uid in proposed:
+            found = facts.get(uid)
+            owner = found.claimed_daemonset if found is not None else None
+            if found is None or owner is None:
+                continue
+            key = (found.pod.namespace, owner.name, owner.uid)
+            known = self._owners.get(key)
+            exists = known[0] if known is not None else \
+                await self._actions.owner_exists(found.pod.namespace, owner)
+            if exists is not None and known is None:
+                self._owners[key] = (exists, now)
+            facts[uid] = dataclasses.replace(found, daemonset=exists)
         return facts
 
     def _dry(self, plugin: str, cfg: EvictionConfig) -> bool:

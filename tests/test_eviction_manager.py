@@ -135,7 +135,8 @@ async def test_an_unconfirmed_daemonset_owner_waits_and_the_answer_is_kept(
 async def test_filtered_pods_are_audited_once_with_the_reason(
     tmp_path: Path, fake: FakeApiServer
 ) -> None:
-    env = make_env(tmp_path, fake, exclude_selectors=("team=infra",))
+    env = make_env(tmp_path, fake, exclude_selectors=("team=infra",),
+                   exclude_selector_namespaces=("batch",))
     env.add_pod("sys", level="system_cores", namespace="kube-system", fake=fake)
     env.add_pod("ds", owner="DaemonSet", fake=fake)
     (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]

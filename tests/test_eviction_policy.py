@@ -79,7 +79,8 @@ def test_selector_errors(text: str) -> None:
 # ---- the filter ---------------------------------------------------------------------------------
 
 FILTER = PodFilter(EvictionConfig(exclude_namespaces=("kube-system", "infra"),
-                                  exclude_selectors=("nri-qos.io/evict=never", "!evictable")))
+                                  exclude_selectors=("nri-qos.io/evict=never", "!evictable"),
+                                  exclude_selector_namespaces=("batch",)))
 EVICTABLE = {"evictable": "yes"}
 
 
@@ -89,6 +90,14 @@ def why(item: PodFacts, *, need_description: bool = True) -> str | None:
 
 def test_an_ordinary_offline_pod_passes() -> None:
     assert why(facts(labels=EVICTABLE)) is None
+
+
+def test_labels_spare_a_pod_only_in_the_namespaces_trusted_with_selectors() -> None:
+    never = {**EVICTABLE, "nri-qos.io/evict": "never"}
+    assert why(facts(labels=never)) == "labels match excluded selector 'nri-qos.io/evict=never'"
+    # The same label written by the author of a pod elsewhere spares nothing.
+    assert why(facts(pod(namespace="tenant-a"), labels=never)) is None
+    assert why(facts(pod(namespace="tenant-a"), labels={})) is None
 
 
 def test_a_daemonset_the_api_does_not_have_protects_nothing() -> None:
@@ -268,6 +277,9 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(("toml", "error"), [
     ('exclude_selectors = ["app in (a"]', "eviction.exclude_selectors: label selector"),
     ('exclude_selectors = [""]', "empty selector"),
+    ('exclude_selectors = ["team=infra"]',
+     "eviction.exclude_selectors: needs exclude_selector_namespaces"),
+    ('exclude_selector_namespaces = ["Not_A_Namespace"]', "not a namespace name"),
     ('exclude_namespaces = ["Not_A_Namespace"]', "not a namespace name"),
     ('sort_keys = ["priority", "priority"]', "each key at most once"),
     ('sort_keys = ["age"]', "must be one of qos_level, priority, memory_usage"),

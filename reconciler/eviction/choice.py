@@ -59,6 +59,9 @@ class FilterConfig(Protocol):
     @property
     def exclude_selectors(self) -> tuple[str, ...]: ...
 
+    @property
+    def exclude_selector_namespaces(self) -> tuple[str, ...]: ...
+
 
 class PodFilter:
     """The refusals, in the order they are checked; the first that applies is the reason."""
@@ -89,9 +92,12 @@ class PodFilter:
             return f"priority {pod.priority} >= {self.cfg.priority_threshold}"
         if pod.namespace in self.cfg.exclude_namespaces:
             return f"namespace {pod.namespace} excluded"
-        for selector in self._selectors:
-            if selector.matches(facts.labels):
-                return f"labels match excluded selector {selector.text!r}"
+        # Labels are the pod author's: a selector spares only pods of the namespaces trusted
+        # with it, or any pod could label itself out of eviction.
+        if pod.namespace in self.cfg.exclude_selector_namespaces:
+            for selector in self._selectors:
+                if selector.matches(facts.labels):
+                    return f"labels match excluded selector {selector.text!r}"
         return None
 
 

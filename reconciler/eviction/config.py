@@ -102,8 +102,12 @@ class EvictionConfig:
     exclude_namespaces: tuple[str, ...] = setting(
         ("kube-system",), "Namespaces whose pods are never evicted.", check=_namespaces)
     exclude_selectors: tuple[str, ...] = setting(
-        (), "Label selectors (kubectl -l syntax); a pod matching any of them is never evicted.",
-        check=check_selectors)
+        (), "Label selectors (kubectl -l syntax); a pod of exclude_selector_namespaces matching "
+        "any of them is never evicted.", check=check_selectors)
+    exclude_selector_namespaces: tuple[str, ...] = setting(
+        (), "Namespaces whose pods exclude_selectors spare (needed when selectors are set): a "
+        "pod's labels are its author's, so a selector spares only pods of namespaces whose "
+        "authors are trusted to choose that.", check=_namespaces)
     sort_keys: tuple[str, ...] = setting(
         SORT_KEYS, "Order of the ranking keys: qos_level (reclaimed_cores first), priority "
         "(lowest first), memory_usage (largest first); ties keep the plugins' order.",
@@ -145,6 +149,10 @@ class EvictionConfig:
         problems = []
         if self.retry_max_s < self.retry_initial_s:
             problems.append(("retry_max_s", "must be >= retry_initial_s"))
+        if self.exclude_selectors and not self.exclude_selector_namespaces:
+            problems.append(("exclude_selectors", "needs exclude_selector_namespaces: labels "
+                             "are the pod author's, so name the namespaces whose pods a "
+                             "selector may spare"))
         if SETTING_LEVEL_NAMES.index(self.soft_level) > SETTING_LEVEL_NAMES.index(self.hard_level):
             problems.append(("soft_level", "must not be above hard_level"))
         return problems

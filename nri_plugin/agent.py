@@ -41,6 +41,7 @@ from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
@@ -188,10 +189,11 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         node = node_name(cfg.kubernetes)
         kube = KubeActions(api, cfg.kubernetes, audit)
         squeeze = GuardSqueeze()
+        notes = state_file(cfg.reconciler.state_dir)
         # One parse of the node state's containers for the loops, detection and the actions.
         managed = ManagedCache()
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze, metrics, tracker, managed))
+                                    squeeze, metrics, tracker, managed, notes))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
                                   managed=managed).run)
         evictor = EvictionManager(
@@ -201,7 +203,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         mitigation = build_mitigation(lambda: store.current, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
-                                      metrics=metrics)
+                                      metrics=metrics, notes=notes)
         services.append(mitigation.run)
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
@@ -245,12 +247,12 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
                 resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
                 squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker,
-                managed: ManagedCache) -> Service:
+                managed: ManagedCache, notes: StateFile) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
         loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze,
-                            metrics, managed=managed)
+                            metrics, managed=managed, notes=notes)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,

@@ -22,6 +22,7 @@ from hooks.resctrl_config import ResctrlConfig
 from reconciler.audit import AuditLog
 from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
@@ -47,12 +48,13 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                 host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
                 squeeze: GuardSqueeze | None = None,
                 metrics: Metrics | None = None, *,
-                managed: ManagedCache | None = None) -> list[Loop]:
+                managed: ManagedCache | None = None,
+                notes: StateFile | None = None) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
     the mitigation ladder's handle on the memory guard. ``managed``: the running containers'
     cache, one for every loop (and whatever else reads the same node state); a new one when
-    None."""
+    None. ``notes``: the agent's state file (what to restore)."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
@@ -61,7 +63,7 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
                   managed=managed),
-        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics),
+        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed),
     ]
     if resctrl is not None:
@@ -102,6 +104,11 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
         for cancel in unsubscribe:
             cancel()
         executor.shutdown(wait=False, cancel_futures=True)
+        for loop in loops:
+            try:
+                loop.close()
+            except Exception:  # one loop's failure to undo must not keep the others from it
+                log.exception("reconciler_loop_close_failed", loop=loop.name)
 
 
 def _waker(running: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Callable[[], None]:

@@ -192,7 +192,7 @@ def test_no_resctrl_component_drops_only_the_resctrl_mount(tmp_path: Path) -> No
     pod = daemonset["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert host_paths == {"/var/run/nri", "/sys/fs/cgroup", "/sys/devices/system/node", "/proc",
-                          "/var/lib/nri-qos/eviction-plugins"}
+                          "/var/lib/nri-qos/eviction-plugins", "/var/lib/nri-qos/state"}
     mounts = {m["mountPath"] for m in _container(daemonset)["volumeMounts"]}
     assert not any("resctrl" in m for m in mounts)
     assert len(mounts) == len(_container(_one(base_docs(), "DaemonSet"))["volumeMounts"]) - 1
@@ -228,11 +228,18 @@ def test_reconciler_root_reaches_the_host(
     assert _host_path_of(daemonset, inside) == host_path
 
 
+def test_the_state_directory_is_the_hosts(daemonset: Doc, shipped_config: Config) -> None:
+    """What to restore must outlive the pod: a new pod, or nri-qos reset, reads it."""
+    assert _host_path_of(daemonset, shipped_config.reconciler.state_dir) == \
+        shipped_config.reconciler.state_dir
+
+
 def test_host_paths_are_only_what_the_agent_uses(daemonset: Doc) -> None:
     pod = daemonset["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"]: v["name"] for v in pod["volumes"] if "hostPath" in v}
     assert set(host_paths) == {"/var/run/nri", "/sys/fs/cgroup", "/sys/devices/system/node",
-                               "/proc", "/sys/fs/resctrl", "/var/lib/nri-qos/eviction-plugins"}
+                               "/proc", "/sys/fs/resctrl", "/var/lib/nri-qos/eviction-plugins",
+                               "/var/lib/nri-qos/state"}
     mounts = {m["name"]: m for m in _container(daemonset)["volumeMounts"]}
     # Only read: the NUMA topology and the configuration.
     assert mounts[host_paths["/sys/devices/system/node"]].get("readOnly") is True

@@ -13,6 +13,7 @@ import pytest
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.host.statefile import state_file
 from reconciler.k8s import (
     NODE_UPDATE_ATTEMPTS,
     KubeActions,
@@ -273,3 +274,25 @@ async def test_the_start_clears_a_taint_left_even_when_the_rung_is_now_off(
     finally:
         ladder.stop.set()
         await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_a_restart_removes_the_taint_an_earlier_run_placed_under_another_key(
+        tmp_path: Path, fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    path = str(tmp_path / "state")
+    cfg = Config()
+    old = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, taint=dataclasses.replace(cfg.mitigation.taint, key="example.com/old",
+                                                  condition="OldPressure")))
+    audit = AuditLog(MemoryAuditSink())
+    first = TaintAction(lambda: old, actions, "node-a", audit, notes=state_file(path))
+    assert (await first.engage(Cause(Level.LOW), False)).result == "done"
+    assert [t["key"] for t in fake.taints("node-a")] == ["example.com/old"]
+    # The next run has another key configured, and the rung switched off.
+    second = TaintAction(Config, actions, "node-a", audit, notes=state_file(path))
+    released = await second.release(Cause(Level.NONE), False)
+    assert released.result == "done"
+    assert released.detail.startswith("remove taint example.com/old, " + TAINT_KEY)
+    assert fake.taints("node-a") == []
+    assert fake.conditions("node-a")["OldPressure"]["status"] == "False"
+    assert state_file(path).entries("taint") == {}

@@ -33,6 +33,7 @@ from reconciler.detection.pods import PodIndex
 from reconciler.detection.service import pressure_level_problem
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions
 from reconciler.loops.base import ReconcilerConfig
@@ -299,18 +300,19 @@ class Mitigation:
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
                      sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions,
                      node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
-                     managed: ManagedCache, metrics: Metrics | None = None) -> Mitigation:
+                     managed: ManagedCache, metrics: Metrics | None = None,
+                     notes: StateFile | None = None) -> Mitigation:
     """The ladder with its four actions for this host. ``kube`` without API access: the taint
     rung is audited as skipped; ``evictor`` None: no eviction manager (audited "no
     evictor"); ``managed``: the running containers' cache the loops share, read by the one pod
-    index of the actions."""
-    taint = TaintAction(config, kube, node, audit, metrics)
+    index of the actions; ``notes``: the agent's state file (what to restore)."""
+    taint = TaintAction(config, kube, node, audit, metrics, notes)
     pods = PodIndex(state, host.cgroup, managed)
     drop_cache = DropCacheAction(config, sysfs, host, pods, audit, metrics=metrics)
     actions: dict[str, Action] = {
         "taint": taint,
         "tune": TuneAction(config, squeeze, sysfs, host, pods,
-                           lambda: config().reconciler.enabled),
+                           lambda: config().reconciler.enabled, notes),
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),
     }

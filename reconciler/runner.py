@@ -64,7 +64,7 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
                   managed=managed),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
-        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed),
+        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
     ]
     if resctrl is not None:
         loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,

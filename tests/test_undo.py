@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,11 @@ from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop
 from reconciler.loops.memory_guard import NOTES, GuardSqueeze, MemoryGuardLoop, Squeeze
+from reconciler.loops.numa_binding import NUMA_NOTES, NumaBindingLoop
 from reconciler.mitigation.actions import WMARK_NOTES, Cause, TuneAction
 from reconciler.runner import run_reconciler
 from reconciler.state import NodeState
-from tests.fakesys import GIB, MIB, UNLIMITED_V1, FakeHost
+from tests.fakesys import GIB, MIB, UNLIMITED_V1, FakeHost, FakePod
 
 # -- the state file -------------------------------------------------------------------------------
 
@@ -251,3 +253,45 @@ async def test_a_restart_still_restores_wmark_ratio(tmp_path: Path) -> None:
     assert result.result == "done"
     assert wmark.read_text() == "95"
     assert state_file(path).entries(WMARK_NOTES) == {}
+
+
+# -- NUMA binding ---------------------------------------------------------------------------------
+
+def numa(tmp_path: Path, notes: StateFile) -> tuple[FakeHost, NumaBindingLoop, list[Config],
+                                                    FakePod]:
+    host = FakeHost(tmp_path / "host", version=2, driver="systemd")
+    offline = host.add_pod("11111111-0000-0000-0000-000000000001", tier="besteffort")
+    host.set_numa([(20 * GIB, 64 * GIB, 1000), (2 * GIB, 64 * GIB, 1000)])
+    state = NodeState()
+    state.replace_all(*host.nri())
+    cfg = [Config()]
+    sysfs = SysFs(host.root, AuditLog(MemoryAuditSink()))
+    loop = NumaBindingLoop(lambda: cfg[0], state, sysfs, layout_for(sysfs),
+                           AuditLog(MemoryAuditSink()), notes=notes)
+    return host, loop, cfg, offline
+
+
+def bound(host: FakeHost, pod: FakePod) -> str:
+    return (host.cg("cpuset", pod.containers[0].rel) / "cpuset.mems").read_text().strip()
+
+
+def test_a_binding_switched_off_by_a_reload_is_undone(tmp_path: Path) -> None:
+    notes = StateFile(None)
+    host, loop, cfg, offline = numa(tmp_path, notes)
+    loop.cycle(0.0)
+    assert bound(host, offline) == "0"
+    assert list(notes.entries(NUMA_NOTES).values()) == [""]
+    cfg[0] = dataclasses.replace(cfg[0], numa=dataclasses.replace(cfg[0].numa, enabled=False))
+    loop.cycle(1.0)
+    assert bound(host, offline) == ""
+    assert notes.entries(NUMA_NOTES) == {}
+
+
+def test_notes_of_containers_that_are_gone_are_dropped(tmp_path: Path) -> None:
+    notes = StateFile(None)
+    host, loop, _, offline = numa(tmp_path, notes)
+    loop.cycle(0.0)
+    assert len(notes.entries(NUMA_NOTES)) == 1
+    shutil.rmtree(host.cg("cpuset", offline.containers[0].rel))
+    loop.cycle(1.0)
+    assert notes.entries(NUMA_NOTES) == {}

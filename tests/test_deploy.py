@@ -228,6 +228,12 @@ def test_reconciler_root_reaches_the_host(
     assert _host_path_of(daemonset, inside) == host_path
 
 
+def test_a_drop_cache_timeout_stays_below_the_termination_grace_period(
+        daemonset: Doc, shipped_config: Config) -> None:
+    grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert shipped_config.mitigation.drop_cache.timeout_s < grace
+
+
 def test_the_state_directory_is_the_hosts(daemonset: Doc, shipped_config: Config) -> None:
     """What to restore must outlive the pod: a new pod, or nri-qos reset, reads it."""
     assert _host_path_of(daemonset, shipped_config.reconciler.state_dir) == \

@@ -94,6 +94,9 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("eviction_filtered", ("pod", "plugin", "why"),
                "A proposed pod may not be evicted (system_cores, static, DaemonSet, priority, "
                "excluded, terminating, already being evicted); once while it stays so."),
+    AuditEvent("eviction_proposals_capped", ("plugin", "omitted"),
+               "A plugin proposed more pods in a round than are audited one by one (64); the "
+               "others were filtered alike without a record each. Once while it lasts."),
     AuditEvent("eviction_deferred", ("pod", "plugin", "why"),
                "A pod chosen for eviction waits: the rate limit has no token, or a refused or "
                "failed eviction backs off; once while it stays so."),

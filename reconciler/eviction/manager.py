@@ -158,6 +158,11 @@ class _Failing:
     kinds: set[str] = field(default_factory=set)
 
 
+MAX_AUDITED_PROPOSALS = 64
+"""Proposals of one plugin audited one by one per round (two records each at most): more than a
+node's offline pods are rarely proposed at once, and a plugin listing thousands of uids must
+not write thousands of records; the rest are counted in one ``eviction_proposals_capped``."""
+
 OWNER_CHECK_TTL_S = 300.0
 """How long the API's answer about a pod's DaemonSet owner is kept: owners come and go far less
 often than rounds run (one a second under pressure)."""
@@ -429,11 +434,16 @@ class EvictionManager:
                               for req in wanted.pods]
         need_description = self._actions.available
         chosen: dict[str, Candidate] = {}
+        # Proposals audited one by one per plugin this round; the rest are counted.
+        audited: dict[str, int] = {}
         for uid, plugin, reason, grace, forced in proposals:
             found = facts.get(uid)
             pod = found.pod.ref if found is not None else f"uid {bounded(uid)}"
-            self._record_once("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
-                       reason=reason, force=forced)
+            loud = audited.get(plugin, 0) < MAX_AUDITED_PROPOSALS
+            audited[plugin] = audited.get(plugin, 0) + 1
+            if loud:
+                self._record_once("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
+                                  reason=reason, force=forced)
             flight = self._flights.get(uid)
             if found is None:
                 why: str | None = "not a running pod of this node"
@@ -442,14 +452,20 @@ class EvictionManager:
             else:
                 why = self._filter.why_not(found, need_description=need_description)
             if why is not None:
-                self._record_once("eviction_filtered", uid, plugin, why, pod=pod, plugin=plugin,
-                                  why=why)
+                if loud:
+                    self._record_once("eviction_filtered", uid, plugin, why, pod=pod,
+                                      plugin=plugin, why=why)
                 continue
             assert found is not None
             earlier = chosen.get(uid)
             if earlier is None or (forced and not earlier.forced):
                 grace = grace if grace is not None else grace_of(cfg.grace_period_s)
                 chosen[uid] = Candidate(found, plugin, reason, grace, forced)
+        for plugin, count in audited.items():
+            if count > MAX_AUDITED_PROPOSALS:
+                self._record_once("eviction_proposals_capped", plugin, plugin=plugin,
+                                  proposals=count, audited=MAX_AUDITED_PROPOSALS,
+                                  omitted=count - MAX_AUDITED_PROPOSALS)
         return list(chosen.values())
 
     def _choose(self, candidates: Sequence[Candidate], facts: Mapping[str, PodFacts],

@@ -224,7 +224,87 @@ def test_bucket_give_back_and_reconfigure() -> None:
         TokenBucket(0, 1.0, 0.0)
 
 
+def test_bucket_wait_is_zero_while_a_token_is_there() -> None:
+    bucket = TokenBucket(2, 10.0, now=0.0)
+    assert bucket.wait(0.0) == 0.0
+    assert bucket.take(0.0)
+    assert bucket.wait(0.0) == 0.0  # one left
+    assert bucket.take(0.0)
+    assert bucket.wait(0.0) == 10.0
+    assert bucket.wait(10.0) == 0.0
+
+
+def test_bucket_give_back_from_two_below_the_burst_keeps_the_refill() -> None:
+    bucket = TokenBucket(3, 10.0, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [True, True, True]
+    bucket.give_back(1.0)
+    assert bucket.available(1.0) == 1
+    # The refill under way since 0 still ends at 10, not 11.
+    assert bucket.available(9.999) == 1
+    assert bucket.available(10.0) == 2
+    bucket.give_back(10.0)
+    assert bucket.available(10.0) == 3
+    bucket.give_back(10.0)
+    assert bucket.available(10.0) == 3
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0, float("nan")])
+def test_bucket_refuses_an_interval_that_is_not_positive(interval: float) -> None:
+    with pytest.raises(ValueError, match="interval > 0"):
+        TokenBucket(1, interval, 0.0)
+    bucket = TokenBucket(2, 10.0, 0.0)
+    assert bucket.take(0.0)
+    with pytest.raises(ValueError, match="interval > 0"):
+        bucket.configure(2, interval, 1.0)
+    # Unchanged, and refilling as before.
+    assert bucket.available(9.999) == 1
+    assert bucket.available(10.0) == 2
+    with pytest.raises(ValueError, match="burst >= 1"):
+        bucket.configure(0, 10.0, 1.0)
+
+
+def test_bucket_reload_in_the_middle_of_a_refill_counts_the_time_waited() -> None:
+    bucket = TokenBucket(2, 10.0, now=0.0)
+    assert bucket.take(0.0)
+    assert bucket.take(0.0)
+    bucket.configure(2, 20.0, 5.0)  # 5 s into a 10 s refill; the interval is now 20 s
+    assert bucket.available(19.999) == 0
+    assert bucket.available(20.0) == 1
+    assert bucket.wait(20.0) == 0.0
+    assert bucket.take(20.0)
+    assert bucket.wait(20.0) == 20.0
+    # A shorter interval: a token the old one had not given yet comes at once.
+    bucket.configure(2, 5.0, 26.0)
+    assert bucket.available(26.0) == 1
+
+
+def test_bucket_clock_going_backwards_mints_nothing() -> None:
+    bucket = TokenBucket(2, 10.0, now=100.0)
+    assert bucket.take(100.0)
+    assert bucket.take(100.0)
+    assert bucket.available(50.0) == 0
+    assert bucket.wait(50.0) == 10.0  # never more than one interval
+    assert bucket.available(59.999) == 0
+    assert bucket.available(60.0) == 1
+    # Back again: the token it has, no more.
+    assert bucket.take(40.0)
+    assert not bucket.take(40.0)
+    assert bucket.available(49.999) == 0
+    assert bucket.available(50.0) == 1
+
+
 # ---- smoothing ----------------------------------------------------------------------------------
+
+
+def test_a_condition_met_at_its_first_observation_stays_true_for_the_transition() -> None:
+    tracker = ConditionTracker()
+    assert tracker.observe("C", True, 0.0, 300.0) is True
+    assert tracker.observe("C", False, 1.0, 300.0) is True
+    assert tracker.observe("C", False, 299.999, 300.0) is True
+    assert tracker.observe("C", False, 300.0, 300.0) is False
+    assert tracker.status("C") is False
+    # Never met: false from the first observation.
+    assert tracker.observe("D", False, 0.0, 300.0) is False
 
 
 def test_hard_met_counts_after_a_streak() -> None:

@@ -11,6 +11,9 @@ import pytest
 from hooks.config_fields import frozen_map
 from hooks.model import PodInfo
 from hooks.qos_level import LevelDecision, QosConfig, Refusal, resolve_level
+from reconciler.audit import AuditLog, MemoryAuditSink
+from reconciler.metrics import Metrics
+from reconciler.state import report_refusals
 from tests.qos_claims import CASES, CLASS_DEFAULT, CLASSES, KATALYST, OURS, Claim
 
 UID = "0f6a3c1e-2b7d-4e59-9a61-5d0c8b1f2e34"
@@ -125,3 +128,21 @@ def test_the_ceiling_bounds_claims_but_not_the_class_level() -> None:
     # Without a claim the class decides, whatever the ceiling.
     plain = dataclasses.replace(guaranteed, annotations=frozen_map({}))
     assert resolve_level(plain, CFG, ceiling="reclaimed_cores").level == "shared_cores"
+
+
+def test_a_refusal_is_one_audit_record_and_a_count() -> None:
+    sink = MemoryAuditSink()
+    metrics = Metrics()
+    report = report_refusals(AuditLog(sink), metrics)
+    pod = PodInfo(id="s1", uid=UID, name="p", namespace="batch",
+                  annotations=frozen_map({OURS: "system_cores"}),
+                  cgroup_parent=PARENTS["besteffort"])
+    refusal = resolve_level(pod, CFG).refused
+    assert refusal is not None
+    report(pod, refusal)
+    assert sink.named("qos_level_refused") == [{
+        "pod_uid": UID, "pod": "batch/p", "claim": "system_cores",
+        "source": f"annotation {OURS}",
+        "reason": "system_cores only for namespaces kube-system"}]
+    assert metrics.registry.get_sample_value(
+        "nri_qos_qos_level_refused_total", {"source": "annotation"}) == 1.0

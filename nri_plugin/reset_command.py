@@ -6,8 +6,9 @@ configuration, so an effect of an earlier run is found whatever the configuratio
 * the memory guard's cap and squeeze on the BestEffort tier: the files' earlier values;
 * ``memory.wmark_ratio`` the tune rung lowered on reclaimed pods: the earlier values;
 * ``cpuset.mems`` the NUMA binding set on reclaimed containers: the earlier values;
-* the mitigation taint (every key noted, and the configured one) and its node condition (set
-  False), when the Kubernetes API is reachable;
+* the mitigation taint (every key noted, and the configured one), its node condition and the
+  in-tree eviction plugins' conditions (taken off the node's status), when the Kubernetes API
+  is reachable;
 * resctrl control groups carrying the agent's prefix (removing a group hands its tasks back to
   the default group);
 * the status socket file.
@@ -35,6 +36,7 @@ from nri_plugin.config.schema import Config
 from nri_plugin.config.store import load_config
 from nri_plugin.logs import LoggingSetup
 from reconciler.audit import AuditLog
+from reconciler.eviction.builtin import IN_TREE_CONDITIONS
 from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile, state_file
@@ -128,7 +130,8 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
     node = node_name(cfg.kubernetes)
     rung = cfg.mitigation.taint
     keys = list(dict.fromkeys([*notes.entries(TAINT_NOTES), rung.key]))
-    kinds = list(dict.fromkeys([*notes.entries(CONDITION_NOTES), rung.condition]))
+    kinds = list(dict.fromkeys([*notes.entries(CONDITION_NOTES), rung.condition,
+                                *IN_TREE_CONDITIONS]))
 
     def remove(key: str) -> str:
         outcome = asyncio.run(kube.remove_taint(node, key, reason=REASON))
@@ -138,16 +141,15 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
             outcome, f"failed ({outcome.value})")
 
     def clear(kind: str) -> str:
-        outcome = asyncio.run(kube.set_node_condition(node, kind, False, "NriQosRemoved",
-                                                      "nri-qos was reset on this node"))
+        outcome = asyncio.run(kube.remove_node_condition(node, kind))
         if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
             notes.forget(CONDITION_NOTES, kind)
-        return {NodeOutcome.CHANGED: "set False", NodeOutcome.UNCHANGED: "already False"}.get(
+        return {NodeOutcome.CHANGED: "removed", NodeOutcome.UNCHANGED: "not there"}.get(
             outcome, f"failed ({outcome.value})")
 
     steps = [Step(f"node {node}: remove taint {key}", functools.partial(remove, key))
              for key in keys]
-    steps += [Step(f"node {node}: condition {kind} False", functools.partial(clear, kind))
+    steps += [Step(f"node {node}: remove condition {kind}", functools.partial(clear, kind))
               for kind in kinds]
     return steps, ""
 

@@ -638,6 +638,21 @@ class KubeActions:
                          reason=_describe(exc))
         return None
 
+    async def remove_node_condition(self, node: str, condition: str) -> NodeOutcome:
+        """Takes ``condition`` off the node's ``status.conditions`` (UNCHANGED when it is not
+        there): what an uninstall leaves, rather than a condition set False."""
+
+        def patch(current: dict[str, Any]) -> dict[str, Any] | None:
+            found = current.get("status")
+            raw = found.get("conditions") if isinstance(found, dict) else None
+            conditions = [c for c in raw if isinstance(c, dict)] if isinstance(raw, list) else []
+            kept = [c for c in conditions if c.get("type") != condition]
+            if len(kept) == len(conditions):
+                return None
+            return {"status": {"conditions": kept}}
+
+        return await self._update_node(node, patch, status=True, what="condition")
+
     async def create_pod_event(self, pod: PodRef, node: str, reason: str,
                                message: str) -> bool:
         """Records a Warning Event on the pod (``kubectl describe pod`` shows it); False when it

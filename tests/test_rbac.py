@@ -90,6 +90,12 @@ async def _create_pod_event(d: Drive) -> None:
                                        "memory pressure")
 
 
+async def _remove_node_condition(d: Drive) -> None:
+    await d.actions().set_node_condition(d.node, "NriQosSystemMemoryPressure", False,
+                                         "NriQosThresholdNotMet", "")
+    await d.actions().remove_node_condition(d.node, "NriQosSystemMemoryPressure")
+
+
 async def _owner_exists(d: Drive) -> None:
     await d.actions().owner_exists("default", OwnerRef("apps/v1", "DaemonSet", "ds", "uid-ds"))
 
@@ -104,6 +110,7 @@ DRIVERS: dict[str, Callable[[Drive], Awaitable[None]]] = {
     "KubeActions.set_node_condition": _set_node_condition,
     "KubeActions.create_pod_event": _create_pod_event,
     "KubeActions.owner_exists": _owner_exists,
+    "KubeActions.remove_node_condition": _remove_node_condition,
 }
 """Every public function and method of k8s.py, in an order that works (the client first)."""
 

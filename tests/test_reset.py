@@ -149,7 +149,9 @@ def test_reset_clears_the_taint_and_condition_under_every_key_placed(
         fake.add_node("node-a", taints=[{"key": TAINT, "effect": "NoSchedule"},
                                         {"key": "example.com/old", "effect": "NoSchedule"},
                                         {"key": "dedicated", "effect": "NoSchedule"}],
-                      conditions=[{"type": "NriQosMemoryPressure", "status": "True"}])
+                      conditions=[{"type": "Ready", "status": "True"},
+                                  {"type": "NriQosMemoryPressure", "status": "True"},
+                                  {"type": "NriQosSystemMemoryPressure", "status": "False"}])
         notes = state_file(node.cfg.reconciler.state_dir)
         notes.put("taint", "example.com/old", "NoSchedule")
         kube = KubernetesConfig(kubeconfig=str(write_kubeconfig(tmp_path / "kc", fake.url)),
@@ -163,11 +165,13 @@ def test_reset_clears_the_taint_and_condition_under_every_key_placed(
         assert "node node-a: remove taint example.com/old: removed" in out
         assert f"node node-a: remove taint {TAINT}: removed" in out
         assert fake.taints("node-a") == [{"key": "dedicated", "effect": "NoSchedule"}]
-        assert fake.conditions("node-a")["NriQosMemoryPressure"]["status"] == "False"
+        assert list(fake.conditions("node-a")) == ["Ready"]
+        assert "node node-a: remove condition NriQosSystemMemoryPressure: removed" in out
         code, out = node.run(kubernetes=True)
         assert code == 0
         assert f"node node-a: remove taint {TAINT}: not there" in out
-        assert "node node-a: condition NriQosMemoryPressure False: already False" in out
+        assert "node node-a: remove condition NriQosMemoryPressure: not there" in out
+        assert list(fake.conditions("node-a")) == ["Ready"]
 
 
 def test_the_uninstall_job_runs_reset_on_the_agents_state_and_host_files() -> None:

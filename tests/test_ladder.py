@@ -504,6 +504,9 @@ async def test_the_service_retries_a_failed_release() -> None:
         run.actions["taint"].refuse.add("release")
         run.board.publish("psi", [reading("psi", Level.NONE)])
         await run.until(lambda: run.calls.count(("taint", "release", False)) >= 3)
+        # What status shows meanwhile: nothing engaged, the taint rung still being released.
+        state = run.mitigation.state()
+        assert (state.engaged, state.releasing) == ((), ("taint",))
         run.actions["taint"].refuse.discard("release")
         await run.until(lambda: any(a == ("taint", "release", "done", False)
                                     for a in run.actions_audited()))
@@ -511,3 +514,4 @@ async def test_the_service_retries_a_failed_release() -> None:
         await asyncio.sleep(0.4)
         assert len(run.calls) == settled
         assert run.mitigation.state().engaged == ()
+        assert run.mitigation.state().releasing == ()

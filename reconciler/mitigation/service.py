@@ -122,6 +122,8 @@ class LadderState:
     level: Level
     cause: str
     engaged: tuple[str, ...]
+    # Rungs whose release has not been confirmed yet (it is retried).
+    releasing: tuple[str, ...]
     # rung -> (step, result, detail) of its last finished step
     last: Mapping[str, tuple[str, str, str]]
 
@@ -186,7 +188,7 @@ class Mitigation:
 
     def state(self) -> LadderState:
         return LadderState(self._level, self._cause.text(), self._ladder.engaged,
-                           dict(self._last))
+                           self._ladder.releasing, dict(self._last))
 
     def assess(self) -> Cause:
         """The ladder's level and its cause from the board now. Of readings at the worst
@@ -267,6 +269,10 @@ class Mitigation:
             runner = runners.get(name)
             if runner is not None:
                 runner.submit(step, cause, dry_run_of(cfg.mitigation, name), group)
+            else:
+                # No action for the rung: nothing to confirm, nothing to retry.
+                self._ladder.finished(name, step, True, now, Backoff(
+                    cfg.mitigation.retry_initial_s, cfg.mitigation.retry_max_s))
 
     def _clear_leftovers(self, runners: Mapping[str, _RungRunner],
                          group: asyncio.TaskGroup) -> None:

@@ -93,6 +93,13 @@ def test_namespaces_are_configured_per_level() -> None:
     refused = resolve_level(pod, nobody).refused
     assert refused is not None
     assert refused.reason == "system_cores only for namespaces (none)"
+    # Not listed at all: no class grants it either.
+    unlisted = dataclasses.replace(CFG, level_namespaces=frozen_map({}))
+    refused = resolve_level(pod, unlisted).refused
+    assert refused is not None
+    assert refused.reason == "system_cores only for the namespaces listed for it (none)"
+    assert resolve_level(dataclasses.replace(pod, annotations=frozen_map(
+        {OURS: "dedicated_cores"})), unlisted).level == "dedicated_cores"
 
 
 def test_a_refused_claim_ends_the_search() -> None:

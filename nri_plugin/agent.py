@@ -35,7 +35,7 @@ from nri_plugin.status import StatusServer, StatusSources, ladder_sections, stat
 from nri_plugin.stub import PluginIdentity, PluginStub
 from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
-from reconciler.detection.signals import Board
+from reconciler.detection.signals import Board, Level
 from reconciler.eviction.builtin import in_tree_plugins
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo, probe_host
@@ -48,8 +48,9 @@ from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
 from reconciler.metrics import Metrics
+from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
 from reconciler.mitigation.service import Mitigation, build_mitigation
-from reconciler.runner import build_loops, run_reconciler
+from reconciler.runner import build_loops, restore_host, run_reconciler
 from reconciler.state import NodeState, report_refusals
 
 HOOK_THREADS = 4
@@ -205,6 +206,9 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                                       squeeze=squeeze, evictor=evictor, managed=managed,
                                       metrics=metrics, notes=notes)
         services.append(mitigation.run)
+    elif run_background:
+        # The reconciler is off: what an earlier run of it left on the node goes now.
+        services.append(_leftovers(store, sysfs, audit))
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
     endpoint = status = None
@@ -257,6 +261,28 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,
                              tracker=tracker)
+
+    return run
+
+
+def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog) -> Service:
+    """Once at start: restores what the state file says an earlier run changed (host files,
+    then its taint and condition when the API is reachable)."""
+    async def run(stop: asyncio.Event) -> None:
+        cfg = store.current
+        notes = state_file(cfg.reconciler.state_dir)
+        reason = "reconciler switched off"
+        await asyncio.to_thread(restore_host, sysfs, notes, reason)
+        if not (notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES)):
+            return
+        api = build_api_client(cfg.kubernetes)
+        if api is None:
+            log.warning("leftovers_kept", reason="no Kubernetes API access: the taint an "
+                        "earlier run placed stays (nri-qos reset takes it off)")
+            return
+        taint = TaintAction(lambda: store.current, KubeActions(api, cfg.kubernetes, audit),
+                            node_name(cfg.kubernetes), audit, notes=notes)
+        await taint.release(Cause(Level.NONE, None, reason), dry_run=False)
 
     return run
 

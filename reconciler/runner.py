@@ -28,10 +28,16 @@ from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.drift import DriftConfig, DriftLoop
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, MemoryGuardSections
-from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop
+from reconciler.loops.memory_guard import (
+    GuardSqueeze,
+    MemoryGuardLoop,
+    MemoryGuardSections,
+    restore_tier,
+)
+from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop, restore_bindings
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
+from reconciler.mitigation.actions import restore_wmark
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -109,6 +115,14 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
                 loop.close()
             except Exception:  # one loop's failure to undo must not keep the others from it
                 log.exception("reconciler_loop_close_failed", loop=loop.name)
+
+
+def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
+    """Writes back every host file the state file says the agent changed: the memory guard's
+    tier files, tuned memory.wmark_ratio, NUMA bindings."""
+    restore_tier(sysfs, notes, reason)
+    restore_wmark(sysfs, notes, reason)
+    restore_bindings(sysfs, notes, reason)
 
 
 def _waker(running: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Callable[[], None]:

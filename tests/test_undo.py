@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from nri_plugin.agent import build_agent
 from nri_plugin.config.schema import Config
+from nri_plugin.config.store import ConfigStore
+from nri_plugin.stub import PluginIdentity
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level
@@ -295,3 +298,28 @@ def test_notes_of_containers_that_are_gone_are_dropped(tmp_path: Path) -> None:
     shutil.rmtree(host.cg("cpuset", offline.containers[0].rel))
     loop.cycle(1.0)
     assert notes.entries(NUMA_NOTES) == {}
+
+
+async def test_an_agent_started_with_the_reconciler_off_restores_what_an_earlier_run_left(
+        tmp_path: Path) -> None:
+    state_dir = str(tmp_path / "state")
+    host, first, _ = guard(tmp_path, 2, state_file(state_dir))
+    first.cycle(0.0)  # an earlier run capped the tier, then died
+    assert tier_files(host) != ORIGINAL[2]
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg, status=dataclasses.replace(cfg.status, enabled=False),
+        reconciler=dataclasses.replace(cfg.reconciler, enabled=False, root=str(host.root),
+                                       state_dir=state_dir),
+        kubernetes=dataclasses.replace(cfg.kubernetes, enabled=False))
+    audit = AuditLog(MemoryAuditSink())
+    sysfs = SysFs(host.root, audit)
+    agent = build_agent(ConfigStore(audit, config=cfg), audit, probe_host(sysfs), sysfs,
+                        PluginIdentity("nri-qos", "10"), run_background=True)
+    try:
+        (leftovers,) = agent.services[1:]
+        await leftovers(asyncio.Event())
+    finally:
+        agent.executor.shutdown()
+    assert tier_files(host) == ORIGINAL[2]
+    assert state_file(state_dir).entries(NOTES) == {}

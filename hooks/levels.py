@@ -13,3 +13,12 @@ class QosLevel(StrEnum):
 
 
 LEVEL_NAMES: tuple[str, ...] = tuple(level.value for level in QosLevel)
+
+PRIVILEGE: dict[str, int] = {
+    QosLevel.RECLAIMED_CORES: 0,
+    QosLevel.SHARED_CORES: 1,
+    QosLevel.DEDICATED_CORES: 2,
+    QosLevel.SYSTEM_CORES: 3,
+}
+"""How much a level is given, lowest first: reclaimed_cores is capped and evicted first,
+system_cores is never evicted and outside every cap. A pod's claim is bounded by this order."""

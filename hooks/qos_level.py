@@ -24,6 +24,19 @@ rule written for the ASCII value would catch, so any other character makes the v
 value that is present but unknown (an empty one included) does not stop the search: it is
 reported in :attr:`LevelDecision.rejected` so the caller can audit it, and the next source is
 tried. When no source decides, the pod gets ``QosConfig.default_level``.
+
+Claims are bounded. The annotations and labels are the pod author's, who could otherwise name a
+level above what Kubernetes gave the pod (never evicted, outside the offline tier's caps, the
+level's OCI hooks). A claim (every source but ``kubernetes_qos``) may not be more privileged
+(:data:`hooks.levels.PRIVILEGE`) than the pod's Kubernetes QoS class, read from the cgroup parent
+kubelet chose: BestEffort may claim ``reclaimed_cores`` only, Burstable ``shared_cores`` at most,
+Guaranteed anything but ``system_cores``. A level listed in ``QosConfig.level_namespaces`` may be
+claimed only by pods of those namespaces; ``system_cores`` is granted by that list alone (default:
+``kube-system``), whatever the class. A caller may pass a ``ceiling`` too: the level the pod
+had at creation, so that an annotation changed later through the API cannot raise it. A refused
+claim ends the search: the pod gets its class's level (``QosConfig.kubernetes_qos``), never above
+the ceiling, and :attr:`LevelDecision.refused` says what was refused and why. A pod whose cgroup
+parent is not a kubelet's has no class, and only the namespace rule bounds its claims.
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hooks.config_fields import setting
-from hooks.levels import LEVEL_NAMES
+from hooks.levels import LEVEL_NAMES, PRIVILEGE, QosLevel
 from hooks.model import PodInfo
 
 QOS_SOURCES = ("annotation", "katalyst", "koordinator", "volcano", "kubernetes_qos")
@@ -94,6 +107,14 @@ class QosConfig:
         keys=("guaranteed", "burstable", "besteffort"),
         check=_levels_only,
     )
+    level_namespaces: Mapping[str, tuple[str, ...]] = setting(
+        {QosLevel.SYSTEM_CORES.value: ("kube-system",)},
+        "Levels a pod may claim only in these namespaces (level -> namespaces; an empty list: "
+        "in none). system_cores, which exempts a pod from eviction and from the offline "
+        "tier's caps, is granted by this list alone; the other levels are bounded by the pod's "
+        "Kubernetes QoS class too.",
+        keys=LEVEL_NAMES,
+    )
 
 
 KATALYST_ANNOTATION = "katalyst.kubewharf.io/qos_level"
@@ -114,6 +135,26 @@ _SYSTEMD_POD_SLICE = re.compile(r"kubepods(?:-(besteffort|burstable))?-pod[^/]+\
 _CGROUPFS_POD_DIR = re.compile(r"pod[^/]+")
 
 
+# The most privileged level a claim may name, per Kubernetes QoS class.
+CLASS_CEILING: Mapping[str, str] = {
+    BESTEFFORT: QosLevel.RECLAIMED_CORES,
+    BURSTABLE: QosLevel.SHARED_CORES,
+    GUARANTEED: QosLevel.DEDICATED_CORES,
+}
+CLASS_SOURCE = "kubernetes_qos"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A claim the pod may not make: the level named, the source and the annotation or label
+    that named it (``annotation katalyst.kubewharf.io/qos_level``), and why not."""
+
+    claim: str
+    source: str
+    key: str
+    reason: str
+
+
 @dataclass(frozen=True, slots=True)
 class LevelDecision:
     level: str
@@ -121,6 +162,8 @@ class LevelDecision:
     source: str
     # (source, value) pairs that were present but not understood, in the order they were tried.
     rejected: tuple[tuple[str, str], ...] = ()
+    # The claim that was refused; the level is then the class's.
+    refused: Refusal | None = None
 
 
 def kubernetes_qos_class(cgroup_parent: str) -> str | None:
@@ -158,23 +201,26 @@ def _mapped(mapping: Mapping[str, str]) -> Callable[[str], str | None]:
     return lambda value: folded.get(value.upper()) if value.isascii() else None
 
 
-def _candidates(source: str, pod: PodInfo, cfg: QosConfig) -> list[str]:
-    """The raw values a source offers for this pod, in the order they are tried."""
+def _candidates(source: str, pod: PodInfo, cfg: QosConfig) -> list[tuple[str, str]]:
+    """The raw values a source offers for this pod, in the order they are tried, each with the
+    annotation or label it came from."""
     if source == "annotation":
-        values = [pod.annotations.get(cfg.annotation)]
+        values = [(f"annotation {cfg.annotation}", pod.annotations.get(cfg.annotation))]
     elif source == "katalyst":
-        values = [pod.annotations.get(KATALYST_ANNOTATION)]
+        values = [(f"annotation {KATALYST_ANNOTATION}",
+                   pod.annotations.get(KATALYST_ANNOTATION))]
     elif source == "koordinator":
-        values = [pod.labels.get(KOORDINATOR_KEY), pod.annotations.get(KOORDINATOR_KEY)]
+        values = [(f"label {KOORDINATOR_KEY}", pod.labels.get(KOORDINATOR_KEY)),
+                  (f"annotation {KOORDINATOR_KEY}", pod.annotations.get(KOORDINATOR_KEY))]
     elif source == "volcano":
-        values = [pod.annotations.get(VOLCANO_ANNOTATION)]
-    elif source == "kubernetes_qos":
+        values = [(f"annotation {VOLCANO_ANNOTATION}", pod.annotations.get(VOLCANO_ANNOTATION))]
+    elif source == CLASS_SOURCE:
         if not pod.cgroup_parent.strip():
             return []
-        values = [kubernetes_qos_class(pod.cgroup_parent) or pod.cgroup_parent]
+        values = [("cgroup parent", kubernetes_qos_class(pod.cgroup_parent) or pod.cgroup_parent)]
     else:
         raise ValueError(f"unknown QoS level source {source!r}")
-    return [v.strip(ASCII_WHITESPACE) for v in values if v is not None]
+    return [(key, v.strip(ASCII_WHITESPACE)) for key, v in values if v is not None]
 
 
 def _interpreter(source: str, cfg: QosConfig) -> Callable[[str], str | None]:
@@ -187,17 +233,53 @@ def _interpreter(source: str, cfg: QosConfig) -> Callable[[str], str | None]:
     return _level_name
 
 
-def resolve_level(pod: PodInfo, cfg: QosConfig) -> LevelDecision:
-    """The pod's QoS level, the source that decided it, and the values that were not understood."""
+def _why_not(level: str, pod: PodInfo, qos_class: str | None, cfg: QosConfig,
+             ceiling: str | None) -> str | None:
+    """Why the pod may not claim ``level``, or None."""
+    namespaces = cfg.level_namespaces.get(level)
+    if namespaces is not None and pod.namespace not in namespaces:
+        return f"{level} only for namespaces {', '.join(namespaces) or '(none)'}"
+    if level == QosLevel.SYSTEM_CORES:
+        # No Kubernetes class grants it: only the namespaces listed for it.
+        if namespaces is None:
+            return "system_cores only for the namespaces listed for it (none)"
+    elif qos_class is not None and PRIVILEGE[level] > PRIVILEGE[CLASS_CEILING[qos_class]]:
+        return f"above what the pod's QoS class {qos_class} allows " \
+               f"({CLASS_CEILING[qos_class]} at most)"
+    if ceiling is not None and PRIVILEGE[level] > PRIVILEGE[ceiling]:
+        return f"above the level the pod had at creation ({ceiling})"
+    return None
+
+
+def _class_level(qos_class: str | None, cfg: QosConfig, ceiling: str | None) -> str:
+    """A refused claim's level: the class's (the default without a class), never above
+    ``ceiling``."""
+    level = cfg.default_level if qos_class is None else cfg.kubernetes_qos[qos_class]
+    if ceiling is not None and PRIVILEGE[level] > PRIVILEGE[ceiling]:
+        return ceiling
+    return level
+
+
+def resolve_level(pod: PodInfo, cfg: QosConfig, ceiling: str | None = None) -> LevelDecision:
+    """The pod's QoS level, the source that decided it, the values that were not understood,
+    and the claim refused if any; ``ceiling``: no claim may go above this level."""
     rejected: list[tuple[str, str]] = []
+    qos_class = kubernetes_qos_class(pod.cgroup_parent)
     for source in cfg.sources:
         values = _candidates(source, pod, cfg)
         if not values:
             continue
         interpret = _interpreter(source, cfg)
-        for value in values:
+        for key, value in values:
             level = interpret(value)
-            if level is not None and level in LEVEL_NAMES:
+            if level is None or level not in LEVEL_NAMES:
+                rejected.append((source, value))
+                continue
+            why = None if source == CLASS_SOURCE else \
+                _why_not(level, pod, qos_class, cfg, ceiling)
+            if why is None:
                 return LevelDecision(level, source, tuple(rejected))
-            rejected.append((source, value))
+            return LevelDecision(_class_level(qos_class, cfg, ceiling),
+                                 CLASS_SOURCE if qos_class is not None else DEFAULT_SOURCE,
+                                 tuple(rejected), Refusal(level, source, key, why))
     return LevelDecision(cfg.default_level, DEFAULT_SOURCE, tuple(rejected))

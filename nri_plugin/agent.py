@@ -37,21 +37,23 @@ from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.version import agent_version
 from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
-from reconciler.detection.signals import Board
+from reconciler.detection.signals import Board, Level
 from reconciler.eviction.builtin import in_tree_plugins
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
 from reconciler.metrics import Metrics
+from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
 from reconciler.mitigation.service import Mitigation, build_mitigation
-from reconciler.runner import build_loops, run_reconciler
-from reconciler.state import NodeState
+from reconciler.runner import build_loops, restore_host, run_reconciler
+from reconciler.state import NodeState, report_refusals
 
 HOOK_THREADS = 4
 """Worker threads running capabilities that may block; more than one so one stuck past its
@@ -159,7 +161,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     metrics.config_reload(True, time.time())
     store.on_load(lambda ok: metrics.config_reload(ok, time.time()))
     sysfs = sysfs.metered(metrics).observing(lambda: store.current.agent.mode == OBSERVE)
-    state = NodeState(qos=lambda: store.current.qos)
+    state = NodeState(qos=lambda: store.current.qos,
+                      on_refused=report_refusals(audit, metrics))
     audit.identify(functools.partial(_pod_identity, state))
     board = Board()
     tracker = LoopTracker(metrics)
@@ -195,10 +198,11 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         node = node_name(cfg.kubernetes)
         kube = KubeActions(api, cfg.kubernetes, audit)
         squeeze = GuardSqueeze()
+        notes = state_file(cfg.reconciler.state_dir)
         # One parse of the node state's containers for the loops, detection and the actions.
         managed = ManagedCache()
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze, metrics, tracker, managed))
+                                    squeeze, metrics, tracker, managed, notes))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
                                   managed=managed).run)
         # The actions read the configuration in force: observe mode holds them in dry-run.
@@ -209,8 +213,11 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
-                                      metrics=metrics)
+                                      metrics=metrics, notes=notes)
         services.append(mitigation.run)
+    elif run_background:
+        # The reconciler is off: what an earlier run of it left on the node goes now.
+        services.append(_leftovers(store, sysfs, audit))
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
     endpoint = status = None
@@ -269,16 +276,38 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
                 resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
                 squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker,
-                managed: ManagedCache) -> Service:
+                managed: ManagedCache, notes: StateFile) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
         loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze,
-                            metrics, managed=managed)
+                            metrics, managed=managed, notes=notes)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,
                              tracker=tracker)
+
+    return run
+
+
+def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog) -> Service:
+    """Once at start: restores what the state file says an earlier run changed (host files,
+    then its taint and condition when the API is reachable)."""
+    async def run(stop: asyncio.Event) -> None:
+        cfg = store.current
+        notes = state_file(cfg.reconciler.state_dir)
+        reason = "reconciler switched off"
+        await asyncio.to_thread(restore_host, sysfs, notes, reason)
+        if not (notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES)):
+            return
+        api = build_api_client(cfg.kubernetes)
+        if api is None:
+            log.warning("leftovers_kept", reason="no Kubernetes API access: the taint an "
+                        "earlier run placed stays (nri-qos reset takes it off)")
+            return
+        taint = TaintAction(lambda: store.current, KubeActions(api, cfg.kubernetes, audit),
+                            node_name(cfg.kubernetes), audit, notes=notes)
+        await taint.release(Cause(Level.NONE, None, reason), dry_run=False)
 
     return run
 

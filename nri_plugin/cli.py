@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"file to check (default {DEFAULT_CONFIG_PATH})")
 
     commands.add_parser("default-config", help="print the commented default configuration")
+
+    reset = commands.add_parser(
+        "reset", help="take off this node everything the agent placed (the uninstall step)")
+    reset.add_argument("--config", metavar="PATH", help=config_help)
+    reset.add_argument("--dry-run", action="store_true",
+                       help="print what would be undone, change nothing")
     return parser
 
 
@@ -172,6 +178,10 @@ def _dispatch(argv: Sequence[str] | None) -> int:
         return main_status(args.config, args.status_socket, as_json=args.json)
     if args.command == "check-config":
         return check_config(args.path)
+    if args.command == "reset":
+        from nri_plugin.reset_command import main_reset
+
+        return main_reset(args.config, dry_run=args.dry_run)
     if args.command == "default-config":
         sys.stdout.write(render_toml(Config(), commented=True))
         return 0

@@ -10,7 +10,8 @@ ignore keys they do not know.
 The sections ``mitigation``, ``evictions`` and ``taints`` come from providers handed in
 :attr:`StatusSources.sections` (:func:`ladder_sections` builds them; ``None`` in the document
 when the agent has none, as without the background half): the ladder a mapping (``level``,
-``cause``, ``engaged``, ``last`` step per rung), evictions and taints a list of mappings, newest
+``cause``, ``engaged``, ``releasing`` (rungs whose release is not confirmed yet, retried),
+``last`` step per rung), evictions and taints a list of mappings, newest
 first.
 """
 
@@ -139,7 +140,7 @@ def ladder_sections(mitigation: Mitigation,
     def ladder() -> dict[str, Any]:
         state = mitigation.state()
         return {"level": state.level.name.lower(), "cause": state.cause,
-                "engaged": list(state.engaged),
+                "engaged": list(state.engaged), "releasing": list(state.releasing),
                 "last": {rung: {"step": step, "result": result, "detail": bounded(detail)}
                          for rung, (step, result, detail) in sorted(state.last.items())}}
 

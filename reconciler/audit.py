@@ -53,6 +53,10 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("adjustment_conflict", ("pod_uid", "container", "field", "kept_owner",
                                        "rejected_owner"),
                "Two capabilities asked for different values of one field."),
+    AuditEvent("qos_level_refused", ("pod_uid", "pod", "claim", "source", "reason"),
+               "A pod claimed a QoS level above what its Kubernetes QoS class, its namespace or "
+               "its level at creation allow; it runs at its class's level instead. Once per pod "
+               "and refusal."),
     AuditEvent("event_failed", ("nri_event", "reason"),
                "An NRI event handler failed; the answer was empty, partial or an error.",
                level="error"),
@@ -102,6 +106,9 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("eviction_filtered", ("pod", "plugin", "why"),
                "A proposed pod may not be evicted (system_cores, static, DaemonSet, priority, "
                "excluded, terminating, already being evicted); once while it stays so."),
+    AuditEvent("eviction_proposals_capped", ("plugin", "omitted"),
+               "A plugin proposed more pods in a round than are audited one by one (64); the "
+               "others were filtered alike without a record each. Once while it lasts."),
     AuditEvent("eviction_deferred", ("pod", "plugin", "why"),
                "A pod chosen for eviction waits: the rate limit has no token, or a refused or "
                "failed eviction backs off; once while it stays so."),

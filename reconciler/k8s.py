@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from hooks.config_fields import setting
 from reconciler.aio import Backoff, done_or_stopped, sleep_until
 from reconciler.audit import AuditLog
-from reconciler.podmeta import PodMeta, pod_meta_from_object
+from reconciler.podmeta import OwnerRef, PodMeta, pod_meta_from_object
 
 _log = structlog.get_logger(__name__)
 
@@ -431,6 +431,11 @@ class PodRef:
     uid: str
 
 
+MIN_GRACE_S = 1
+"""The shortest grace period an eviction may ask for. 0 means immediate deletion: the pod gets
+no SIGTERM and no graceful shutdown, and the kubelet's record of it goes at once."""
+
+
 class KubeActions:
     """Writes to the API: evictions (with an Event on the pod), node taints and node status
     conditions; evictions and taints are audited here, conditions by their owner."""
@@ -438,6 +443,7 @@ class KubeActions:
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
         # One API handle for every write; None in degraded mode.
         self._core: Any = None if api is None else k8s_client.CoreV1Api(api)
+        self._apps: Any = None if api is None else k8s_client.AppsV1Api(api)
         self._cfg = cfg
         self._audit = audit
 
@@ -453,9 +459,15 @@ class KubeActions:
         grace_seconds: int | None,
         dry_run: bool,
         *,
+        uid: str | None = None,
         reason: str = "unspecified",
     ) -> EvictionResult:
-        """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``."""
+        """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``. ``uid``: the
+        pod the decision was about, sent as a precondition so that a pod re-created under the
+        same name in the meantime is not the one evicted (the API answers 409). A grace period
+        below :data:`MIN_GRACE_S` is a programming error."""
+        if grace_seconds is not None and grace_seconds < MIN_GRACE_S:
+            raise ValueError(f"grace period {grace_seconds} s is below {MIN_GRACE_S} s")
         pod = f"{namespace}/{name}"
         self._audit.record("eviction_requested", pod=pod, reason=reason, dry_run=dry_run)
         if self._core is None:
@@ -466,8 +478,10 @@ class KubeActions:
             api_version="policy/v1",
             kind="Eviction",
             metadata=k8s_client.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=None if grace_seconds is None else k8s_client.V1DeleteOptions(
-                grace_period_seconds=grace_seconds
+            delete_options=None if grace_seconds is None and uid is None
+            else k8s_client.V1DeleteOptions(
+                grace_period_seconds=grace_seconds,
+                preconditions=None if uid is None else k8s_client.V1Preconditions(uid=uid),
             ),
         )
 
@@ -487,7 +501,9 @@ class KubeActions:
         except ApiException as exc:
             sent = _status_body(exc)
             message = _status_message(exc, sent)
-            if exc.status == HTTP_NOT_FOUND:
+            if exc.status == HTTP_NOT_FOUND or (exc.status == HTTP_CONFLICT and uid is not None):
+                # 409 on a uid precondition: a pod of that name exists, but not the one the
+                # decision was about (re-created); that one is gone.
                 self._audit.record("eviction_gone", pod=pod, status=exc.status)
                 return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
             blocked = exc.status == HTTP_TOO_MANY_REQUESTS
@@ -589,6 +605,51 @@ class KubeActions:
             # read, and the resourceVersion precondition makes sure nothing changed meanwhile.
             kept = [c for c in conditions if c.get("type") != condition]
             return {"status": {"conditions": [*kept, wanted]}}
+
+        return await self._update_node(node, patch, status=True, what="condition")
+
+    async def owner_exists(self, namespace: str, owner: OwnerRef) -> bool | None:
+        """Whether the DaemonSet ``owner`` names exists with that uid, as ``kubectl drain``
+        checks before treating a pod as a DaemonSet's; None when the API could not tell."""
+        if self._apps is None:
+            return None
+        apps = self._apps
+
+        def read() -> bool:
+            response: Any = apps.read_namespaced_daemon_set(
+                owner.name, namespace, _preload_content=False,
+                _request_timeout=self._cfg.request_timeout_s)
+            try:
+                found = json.loads(response.data)
+            finally:
+                response.release_conn()
+            meta = found.get("metadata") if isinstance(found, dict) else None
+            return isinstance(meta, dict) and meta.get("uid") == owner.uid
+
+        try:
+            return await asyncio.to_thread(read)
+        except ApiException as exc:
+            if exc.status == HTTP_NOT_FOUND:
+                return False
+            _log.warning("owner_check_failed", namespace=namespace, owner=owner.name,
+                         reason=_describe(exc))
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            _log.warning("owner_check_failed", namespace=namespace, owner=owner.name,
+                         reason=_describe(exc))
+        return None
+
+    async def remove_node_condition(self, node: str, condition: str) -> NodeOutcome:
+        """Takes ``condition`` off the node's ``status.conditions`` (UNCHANGED when it is not
+        there): what an uninstall leaves, rather than a condition set False."""
+
+        def patch(current: dict[str, Any]) -> dict[str, Any] | None:
+            found = current.get("status")
+            raw = found.get("conditions") if isinstance(found, dict) else None
+            conditions = [c for c in raw if isinstance(c, dict)] if isinstance(raw, list) else []
+            kept = [c for c in conditions if c.get("type") != condition]
+            if len(kept) == len(conditions):
+                return None
+            return {"status": {"conditions": kept}}
 
         return await self._update_node(node, patch, status=True, what="condition")
 

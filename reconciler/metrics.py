@@ -140,6 +140,10 @@ class Metrics:
         self._nri_adjusted = Counter(
             f"{PREFIX}_nri_adjusted_fields_total",
             "CreateContainer answers that set a field, per field.", ["field"], registry=r)
+        self._levels_refused = Counter(
+            f"{PREFIX}_qos_level_refused_total",
+            "QoS level claims refused (above the pod's class, namespace or level at creation), "
+            "per source.", ["source"], registry=r)
         self._nri_state = Gauge(
             f"{PREFIX}_nri_connection_state",
             "1 for the state the runtime connection is in (disconnected, connected, "
@@ -217,6 +221,10 @@ class Metrics:
             if child is None:
                 child = children[field] = self._nri_adjusted.labels(field)
             child.inc()
+
+    def qos_level_refused(self, source: str) -> None:
+        """A pod's level claim from ``source`` (a ``[qos] sources`` name) was refused."""
+        self._levels_refused.labels(source).inc()
 
     def nri_connection(self, state: str, since_unix: float) -> None:
         """The runtime connection entered ``state`` (one of :data:`CONNECTION_STATES`)."""

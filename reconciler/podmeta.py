@@ -44,6 +44,20 @@ _INT64_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
+class OwnerRef:
+    """A pod's controlling owner reference, as written in the pod (by whoever wrote the pod:
+    it proves nothing until the owner is found)."""
+
+    api_version: str
+    kind: str
+    name: str
+    uid: str
+
+
+DAEMONSET_API_VERSION = "apps/v1"
+
+
+@dataclass(frozen=True, slots=True)
 class PodMeta:
     """One pod as the API server describes it (only the fields the node agent uses)."""
 
@@ -54,8 +68,6 @@ class PodMeta:
     labels: Mapping[str, str]
     # spec.priority, resolved by the admission controller from the priority class
     priority: int | None
-    # kind of the controlling owner reference (ReplicaSet, DaemonSet, Job, ...)
-    owner_kind: str | None
     # container name -> bytes; containers without a memory request are absent
     memory_requests: Mapping[str, int]
     # container name -> bytes; containers without a memory limit are absent
@@ -65,6 +77,9 @@ class PodMeta:
     # True once metadata.deletionTimestamp is set: the pod is shutting down (graceful deletion,
     # an accepted eviction)
     terminating: bool = False
+    # The controlling owner when it names an apps/v1 DaemonSet (kubectl drain's test), to be
+    # confirmed against the API before the pod counts as a DaemonSet's
+    daemonset: OwnerRef | None = None
 
     def trimmed(self, keys: ReadKeys) -> PodMeta:
         """This pod with only the annotations the agent reads, and bounded labels."""
@@ -122,7 +137,7 @@ def pod_meta_from_object(obj: Mapping[str, Any], *, deleted: bool = False) -> Po
         annotations=_string_map(metadata.get("annotations")),
         labels=_string_map(metadata.get("labels")),
         priority=priority if isinstance(priority, int) and not isinstance(priority, bool) else None,
-        owner_kind=_owner_kind(metadata.get("ownerReferences")),
+        daemonset=_daemonset(metadata.get("ownerReferences")),
         memory_requests=MappingProxyType(requests),
         memory_limits=MappingProxyType(limits),
         deleted=deleted,
@@ -153,14 +168,21 @@ def _put_memory(into: dict[str, int], name: str, resources: Mapping[str, Any]) -
         into[name] = value
 
 
-def _owner_kind(refs: Any) -> str | None:
-    owners = [_mapping(r) for r in _list(refs)]
-    controller = [r for r in owners if r.get("controller") is True]
-    for ref in controller or owners:
-        kind = ref.get("kind")
-        if isinstance(kind, str) and kind:
-            return kind
+def _controller(refs: Any) -> Mapping[str, Any] | None:
+    """The owner reference with ``controller: true`` (the API allows one at most)."""
+    for ref in (_mapping(r) for r in _list(refs)):
+        if ref.get("controller") is True:
+            return ref
     return None
+
+
+def _daemonset(refs: Any) -> OwnerRef | None:
+    ref = _controller(refs)
+    if ref is None or ref.get("kind") != "DaemonSet" \
+            or ref.get("apiVersion") != DAEMONSET_API_VERSION:
+        return None
+    name, uid = _string(ref.get("name")), _string(ref.get("uid"))
+    return OwnerRef(DAEMONSET_API_VERSION, "DaemonSet", name, uid) if name and uid else None
 
 
 def _mapping(value: Any) -> Mapping[str, Any]:

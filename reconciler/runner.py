@@ -22,15 +22,22 @@ from hooks.resctrl_config import ResctrlConfig
 from reconciler.audit import AuditLog
 from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.drift import DriftConfig, DriftLoop
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, MemoryGuardSections
-from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop
+from reconciler.loops.memory_guard import (
+    GuardSqueeze,
+    MemoryGuardLoop,
+    MemoryGuardSections,
+    restore_tier,
+)
+from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop, restore_bindings
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
+from reconciler.mitigation.actions import restore_wmark
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -47,12 +54,13 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                 host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
                 squeeze: GuardSqueeze | None = None,
                 metrics: Metrics | None = None, *,
-                managed: ManagedCache | None = None) -> list[Loop]:
+                managed: ManagedCache | None = None,
+                notes: StateFile | None = None) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
     the mitigation ladder's handle on the memory guard. ``managed``: the running containers'
     cache, one for every loop (and whatever else reads the same node state); a new one when
-    None."""
+    None. ``notes``: the agent's state file (what to restore)."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
@@ -61,8 +69,8 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
                   managed=managed),
-        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics),
-        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed),
+        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
+        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
     ]
     if resctrl is not None:
         loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,
@@ -102,6 +110,19 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
         for cancel in unsubscribe:
             cancel()
         executor.shutdown(wait=False, cancel_futures=True)
+        for loop in loops:
+            try:
+                loop.close()
+            except Exception:  # one loop's failure to undo must not keep the others from it
+                log.exception("reconciler_loop_close_failed", loop=loop.name)
+
+
+def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
+    """Writes back every host file the state file says the agent changed: the memory guard's
+    tier files, tuned memory.wmark_ratio, NUMA bindings."""
+    restore_tier(sysfs, notes, reason)
+    restore_wmark(sysfs, notes, reason)
+    restore_bindings(sysfs, notes, reason)
 
 
 def _waker(running: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Callable[[], None]:

@@ -16,7 +16,10 @@ A pod's QoS level is decided here and nowhere else, from the merged view: the Cr
 answer (:meth:`NodeState.pod_view`) and the loops (:meth:`NodeState.snapshot`) read the same
 :class:`PodView`, so creation and reconciliation never disagree about a pod's level, also after
 an annotation changed. A view is worked out once per pod and kept until the pod, its metadata or
-the ``[qos]`` section changes.
+the ``[qos]`` section changes. The level the runtime's copy gives a pod is the ceiling of the
+merged view's claims: the API's annotations and labels are as much the pod author's as the
+runtime's, and a claim raised after creation would otherwise lift a running pod out of the
+offline tier. A refused claim is reported once per pod and refusal (``on_refused``).
 
 Threading: the tracker runs on the event loop (or the stub's worker threads) and the loops'
 cycles in their own worker threads, so every mutation holds one :class:`threading.Lock`, briefly.
@@ -36,10 +39,14 @@ from types import MappingProxyType
 
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
-from hooks.qos_level import LevelDecision, QosConfig, resolve_level
+from hooks.qos_level import LevelDecision, QosConfig, Refusal, resolve_level
+from hooks.untrusted import bounded
+from reconciler.audit import AuditLog
+from reconciler.metrics import Metrics
 from reconciler.podmeta import KUBELET_STAMPED, PodMeta
 
 Callback = Callable[[], None]
+RefusalCallback = Callable[[PodInfo, Refusal], None]
 
 DEFAULT_POD_LIMIT = 4096
 """Pods remembered at most: far above any node's pod count, so only pods whose removal was never
@@ -104,7 +111,8 @@ class NodeState:
 
     def __init__(self, qos: Callable[[], QosConfig] = lambda: _DEFAULT_QOS, *,
                  pod_limit: int = DEFAULT_POD_LIMIT,
-                 container_limit: int = DEFAULT_CONTAINER_LIMIT) -> None:
+                 container_limit: int = DEFAULT_CONTAINER_LIMIT,
+                 on_refused: RefusalCallback | None = None) -> None:
         if pod_limit < 1 or container_limit < 1:
             raise ValueError("pod_limit and container_limit must be at least 1")
         self._qos = qos
@@ -123,6 +131,9 @@ class NodeState:
         self._snapshot: Snapshot | None = None
         self._subscriptions: list[_Subscription] = []
         self._runtime_fields: frozenset[str] | None = None
+        self._on_refused = on_refused
+        # Sandbox id -> the refusal last reported for it, so each is reported once.
+        self._refused: dict[str, Refusal] = {}
 
     # -- subscriptions ---------------------------------------------------------------------------
 
@@ -157,6 +168,7 @@ class NodeState:
             self._pods = {p.id: p for p in pods[-self._pod_limit:]}
             # The views of pods the runtime no longer lists go with them.
             self._views = {k: v for k, v in self._views.items() if k in self._pods}
+            self._refused = {k: v for k, v in self._refused.items() if k in self._pods}
             kept = [c for c in containers if c.pod_sandbox_id in self._pods]
             self._containers = {c.id: c for c in kept[-self._container_limit:]}
             self._stopped.clear()
@@ -213,6 +225,7 @@ class NodeState:
         """Forget a pod and its containers (lock held)."""
         self._pods.pop(pod_id, None)
         self._views.pop(pod_id, None)
+        self._refused.pop(pod_id, None)
         for cid in [c.id for c in self._containers.values() if c.pod_sandbox_id == pod_id]:
             del self._containers[cid]
             self._stopped.discard(cid)
@@ -319,14 +332,37 @@ class NodeState:
         changed = frozenset() if meta is None else frozenset(
             key for key in {*pod.annotations, *info.annotations}
             if pod.annotations.get(key) != info.annotations.get(key))
-        view = PodView(info, meta, resolve_level(info, qos), changed)
+        decision = resolve_level(pod, qos)
+        if meta is not None:
+            decision = resolve_level(info, qos, ceiling=decision.level)
+        view = PodView(info, meta, decision, changed)
+        refusal = decision.refused
+        report = False
         with self._lock:
             if self._pods.get(pod.id) is pod:
                 self._views[pod.id] = (pod, meta, qos, view)
+                if refusal is None:
+                    self._refused.pop(pod.id, None)
+                elif self._refused.get(pod.id) != refusal:
+                    self._refused[pod.id] = refusal
+                    report = True
+        if report and refusal is not None and self._on_refused is not None:
+            self._on_refused(info, refusal)
         return view
 
     def _changed(self) -> None:
         self._version += 1
+
+
+def report_refusals(audit: AuditLog, metrics: Metrics | None) -> RefusalCallback:
+    """The ``on_refused`` of the agent: an audit record and a count per refused claim."""
+    def refused(pod: PodInfo, refusal: Refusal) -> None:
+        audit.record("qos_level_refused", pod_uid=bounded(pod.uid),
+                     pod=bounded(f"{pod.namespace}/{pod.name}"), claim=refusal.claim,
+                     source=refusal.key, reason=refusal.reason)
+        if metrics is not None:
+            metrics.qos_level_refused(refusal.source)
+    return refused
 
 
 def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:

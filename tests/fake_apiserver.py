@@ -67,6 +67,7 @@ class _State:
     # (namespace, name) -> pod object
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    daemonsets: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     # (resourceVersion, type, object) of every pod change since the last compaction
     history: list[tuple[int, str, dict[str, Any]]] = field(default_factory=list)
     # watches from a resourceVersion below this get 410 Gone
@@ -294,6 +295,14 @@ class FakeApiServer:
                 "spec": {"taints": list(taints or [])} if taints else {},
                 "status": {"conditions": copy.deepcopy(conditions or [])},
             }
+
+    def add_daemonset(self, namespace: str, name: str, uid: str) -> None:
+        with self._lock:
+            self._state.resource_version += 1
+            self._state.daemonsets[(namespace, name)] = {
+                "apiVersion": "apps/v1", "kind": "DaemonSet",
+                "metadata": {"name": name, "namespace": namespace, "uid": uid,
+                             "resourceVersion": str(self._state.resource_version)}}
 
     def node(self, name: str) -> dict[str, Any]:
         with self._lock:
@@ -562,6 +571,16 @@ class _Handler(BaseHTTPRequestHandler):
               and segments[:3] == ["api", "v1", "namespaces"]
               and segments[4] == "pods" and segments[6] == "eviction"):
             self._evict(record, segments[3], segments[5])
+        elif (method == "GET" and len(segments) == 7
+              and segments[:4] == ["apis", "apps", "v1", "namespaces"]
+              and segments[5] == "daemonsets"):
+            with api._lock:
+                found = copy.deepcopy(api._state.daemonsets.get((segments[4], segments[6])))
+            if found is None:
+                self._status(record, 404, "NotFound",
+                             f'daemonsets.apps "{segments[6]}" not found')
+            else:
+                self._send_json(record, 200, found)
         elif (method == "POST" and len(segments) == 5
               and segments[:3] == ["api", "v1", "namespaces"] and segments[4] == "events"):
             self._event(record, segments[3])
@@ -685,10 +704,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _evict(self, record: Recorded, namespace: str, name: str) -> None:
         api = self.api
         dry_run = record.query.get("dryRun") == "All"
+        body = record.body if isinstance(record.body, dict) else {}
+        wanted_uid = ((body.get("deleteOptions") or {}).get("preconditions") or {}).get("uid")
         with api._lock:
             key = (namespace, name)
             if key not in api._state.pods:
                 code, reason, message = 404, "NotFound", f'pods "{name}" not found'
+            elif wanted_uid is not None \
+                    and api._state.pods[key]["metadata"].get("uid") != wanted_uid:
+                # As the API server answers a precondition that does not hold.
+                code, reason = 409, "Conflict"
+                message = (f"Operation cannot be fulfilled on Pod \"{name}\": Precondition "
+                           f"failed: UID in precondition: {wanted_uid}, UID in object meta: "
+                           f"{api._state.pods[key]['metadata'].get('uid')}")
             elif key in api._state.pdb_blocked:
                 self._status(
                     record, 429, "TooManyRequests",

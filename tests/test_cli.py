@@ -49,7 +49,7 @@ def test_check_config_reports_errors_on_stderr(
     assert captured.out == ""
     assert captured.err.splitlines() == [
         f"{path}: qos.surprise: unknown key (known keys: annotation, default_level, koordinator, "
-        "kubernetes_qos, sources, volcano)",
+        "kubernetes_qos, level_namespaces, sources, volcano)",
         f"{path}: qos.default_level: must be a string, got integer",
         f"{path}: invalid configuration (2 errors)",
     ]

@@ -262,11 +262,24 @@ def test_reconciler_root_reaches_the_host(
     assert _host_path_of(daemonset, inside) == host_path
 
 
+def test_a_drop_cache_timeout_stays_below_the_termination_grace_period(
+        daemonset: Doc, shipped_config: Config) -> None:
+    grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert shipped_config.mitigation.drop_cache.timeout_s < grace
+
+
+def test_the_state_directory_is_the_hosts(daemonset: Doc, shipped_config: Config) -> None:
+    """What to restore must outlive the pod: a new pod, or nri-qos reset, reads it."""
+    assert _host_path_of(daemonset, shipped_config.reconciler.state_dir) == \
+        shipped_config.reconciler.state_dir
+
+
 def test_host_paths_are_only_what_the_agent_uses(daemonset: Doc) -> None:
     pod = daemonset["spec"]["template"]["spec"]
     host_paths = {v["hostPath"]["path"]: v["name"] for v in pod["volumes"] if "hostPath" in v}
     assert set(host_paths) == {"/var/run/nri", "/sys/fs", "/sys/devices/system/node",
-                               "/proc", "/var/lib/nri-qos/eviction-plugins", "/run/nri-qos"}
+                               "/proc", "/var/lib/nri-qos/eviction-plugins", "/run/nri-qos",
+                               "/var/lib/nri-qos/state"}
     mounts = {m["name"]: m for m in _container(daemonset)["volumeMounts"]}
     # Only read: the NUMA topology and the configuration.
     assert mounts[host_paths["/sys/devices/system/node"]].get("readOnly") is True

@@ -441,3 +441,16 @@ def test_threshold_config_must_be_ordered() -> None:
                     "fulfillment_high_ratio"]
     # 0 leaves a kswapd level unused without breaking the order
     assert dataclasses.replace(CFG, kswapd_medium_pages_per_s=0.0).validate() == []
+
+
+@pytest.mark.parametrize(("before_full", "now_full"), [(None, None), (0, None), (None, 10**9)])
+def test_psi_without_a_full_line_counts_no_full_stall(before_full: int | None,
+                                                       now_full: int | None) -> None:
+    """A file without 'full' (or a counter that appeared meanwhile) says nothing of full
+    stalls: graded from 'some' alone, even at the lowest 'full' threshold allowed."""
+    cfg = dataclasses.replace(CFG, psi_full_high_percent=0.1)
+    sample = d.psi_sample(NODE, stall(1.0, 0, before_full), stall(1.1, 35_000, now_full), cfg)
+    assert sample is not None
+    assert sample.level is Level.MEDIUM
+    assert sample.value == pytest.approx(35.0)
+    assert "full 0.0 %" in sample.reason

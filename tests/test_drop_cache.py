@@ -6,6 +6,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +21,13 @@ from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.signals import Level
 from reconciler.host.probe import HostInfo, probe_host
-from reconciler.host.sysfs import SysFs
+from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import Candidate, DropCacheAction, page_cache, plan
 from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod
+from tests.paths import REPO
 from tests.polling import eventually
 
 LEVEL = "qos.nri-qos.io/level"
@@ -268,3 +273,87 @@ def test_pod_names_from_the_runtime_are_bounded(v2: Tree) -> None:
     [pod] = PodIndex(v2.state, probe_host(v2.sysfs).cgroup).pods()
     assert len(pod.name) < 200
     assert "(508 chars, sha256" in pod.name
+
+
+# -- stopping -------------------------------------------------------------------------------------
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, the fields after it do not.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+async def test_a_running_drop_is_killed_not_waited_for_when_the_agent_stops(
+        tmp_path: Path) -> None:
+    tree = Tree(tmp_path, 2, timeout_s=60)
+    stuck = tree.pod("stuck", "reclaimed_cores", 300 * MIB)
+    (stuck / "memory.reclaim").unlink()
+    os.mkfifo(stuck / "memory.reclaim")
+    action, _ = tree.action()
+    engaged = asyncio.create_task(action.engage(CAUSE, dry_run=False))
+    await eventually(lambda: bool(tree.sink.named("drop_cache_started")))
+    await eventually(lambda: bool(children_of(os.getpid())))
+    started = asyncio.get_running_loop().time()
+    action.close()
+    result = await asyncio.wait_for(engaged, 10)
+    assert asyncio.get_running_loop().time() - started < 5  # not the 60 s timeout
+    assert result.result == "failed"
+    (finished,) = tree.sink.named("drop_cache_finished")
+    assert finished["error"] == "the writer was killed: the agent is stopping"
+    assert children_of(os.getpid()) == []
+    # Nothing new starts once stopping.
+    assert tree.sysfs.write_bounded("/sys/fs/cgroup/x", "0", 1.0) == (
+        Outcome.FAILED, "not started: the agent is stopping")
+
+
+HELPER = """
+import sys
+from reconciler.host.sysfs import Outcome, SysFs
+print(SysFs(sys.argv[1]).write_bounded(sys.argv[2], "1", 60.0), flush=True)
+"""
+
+
+def holds_within(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_drop_writer_dies_with_the_agent(tmp_path: Path) -> None:
+    """An agent killed outright (SIGKILL, OOM) takes its writers with it: none goes on making
+    the kernel reclaim for a process that is gone."""
+    fifo = tmp_path / "sys/fs/cgroup/pod/memory.reclaim"
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    agent = subprocess.Popen([sys.executable, "-c", HELPER, str(tmp_path),
+                              "/sys/fs/cgroup/pod/memory.reclaim"],
+                             cwd=REPO, stdout=subprocess.DEVNULL)
+    try:
+        assert holds_within(lambda: bool(children_of(agent.pid)), 20)
+        (writer,) = children_of(agent.pid)
+        agent.kill()
+        agent.wait()
+        assert holds_within(lambda: not alive(writer), 10)
+    finally:
+        agent.kill()
+        agent.wait()

@@ -141,12 +141,19 @@ async def session(tmp_path: Path, tool: Path,
         await simulator.stop()
 
 
+# What a pod must be to claim each level: its Kubernetes QoS class (the cgroup parent kubelet
+# chose) and, for system_cores, a namespace the node lists for it.
+CLAIMABLE = {"dedicated_cores": ("ns", "/kubepods/pod{uid}"),
+             "system_cores": ("kube-system", "/kubepods/pod{uid}")}
+
+
 def pod(uid: str, level: str | None = None, **annotations: str) -> api.PodSandbox:
     if level is not None:
         annotations["qos.nri-qos.io/level"] = level
-    message = api.PodSandbox(id=f"sb-{uid}", uid=uid, name=f"pod-{uid}", namespace="ns",
+    namespace, parent = CLAIMABLE.get(level or "", ("ns", "/kubepods/burstable/pod{uid}"))
+    message = api.PodSandbox(id=f"sb-{uid}", uid=uid, name=f"pod-{uid}", namespace=namespace,
                              annotations=annotations)
-    message.linux.cgroup_parent = f"/kubepods/burstable/pod{uid}"
+    message.linux.cgroup_parent = parent.format(uid=uid)
     return message
 
 

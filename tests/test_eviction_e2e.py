@@ -97,7 +97,7 @@ async def test_an_offline_pod_over_its_request_is_evicted_an_online_one_never(
         for pod, level, ns in ((offline, "reclaimed_cores", "batch"),
                                (online, "shared_cores", "shop")):
             fake.add_pod(make_pod(pod.info.name, namespace=ns, uid=pod.info.uid,
-                                  owner_kind="ReplicaSet", priority=0,
+                                  priority=0,
                                   annotations={LEVEL: level},
                                   memory={"c0": ("1Gi", None)}))
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)

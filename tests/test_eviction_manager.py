@@ -76,15 +76,71 @@ async def test_dry_run_per_plugin(tmp_path: Path, fake: FakeApiServer) -> None:
     assert await env.round() == [("batch/b", "evicted")]
 
 
+async def test_a_pod_re_created_under_the_same_name_is_not_evicted(
+    tmp_path: Path, fake: FakeApiServer
+) -> None:
+    env = make_env(tmp_path, fake)
+    env.add_pod("a", fake=fake)
+    # The API's pod "a" is another one now (deleted and re-created); the node still runs the
+    # one the decision is about.
+    fake.modify_pod("batch", "a", lambda pod: pod["metadata"].update(uid="someone-else"))
+    forced(env, "a")
+    assert await env.round() == [("batch/a", "gone")]
+    assert fake.pod("batch", "a") is not None
+
+
+@pytest.mark.parametrize(("exists", "outcome"), [
+    ("same uid", []),
+    ("another uid", [("batch/ds", "evicted")]),
+    ("no", [("batch/ds", "evicted")]),
+])
+async def test_a_daemonset_owner_counts_only_once_the_api_shows_it(
+    tmp_path: Path, fake: FakeApiServer, exists: str, outcome: list[tuple[str, str]]
+) -> None:
+    env = make_env(tmp_path, fake)
+    env.add_pod("ds", owner="DaemonSet", fake=fake)
+    (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]
+    if exists != "no":
+        fake.add_daemonset("batch", ref["name"],
+                           ref["uid"] if exists == "same uid" else "someone-else")
+    forced(env, "ds")
+    assert await env.round() == outcome
+    daemonset_gets = [r for r in fake.requests("GET") if "/daemonsets/" in r.path]
+    assert [r.path for r in daemonset_gets] == [
+        f"/apis/apps/v1/namespaces/batch/daemonsets/{ref['name']}"]
+
+
+async def test_an_unconfirmed_daemonset_owner_waits_and_the_answer_is_kept(
+    tmp_path: Path, fake: FakeApiServer
+) -> None:
+    env = make_env(tmp_path, fake)
+    env.add_pod("ds", owner="DaemonSet", fake=fake)
+    (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]
+    fake.add_daemonset("batch", ref["name"], ref["uid"])
+    fake.fail_next("GET", "/apis/apps/v1/", 503)
+    forced(env, "ds")
+    assert await env.round() == []
+    assert env.audited("eviction_filtered", "why") == [
+        "DaemonSet owner not confirmed by the API yet"]
+    assert await env.round() == []
+    assert await env.round() == []
+    # Confirmed once, then kept: one more request, not one per round.
+    assert len([r for r in fake.requests("GET") if "/daemonsets/" in r.path]) == 2
+    assert env.audited("eviction_filtered", "why")[-1] == "owned by a DaemonSet"
+
+
 # ---- filter -------------------------------------------------------------------------------------
 
 
 async def test_filtered_pods_are_audited_once_with_the_reason(
     tmp_path: Path, fake: FakeApiServer
 ) -> None:
-    env = make_env(tmp_path, fake, exclude_selectors=("team=infra",))
-    env.add_pod("sys", level="system_cores", fake=fake)
+    env = make_env(tmp_path, fake, exclude_selectors=("team=infra",),
+                   exclude_selector_namespaces=("batch",))
+    env.add_pod("sys", level="system_cores", namespace="kube-system", fake=fake)
     env.add_pod("ds", owner="DaemonSet", fake=fake)
+    (ref,) = fake.pod("batch", "ds")["metadata"]["ownerReferences"]  # type: ignore[index]
+    fake.add_daemonset("batch", ref["name"], ref["uid"])
     env.add_pod("crit", priority=2_000_001_000, fake=fake)
     env.add_pod("going", fake=fake, deletionTimestamp="2026-01-01T00:00:00Z")
     env.add_pod("infra", fake=fake, labels={"team": "infra"})
@@ -96,7 +152,7 @@ async def test_filtered_pods_are_audited_once_with_the_reason(
     whys = dict(zip(env.audited("eviction_filtered"), env.audited("eviction_filtered", "why"),
                     strict=True))
     assert whys == {
-        "batch/sys": "system_cores pod",
+        "kube-system/sys": "system_cores pod",
         "batch/ds": "owned by a DaemonSet",
         "batch/crit": "priority 2000001000 >= 2000000000",
         "batch/going": "terminating",
@@ -265,7 +321,8 @@ async def test_hard_met_asks_for_top_pods_after_the_streak(
     assert chosen["reason"] == "threshold hard-met: system_free node: 50 bytes < 100 bytes"
     assert chosen["grace_s"] == 3
     (post,) = [r for r in fake.requests("POST") if r.path.endswith("eviction")]
-    assert post.body["deleteOptions"]["gracePeriodSeconds"] == 3
+    assert post.body["deleteOptions"] == {"gracePeriodSeconds": 3,
+                                          "preconditions": {"uid": env.uid("b")}}
     # A soft-met round breaks the streak.
     env.system.threshold = ThresholdMet(MetType.SOFT_MET)
     await env.round()

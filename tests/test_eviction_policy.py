@@ -18,6 +18,7 @@ from reconciler.eviction.config import SYSTEM_CLUSTER_CRITICAL, SYSTEM_NODE_CRIT
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.selector import SelectorError, parse_selector
 from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
+from reconciler.podmeta import OwnerRef
 
 GIB = 1 << 30
 
@@ -28,11 +29,17 @@ def pod(uid: str = "u", *, level: str = "reclaimed_cores", priority: int | None 
     return ActivePod(uid, namespace, f"pod-{uid}", level, priority, request, usage)
 
 
+DAEMONSET = OwnerRef("apps/v1", "DaemonSet", "agent", "uid-ds")
+
+
 def facts(active: ActivePod | None = None, *, labels: dict[str, str] | None = None,
           annotations: dict[str, str] | None = None, owner: str | None = "ReplicaSet",
-          terminating: bool = False, described: bool = True) -> PodFacts:
+          terminating: bool = False, described: bool = True,
+          daemonset: bool | None = False) -> PodFacts:
+    claimed = DAEMONSET if owner == "DaemonSet" else None
     return PodFacts(active or pod(), MappingProxyType(labels or {}),
-                    MappingProxyType(annotations or {}), owner, terminating, described)
+                    MappingProxyType(annotations or {}), terminating, described,
+                    claimed_daemonset=claimed, daemonset=daemonset if claimed else False)
 
 
 # ---- selectors ----------------------------------------------------------------------------------
@@ -72,7 +79,8 @@ def test_selector_errors(text: str) -> None:
 # ---- the filter ---------------------------------------------------------------------------------
 
 FILTER = PodFilter(EvictionConfig(exclude_namespaces=("kube-system", "infra"),
-                                  exclude_selectors=("nri-qos.io/evict=never", "!evictable")))
+                                  exclude_selectors=("nri-qos.io/evict=never", "!evictable"),
+                                  exclude_selector_namespaces=("batch",)))
 EVICTABLE = {"evictable": "yes"}
 
 
@@ -82,6 +90,18 @@ def why(item: PodFacts, *, need_description: bool = True) -> str | None:
 
 def test_an_ordinary_offline_pod_passes() -> None:
     assert why(facts(labels=EVICTABLE)) is None
+
+
+def test_labels_spare_a_pod_only_in_the_namespaces_trusted_with_selectors() -> None:
+    never = {**EVICTABLE, "nri-qos.io/evict": "never"}
+    assert why(facts(labels=never)) == "labels match excluded selector 'nri-qos.io/evict=never'"
+    # The same label written by the author of a pod elsewhere spares nothing.
+    assert why(facts(pod(namespace="tenant-a"), labels=never)) is None
+    assert why(facts(pod(namespace="tenant-a"), labels={})) is None
+
+
+def test_a_daemonset_the_api_does_not_have_protects_nothing() -> None:
+    assert why(facts(labels=EVICTABLE, owner="DaemonSet", daemonset=False)) is None
 
 
 @pytest.mark.parametrize(("item", "reason"), [
@@ -95,7 +115,9 @@ def test_an_ordinary_offline_pod_passes() -> None:
     (facts(labels=EVICTABLE, terminating=True), "terminating"),
     (facts(labels=EVICTABLE, described=False),
      "not described by the API yet (owner and priority unknown)"),
-    (facts(labels=EVICTABLE, owner="DaemonSet"), "owned by a DaemonSet"),
+    (facts(labels=EVICTABLE, owner="DaemonSet", daemonset=True), "owned by a DaemonSet"),
+    (facts(labels=EVICTABLE, owner="DaemonSet", daemonset=None),
+     "DaemonSet owner not confirmed by the API yet"),
     (facts(pod(priority=SYSTEM_NODE_CRITICAL), labels=EVICTABLE),
      f"priority {SYSTEM_NODE_CRITICAL} >= {SYSTEM_CLUSTER_CRITICAL}"),
     (facts(pod(priority=SYSTEM_CLUSTER_CRITICAL), labels=EVICTABLE),
@@ -202,7 +224,87 @@ def test_bucket_give_back_and_reconfigure() -> None:
         TokenBucket(0, 1.0, 0.0)
 
 
+def test_bucket_wait_is_zero_while_a_token_is_there() -> None:
+    bucket = TokenBucket(2, 10.0, now=0.0)
+    assert bucket.wait(0.0) == 0.0
+    assert bucket.take(0.0)
+    assert bucket.wait(0.0) == 0.0  # one left
+    assert bucket.take(0.0)
+    assert bucket.wait(0.0) == 10.0
+    assert bucket.wait(10.0) == 0.0
+
+
+def test_bucket_give_back_from_two_below_the_burst_keeps_the_refill() -> None:
+    bucket = TokenBucket(3, 10.0, now=0.0)
+    assert [bucket.take(0.0) for _ in range(3)] == [True, True, True]
+    bucket.give_back(1.0)
+    assert bucket.available(1.0) == 1
+    # The refill under way since 0 still ends at 10, not 11.
+    assert bucket.available(9.999) == 1
+    assert bucket.available(10.0) == 2
+    bucket.give_back(10.0)
+    assert bucket.available(10.0) == 3
+    bucket.give_back(10.0)
+    assert bucket.available(10.0) == 3
+
+
+@pytest.mark.parametrize("interval", [0.0, -1.0, float("nan")])
+def test_bucket_refuses_an_interval_that_is_not_positive(interval: float) -> None:
+    with pytest.raises(ValueError, match="interval > 0"):
+        TokenBucket(1, interval, 0.0)
+    bucket = TokenBucket(2, 10.0, 0.0)
+    assert bucket.take(0.0)
+    with pytest.raises(ValueError, match="interval > 0"):
+        bucket.configure(2, interval, 1.0)
+    # Unchanged, and refilling as before.
+    assert bucket.available(9.999) == 1
+    assert bucket.available(10.0) == 2
+    with pytest.raises(ValueError, match="burst >= 1"):
+        bucket.configure(0, 10.0, 1.0)
+
+
+def test_bucket_reload_in_the_middle_of_a_refill_counts_the_time_waited() -> None:
+    bucket = TokenBucket(2, 10.0, now=0.0)
+    assert bucket.take(0.0)
+    assert bucket.take(0.0)
+    bucket.configure(2, 20.0, 5.0)  # 5 s into a 10 s refill; the interval is now 20 s
+    assert bucket.available(19.999) == 0
+    assert bucket.available(20.0) == 1
+    assert bucket.wait(20.0) == 0.0
+    assert bucket.take(20.0)
+    assert bucket.wait(20.0) == 20.0
+    # A shorter interval: a token the old one had not given yet comes at once.
+    bucket.configure(2, 5.0, 26.0)
+    assert bucket.available(26.0) == 1
+
+
+def test_bucket_clock_going_backwards_mints_nothing() -> None:
+    bucket = TokenBucket(2, 10.0, now=100.0)
+    assert bucket.take(100.0)
+    assert bucket.take(100.0)
+    assert bucket.available(50.0) == 0
+    assert bucket.wait(50.0) == 10.0  # never more than one interval
+    assert bucket.available(59.999) == 0
+    assert bucket.available(60.0) == 1
+    # Back again: the token it has, no more.
+    assert bucket.take(40.0)
+    assert not bucket.take(40.0)
+    assert bucket.available(49.999) == 0
+    assert bucket.available(50.0) == 1
+
+
 # ---- smoothing ----------------------------------------------------------------------------------
+
+
+def test_a_condition_met_at_its_first_observation_stays_true_for_the_transition() -> None:
+    tracker = ConditionTracker()
+    assert tracker.observe("C", True, 0.0, 300.0) is True
+    assert tracker.observe("C", False, 1.0, 300.0) is True
+    assert tracker.observe("C", False, 299.999, 300.0) is True
+    assert tracker.observe("C", False, 300.0, 300.0) is False
+    assert tracker.status("C") is False
+    # Never met: false from the first observation.
+    assert tracker.observe("D", False, 0.0, 300.0) is False
 
 
 def test_hard_met_counts_after_a_streak() -> None:
@@ -255,9 +357,15 @@ def test_defaults() -> None:
 @pytest.mark.parametrize(("toml", "error"), [
     ('exclude_selectors = ["app in (a"]', "eviction.exclude_selectors: label selector"),
     ('exclude_selectors = [""]', "empty selector"),
+    ('exclude_selectors = ["team=infra"]',
+     "eviction.exclude_selectors: needs exclude_selector_namespaces"),
+    ('exclude_selector_namespaces = ["Not_A_Namespace"]', "not a namespace name"),
     ('exclude_namespaces = ["Not_A_Namespace"]', "not a namespace name"),
     ('sort_keys = ["priority", "priority"]', "each key at most once"),
     ('sort_keys = ["age"]', "must be one of qos_level, priority, memory_usage"),
+    ("grace_period_s = 0", "eviction.grace_period_s: 0 would delete the pod at once"),
+    ("reclaimed_grace_period_s = 0", "eviction.reclaimed_grace_period_s: 0 would delete"),
+    ("grace_period_s = -2", "eviction.grace_period_s: must be"),
     ("retry_initial_s = 10.0\nretry_max_s = 5.0", "eviction.retry_max_s: must be >= "),
     ('soft_level = "high"\nhard_level = "medium"', "eviction.soft_level: must not be above"),
     ('plugins = ["kubelet"]', "must be one of"),
@@ -268,6 +376,12 @@ def test_config_errors(toml: str, error: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_toml(Config, f"[eviction]\n{toml}\n")
     assert any(error in line for line in caught.value.errors), caught.value.errors
+
+
+@pytest.mark.parametrize("toml", ["grace_period_s = 1", "grace_period_s = -1",
+                                  "reclaimed_grace_period_s = 1"])
+def test_grace_periods_from_one_second_or_the_pods_own(toml: str) -> None:
+    parse_toml(Config, f"[eviction]\n{toml}\n")
 
 
 def test_config_reads_the_static_pod_annotations() -> None:

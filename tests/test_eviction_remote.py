@@ -17,7 +17,15 @@ import pytest
 
 from protos import eviction_pb2 as pb
 from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.eviction.api import ActivePod, Condition, MetType, Operator
+from reconciler.eviction.api import (
+    ActivePod,
+    Condition,
+    EvictPods,
+    EvictRequest,
+    MetType,
+    Operator,
+)
+from reconciler.eviction.manager import MAX_AUDITED_PROPOSALS
 from reconciler.eviction.remote import (
     PluginCallError,
     PluginDirectory,
@@ -84,11 +92,20 @@ def test_top_pods_and_evict_pods_answers() -> None:
     top.grace_period_seconds = -1
     with pytest.raises(PluginCallError, match="grace period -1"):
         top_pods_from(top, 2)
+    # 0 is immediate deletion, no graceful shutdown: refused; 1 s is the least.
+    top.grace_period_seconds = 0
+    with pytest.raises(PluginCallError, match=r"grace period 0 s is outside 1\.\.86400"):
+        top_pods_from(top, 2)
+    top.grace_period_seconds = 1
+    assert top_pods_from(top, 2).grace_s == 1
+    with pytest.raises(PluginCallError, match="grace period 0"):
+        evict_pods_from(pb.GetEvictPodsResponse(evict_pods=[
+            pb.EvictPod(uid="b", grace_period_seconds=0)]))
     wanted = evict_pods_from(pb.GetEvictPodsResponse(evict_pods=[
         pb.EvictPod(uid="a", reason="x" * 500, force=True),
-        pb.EvictPod(uid="b", grace_period_seconds=0)]))
+        pb.EvictPod(uid="b", grace_period_seconds=1)]))
     assert [(p.uid, p.force, p.grace_s) for p in wanted.pods] == [("a", True, None),
-                                                                 ("b", False, 0)]
+                                                                 ("b", False, 1)]
     assert wanted.pods[0].reason.startswith("x" * 128 + "… (500 chars")
     assert wanted.pods[1].reason == "no reason given"
     with pytest.raises(PluginCallError, match="without uid"):
@@ -168,6 +185,113 @@ async def test_directory_refuses_a_socket_of_another_user(
             "refused: owned by uid 65534, not root or the agent's user")
     finally:
         await directory.close()
+
+
+@pytest.mark.parametrize(("mode", "trusted"), [(0o755, True), (0o700, True), (0o775, False),
+                                                (0o757, False), (0o777, False)])
+async def test_a_directory_others_can_write_to_is_not_used(
+    tmp_path: Path, sockets: list[socket.socket], mode: int, trusted: bool
+) -> None:
+    sink = MemoryAuditSink()
+    directory = PluginDirectory(AuditLog(sink), lambda: 0.1)
+    where = tmp_path / "plugins"
+    where.mkdir()
+    sockets.append(listening(where / "alpha.sock"))
+    try:
+        assert [p.name for p in await directory.scan(str(where), reserved=())] == ["alpha"]
+        where.chmod(mode)
+        found = await directory.scan(str(where), reserved=())
+        assert [p.name for p in found] == (["alpha"] if trusted else [])
+        if not trusted:
+            assert sink.named("eviction_plugin_dropped")[-1]["reason"] == (
+                f"directory refused: writable by its group or others (mode {mode:o})")
+            # Made safe again: the plugin is used again.
+            where.chmod(0o755)
+            assert [p.name for p in await directory.scan(str(where), reserved=())] == ["alpha"]
+    finally:
+        await directory.close()
+
+
+async def test_a_directory_behind_a_symbolic_link_is_not_used(
+    tmp_path: Path, sockets: list[socket.socket]
+) -> None:
+    directory = PluginDirectory(AuditLog(MemoryAuditSink()), lambda: 0.1)
+    (tmp_path / "real").mkdir()
+    sockets.append(listening(tmp_path / "real" / "alpha.sock"))
+    (tmp_path / "plugins").symlink_to(tmp_path / "real")
+    try:
+        assert await directory.scan(str(tmp_path / "plugins"), reserved=()) == []
+    finally:
+        await directory.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to another user")
+async def test_a_directory_of_another_user_is_not_used(
+    tmp_path: Path, sockets: list[socket.socket]
+) -> None:
+    directory = PluginDirectory(AuditLog(MemoryAuditSink()), lambda: 0.1)
+    where = tmp_path / "plugins"
+    where.mkdir()
+    sockets.append(listening(where / "alpha.sock"))
+    os.chown(where, 65534, 65534)
+    try:
+        assert await directory.scan(str(where), reserved=()) == []
+    finally:
+        await directory.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a socket to another user")
+async def test_the_socket_owner_is_checked_again_right_before_a_call(
+    tmp_path: Path, sockets: list[socket.socket]
+) -> None:
+    directory = PluginDirectory(AuditLog(MemoryAuditSink()), lambda: 0.1)
+    path = tmp_path / "alpha.sock"
+    sockets.append(listening(path))
+    try:
+        (plugin,) = await directory.scan(str(tmp_path), reserved=())
+        # Someone else's socket under the listed name, before the agent connects.
+        os.chown(path, 65534, 65534)
+        with pytest.raises(PluginCallError) as caught:
+            await plugin.threshold_met()
+        assert (caught.value.kind, caught.value.detail) == (
+            "refused", "owned by uid 65534, not root or the agent's user")
+        # Swapped for another socket: refused until the directory is listed again.
+        sockets[0].close()
+        path.unlink()
+        sockets.append(listening(path))
+        with pytest.raises(PluginCallError) as caught:
+            await plugin.threshold_met()
+        assert (caught.value.kind, caught.value.detail) == (
+            "refused", "the socket was replaced since it was listed")
+        path.unlink()
+        with pytest.raises(PluginCallError) as caught:
+            await plugin.threshold_met()
+        assert caught.value.kind == "unavailable"
+    finally:
+        await directory.close()
+
+
+async def test_a_plugin_listing_thousands_of_uids_writes_a_bounded_audit_trail(
+    tmp_path: Path
+) -> None:
+    env = make_env(tmp_path, None)
+    env.add_pod("a")
+    env.system.evict = EvictPods(tuple(
+        EvictRequest(f"no-such-{i}", "spam", None, True) for i in range(10_000)))
+    await env.round()
+    assert len(env.sink.named("eviction_candidate")) == MAX_AUDITED_PROPOSALS
+    assert len(env.sink.named("eviction_filtered")) == MAX_AUDITED_PROPOSALS
+    (capped,) = env.sink.named("eviction_proposals_capped")
+    assert (capped["plugin"], capped["proposals"], capped["omitted"]) == (
+        "system_pressure", 10_000, 10_000 - MAX_AUDITED_PROPOSALS)
+    # Exactly at the bound: every proposal audited, nothing capped.
+    env2 = make_env(tmp_path / "2", None)
+    env2.system.evict = EvictPods(tuple(
+        EvictRequest(f"no-such-{i}", "spam", None, True)
+        for i in range(MAX_AUDITED_PROPOSALS)))
+    await env2.round()
+    assert len(env2.sink.named("eviction_candidate")) == MAX_AUDITED_PROPOSALS
+    assert env2.sink.named("eviction_proposals_capped") == []
 
 
 # ---- real plugin processes ----------------------------------------------------------------------

@@ -45,10 +45,11 @@ from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
 from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION, PodMeta
-from reconciler.state import NodeState
+from reconciler.state import NodeState, report_refusals
 from tests.eviction_env import LEVEL, NODE, forced, make_env
 from tests.fake_apiserver import FakeApiServer
 from tests.fakesys import FakeHost
+from tests.qos_claims import SPELLINGS
 
 MAX_LINE = 4096
 BIG = "A" * 200_000
@@ -301,7 +302,8 @@ class Wire:
         assert fs is not None
         fs.apply_class_groups(plan_class_groups(self.cfg.resctrl, fs.info, fs.our_groups()),
                               reason="config", warn=lambda _: None)
-        self.state = NodeState(qos=lambda: self.cfg.qos)
+        self.state = NodeState(qos=lambda: self.cfg.qos,
+                               on_refused=report_refusals(audit, None))
         self.simulator = RuntimeSimulator(tmp_path / "nri.sock")
         self.stub = PluginStub(
             identity=PluginIdentity("nri-qos", "10"), config=lambda: self.cfg,
@@ -386,6 +388,63 @@ async def test_every_annotation_the_agent_reads_against_the_corpus(
     assert played > 300
 
 
+# Claims of a level above what a besteffort pod has, in every spelling and place the agent reads.
+ESCALATIONS = [(kind, key, value, level) for level, spellings in SPELLINGS.items()
+               if level != "reclaimed_cores" for kind, key, value in spellings]
+
+
+async def test_a_besteffort_pod_cannot_claim_a_higher_level_on_the_wire(
+        tmp_path: Path, executor: ThreadPoolExecutor) -> None:
+    """Through the runtime's copy: the answer of the same pod without the claim (the oom floor,
+    the memory.high cap, the reclaimed class), one qos_level_refused record per claim."""
+    wire = Wire(tmp_path, executor)
+    await wire.simulator.start()
+    reader_, writer = await asyncio.open_unix_connection(str(tmp_path / "nri.sock"))
+    try:
+        async with asyncio.TaskGroup() as group:
+            serving = group.create_task(wire.stub.serve(reader_, writer))
+            connection = await wire.simulator.wait_ready()
+            baseline = await wire.play(connection, {}, {})
+            assert baseline.adjust.linux.oom_score_adj.value == 1000
+            assert "memory.high" in baseline.adjust.linux.resources.unified
+            for kind, key, value, level in ESCALATIONS:
+                wire.sink.records.clear()
+                written = {key: value}
+                answer = await wire.play(connection, written if kind == "annotation" else {},
+                                         written if kind == "label" else {})
+                case = (kind, key, value)
+                assert answer.adjust == baseline.adjust, case
+                refused = wire.sink.named("qos_level_refused")
+                assert [(r["claim"], r["source"]) for r in refused] == \
+                    [(level, f"{kind} {key}")], case
+                assert refused[0]["pod"].startswith("hostile/"), case
+            assert connection.alive
+            wire.stub.close()
+            await serving
+    finally:
+        await wire.simulator.stop()
+
+
+def test_a_besteffort_pod_cannot_claim_a_higher_level_through_the_api() -> None:
+    """Through the API server's copy (kubectl annotate on a running pod): the level stays the
+    class's, and each claim is reported once."""
+    reports: list[str] = []
+    pod = PodInfo(id="sb", uid=RECONCILER_UID, name="p", namespace="hostile",
+                  cgroup_parent=f"/kubepods/besteffort/pod{RECONCILER_UID}")
+    for kind, key, value, level in ESCALATIONS:
+        reports.clear()
+        state = NodeState(on_refused=lambda pod, refusal: reports.append(refusal.claim))
+        state.replace_all([pod], [])
+        assert state.snapshot().pods["sb"].level == "reclaimed_cores"
+        written = {key: value}
+        state.apply_meta(api_meta(written if kind == "annotation" else {},
+                                  written if kind == "label" else None))
+        view = state.snapshot().pods["sb"]
+        assert view.level == "reclaimed_cores", (kind, key, value)
+        assert view.decision.refused is not None
+        assert reports == [level], (kind, key, value)
+
+
 @pytest.mark.parametrize("uid", ["../../../../etc", "/", "a/b", "..", "uid\x00x", "", "u" * 200,
                                  "\u0430bc-unicode"])
 async def test_a_hostile_pod_uid_never_names_a_resctrl_group(
@@ -429,7 +488,7 @@ RECONCILER_UID = "77777777-0000-4000-8000-000000000007"
 
 def api_meta(annotations: dict[str, str], labels: dict[str, str] | None = None) -> PodMeta:
     meta = PodMeta(uid=RECONCILER_UID, namespace="hostile", name="p", annotations=annotations,
-                   labels=labels or {}, priority=0, owner_kind="ReplicaSet",
+                   labels=labels or {}, priority=0,
                    memory_requests={"c0": 256 << 20}, memory_limits={"c0": 1 << 30})
     # What the pod watch keeps of a pod.
     return meta.trimmed(Config().read_keys())

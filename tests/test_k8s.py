@@ -188,7 +188,7 @@ async def test_list_then_watch_delivers_changes(
         assert [m.name for m in first] == ["a", "c"]
         assert first[0] == PodMeta(
             uid="uid-a", namespace="default", name="a", annotations={}, labels={},
-            priority=10, owner_kind="ReplicaSet",
+            priority=10,
             memory_requests={"app": 1 << 30}, memory_limits={"app": 2 << 30}, deleted=False,
         )
         fake.modify_pod("default", "a", annotate("qos.nri-qos.io/level", "reclaimed_cores"))
@@ -559,9 +559,39 @@ async def test_eviction_shows_in_the_watch(
     fake.add_pod(make_pod("batch"))
     async with watching(api, cfg) as w:
         await w.next()
-        await actions.evict("default", "batch", 0, False)
+        await actions.evict("default", "batch", 1, False)
         gone = await w.next()
         assert (gone.name, gone.deleted) == ("batch", True)
+
+
+async def test_an_eviction_names_the_pod_decided_upon_by_uid(
+    fake: FakeApiServer, actions: KubeActions, audit: MemoryAuditSink
+) -> None:
+    fake.add_pod(make_pod("batch", uid="uid-new"))
+    # The pod decided upon (uid-old) went and another came under its name: it stays.
+    result = await actions.evict("default", "batch", None, False, uid="uid-old")
+    assert (result.outcome, result.status) == (EvictionOutcome.GONE, 409)
+    assert fake.pod("default", "batch") is not None
+    (post,) = fake.requests("POST")
+    assert post.body["deleteOptions"]["preconditions"] == {"uid": "uid-old"}
+    assert "gracePeriodSeconds" not in post.body["deleteOptions"]
+    assert [r["pod"] for r in audit.named("eviction_gone")] == ["default/batch"]
+    result = await actions.evict("default", "batch", 5, False, uid="uid-new")
+    assert result.outcome is EvictionOutcome.EVICTED
+    assert fake.requests("POST")[-1].body["deleteOptions"] == {
+        "gracePeriodSeconds": 5, "preconditions": {"uid": "uid-new"}}
+
+
+@pytest.mark.parametrize("grace", [0, -1])
+async def test_an_eviction_never_deletes_at_once(
+    fake: FakeApiServer, actions: KubeActions, grace: int
+) -> None:
+    fake.add_pod(make_pod("batch"))
+    with pytest.raises(ValueError, match=f"grace period {grace} s is below 1 s"):
+        await actions.evict("default", "batch", grace, False)
+    assert fake.requests("POST") == []
+    assert (await actions.evict("default", "batch", 1, False)).outcome is \
+        EvictionOutcome.EVICTED
 
 
 # ---- taints -------------------------------------------------------------------------------------

@@ -80,6 +80,7 @@ def agent_config(root: Path, tmp_path: Path) -> str:
     return f"""
 [reconciler]
 root = "{root}"
+state_dir = "{tmp_path / 'state'}"
 resctrl_interval_s = 0.05
 drift_interval_s = 0.1
 gc_grace_s = 0

@@ -107,7 +107,7 @@ def test_annotation_change_from_the_pod_watch(tmp_path: Path) -> None:
     def meta(annotations: dict[str, str]) -> PodMeta:
         return PodMeta(uid=UID, namespace="default", name=pod.info.name,
                        annotations=MappingProxyType(annotations),
-                       labels=MappingProxyType({}), priority=0, owner_kind="ReplicaSet",
+                       labels=MappingProxyType({}), priority=0,
                        memory_requests=MappingProxyType({}),
                        memory_limits=MappingProxyType({"c0": 512 * MIB}))
 
@@ -140,7 +140,7 @@ def test_v1_reservation_from_requests_known_through_the_api(tmp_path: Path) -> N
     soft = host.cg("memory", pod.containers[0].rel) / "memory.soft_limit_in_bytes"
     assert soft.read_text().strip() == "9223372036854771712"  # no request known yet
     state.apply_meta(PodMeta(uid=UID, namespace="default", name="p", annotations={}, labels={},
-                             priority=None, owner_kind=None,
+                             priority=None,
                              memory_requests={"c0": 256 * MIB}, memory_limits={}))
     loop.cycle(10.0)
     assert soft.read_text() == str(128 * MIB)

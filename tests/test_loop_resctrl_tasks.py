@@ -161,7 +161,7 @@ def test_level_change_through_the_pod_watch_moves_tasks(tmp_path: Path) -> None:
     w.state.apply_meta(PodMeta(
         uid=uid(7), namespace="default", name=pod.info.name,
         annotations=MappingProxyType({"qos.nri-qos.io/level": "reclaimed_cores"}),
-        labels=MappingProxyType({}), priority=None, owner_kind=None,
+        labels=MappingProxyType({}), priority=None,
         memory_requests=MappingProxyType({}), memory_limits=MappingProxyType({})))
     w.loop.cycle(1.0)
     assert tids <= w.tasks(PREFIX + "reclaimed_cores")
@@ -180,7 +180,7 @@ def test_orphan_pod_groups_are_removed_after_the_grace_period(tmp_path: Path) ->
     w.loop.cycle(0.0)
     w.state.apply_meta(PodMeta(uid=uid(1), namespace="default", name="p1",
                                annotations=MappingProxyType({}), labels=MappingProxyType({}),
-                               priority=None, owner_kind=None,
+                               priority=None,
                                memory_requests=MappingProxyType({}),
                                memory_limits=MappingProxyType({}), deleted=False))
     w.loop.cycle(100.0)

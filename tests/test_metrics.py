@@ -111,7 +111,8 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text(
         '[agent]\nmode = "enforce"\n'
-        f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
+        f'[reconciler]\nroot = "{root}"\nstate_dir = "{tmp_path / "state"}"\n'
+        'resctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
         "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
         "[kubernetes]\nenabled = false\n[status]\nenabled = false\n"
         f'[metrics]\nenabled = true\naddress = "127.0.0.1"\nport = {port}\n')

@@ -13,6 +13,7 @@ import pytest
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.host.statefile import state_file
 from reconciler.k8s import (
     NODE_UPDATE_ATTEMPTS,
     KubeActions,
@@ -139,10 +140,10 @@ async def test_taint_action_fails_when_the_api_refuses(
 
 
 class Ladder:
-    def __init__(self, kube: KubeActions, cooldown_s: float) -> None:
+    def __init__(self, kube: KubeActions, cooldown_s: float, **mitigation: Any) -> None:
         cfg = Config()
         self.cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
-            cfg.mitigation, cooldown_s=cooldown_s))
+            cfg.mitigation, cooldown_s=cooldown_s, **mitigation))
         self.board = Board()
         self.sink = MemoryAuditSink()
         self.metrics = Metrics()
@@ -208,3 +209,90 @@ async def test_the_ladder_taints_once_and_removes_after_the_cooldown(
     finally:
         ladder.stop.set()
         await asyncio.wait_for(task, BOUND_S)
+
+
+TAINT_KEY = "nri-qos.io/memory-pressure"
+
+
+async def test_a_refused_release_is_retried_until_the_taint_is_gone(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    ladder = Ladder(actions, cooldown_s=0.2, retry_initial_s=0.1, retry_max_s=0.2)
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 1)
+        ladder.pressure(Level.LOW, 20.0)
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 2)
+        assert fake.taints("node-a") != []
+        # The API server is away for a while: every write to the node fails.
+        fake.fail_next("GET", "/api/v1/nodes/node-a", 503, count=4)
+        ladder.pressure(Level.NONE, 1.0)
+        await ladder.until(lambda: len([
+            r for r in ladder.sink.named("mitigation_action")
+            if (r["step"], r["result"]) == ("release", "failed")]) >= 2)
+        assert ladder.mitigation.state().engaged == ()
+        # Back: the taint goes without any new pressure or calm.
+        await ladder.until(lambda: fake.taints("node-a") == [])
+        await ladder.until(lambda: condition(fake)["status"] == "False")  # type: ignore[index]
+        assert ladder.mitigation.taints() == []
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_release_removes_the_key_placed_when_the_key_changed_while_engaged(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    ladder = Ladder(actions, cooldown_s=0.2)
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 1)
+        ladder.pressure(Level.LOW, 20.0)
+        await ladder.until(lambda: fake.taints("node-a") != [])
+        m = ladder.cfg.mitigation
+        ladder.cfg = dataclasses.replace(ladder.cfg, mitigation=dataclasses.replace(
+            m, taint=dataclasses.replace(m.taint, key="example.com/busy")))
+        ladder.pressure(Level.NONE, 1.0)
+        await ladder.until(lambda: fake.taints("node-a") == [])
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_the_start_clears_a_taint_left_even_when_the_rung_is_now_off(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    fake.add_node("node-a", taints=[{"key": TAINT_KEY, "effect": "NoSchedule"}],
+                  conditions=[*KUBELET, {"type": KIND, "status": "True"}])
+    cfg = Config()
+    ladder = Ladder(actions, cooldown_s=0.2, taint=dataclasses.replace(
+        cfg.mitigation.taint, enabled=False))
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await ladder.until(lambda: fake.taints("node-a") == [])
+        await ladder.until(lambda: condition(fake)["status"] == "False")  # type: ignore[index]
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_a_restart_removes_the_taint_an_earlier_run_placed_under_another_key(
+        tmp_path: Path, fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    path = str(tmp_path / "state")
+    cfg = Config()
+    old = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, taint=dataclasses.replace(cfg.mitigation.taint, key="example.com/old",
+                                                  condition="OldPressure")))
+    audit = AuditLog(MemoryAuditSink())
+    first = TaintAction(lambda: old, actions, "node-a", audit, notes=state_file(path))
+    assert (await first.engage(Cause(Level.LOW), False)).result == "done"
+    assert [t["key"] for t in fake.taints("node-a")] == ["example.com/old"]
+    # The next run has another key configured, and the rung switched off.
+    second = TaintAction(Config, actions, "node-a", audit, notes=state_file(path))
+    released = await second.release(Cause(Level.NONE), False)
+    assert released.result == "done"
+    assert released.detail.startswith("remove taint example.com/old, " + TAINT_KEY)
+    assert fake.taints("node-a") == []
+    assert fake.conditions("node-a")["OldPressure"]["status"] == "False"
+    assert state_file(path).entries("taint") == {}

@@ -31,7 +31,7 @@ UID = "0d0d0d0d-1111-2222-3333-444444444444"
 
 def meta(level: str) -> PodMeta:
     return PodMeta(uid=UID, namespace="ns", name="p", annotations={LEVEL: level}, labels={},
-                   priority=None, owner_kind=None, memory_requests={}, memory_limits={})
+                   priority=None, memory_requests={}, memory_limits={})
 
 
 async def test_creation_and_reconcile_agree_before_and_after_an_annotation_change(
@@ -40,7 +40,7 @@ async def test_creation_and_reconcile_agree_before_and_after_an_annotation_chang
     root = host.make_resctrl()
     for level in LEVEL_NAMES:
         host.add_resctrl_group("nriqos-" + level)
-    pod = host.add_pod(UID, tier="burstable", annotations={LEVEL: "reclaimed_cores"},
+    pod = host.add_pod(UID, tier="burstable", annotations={LEVEL: "shared_cores"},
                        containers=2)
     cfg = Config()
     sink = MemoryAuditSink()
@@ -79,19 +79,20 @@ async def test_creation_and_reconcile_agree_before_and_after_an_annotation_chang
             await simulator.send(connection, Event.RUN_POD_SANDBOX, message)
             created = await create(0)
             loop.cycle(0.0)
-            assert created == "nriqos-reclaimed_cores"
+            assert created == "nriqos-shared_cores"
             assert set(pod.containers[0].tids) <= set(read_ids(root / created / "tasks"))
 
-            # The level annotation changes through the API: the next container's answer and
-            # the loop both follow it, and both read it from the same place.
-            state.apply_meta(meta("dedicated_cores"))
+            # The level annotation changes through the API (down: up is refused): the next
+            # container's answer and the loop both follow it, and both read it from the same
+            # place.
+            state.apply_meta(meta("reclaimed_cores"))
             created_after = await create(1)
             loop.cycle(1.0)
-            assert created_after == "nriqos-dedicated_cores"
+            assert created_after == "nriqos-reclaimed_cores"
             for container in pod.containers:
                 assert set(container.tids) <= set(read_ids(root / created_after / "tasks"))
             managed = ManagedCache().get(state.snapshot())
-            assert {m.level for m in managed} == {"dedicated_cores"}
+            assert {m.level for m in managed} == {"reclaimed_cores"}
             assert {place_container(UID, m.level, cfg.resctrl, fs.has_group).group
                     for m in managed} == {created_after}
             stub.close()

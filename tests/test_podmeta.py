@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from reconciler.podmeta import PodMeta, parse_quantity, pod_meta_from_object
+from reconciler.podmeta import OwnerRef, PodMeta, parse_quantity, pod_meta_from_object
 from tests.fake_apiserver import make_pod
 
 
@@ -78,7 +78,7 @@ def test_pod_meta_from_full_object() -> None:
     assert meta == PodMeta(
         uid="u-1", namespace="shop", name="web",
         annotations={"qos.nri-qos.io/level": "reclaimed_cores"}, labels={"app": "web"},
-        priority=1000, owner_kind="ReplicaSet",
+        priority=1000,
         memory_requests={"app": 256 << 20, "proxy": 32 << 20},
         memory_limits={"app": 1 << 30, "log": 64 << 20, "proxy": 32 << 20},
         deleted=False,
@@ -121,7 +121,7 @@ def test_odd_objects_become_empty_fields(obj: dict[str, Any]) -> None:
     assert dict(meta.annotations) == {}
     assert dict(meta.labels) == {}
     assert meta.priority is None
-    assert meta.owner_kind is None
+    assert meta.daemonset is None
     assert dict(meta.memory_requests) == {}
     assert dict(meta.memory_limits) == {}
 
@@ -143,12 +143,25 @@ def test_bad_values_cost_only_themselves() -> None:
     assert dict(meta.labels) == {"y": "z"}
 
 
-def test_owner_kind_prefers_the_controller() -> None:
+DS = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent", "uid": "uid-ds",
+      "controller": True}
+
+
+@pytest.mark.parametrize(("ref", "named"), [
+    (DS, OwnerRef("apps/v1", "DaemonSet", "agent", "uid-ds")),
+    ({**DS, "controller": False}, None),
+    ({k: v for k, v in DS.items() if k != "controller"}, None),
+    ({**DS, "controller": "true"}, None),
+    ({**DS, "apiVersion": "extensions/v1beta1"}, None),
+    ({**DS, "apiVersion": "example.com/v1"}, None),
+    ({**DS, "kind": "daemonset"}, None),
+    ({**DS, "name": ""}, None),
+    ({**DS, "uid": ""}, None),
+    # The controller is the one reference that says so, whatever comes before it.
+    ({"kind": "ConfigMap", "name": "x"}, None),
+])
+def test_a_daemonset_owner_is_an_apps_v1_controller(ref: dict[str, object],
+                                                    named: OwnerRef | None) -> None:
     pod = make_pod("p")
-    pod["metadata"]["ownerReferences"] = [
-        {"kind": "ConfigMap", "name": "x"},
-        {"kind": "Job", "name": "y", "controller": True},
-    ]
-    assert pod_meta_from_object(pod).owner_kind == "Job"
-    pod["metadata"]["ownerReferences"] = [{"kind": ""}, {"kind": "Node", "name": "n"}]
-    assert pod_meta_from_object(pod).owner_kind == "Node"
+    pod["metadata"]["ownerReferences"] = [ref]
+    assert pod_meta_from_object(pod).daemonset == named

@@ -172,7 +172,7 @@ def test_inverted_thresholds_are_rejected_with_their_key_path() -> None:
 
 def test_the_pod_watch_keeps_the_rss_overuse_annotation() -> None:
     meta = PodMeta("u", "ns", "p", {"nri-qos.io/rss-overuse-factor": "1.01", "other": "x"},
-                   {}, None, None, {}, {})
+                   {}, None, {}, {})
     assert meta.trimmed(Config().read_keys()).annotations == {
         "nri-qos.io/rss-overuse-factor": "1.01"}
     cfg = Config()

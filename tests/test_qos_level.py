@@ -24,9 +24,10 @@ def pod(
     annotations: Mapping[str, str] | None = None,
     labels: Mapping[str, str] | None = None,
     cgroup_parent: str = "",
+    namespace: str = "ns",
 ) -> PodInfo:
     return PodInfo(
-        id="sandbox-1", uid=UID, name="p", namespace="ns",
+        id="sandbox-1", uid=UID, name="p", namespace=namespace,
         labels=frozen_map(labels or {}), annotations=frozen_map(annotations or {}),
         cgroup_parent=cgroup_parent,
     )
@@ -80,13 +81,13 @@ def test_kubernetes_qos_class(parent: str, expected: str | None) -> None:
     ("p", "level", "source"),
     [
         (pod({OURS: "reclaimed_cores"}), "reclaimed_cores", "annotation"),
-        (pod({OURS: "  system_cores\n"}), "system_cores", "annotation"),
+        (pod({OURS: "  system_cores\n"}, namespace="kube-system"), "system_cores", "annotation"),
         (pod({KATALYST: "dedicated_cores"}), "dedicated_cores", "katalyst"),
         (pod(labels={KOORD: "LSE"}), "dedicated_cores", "koordinator"),
         (pod(labels={KOORD: "LSR"}), "dedicated_cores", "koordinator"),
         (pod(labels={KOORD: "LS"}), "shared_cores", "koordinator"),
         (pod(labels={KOORD: "BE"}), "reclaimed_cores", "koordinator"),
-        (pod(labels={KOORD: "SYSTEM"}), "system_cores", "koordinator"),
+        (pod(labels={KOORD: "SYSTEM"}, namespace="kube-system"), "system_cores", "koordinator"),
         (pod({KOORD: "BE"}), "reclaimed_cores", "koordinator"),
         (pod(labels={KOORD: "be"}), "reclaimed_cores", "koordinator"),
         (pod(labels={KOORD: " Lse "}), "dedicated_cores", "koordinator"),
@@ -110,7 +111,8 @@ def test_each_source(p: PodInfo, level: str, source: str) -> None:
 ALL_SOURCES = pod(
     {OURS: "system_cores", KATALYST: "dedicated_cores", KOORD: "LS", VOLCANO: "BE"},
     labels={KOORD: "SYSTEM"},
-    cgroup_parent=f"/kubepods/besteffort/pod{UID}",
+    # No Kubernetes class and a namespace that may claim system_cores: only the order decides.
+    namespace="kube-system",
 )
 
 
@@ -122,7 +124,7 @@ ALL_SOURCES = pod(
         (("katalyst", "annotation"), "dedicated_cores", "katalyst"),
         (("koordinator", "annotation"), "system_cores", "koordinator"),  # label beats annotation
         (("volcano", "koordinator"), "reclaimed_cores", "volcano"),
-        (("kubernetes_qos", "annotation"), "reclaimed_cores", "kubernetes_qos"),
+        (("kubernetes_qos", "annotation"), "system_cores", "annotation"),
         ((), "shared_cores", "default"),
     ],
 )
@@ -188,7 +190,8 @@ def test_mappings_and_default_come_from_config() -> None:
         kubernetes_qos=frozen_map({"guaranteed": "dedicated_cores", "burstable": "shared_cores",
                                    "besteffort": "reclaimed_cores"}),
     )
-    assert resolve_level(pod({"example.com/tier": "system_cores"}), cfg).level == "system_cores"
+    assert resolve_level(pod({"example.com/tier": "system_cores"}, namespace="kube-system"),
+                         cfg).level == "system_cores"
     assert resolve_level(pod({OURS: "system_cores"}), cfg) == LevelDecision(
         "reclaimed_cores", "default", ()
     )
@@ -196,7 +199,8 @@ def test_mappings_and_default_come_from_config() -> None:
     assert resolve_level(pod(labels={KOORD: "BE"}), cfg) == LevelDecision(
         "reclaimed_cores", "default", (("koordinator", "BE"),)
     )
-    assert resolve_level(pod({VOLCANO: "LC"}), cfg).level == "system_cores"
+    assert resolve_level(pod({VOLCANO: "LC"}, namespace="kube-system"),
+                         cfg).level == "system_cores"
     assert resolve_level(pod(cgroup_parent=f"/kubepods/pod{UID}"), cfg) == LevelDecision(
         "dedicated_cores", "kubernetes_qos", ()
     )

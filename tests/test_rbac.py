@@ -28,7 +28,7 @@ from reconciler.k8s import (
     build_api_client,
     node_name,
 )
-from reconciler.podmeta import PodMeta
+from reconciler.podmeta import OwnerRef, PodMeta
 from tests.fake_apiserver import FakeApiServer, Recorded, make_pod, write_kubeconfig
 from tests.paths import REPO
 
@@ -90,6 +90,16 @@ async def _create_pod_event(d: Drive) -> None:
                                        "memory pressure")
 
 
+async def _remove_node_condition(d: Drive) -> None:
+    await d.actions().set_node_condition(d.node, "NriQosSystemMemoryPressure", False,
+                                         "NriQosThresholdNotMet", "")
+    await d.actions().remove_node_condition(d.node, "NriQosSystemMemoryPressure")
+
+
+async def _owner_exists(d: Drive) -> None:
+    await d.actions().owner_exists("default", OwnerRef("apps/v1", "DaemonSet", "ds", "uid-ds"))
+
+
 DRIVERS: dict[str, Callable[[Drive], Awaitable[None]]] = {
     "build_api_client": _build_api_client,
     "node_name": _node_name,
@@ -99,6 +109,8 @@ DRIVERS: dict[str, Callable[[Drive], Awaitable[None]]] = {
     "KubeActions.remove_taint": _remove_taint,
     "KubeActions.set_node_condition": _set_node_condition,
     "KubeActions.create_pod_event": _create_pod_event,
+    "KubeActions.owner_exists": _owner_exists,
+    "KubeActions.remove_node_condition": _remove_node_condition,
 }
 """Every public function and method of k8s.py, in an order that works (the client first)."""
 
@@ -117,10 +129,14 @@ def public_api() -> set[str]:
 
 
 def permission(request: Recorded) -> Permission:
-    """What the API server's authorizer checks for a core (``/api/v1``) request."""
+    """What the API server's authorizer checks for a request (``/api/v1`` or
+    ``/apis/<group>/<version>``)."""
     parts = [p for p in request.path.split("/") if p]
-    assert parts[:2] == ["api", "v1"], f"not a core API request: {request.path}"
-    rest = parts[2:]
+    if parts[:1] == ["apis"]:
+        group, rest = parts[1], parts[3:]
+    else:
+        assert parts[:2] == ["api", "v1"], f"not an API request: {request.path}"
+        group, rest = "", parts[2:]
     if rest[:1] == ["namespaces"] and len(rest) > 2:
         rest = rest[2:]
     resource, name, sub = [*rest, None, None][:3]
@@ -131,7 +147,7 @@ def permission(request: Recorded) -> Permission:
     elif request.method == "DELETE":
         verb = "delete" if name else "deletecollection"
     assert verb is not None, request.method
-    return ("", f"{resource}/{sub}" if sub else resource, verb)
+    return (group, f"{resource}/{sub}" if sub else resource, verb)
 
 
 def granted() -> set[Permission]:

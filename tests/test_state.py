@@ -12,7 +12,7 @@ import pytest
 
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
-from hooks.qos_level import QosConfig
+from hooks.qos_level import QosConfig, Refusal
 from reconciler.podmeta import PodMeta
 from reconciler.state import NodeState, PodView
 
@@ -28,7 +28,7 @@ def ctr(n: int, m: int = 0, **kw: object) -> ContainerInfo:
 def meta(n: int, **kw: object) -> PodMeta:
     fields: dict[str, object] = dict(
         uid=f"uid-{n}", namespace="ns", name=f"p{n}", annotations={}, labels={},
-        priority=None, owner_kind=None, memory_requests={}, memory_limits={})
+        priority=None, memory_requests={}, memory_limits={})
     fields.update(kw)
     return PodMeta(**fields)  # type: ignore[arg-type]
 
@@ -191,9 +191,45 @@ def test_a_new_qos_section_resolves_again_with_the_same_pod() -> None:
 
 def test_an_annotation_change_through_the_api_changes_the_level_for_both_appliers() -> None:
     state = NodeState()
-    state.pod_view("s1", lambda: katalyst(1))
+    state.pod_view("s1", lambda: katalyst(1, "shared_cores"))
+    state.apply_meta(meta(1, annotations={"katalyst.kubewharf.io/qos_level": "reclaimed_cores"}))
+    assert state.pod_view("s1", lambda: katalyst(1)).level == "reclaimed_cores"
+    assert state.snapshot().pods["s1"].level == "reclaimed_cores"
+
+
+def guaranteed(n: int, level: str) -> PodInfo:
+    return pod(n, annotations=MappingProxyType({"katalyst.kubewharf.io/qos_level": level}),
+               cgroup_parent=f"/kubepods/poduid-{n}")
+
+
+def test_an_api_update_never_raises_a_pod_above_its_level_at_creation() -> None:
+    reports: list[tuple[str, Refusal]] = []
+    state = NodeState(on_refused=lambda info, refusal: reports.append((info.uid, refusal)))
+    # Guaranteed may claim dedicated_cores at creation, but not later through the API.
+    assert state.pod_view("s1", lambda: guaranteed(1, "reclaimed_cores")).level == \
+        "reclaimed_cores"
+    claim = {"katalyst.kubewharf.io/qos_level": "dedicated_cores"}
+    state.apply_meta(meta(1, annotations=claim))
+    view = state.pod_view("s1", lambda: guaranteed(1, "reclaimed_cores"))
+    assert view.level == "reclaimed_cores"
+    assert state.snapshot().pods["s1"].level == "reclaimed_cores"
+    refusal = Refusal("dedicated_cores", "katalyst",
+                      "annotation katalyst.kubewharf.io/qos_level",
+                      "above the level the pod had at creation (reclaimed_cores)")
+    assert view.decision.refused == refusal
+    # Reported once, however often the view is read or the metadata repeated.
+    state.apply_meta(meta(1, annotations=claim, labels={"x": "y"}))
+    state.snapshot()
+    assert reports == [("uid-1", refusal)]
+    # At the level of creation (or below) the API's copy is followed.
+    state.apply_meta(meta(1, annotations={"katalyst.kubewharf.io/qos_level": "reclaimed_cores"}))
+    assert state.snapshot().pods["s1"].decision.refused is None
+
+
+def test_a_pod_created_at_a_level_keeps_it_when_the_api_repeats_it() -> None:
+    state = NodeState()
+    state.pod_view("s1", lambda: guaranteed(1, "dedicated_cores"))
     state.apply_meta(meta(1, annotations={"katalyst.kubewharf.io/qos_level": "dedicated_cores"}))
-    assert state.pod_view("s1", lambda: katalyst(1)).level == "dedicated_cores"
     assert state.snapshot().pods["s1"].level == "dedicated_cores"
 
 

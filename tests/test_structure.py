@@ -36,6 +36,8 @@ OWN_FILES = {
     ("nri_plugin/status.py", "stat"): "removes only its own status socket",
     ("nri_plugin/status.py", "lstat"): "finds a status socket left behind",
     ("nri_plugin/status.py", "unlink"): "replaces a stale status socket, removes its own",
+    ("nri_plugin/reset_command.py", "lstat"): "finds the status socket an agent left behind",
+    ("nri_plugin/reset_command.py", "unlink"): "removes the status socket an agent left behind",
 }
 
 

@@ -145,6 +145,13 @@ def _reclaimed(reading: Reading, cfg: EvictionConfig) -> bool:
     return reading.detector == "fulfillment" and reading.scope == RECLAIMED_TIER
 
 
+SYSTEM_CONDITION = "NriQosSystemMemoryPressure"
+NUMA_CONDITION = "NriQosNumaMemoryPressure"
+RECLAIMED_CONDITION = "NriQosReclaimedTierPressure"
+IN_TREE_CONDITIONS = (SYSTEM_CONDITION, NUMA_CONDITION, RECLAIMED_CONDITION)
+"""The node conditions the in-tree plugins keep (nri-qos reset takes them off)."""
+
+
 def in_tree_plugins(board: Board, config: Config) -> dict[str, EvictionPlugin]:
     """Every in-tree plugin by name; ``[eviction] plugins`` says which of them run."""
 
@@ -152,13 +159,13 @@ def in_tree_plugins(board: Board, config: Config) -> dict[str, EvictionPlugin]:
         return cfg.pressure_levels
 
     plugins: list[EvictionPlugin] = [
-        PressurePlugin("system_pressure", "NriQosSystemMemoryPressure", board, config, _system,
+        PressurePlugin("system_pressure", SYSTEM_CONDITION, board, config, _system,
                        pressure_levels),
-        PressurePlugin("numa_pressure", "NriQosNumaMemoryPressure", board, config, _numa,
+        PressurePlugin("numa_pressure", NUMA_CONDITION, board, config, _numa,
                        pressure_levels),
         RssOverusePlugin(board, config),
         # The reclaimed tier's own shortage is only ever solved by its own pods.
-        PressurePlugin("reclaimed_pressure", "NriQosReclaimedTierPressure", board, config,
+        PressurePlugin("reclaimed_pressure", RECLAIMED_CONDITION, board, config,
                        _reclaimed, lambda cfg: (QosLevel.RECLAIMED_CORES,)),
     ]
     return {plugin.name: plugin for plugin in plugins}

@@ -13,7 +13,7 @@ from typing import Protocol, TypeVar
 from hooks.levels import QosLevel
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.selector import Selector, parse_selector
-from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION
+from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION, OwnerRef
 
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 """Set by kubelet on the API's copy (mirror pod) of a static pod. The API server lets nobody add
@@ -34,10 +34,14 @@ class PodFacts:
     pod: ActivePod
     labels: Mapping[str, str]
     annotations: Mapping[str, str]
-    owner_kind: str | None
     terminating: bool
     # Whether the pod watch has described the pod (owner and priority are known).
     described: bool
+    # The apps/v1 DaemonSet the pod names as its controller (its author's word).
+    claimed_daemonset: OwnerRef | None = None
+    # That DaemonSet exists, with the uid the pod names: True once the API showed it, False
+    # when it does not (or none is named), None while unknown.
+    daemonset: bool | None = False
 
     @property
     def static(self) -> bool:
@@ -54,6 +58,9 @@ class FilterConfig(Protocol):
 
     @property
     def exclude_selectors(self) -> tuple[str, ...]: ...
+
+    @property
+    def exclude_selector_namespaces(self) -> tuple[str, ...]: ...
 
 
 class PodFilter:
@@ -76,15 +83,21 @@ class PodFilter:
             return "terminating"
         if need_description and not facts.described:
             return "not described by the API yet (owner and priority unknown)"
-        if facts.owner_kind == "DaemonSet":
-            return "owned by a DaemonSet"
+        if facts.claimed_daemonset is not None:
+            if facts.daemonset is None:
+                return "DaemonSet owner not confirmed by the API yet"
+            if facts.daemonset:
+                return "owned by a DaemonSet"
         if pod.priority is not None and pod.priority >= self.cfg.priority_threshold:
             return f"priority {pod.priority} >= {self.cfg.priority_threshold}"
         if pod.namespace in self.cfg.exclude_namespaces:
             return f"namespace {pod.namespace} excluded"
-        for selector in self._selectors:
-            if selector.matches(facts.labels):
-                return f"labels match excluded selector {selector.text!r}"
+        # Labels are the pod author's: a selector spares only pods of the namespaces trusted
+        # with it, or any pod could label itself out of eviction.
+        if pod.namespace in self.cfg.exclude_selector_namespaces:
+            for selector in self._selectors:
+                if selector.matches(facts.labels):
+                    return f"labels match excluded selector {selector.text!r}"
         return None
 
 

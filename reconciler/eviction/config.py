@@ -11,6 +11,7 @@ from hooks.levels import QosLevel
 from reconciler.detection.signals import SETTING_LEVEL_NAMES
 from reconciler.eviction.api import PLUGIN_NAME
 from reconciler.eviction.selector import check_selectors
+from reconciler.k8s import MIN_GRACE_S
 
 SYSTEM_CLUSTER_CRITICAL = 2_000_000_000
 SYSTEM_NODE_CRITICAL = 2_000_001_000
@@ -35,6 +36,13 @@ def _names(pattern: re.Pattern[str], what: str) -> Callable[[object], str | None
 
 _namespaces = _names(_NAMESPACE, "namespace name")
 _plugin_names = _names(PLUGIN_NAME, "plugin name")
+
+
+def _no_immediate_deletion(value: object) -> str | None:
+    if value == 0:
+        return (f"0 would delete the pod at once, skipping its graceful shutdown: use "
+                f"{MIN_GRACE_S} or more, or -1 for the pod's own")
+    return None
 
 
 def grace_of(seconds: int) -> int | None:
@@ -94,18 +102,24 @@ class EvictionConfig:
     exclude_namespaces: tuple[str, ...] = setting(
         ("kube-system",), "Namespaces whose pods are never evicted.", check=_namespaces)
     exclude_selectors: tuple[str, ...] = setting(
-        (), "Label selectors (kubectl -l syntax); a pod matching any of them is never evicted.",
-        check=check_selectors)
+        (), "Label selectors (kubectl -l syntax); a pod of exclude_selector_namespaces matching "
+        "any of them is never evicted.", check=check_selectors)
+    exclude_selector_namespaces: tuple[str, ...] = setting(
+        (), "Namespaces whose pods exclude_selectors spare (needed when selectors are set): a "
+        "pod's labels are its author's, so a selector spares only pods of namespaces whose "
+        "authors are trusted to choose that.", check=_namespaces)
     sort_keys: tuple[str, ...] = setting(
         SORT_KEYS, "Order of the ranking keys: qos_level (reclaimed_cores first), priority "
         "(lowest first), memory_usage (largest first); ties keep the plugins' order.",
         choices=SORT_KEYS, check=_distinct)
     grace_period_s: int = setting(
         -1, "Grace period of an eviction whose plugin names none; -1: the pod's own "
-        "terminationGracePeriodSeconds.", unit="seconds", minimum=-1, maximum=86_400)
+        "terminationGracePeriodSeconds; 0 (immediate deletion) is refused.", unit="seconds",
+        minimum=-1, maximum=86_400, check=_no_immediate_deletion)
     reclaimed_grace_period_s: int = setting(
         1, "Grace period the in-tree plugins ask for reclaimed_cores pods (Katalyst's "
-        "default); -1: the pod's own.", unit="seconds", minimum=-1, maximum=86_400)
+        "default); -1: the pod's own; 0 is refused.", unit="seconds", minimum=-1,
+        maximum=86_400, check=_no_immediate_deletion)
     retry_initial_s: float = setting(
         5.0, "First wait before a pod whose eviction was refused (429 from a disruption "
         "budget) or failed is tried again; doubles per failure.", unit="seconds",
@@ -135,6 +149,10 @@ class EvictionConfig:
         problems = []
         if self.retry_max_s < self.retry_initial_s:
             problems.append(("retry_max_s", "must be >= retry_initial_s"))
+        if self.exclude_selectors and not self.exclude_selector_namespaces:
+            problems.append(("exclude_selectors", "needs exclude_selector_namespaces: labels "
+                             "are the pod author's, so name the namespaces whose pods a "
+                             "selector may spare"))
         if SETTING_LEVEL_NAMES.index(self.soft_level) > SETTING_LEVEL_NAMES.index(self.hard_level):
             problems.append(("soft_level", "must not be above hard_level"))
         return problems

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import enum
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -157,6 +158,16 @@ class _Failing:
     kinds: set[str] = field(default_factory=set)
 
 
+MAX_AUDITED_PROPOSALS = 64
+"""Proposals of one plugin audited one by one per round (two records each at most): more than a
+node's offline pods are rarely proposed at once, and a plugin listing thousands of uids must
+not write thousands of records; the rest are counted in one ``eviction_proposals_capped``."""
+
+OWNER_CHECK_TTL_S = 300.0
+"""How long the API's answer about a pod's DaemonSet owner is kept: owners come and go far less
+often than rounds run (one a second under pressure)."""
+
+
 @dataclass(slots=True)
 class _Answers:
     threshold: dict[str, ThresholdMet] = field(default_factory=dict)
@@ -198,6 +209,8 @@ class EvictionManager:
         self._said: set[tuple[str, ...]] = set()
         self._seen: set[tuple[str, ...]] = set()
         self._told_unavailable = False
+        # (namespace, DaemonSet name, uid) -> (whether it exists, when the API said so)
+        self._owners: dict[tuple[str, str, str], tuple[bool, float]] = {}
         self._requests: collections.deque[str] = collections.deque(maxlen=64)
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -303,6 +316,10 @@ class EvictionManager:
                         functools.partial(plugin.get_top_eviction_pods, active, cfg.top_n,
                                           answer.scope),
                         deadline, answers.top))
+        proposed = {uid for plugin, _ in hard if plugin.name in answers.top
+                    for uid in answers.top[plugin.name].uids}
+        proposed |= {request.uid for wanted in answers.evict.values() for request in wanted.pods}
+        facts = await self._confirm_owners(facts, proposed, now)
         candidates = self._candidates(plugins, hard, answers, facts, cfg)
         chosen = self._choose(candidates, facts, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
@@ -360,9 +377,30 @@ class EvictionManager:
                             request, usage)
             facts[info.uid] = PodFacts(
                 pod, info.labels, info.annotations,
-                owner_kind=meta.owner_kind if meta is not None else None,
                 terminating=meta.terminating if meta is not None else False,
-                described=meta is not None)
+                described=meta is not None,
+                claimed_daemonset=meta.daemonset if meta is not None else None)
+        return facts
+
+    async def _confirm_owners(self, facts: dict[str, PodFacts], proposed: set[str],
+                              now: float) -> dict[str, PodFacts]:
+        """Proposed pods naming an apps/v1 DaemonSet as controller, with whether the API has
+        it (a pod's author can write any owner reference). Answers are kept for
+        :data:`OWNER_CHECK_TTL_S`; a failed check leaves the pod unconfirmed (not evicted)."""
+        for key in [k for k, (_, at) in self._owners.items() if now - at >= OWNER_CHECK_TTL_S]:
+            del self._owners[key]
+        for uid in proposed:
+            found = facts.get(uid)
+            owner = found.claimed_daemonset if found is not None else None
+            if found is None or owner is None:
+                continue
+            key = (found.pod.namespace, owner.name, owner.uid)
+            known = self._owners.get(key)
+            exists = known[0] if known is not None else \
+                await self._actions.owner_exists(found.pod.namespace, owner)
+            if exists is not None and known is None:
+                self._owners[key] = (exists, now)
+            facts[uid] = dataclasses.replace(found, daemonset=exists)
         return facts
 
     def _dry(self, plugin: str, cfg: EvictionConfig) -> bool:
@@ -396,11 +434,16 @@ class EvictionManager:
                               for req in wanted.pods]
         need_description = self._actions.available
         chosen: dict[str, Candidate] = {}
+        # Proposals audited one by one per plugin this round; the rest are counted.
+        audited: dict[str, int] = {}
         for uid, plugin, reason, grace, forced in proposals:
             found = facts.get(uid)
             pod = found.pod.ref if found is not None else f"uid {bounded(uid)}"
-            self._record_once("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
-                       reason=reason, force=forced)
+            loud = audited.get(plugin, 0) < MAX_AUDITED_PROPOSALS
+            audited[plugin] = audited.get(plugin, 0) + 1
+            if loud:
+                self._record_once("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
+                                  reason=reason, force=forced)
             flight = self._flights.get(uid)
             if found is None:
                 why: str | None = "not a running pod of this node"
@@ -409,14 +452,20 @@ class EvictionManager:
             else:
                 why = self._filter.why_not(found, need_description=need_description)
             if why is not None:
-                self._record_once("eviction_filtered", uid, plugin, why, pod=pod, plugin=plugin,
-                                  why=why)
+                if loud:
+                    self._record_once("eviction_filtered", uid, plugin, why, pod=pod,
+                                      plugin=plugin, why=why)
                 continue
             assert found is not None
             earlier = chosen.get(uid)
             if earlier is None or (forced and not earlier.forced):
                 grace = grace if grace is not None else grace_of(cfg.grace_period_s)
                 chosen[uid] = Candidate(found, plugin, reason, grace, forced)
+        for plugin, count in audited.items():
+            if count > MAX_AUDITED_PROPOSALS:
+                self._record_once("eviction_proposals_capped", plugin, plugin=plugin,
+                                  proposals=count, audited=MAX_AUDITED_PROPOSALS,
+                                  omitted=count - MAX_AUDITED_PROPOSALS)
         return list(chosen.values())
 
     def _choose(self, candidates: Sequence[Candidate], facts: Mapping[str, PodFacts],
@@ -484,7 +533,7 @@ class EvictionManager:
         bucket = self._bucket
         assert bucket is not None
         result = await self._actions.evict(pod.namespace, pod.name, candidate.grace_s, False,
-                                           reason=f"{plugin}: {candidate.reason}")
+                                           uid=pod.uid, reason=f"{plugin}: {candidate.reason}")
         outcome = result.outcome
         if outcome is EvictionOutcome.EVICTED:
             self._retries.pop(pod.uid, None)

@@ -3,7 +3,8 @@
 ``burst`` tokens at most; one token comes back per ``interval`` seconds. Whole intervals are
 counted from an anchor time rather than by adding fractions of a token, so the boundaries are
 exact: with ``interval`` 10 a token taken at 0 is back at 10.0, not at 9.999 or 10.001. Time is
-passed in, from the caller's clock.
+passed in, from the caller's clock. A clock that goes back restarts the interval being refilled
+from the earlier time: it never mints a token, and a wait never exceeds one interval.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from __future__ import annotations
 import math
 
 
+def _check(burst: int, interval: float) -> None:
+    if burst < 1 or not interval > 0:
+        raise ValueError("a token bucket needs burst >= 1 and interval > 0")
+
+
 class TokenBucket:
     def __init__(self, burst: int, interval: float, now: float) -> None:
-        if burst < 1 or interval <= 0:
-            raise ValueError("a token bucket needs burst >= 1 and interval > 0")
+        _check(burst, interval)
         self._burst = burst
         self._interval = interval
         self._tokens = burst
@@ -22,7 +27,9 @@ class TokenBucket:
         self._anchor = now
 
     def configure(self, burst: int, interval: float, now: float) -> None:
-        """New limits (a reload); tokens above the new burst are dropped."""
+        """New limits (a reload); tokens above the new burst are dropped. The interval being
+        refilled keeps its start: the time already waited counts under the new interval."""
+        _check(burst, interval)
         if (burst, interval) == (self._burst, self._interval):
             return
         self._refill(now)
@@ -30,7 +37,7 @@ class TokenBucket:
         self._tokens = min(self._tokens, burst)
 
     def _refill(self, now: float) -> None:
-        if self._tokens >= self._burst:
+        if self._tokens >= self._burst or now < self._anchor:
             self._anchor = now
             return
         gained = math.floor((now - self._anchor) / self._interval)

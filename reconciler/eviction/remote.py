@@ -1,17 +1,22 @@
 """Out-of-tree plugins: gRPC servers on unix sockets in the plugin directory.
 
 :class:`PluginDirectory` is the registry: every round it lists the directory, and a socket
-``<name>.sock`` that appears is a plugin named ``<name>``; one that disappears is dropped. A
-socket must belong to root or to the agent's own user (a socket anyone could create would let
-anyone evict pods), and its name must not be an in-tree plugin's. A socket replaced by a new one
-(the plugin restarted) gets a fresh channel, so the client does not sit out a reconnect backoff.
+``<name>.sock`` that appears is a plugin named ``<name>``; one that disappears is dropped. The
+directory must belong to root or the agent's user and be writable by nobody else (otherwise
+anyone could put a socket there, or swap one), else no plugin of it is used. A socket must
+belong to root or to the agent's own user (a socket anyone could create would let anyone evict
+pods), and its name must not be an in-tree plugin's. A socket replaced by a new one (the plugin
+restarted) gets a fresh channel, so the client does not sit out a reconnect backoff. The owner
+is checked again right before every call, so before any connection the call opens: a socket
+swapped after it was listed is refused (kind ``refused``) until the next listing registers it
+anew.
 
 :class:`RemotePlugin` adapts one socket to :class:`~reconciler.eviction.api.EvictionPlugin`
 with ``grpc.aio`` on the daemon's event loop. Every call carries the configured deadline, so
 the plugin knows it too. Answers are checked before use: an enum value the API does not define,
 a non-finite number, more pods than asked for, an unusable condition name or grace period make
 the whole answer invalid. Failures become :class:`PluginCallError` with a kind the audit
-record names (``deadline``, ``unavailable``, ``error``, ``invalid answer``).
+record names (``deadline``, ``unavailable``, ``error``, ``invalid answer``, ``refused``).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
+from reconciler.k8s import MIN_GRACE_S
 
 log = structlog.get_logger("nri_qos.eviction")
 
@@ -80,7 +86,7 @@ _OPERATORS = {pb.OPERATOR_UNSPECIFIED: Operator.UNSPECIFIED, pb.LESS_THAN: Opera
 
 class PluginCallError(Exception):
     """A call that gave no usable answer; ``kind`` is one of deadline, unavailable, error,
-    invalid answer."""
+    invalid answer, refused."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(f"{kind}: {detail}")
@@ -122,8 +128,8 @@ def _grace(message: Any) -> int | None:
     if not message.HasField("grace_period_seconds"):
         return None
     value = int(message.grace_period_seconds)
-    if not 0 <= value <= MAX_GRACE_S:
-        raise _invalid(f"grace period {value} s is outside 0..{MAX_GRACE_S}")
+    if not MIN_GRACE_S <= value <= MAX_GRACE_S:
+        raise _invalid(f"grace period {value} s is outside {MIN_GRACE_S}..{MAX_GRACE_S}")
     return value
 
 
@@ -177,12 +183,43 @@ def _error_kind(exc: grpc.aio.AioRpcError) -> PluginCallError:
     return PluginCallError("error", f"{code.name}: {details}")
 
 
-class RemotePlugin:
-    """One out-of-tree plugin; see the module doc."""
+def _identity(info: os.stat_result) -> tuple[int, int, int]:
+    return (info.st_dev, info.st_ino, info.st_ctime_ns)
 
-    def __init__(self, name: str, path: str, deadline: Callable[[], float]) -> None:
+
+def _owner_problem(info: os.stat_result) -> str | None:
+    """Why a file the agent takes orders from is not trusted, or None."""
+    if info.st_uid not in (0, os.geteuid()):
+        return f"owned by uid {info.st_uid}, not root or the agent's user"
+    return None
+
+
+def directory_problem(directory: str) -> str | None:
+    """Why the plugin directory is not trusted, or None (it is, or it does not exist)."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory (a symbolic link is not followed)"
+    owner = _owner_problem(info)
+    if owner is not None:
+        return owner
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+class RemotePlugin:
+    """One out-of-tree plugin; see the module doc. ``identity``: the socket's as listed."""
+
+    def __init__(self, name: str, path: str, deadline: Callable[[], float],
+                 identity: tuple[int, int, int] | None = None) -> None:
         self._name = name
         self.path = path
+        self._identity = identity
         self._deadline = deadline
         self._channel = grpc.aio.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
         self._stub: Any = pb_grpc.EvictionPluginStub(self._channel)  # type: ignore[no-untyped-call]
@@ -191,7 +228,23 @@ class RemotePlugin:
     def name(self) -> str:
         return self._name
 
+    def _check_socket(self) -> None:
+        """The socket is still the one listed, and still trusted (right before the call, and
+        so before any connection gRPC opens for it)."""
+        if self._identity is None:
+            return
+        try:
+            info = os.lstat(self.path)
+        except OSError as exc:
+            raise PluginCallError("unavailable", f"socket gone: {exc.strerror}") from None
+        why = "not a unix socket" if not stat.S_ISSOCK(info.st_mode) else _owner_problem(info)
+        if why is None and _identity(info) != self._identity:
+            why = "the socket was replaced since it was listed"
+        if why is not None:
+            raise PluginCallError("refused", why)
+
     async def _call(self, method: str, request: Any, answer: type[M]) -> M:
+        self._check_socket()
         try:
             found = await getattr(self._stub, method)(request, timeout=self._deadline())
         except grpc.aio.AioRpcError as exc:
@@ -242,12 +295,22 @@ class PluginDirectory:
         # name -> reason, for sockets refused (audited once while they stay)
         self._refused: dict[str, str] = {}
         self._unreadable: str | None = None
+        # Why the directory itself is not trusted (said once while it stays so).
+        self._dir_refused: str | None = None
 
     @property
     def plugins(self) -> list[RemotePlugin]:
         return [plugin for _, (plugin, _) in sorted(self._plugins.items())]
 
     def _list(self, directory: str, reserved: Collection[str]) -> dict[str, _Found]:
+        unsafe = directory_problem(directory)
+        if unsafe is not None:
+            if self._dir_refused != unsafe:
+                log.error("eviction_plugin_dir_refused", path=directory, reason=unsafe,
+                          hint="make it root-owned and not writable by group or others")
+            self._dir_refused = unsafe
+            return {}
+        self._dir_refused = None
         try:
             names = os.listdir(directory)
             self._unreadable = None
@@ -261,7 +324,6 @@ class PluginDirectory:
             return {}
         found: dict[str, _Found] = {}
         refused: dict[str, str] = {}
-        own = os.geteuid()
         for entry in names:
             if not entry.endswith(SOCKET_SUFFIX):
                 continue
@@ -271,16 +333,17 @@ class PluginDirectory:
                 info = os.lstat(path)
             except OSError:
                 continue
+            owner = _owner_problem(info)
             if not stat.S_ISSOCK(info.st_mode):
                 why = "not a unix socket"
-            elif info.st_uid not in (0, own):
-                why = f"owned by uid {info.st_uid}, not root or the agent's user"
+            elif owner is not None:
+                why = owner
             elif not PLUGIN_NAME.fullmatch(name):
                 why = f"name is not {PLUGIN_NAME.pattern}"
             elif name in reserved:
                 why = "name of an in-tree plugin"
             else:
-                found[name] = _Found(path, (info.st_dev, info.st_ino, info.st_ctime_ns))
+                found[name] = _Found(path, _identity(info))
                 continue
             refused[name] = why
         for name, why in refused.items():
@@ -297,7 +360,9 @@ class PluginDirectory:
         for name in [n for n in self._plugins if n not in found]:
             plugin, _ = self._plugins.pop(name)
             await plugin.close()
-            self._audit.record("eviction_plugin_dropped", plugin=name, reason="socket removed",
+            reason = "socket removed" if self._dir_refused is None \
+                else f"directory refused: {self._dir_refused}"
+            self._audit.record("eviction_plugin_dropped", plugin=name, reason=reason,
                                socket=plugin.path)
         for name, where in sorted(found.items()):
             known = self._plugins.get(name)
@@ -308,8 +373,8 @@ class PluginDirectory:
                 log.info("eviction_plugin_restarted", plugin=name, socket=where.path)
             else:
                 self._audit.record("eviction_plugin_registered", plugin=name, socket=where.path)
-            self._plugins[name] = (RemotePlugin(name, where.path, self._deadline),
-                                   where.identity)
+            self._plugins[name] = (RemotePlugin(name, where.path, self._deadline,
+                                                where.identity), where.identity)
         return self.plugins
 
     async def close(self) -> None:

@@ -29,10 +29,12 @@ since a loop decides the same write again every cycle while the file stays as it
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -70,14 +72,19 @@ containers' cgroup files fit, and past it the memory starts over rather than gro
 
 
 _CHILD_WRITER = (
-    "import os, sys\n"
+    "import ctypes, errno, os, sys\n"
+    # PR_SET_PDEATHSIG (1) = SIGKILL (9): the writer dies with the agent, whatever kills it.
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
+    "if os.getppid() != int(sys.argv[3]):\n"
+    "    sys.exit(errno.ECHILD)\n"
     "try:\n"
     "    fd = os.open(sys.argv[1], os.O_WRONLY)\n"
     "    os.write(fd, sys.argv[2].encode('ascii'))\n"
     "except OSError as exc:\n"
     "    sys.exit(exc.errno or 1)\n"
 )
-"""What a child process runs to write one value: its exit status is the errno (0: written)."""
+"""What a child process runs to write one value: its exit status is the errno (0: written;
+ECHILD: the agent was gone before the child could tie its life to it)."""
 
 
 class SysPathError(ValueError):
@@ -216,6 +223,10 @@ class SysFs:
         self._observed: dict[str, str] = {}
         # A write was refused with EROFS and said so; cleared by the next write that succeeds.
         self._read_only_said = False
+        # Child writers of write_bounded still running, killed by kill_writers().
+        self._writers: set[subprocess.Popen[bytes]] = set()
+        self._writers_lock = threading.Lock()
+        self._stopping = False
 
     def metered(self, metrics: Metrics) -> SysFs:
         """The same tree and write policy, counting every write into ``metrics``."""
@@ -226,6 +237,13 @@ class SysFs:
         """The same tree and write policy, writing nothing while ``observe()`` is true."""
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
                      sleep=self._sleep, metrics=self._metrics, observe=observe)
+
+    def unobserved(self) -> SysFs:
+        """The same tree and write policy, never held back by observe mode: for undoing what
+        the agent changed, which returns the node to what it was (an enforcing run's cap must
+        go when the node is switched to observe, or when an observing agent finds it)."""
+        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
+                     sleep=self._sleep, metrics=self._metrics)
 
     def _observed_only(self, path: str, value: str, reason: str, count: int = 1) -> bool:
         """True (after counting and, once per file and value, auditing) when the write is
@@ -377,22 +395,46 @@ class SysFs:
         why."""
         if self._observed_only(path, value, "bounded write"):
             return Outcome.OBSERVED, "observe mode: not written"
+        with self._writers_lock:
+            if self._stopping:
+                return Outcome.FAILED, "not started: the agent is stopping"
+            try:
+                child = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _CHILD_WRITER, self.real(path), value,
+                     str(os.getpid())],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL)
+            except OSError as exc:
+                return Outcome.FAILED, f"could not start the writer: {exc}"
+            self._writers.add(child)
         try:
-            done = subprocess.run(
-                [sys.executable, "-I", "-S", "-c", _CHILD_WRITER, self.real(path), value],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                timeout=timeout_s, check=False)
+            code = child.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
             return Outcome.TIMEOUT, f"no answer within {timeout_s:g} s: the writer was killed"
-        except OSError as exc:
-            return Outcome.FAILED, f"could not start the writer: {exc}"
-        code = done.returncode
+        finally:
+            with self._writers_lock:
+                self._writers.discard(child)
         if code == 0:
             return Outcome.WRITTEN, ""
         if code < 0:
+            if self._stopping:
+                return Outcome.FAILED, "the writer was killed: the agent is stopping"
             return Outcome.FAILED, f"the writer died of signal {-code}"
         error = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
         return (Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED), error
+
+    def kill_writers(self) -> int:
+        """The agent stops: kills every child writer still running (the kernel stops its
+        reclaim) instead of waiting for it, and starts no new one; how many were killed."""
+        with self._writers_lock:
+            self._stopping = True
+            running = list(self._writers)
+        for child in running:
+            with contextlib.suppress(ProcessLookupError):
+                child.kill()
+        return len(running)
 
     def append_ids(self, path: str, ids: Iterable[int], *, create: bool = False) -> int:
         """Write task ids into a ``tasks``-like file, one id per write as the kernel requires;

@@ -61,6 +61,11 @@ class ReconcilerConfig:
         60.0, "Cap of the backoff of a loop that keeps failing.", unit="seconds",
         minimum=0.1, maximum=3600,
     )
+    state_dir: str = setting(
+        "/var/lib/nri-qos/state", "Directory of the agent's state file: what it changed on "
+        "the node and must restore (the memory guard's cap, tuned memory.wmark_ratio, its "
+        "taint), kept across restarts for the next run and for nri-qos reset; empty: kept in "
+        "memory only. Read at start.")
 
 
 
@@ -90,6 +95,10 @@ class Loop:
         """Call ``wake`` (from any thread) when something of the loop's own, beyond the node
         state, wants a cycle now; returns the function that ends the subscription."""
         return lambda: None
+
+    def close(self) -> None:
+        """The reconciler stops: undo what must not outlive the agent (after the last
+        cycle)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,12 @@ stays a step above it. It is not lowered again without an ask: lowered at every 
 an offline job that kept growing its anonymous memory down to its limit after the pressure had
 ended, and the kernel killed it. Clearing the squeeze wakes the guard, which writes the
 unsqueezed values at once (a rising cap is not limited).
+
+Before its first write to a tier file the guard notes the file's value in the state file
+(:mod:`reconciler.host.statefile`), and writes it back when the guard goes away: switched off by
+a reload (``memory_guard.enabled`` or ``reconciler.enabled``), the agent stopping, or ``nri-qos
+reset``. A cap or squeeze left as last written would otherwise hold the offline tier to a figure
+computed from memory that nobody watches any more.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from reconciler.host.numa import (
     read_nodes,
     system_node,
 )
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.metrics import Metrics
@@ -216,12 +223,35 @@ class MemoryGuardSections(Protocol):
     def memory_guard(self) -> MemoryGuardConfig: ...
 
 
+NOTES = "memory_guard"
+"""The state file's section: tier file -> its value before the guard first wrote it."""
+
+
+def restore_tier(sysfs: SysFs, notes: StateFile, reason: str) -> list[tuple[str, str]]:
+    """Writes back every tier file the guard changed (``memory.max`` before ``memory.high``,
+    so the tier is never capped below its throttle), forgetting each one restored or gone;
+    the (path, value) pairs written or already so."""
+    restored = []
+    sysfs = sysfs.unobserved()
+    entries = notes.entries(NOTES)
+    for path in sorted(entries, key=lambda p: not p.endswith("/memory.max")):
+        value = entries[path]
+        outcome = sysfs.write_if_changed(path, value, reason, same=same_bytes)
+        if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE):
+            notes.forget(NOTES, path)
+        if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
+            restored.append((path, value))
+    return restored
+
+
 class MemoryGuardLoop(Loop):
     name = "memory_guard"
 
     def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog,
-                 squeeze: GuardSqueeze | None = None, metrics: Metrics | None = None) -> None:
+                 squeeze: GuardSqueeze | None = None, metrics: Metrics | None = None,
+                 notes: StateFile | None = None) -> None:
+        self._notes = notes if notes is not None else StateFile(None)
         self._config = config
         self._metrics = metrics
         self._sysfs = sysfs
@@ -262,6 +292,7 @@ class MemoryGuardLoop(Loop):
         cfg = self._config()
         guard = cfg.memory_guard
         if not (cfg.reconciler.enabled and guard.enabled):
+            self._restore("memory guard switched off")
             return
         page = PAGE_SIZE
         sysfs, v2 = self._sysfs, self._layout.v2
@@ -317,6 +348,8 @@ class MemoryGuardLoop(Loop):
             falling = previous is None or cap < previous
             order = [(high_file, high), (limit_file, cap)] if falling \
                 else [(limit_file, cap), (high_file, high)]
+            if not self._noted((high_file, limit_file), current_text):
+                return
             outcomes = {path: sysfs.write_if_changed(path, str(value), reason, same=same_bytes)
                         for path, value in order}
             limit_outcome = outcomes[limit_file]
@@ -326,6 +359,8 @@ class MemoryGuardLoop(Loop):
             changed = applied and Outcome.WRITTEN in outcomes.values()
             extra = {"high_bytes": high}
         else:
+            if not self._noted((limit_file,), current_text):
+                return
             limit_outcome = sysfs.write_if_changed(limit_file, str(cap), reason, same=same_bytes)
             changed = limit_outcome == Outcome.WRITTEN
             extra = {}
@@ -335,6 +370,32 @@ class MemoryGuardLoop(Loop):
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
                                previous_bytes=previous, target_bytes=target, usage_bytes=usage,
                                squeezed=squeeze is not None, **extra)
+
+    def _noted(self, paths: Sequence[str], limit_text: str) -> bool:
+        """Notes each file's value before the guard's first write to it; False (nothing is
+        written) when the state file refuses a note."""
+        notes = self._notes.entries(NOTES)
+        for path in paths:
+            if path in notes:
+                continue
+            value = limit_text if path.endswith(("/memory.max", "/memory.limit_in_bytes")) \
+                else self._sysfs.read(path)
+            if value is None or not self._notes.remember(NOTES, path, value.strip()):
+                return False
+        return True
+
+    def _restore(self, reason: str) -> None:
+        self._held = None
+        if not self._notes.entries(NOTES):
+            return
+        restored = restore_tier(self._sysfs, self._notes, reason)
+        if restored:
+            log.info("memory_guard_restored", reason=reason,
+                     files={path: value for path, value in restored})
+
+    def close(self) -> None:
+        """The agent stops: the tier gets back what it had before the guard."""
+        self._restore("agent stopping")
 
     def _tight(self, usage: int, anonymous: int, squeeze: Squeeze) -> int:
         """A step below the usage on the first ask, a step below the limit held on a later one,

@@ -10,6 +10,10 @@ cgroup v2 migrates a cgroup's pages when ``cpuset.mems`` changes; on v1 that nee
 
 When no node has headroom, bindings stay as they are (moving memory between full nodes helps
 nobody; the memory guard and the mitigations deal with that). A single-node host is a no-op.
+
+A container's ``cpuset.mems`` from before its first binding is noted in the state file
+(:mod:`reconciler.host.statefile`) and written back when the binding goes away (switched off by
+a reload, or ``nri-qos reset``); notes of containers that are gone are dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from hooks.levels import QosLevel
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
@@ -78,6 +83,23 @@ class NumaBindingConfig(Protocol):
     def memory_guard(self) -> MemoryGuardConfig: ...
 
 
+NUMA_NOTES = "numa_binding"
+"""The state file's section: a container's cpuset.mems file -> its value before binding."""
+
+
+def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str) -> int:
+    """Writes back every cpuset.mems the loop changed (a container gone meanwhile has nothing
+    to restore); how many were written."""
+    restored = 0
+    sysfs = sysfs.unobserved()
+    for path, value in notes.entries(NUMA_NOTES).items():
+        outcome = sysfs.write_if_changed(path, value, reason)
+        restored += outcome is Outcome.WRITTEN
+        if outcome is not Outcome.FAILED:
+            notes.forget(NUMA_NOTES, path)
+    return restored
+
+
 class NumaBindingLoop(Loop):
     name = "numa_binding"
     wake_events = frozenset({Event.START_CONTAINER})
@@ -85,7 +107,8 @@ class NumaBindingLoop(Loop):
 
     def __init__(self, config: Callable[[], NumaBindingConfig], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog, *,
-                 managed: ManagedCache | None = None) -> None:
+                 managed: ManagedCache | None = None, notes: StateFile | None = None) -> None:
+        self._notes = notes if notes is not None else StateFile(None)
         self._config = config
         self._state = state
         self._sysfs = sysfs
@@ -100,7 +123,13 @@ class NumaBindingLoop(Loop):
     def cycle(self, now: float) -> None:
         cfg = self._config()
         if not (cfg.reconciler.enabled and cfg.numa.enabled):
+            if self._notes.entries(NUMA_NOTES):
+                restore_bindings(self._sysfs, self._notes, "NUMA binding switched off")
+            self._chosen = frozenset()
             return
+        for path in self._notes.entries(NUMA_NOTES):
+            if not self._sysfs.exists(path):
+                self._notes.forget(NUMA_NOTES, path)
         nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
             return
@@ -131,6 +160,8 @@ class NumaBindingLoop(Loop):
         cgroup = self._layout.dir("cpuset", item.ref.rel)
         current = self._sysfs.read(f"{cgroup}/cpuset.mems")
         if current is None or same_id_list(current, mems):
+            return
+        if not self._notes.remember(NUMA_NOTES, f"{cgroup}/cpuset.mems", current.strip()):
             return
         if migrate:
             # Only needed when the binding changes, and it must be in place before.

@@ -20,6 +20,7 @@ from reconciler.audit import AuditLog
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
 from reconciler.host.probe import HostInfo
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.k8s import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
@@ -107,10 +108,14 @@ class TaintAction:
     """Forbid scheduling: the node taint and the node condition."""
 
     def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions,
-                 node: str, audit: AuditLog, metrics: Metrics | None = None) -> None:
+                 node: str, audit: AuditLog, metrics: Metrics | None = None,
+                 notes: StateFile | None = None) -> None:
         self._config = config
         self._metrics = metrics
         self._placed: PlacedTaint | None = None
+        # The taint keys and conditions this agent placed (this run or an earlier one): what
+        # a release takes away, whatever the configuration names now.
+        self._notes = notes if notes is not None else StateFile(None)
         self._kube = kube
         self._node = node
         self._audit = audit
@@ -123,6 +128,13 @@ class TaintAction:
         if not self._kube.available:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
+        # A key or condition changed while engaged: the old ones are ours too and must not
+        # stay.
+        outcomes = [await self._remove(key, reason)
+                    for key in self._notes.entries(TAINT_NOTES) if key != rung.key]
+        outcomes += [await self._clear(kind, reason)
+                     for kind in self._notes.entries(CONDITION_NOTES) if kind != rung.condition]
+        self._notes.put(TAINT_NOTES, rung.key, rung.effect)
         taint = await self._kube.add_taint(self._node, rung.key, rung.value, rung.effect,
                                            reason=reason)
         self._taint_is(rung.key, True, taint)
@@ -130,27 +142,43 @@ class TaintAction:
                 self._placed is None or self._placed.key != rung.key):
             self._placed = PlacedTaint(rung.key, rung.value, rung.effect,
                                        asyncio.get_running_loop().time())
+        self._notes.put(CONDITION_NOTES, rung.condition, "True")
         condition = await self._condition(rung.condition, True, "MemoryInterference", reason)
-        return _node_result([taint, condition], what)
+        return _node_result([*outcomes, taint, condition], what)
 
     async def repeat(self, cause: Cause, dry_run: bool) -> Result:
         return await self.engage(cause, dry_run)
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
+        """Removes every taint key this agent placed (noted in the state file, this run or an
+        earlier one) and the configured one, and sets their conditions False."""
         rung = self._config().mitigation.taint
-        what = f"remove taint {rung.key}, {rung.condition}=False"
+        keys = list(dict.fromkeys([*self._notes.entries(TAINT_NOTES), rung.key]))
+        kinds = list(dict.fromkeys([*self._notes.entries(CONDITION_NOTES), rung.condition]))
+        what = f"remove taint {', '.join(keys)}, {'=False, '.join(kinds)}=False"
         if dry_run:
             return Result(DRY_RUN, f"would {what}")
         if not self._kube.available:
             return Result(SKIPPED, "no Kubernetes API access")
         reason = cause.text()
-        taint = await self._kube.remove_taint(self._node, rung.key, reason=reason)
-        self._taint_is(rung.key, False, taint)
-        if taint in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
-            self._placed = None
-        condition = await self._condition(rung.condition, False, "NoMemoryInterference",
-                                          reason)
-        return _node_result([taint, condition], what)
+        outcomes = [await self._remove(key, reason) for key in keys]
+        outcomes += [await self._clear(kind, reason) for kind in kinds]
+        return _node_result(outcomes, what)
+
+    async def _remove(self, key: str, reason: str) -> NodeOutcome:
+        outcome = await self._kube.remove_taint(self._node, key, reason=reason)
+        self._taint_is(key, False, outcome)
+        if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            self._notes.forget(TAINT_NOTES, key)
+            if self._placed is not None and self._placed.key == key:
+                self._placed = None
+        return outcome
+
+    async def _clear(self, kind: str, reason: str) -> NodeOutcome:
+        outcome = await self._condition(kind, False, "NoMemoryInterference", reason)
+        if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            self._notes.forget(CONDITION_NOTES, kind)
+        return outcome
 
     def placed(self) -> list[PlacedTaint]:
         """The taints this agent has on the node now (empty or one)."""
@@ -176,7 +204,8 @@ class TuneAction:
 
     def __init__(self, config: Callable[[], MitigationSections], squeeze: GuardSqueeze,
                  sysfs: SysFs, host: HostInfo, pods: PodIndex,
-                 reconciler_enabled: Callable[[], bool]) -> None:
+                 reconciler_enabled: Callable[[], bool],
+                 notes: StateFile | None = None) -> None:
         self._config = config
         self._squeeze = squeeze
         self._sysfs = sysfs
@@ -184,8 +213,9 @@ class TuneAction:
         self._reconciler_enabled = reconciler_enabled
         self._wmark = host.memcg.wmark_ratio
         self._v2 = host.cgroup.v2
-        # wmark_ratio file -> the value it had before the rung engaged
-        self._saved: dict[str, str] = {}
+        # wmark_ratio file -> the value it had before the rung engaged, kept in the state file
+        # so that a restart or nri-qos reset restores it too
+        self._notes = notes if notes is not None else StateFile(None)
         # Counts every squeeze asked for (engage, and each repeat on fresh pressure): a new
         # number tells the guard to take the tier a step lower.
         self._tightenings = 0
@@ -242,6 +272,10 @@ class TuneAction:
             return Result(DRY_RUN, "would release the squeeze and restore memory.wmark_ratio")
         released = self._squeeze.set(None)
         restored = await asyncio.to_thread(self._restore_wmark, cause.text())
+        left = len(self._notes.entries(WMARK_NOTES))
+        if left:
+            return Result(FAILED, f"squeeze released; wmark_ratio not restored on {left} "
+                                  f"file(s)")
         if not released and not restored:
             return Result(UNCHANGED, "nothing was tuned")
         return Result(DONE, f"squeeze released; wmark_ratio restored on {restored} pod(s)")
@@ -253,20 +287,35 @@ class TuneAction:
                 continue
             path = f"{pod.cgroup}/memory.wmark_ratio"
             current = self._sysfs.read(path)
-            if current is None:
+            if current is None or not self._notes.remember(WMARK_NOTES, path, current.strip()):
                 continue
-            self._saved.setdefault(path, current.strip())
             outcome = self._sysfs.write_if_changed(path, str(ratio), f"tune memcg: {reason}")
             failed += outcome is Outcome.FAILED
         return failed
 
     def _restore_wmark(self, reason: str) -> int:
-        restored = 0
-        for path, value in list(self._saved.items()):
-            outcome = self._sysfs.write_if_changed(path, value, f"tune memcg released: {reason}")
-            restored += outcome is Outcome.WRITTEN
-            del self._saved[path]
-        return restored
+        return restore_wmark(self._sysfs, self._notes, f"tune memcg released: {reason}")
+
+
+WMARK_NOTES = "wmark_ratio"
+"""The state file's section: memory.wmark_ratio file -> its value before the tune rung."""
+TAINT_NOTES = "taint"
+"""The state file's section: taint key this agent placed -> its effect."""
+CONDITION_NOTES = "node_condition"
+"""The state file's section: node condition this agent set True -> "True"."""
+
+
+def restore_wmark(sysfs: SysFs, notes: StateFile, reason: str) -> int:
+    """Writes back every memory.wmark_ratio the tune rung changed (a pod gone meanwhile has
+    nothing to restore); how many were written."""
+    restored = 0
+    sysfs = sysfs.unobserved()
+    for path, value in notes.entries(WMARK_NOTES).items():
+        outcome = sysfs.write_if_changed(path, value, reason)
+        restored += outcome is Outcome.WRITTEN
+        if outcome is not Outcome.FAILED:
+            notes.forget(WMARK_NOTES, path)
+    return restored
 
 
 class EvictAction:

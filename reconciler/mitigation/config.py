@@ -133,7 +133,18 @@ class MitigationConfig:
         "comes back within a minute does not toggle the node. kubelet and Katalyst hold "
         "conditions 5 min; these actions are milder and detection is faster.",
         unit="seconds", minimum=0, maximum=86_400)
+    retry_initial_s: float = setting(
+        1.0, "A step that failed (the API refused a taint's removal, a write timed out) is "
+        "tried again after this long, doubling per failure: releases until they succeed, "
+        "engages while the level holds.", unit="seconds", minimum=0.1, maximum=3600)
+    retry_max_s: float = setting(
+        60.0, "Cap of that wait.", unit="seconds", minimum=0.1, maximum=3600)
     taint: TaintRung = section(TaintRung, "Forbid scheduling (node taint and condition).")
     tune: TuneRung = section(TuneRung, "Tune memcg.")
     drop_cache: DropCacheRung = section(DropCacheRung, "Drop cache of reclaimed pods.")
     evict: EvictRung = section(EvictRung, "Eviction through the eviction manager.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.retry_max_s < self.retry_initial_s:
+            return [("retry_max_s", "must be >= retry_initial_s")]
+        return []

@@ -3,10 +3,12 @@
 v2 writes an amount to the pod cgroup's ``memory.reclaim`` (the pod's cache, at most
 ``reclaim_bytes``); v1 writes ``0`` to ``memory.force_empty`` (everything reclaimable). These
 writes block in the kernel while it reclaims, so each runs in a child process, killed after
-``timeout_s`` (a killed writer ends the kernel's work; a thread could only be abandoned), from a
-pool of ``workers`` threads; a pod has at most one drop at a time. Only ``reclaimed_cores`` pods
-are ever touched, checked when the plan is made and again right before the write. Each drop is
-audited when it starts and when it ends, with its duration and the pod's usage before and after.
+``timeout_s`` (a killed writer ends the kernel's work; a thread could only be abandoned), or when
+the agent stops (a writer also dies with the agent: it asks the kernel for that when it starts),
+from a pool of ``workers`` threads; a pod has at most one drop at a time. Only
+``reclaimed_cores`` pods are ever touched, checked when the plan is made and again right before
+the write. Each drop is audited when it starts and when it ends, with its duration and the pod's
+usage before and after.
 """
 
 from __future__ import annotations
@@ -111,7 +113,12 @@ class DropCacheAction:
         self._busy: set[str] = set()
 
     def close(self) -> None:
+        """The agent stops: running drops are killed (their writers die, the kernel stops
+        reclaiming), not waited for; queued ones never start."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        killed = self._sysfs.kill_writers()
+        if killed:
+            log.info("drop_cache_stopped", killed=killed)
 
     def busy(self) -> frozenset[str]:
         with self._lock:

@@ -11,7 +11,9 @@ Each rung's action runs in a task of its own, one step at a time per rung (a ste
 while the previous one runs waits, and only the latest waits: actions are idempotent), so an
 action that hangs or fails stalls neither the ladder nor the other rungs. Every step is audited
 as ``mitigation_action`` with the cause (detector, scope, value, threshold), the result and
-whether it was a dry run; a change of the ladder's level as ``mitigation_level``.
+whether it was a dry run; a change of the ladder's level as ``mitigation_level``. The result goes
+back to the ladder too: a step that failed or timed out is tried again (see
+:mod:`reconciler.mitigation.ladder`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from reconciler.detection.pods import PodIndex
 from reconciler.detection.service import pressure_level_problem
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions
 from reconciler.loops.base import ReconcilerConfig
@@ -39,6 +42,7 @@ from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
     FAILED,
+    TIMEOUT,
     Action,
     Cause,
     EvictAction,
@@ -50,13 +54,16 @@ from reconciler.mitigation.actions import (
 )
 from reconciler.mitigation.config import MitigationConfig
 from reconciler.mitigation.drop_cache import DropCacheAction
-from reconciler.mitigation.ladder import Ladder, Rung, Step
+from reconciler.mitigation.ladder import Backoff, Ladder, Rung, Step
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.mitigation")
 
 RUNGS = ("taint", "tune", "drop_cache", "evict")
 """The rungs, least harmful first."""
+
+UNCONFIRMED = frozenset({FAILED, TIMEOUT})
+"""Results that leave a step's effect unknown: the ladder tries the step again."""
 
 IDLE_RECHECK_S = 5.0
 """With nothing due, the service still looks again this often (a configuration reload may have
@@ -115,6 +122,8 @@ class LadderState:
     level: Level
     cause: str
     engaged: tuple[str, ...]
+    # Rungs whose release has not been confirmed yet (it is retried).
+    releasing: tuple[str, ...]
     # rung -> (step, result, detail) of its last finished step
     last: Mapping[str, tuple[str, str, str]]
 
@@ -173,10 +182,13 @@ class Mitigation:
         self._cause = Cause(Level.NONE)
         self._last_known: dict[tuple[str, str], Level] = {}
         self._last: dict[str, tuple[str, str, str]] = {}
+        # Set while running: the clock, and the wake-up of the loop after a step's result.
+        self._now: Callable[[], float] = lambda: 0.0
+        self._wake: Callable[[], None] = lambda: None
 
     def state(self) -> LadderState:
         return LadderState(self._level, self._cause.text(), self._ladder.engaged,
-                           dict(self._last))
+                           self._ladder.releasing, dict(self._last))
 
     def assess(self) -> Cause:
         """The ladder's level and its cause from the board now. Of readings at the worst
@@ -216,6 +228,7 @@ class Mitigation:
                 loop.call_soon_threadsafe(changed.set)
 
         unsubscribe = self._board.subscribe(wake)
+        self._now, self._wake = clock, changed.set
         runners = {name: _RungRunner(name, action, self._finished)
                    for name, action in self._actions.items()}
         try:
@@ -256,22 +269,29 @@ class Mitigation:
             runner = runners.get(name)
             if runner is not None:
                 runner.submit(step, cause, dry_run_of(cfg.mitigation, name), group)
+            else:
+                # No action for the rung: nothing to confirm, nothing to retry.
+                self._ladder.finished(name, step, True, now, Backoff(
+                    cfg.mitigation.retry_initial_s, cfg.mitigation.retry_max_s))
 
     def _clear_leftovers(self, runners: Mapping[str, _RungRunner],
                          group: asyncio.TaskGroup) -> None:
-        """Release, once at start, every rung the ladder does not hold: a taint or condition
-        left by an earlier run of the agent (a crash, an upgrade) would otherwise stay until
-        pressure came and went. Releases are idempotent: usually nothing changes."""
+        """Release, once at start, every rung the ladder does not hold, switched on or not: a
+        taint or condition left by an earlier run of the agent (a crash, an upgrade, a rung
+        switched off since) would otherwise stay until pressure came and went. Releases are
+        idempotent (usually nothing changes) and retried until they succeed."""
         cfg = self._config()
         cause = Cause(Level.NONE, None, "start: clearing what an earlier run may have left")
-        for rung in rungs_of(cfg):
-            if rung.name not in self._ladder.engaged and rung.name in runners:
-                runners[rung.name].submit(Step.RELEASE, cause,
-                                          dry_run_of(cfg.mitigation, rung.name), group)
+        for name, step in self._ladder.release_leftovers(runners):
+            runners[name].submit(step, cause, dry_run_of(cfg.mitigation, name), group)
 
     def _finished(self, name: str, step: Step, cause: Cause, dry_run: bool,
                   result: Result) -> None:
         self._last[name] = (str(step), result.result, result.detail)
+        m = self._config().mitigation
+        self._ladder.finished(name, step, result.result not in UNCONFIRMED, self._now(),
+                              Backoff(m.retry_initial_s, m.retry_max_s))
+        self._wake()
         reading = cause.reading
         self._audit.record(
             "mitigation_action", action=name, step=str(step),
@@ -286,18 +306,19 @@ class Mitigation:
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
                      sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions,
                      node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
-                     managed: ManagedCache, metrics: Metrics | None = None) -> Mitigation:
+                     managed: ManagedCache, metrics: Metrics | None = None,
+                     notes: StateFile | None = None) -> Mitigation:
     """The ladder with its four actions for this host. ``kube`` without API access: the taint
     rung is audited as skipped; ``evictor`` None: no eviction manager (audited "no
     evictor"); ``managed``: the running containers' cache the loops share, read by the one pod
-    index of the actions."""
-    taint = TaintAction(config, kube, node, audit, metrics)
+    index of the actions; ``notes``: the agent's state file (what to restore)."""
+    taint = TaintAction(config, kube, node, audit, metrics, notes)
     pods = PodIndex(state, host.cgroup, managed)
     drop_cache = DropCacheAction(config, sysfs, host, pods, audit, metrics=metrics)
     actions: dict[str, Action] = {
         "taint": taint,
         "tune": TuneAction(config, squeeze, sysfs, host, pods,
-                           lambda: config().reconciler.enabled),
+                           lambda: config().reconciler.enabled, notes),
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),
     }

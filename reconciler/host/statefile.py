@@ -1,0 +1,130 @@
+"""What the agent changed on the node and must put back, kept in a small file across restarts.
+
+An effect the agent undoes later (the memory guard's cap on the offline tier, a tuned
+``memory.wmark_ratio``, a node taint) is noted here before it is made, with what to restore: the
+file's value before the agent first wrote it, or the taint's key. The note goes when the effect
+has been undone. After a crash, a restart, or for ``nri-qos reset`` on an uninstalled node, the
+file says what to undo, whatever the configuration says now.
+
+The file is one JSON object of sections, each mapping a key (a system path, a taint key) to a
+string; it is written whole to a temporary file and renamed over the old one, so a crash leaves
+the old or the new file, never half of one. A file that is unreadable, malformed or larger than
+:data:`MAX_FILE_BYTES` is set aside (renamed ``*.bad``) and the agent starts from nothing: it
+cannot restore what it cannot read, and must not fail to start for it. Without a directory
+(``path`` None) the notes live in memory only. Safe from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping
+
+import structlog
+
+log = structlog.get_logger("nri_qos.state")
+
+STATE_FILE = "state.json"
+MAX_FILE_BYTES = 4 << 20
+"""Far above what a node's notes take (a few hundred paths of about 200 bytes)."""
+MAX_ENTRIES = 16384
+"""Notes kept at most: four per pod at the agent's pod limit. Beyond it a new note is refused
+and the effect is not made (the caller's choice), rather than made and forgotten."""
+
+
+class StateFile:
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._sections: dict[str, dict[str, str]] = self._load()
+
+    def _load(self) -> dict[str, dict[str, str]]:
+        if self.path is None:
+            return {}
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            log.warning("state_file_unreadable", path=self.path, error=str(exc))
+            return {}
+        try:
+            if len(raw) > MAX_FILE_BYTES:
+                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+            doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
+            sections = {name: {k: v for k, v in entries.items()
+                               if isinstance(k, str) and isinstance(v, str)}
+                        for name, entries in doc.items() if isinstance(entries, dict)}
+        except ValueError as exc:
+            log.error("state_file_invalid", path=self.path, error=str(exc),
+                      kept_as=f"{self.path}.bad")
+            try:
+                os.replace(self.path, f"{self.path}.bad")
+            except OSError as move:
+                log.warning("state_file_unmovable", path=self.path, error=str(move))
+            return {}
+        return sections
+
+    def entries(self, section: str) -> Mapping[str, str]:
+        """A copy of the section's notes."""
+        with self._lock:
+            return dict(self._sections.get(section, {}))
+
+    def remember(self, section: str, key: str, value: str) -> bool:
+        """Notes ``value`` for ``key`` unless a note is there already (the first one is what
+        to restore). False when the note could not be kept (:data:`MAX_ENTRIES`): the caller
+        should not make the effect. A file that cannot be written is logged and the note kept
+        in memory: this run still restores it."""
+        with self._lock:
+            entries = self._sections.setdefault(section, {})
+            if key in entries:
+                return True
+            if sum(len(e) for e in self._sections.values()) >= MAX_ENTRIES:
+                log.warning("state_file_full", section=section, limit=MAX_ENTRIES)
+                return False
+            entries[key] = value
+            self._save()
+            return True
+
+    def put(self, section: str, key: str, value: str) -> None:
+        """Notes ``value`` for ``key``, replacing an earlier note."""
+        with self._lock:
+            entries = self._sections.setdefault(section, {})
+            if entries.get(key) != value:
+                entries[key] = value
+                self._save()
+
+    def forget(self, section: str, key: str) -> None:
+        with self._lock:
+            entries = self._sections.get(section)
+            if entries is None or key not in entries:
+                return
+            del entries[key]
+            if not entries:
+                del self._sections[section]
+            self._save()
+
+    def _save(self) -> None:
+        """Writes the whole file (lock held)."""
+        if self.path is None:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._sections, f, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.error("state_file_unwritable", path=self.path, error=str(exc))
+
+
+def state_file(directory: str) -> StateFile:
+    """The agent's state file in ``directory`` (memory only when it is empty)."""
+    return StateFile(os.path.join(directory, STATE_FILE) if directory else None)

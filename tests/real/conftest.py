@@ -133,6 +133,13 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
+@pytest.fixture(autouse=True)
+def clean_memory() -> None:
+    """Each test starts on a node without the page cache earlier tests left (their files stay
+    until pytest removes old temporary directories): free memory is what the test measures."""
+    drop_caches()
+
+
 @pytest.fixture
 def node() -> Iterator[Node]:
     made = Node()

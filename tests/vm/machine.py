@@ -63,6 +63,8 @@ class Result:
     seconds: float
     # Files the command left in $NRIQOS_VM_ARTIFACTS, by name: what it hands back to the host.
     artifacts: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The run's private directory (removed): QEMU's command line names it.
+    workdir: str = ""
 
 
 def qemu_argv(guest: Guest, image: Image, exchange: Path, disk: Path | None) -> list[str]:
@@ -119,7 +121,7 @@ def run(guest: Guest, command: list[str], *, cwd: Path | None = None,
             if (exchange / "console").exists() else ""
         artifacts = {p.name: p.read_text(errors="replace")
                      for p in (exchange / "artifacts").iterdir() if p.is_file()}
-    return Result(status, output, console, time.monotonic() - started, artifacts)
+    return Result(status, output, console, time.monotonic() - started, artifacts, tmp)
 
 
 def _scratch_disk(directory: Path, gib: int) -> Path:

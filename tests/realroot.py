@@ -16,6 +16,7 @@ and process made is removed by :meth:`RealRoot.close`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -113,21 +114,27 @@ class RealRoot:
         return int((memcg / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
 
     def close(self) -> None:
-        for process in self._workers:
+        end(self._workers, self._made)
+
+
+def end(processes: list[subprocess.Popen[Any]], cgroups: list[Path]) -> None:
+    """Kills ``processes``, then removes ``cgroups`` (deepest, i.e. last made, first)."""
+    for process in processes:
+        with contextlib.suppress(ProcessLookupError):
             process.kill()
-            process.wait()
-            for pipe in (process.stdin, process.stdout):
-                if pipe is not None:
-                    pipe.close()
-        for path in reversed(self._made):
-            for _ in range(50):  # a memcg just left by its tasks may stay busy for a moment
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
+        process.wait()
+        for pipe in (process.stdin, process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
+    for path in reversed(cgroups):
+        for _ in range(100):  # a cgroup just left by its tasks may stay busy for a moment
+            try:
+                path.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.02)
 
 
 class Worker:

@@ -9,18 +9,16 @@ and containers below them, and processes in them; it removes everything it made.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.realroot import WORKER, Worker
+from tests.realroot import WORKER, Worker, end
 
 CGROUP = Path("/sys/fs/cgroup")
 MIB = 1 << 20
@@ -83,22 +81,7 @@ class Node:
         return process
 
     def close(self) -> None:
-        for process in self._processes:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            process.wait()
-            for pipe in (process.stdin, process.stdout, process.stderr):
-                if pipe is not None:
-                    pipe.close()
-        for path in reversed(self._made):
-            for _ in range(100):  # a cgroup just left by its tasks may stay busy for a moment
-                try:
-                    path.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.02)
+        end(self._processes, self._made)
 
 
 HOLD = (

@@ -125,7 +125,13 @@ def _kernel(cache: Path, log: bool) -> tuple[str, Path, Path]:
         download = cache / "download"
         shutil.rmtree(download, ignore_errors=True)
         download.mkdir()
-        _apt(["apt-get", "download", "-q", package], cwd=download)
+        try:
+            _apt(["apt-get", "download", "-q", package], cwd=download)
+        except Unavailable:
+            # Package lists older than the mirror name a version it no longer has.
+            _apt(["apt-get", "update", "-q"])
+            package = _kernel_package()
+            _apt(["apt-get", "download", "-q", package], cwd=download)
         [deb] = download.glob("*.deb")
         shutil.rmtree(unpacked, ignore_errors=True)
         _apt(["dpkg-deb", "-x", str(deb), str(unpacked)])

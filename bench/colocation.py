@@ -10,29 +10,33 @@ memory hierarchy with a limit, laid out as kubelet lays out its cgroups) runs tw
   anonymous memory and streams a file larger than the node through the page cache, writing
   an output as it goes; its progress (bytes read and written) is recorded over time.
 
-Each repetition runs the scenario on a fresh node, one of two ways:
+Each repetition runs the scenario on a fresh node in one of the modes of
+:mod:`bench.baselines`: ``unmanaged`` (kubelet's defaults), ``static`` (kubelet's QOSReserved
+tier limits), ``kubelet-memoryqos`` (kubelet's MemoryQoS, cgroup v2), ``agent-creation`` (the
+real agent, detection and ladder off) and ``agent`` (the real agent, every default, enforcing).
+The agent is a real ``nri-qos run`` child process, configured only where the host is
+(``reconciler.root``: the node), where the API server is (a fake one on loopback: the taint is
+a real API write) and where the audit trail goes; the pods reach it as a runtime would bring
+them: RunPodSandbox, CreateContainer (its answer applied to the container as the runtime would)
+and StartContainer over the NRI protocol from the runtime simulator. Eviction stays in dry-run,
+as by default.
 
-* **unmanaged**: only what kubelet sets (the node-allocatable limit on ``kubepods``, the pods'
-  limits, CPU shares, oom_score_adj);
-* **managed**: the same, plus a real nri-qos agent (``nri-qos run``, a child process) with the
-  default configuration except where the host is (``reconciler.root``: the node), where the API
-  server is (a fake one on loopback: the taint is a real API write) and where the audit trail
-  goes. The pods reach it as a runtime would bring them: RunPodSandbox, CreateContainer (its
-  answer is applied to the container as the runtime would) and StartContainer over the NRI
-  protocol from the runtime simulator. Eviction stays in dry-run, as by default.
+Method: a warm-up block of every mode (not counted), then ``--reps`` blocks of every mode once,
+each block in an order drawn from ``--seed`` (printed); before each repetition the caches are
+dropped and the machine left idle (``--idle-s``); each repetition writes its output into a
+fresh directory. The window is the offline job's run: from its start for ``--duration``
+seconds. Printed: one table (online iteration latency p50/p99/p99.9 over the window; the
+kernel's reclaim indicators for the online container: major faults, refaults of evicted file
+pages, its stall on memory, io and cpu from PSI; how often ``kubepods`` hit its limit; offline
+progress in MiB; what the agent did, from its audit records), each mode's bootstrap 95 %
+intervals of the per-repetition p99 (median) and of the offline MiB (mean), and last the line
+``online p99 ms: unmanaged=… static=… kubelet-memoryqos=… agent-creation=… agent=…; offline MiB:
+unmanaged=… …`` (pooled p99; mean MiB per repetition; modes not run left out). ``--plot`` draws
+the latency CDFs and the offline progress over time (matplotlib, the ``bench`` extra).
 
-Modes alternate (unmanaged, managed, unmanaged, ...) so that a change in the machine's load
-falls on both. The window is the offline job's run: from its start for ``--duration`` seconds.
-Printed: one table (online iteration latency p50/p99/p99.9 over the window; the kernel's
-reclaim indicators for the online container: major faults, refaults of evicted file pages,
-its stall on memory and io from PSI; how often ``kubepods`` hit its limit; offline progress;
-what the agent did, from its audit records) and last the line ``online p99 managed=<ms> ms
-unmanaged=<ms> ms; offline progress managed=<MB> MB unmanaged=<MB> MB`` (pooled p99; mean
-progress per repetition). ``--plot`` draws the latency CDFs and the offline progress over time
-(matplotlib, the ``bench`` extra).
-
-    python bench/colocation.py [--duration 90] [--reps 3] [--quick] [--plot PNG] [--json PATH]
-                               [--keep DIR] [--data-dir DIR] [--agent-from SOURCE_TREE]
+    python bench/colocation.py [--duration 90] [--reps 3] [--quick] [--modes M,M] [--seed N]
+                               [--idle-s 5] [--plot PNG] [--json PATH] [--keep DIR]
+                               [--data-dir DIR] [--agent-from SOURCE_TREE]
     python bench/colocation.py --from-json PATH [--plot PNG]     # the table (and plot) again
 
 Needs root and a memory cgroup controller, and about 1.3 GB of disk under /var/tmp for the data
@@ -53,6 +57,7 @@ import dataclasses
 import json
 import math
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -67,6 +72,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.baselines import (
+    AGENT_MODES,
+    MODES,
+    block_order,
+    bootstrap_interval,
+    memory_high,
+    modes_for,
+    static_limits,
+)
 from bench.kubelet_node import (
     GIB,
     MIB,
@@ -132,6 +146,10 @@ class Settings:
     modes: tuple[str, ...]
     # The source tree the agent runs from ("" for this one).
     agent_source: str = ""
+    # Of the blocks' order (printed, so that a run can be repeated).
+    seed: int = 0
+    # Before each repetition: caches dropped, then this long idle.
+    idle_s: float = 5.0
 
 
 # -- one repetition -------------------------------------------------------------------------------
@@ -160,8 +178,10 @@ class Agent:
     runtime simulator and a fake API server; an async context manager: entered, the agent is
     synchronized and settled; left, all is gone."""
 
-    def __init__(self, node: KubeletNode, work: Path, source: Path) -> None:
+    def __init__(self, node: KubeletNode, work: Path, source: Path, *,
+                 creation_only: bool = False) -> None:
         self.node = node
+        self.creation_only = creation_only
         self.source = source
         self.work = work
         self.audit_file = work / "audit.jsonl"
@@ -180,6 +200,9 @@ class Agent:
             f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
             f'[logging]\naudit_file = "{self.audit_file}"\n'
             f'[status]\nsocket = "{self.work / "status.sock"}"\n'
+            # agent-creation: the answers, the guard and drift repair; no detection, no ladder
+            + ('[detection]\nenabled = false\n[mitigation]\nenabled = false\n'
+               if self.creation_only else "")
         )
 
     async def __aenter__(self) -> Agent:
@@ -207,9 +230,10 @@ class Agent:
             stack.push_async_callback(_terminate, process)
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             # Settled: the ladder's release of every rung at start (four records), detection's
-            # first cycle (the memcg event registrations) after that.
+            # first cycle (the memcg event registrations) after that; without the ladder, the
+            # first memory guard cycle.
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while sum(1 for _, event, _ in self.records() if event == "mitigation_action") < 4:
+            while not self._settled():
                 if time.monotonic() > deadline or process.returncode is not None:
                     raise RuntimeError(f"the agent did not settle; see {self.log_file}")
                 await asyncio.sleep(0.05)
@@ -219,6 +243,12 @@ class Agent:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
+
+    def _settled(self) -> bool:
+        events = [event for _, event, _ in self.records()]
+        if self.creation_only:
+            return "memory_guard_cap" in events
+        return events.count("mitigation_action") >= 4
 
     async def create(self, plan: PodPlan, container: Container) -> api.ContainerAdjustment:
         """RunPodSandbox and CreateContainer for a pod; the adjustment to apply."""
@@ -402,6 +432,23 @@ def timeline(records: Sequence[tuple[float, str, dict[str, Any]]], start: float,
     return found
 
 
+def memory_qos(node: KubeletNode, plan: PodPlan, container: Container) -> list[str]:
+    """What kubelet's MemoryQoS writes for a container (cgroup v2): memory.min = the request on
+    the container, its pod and its tier (the tier's is the sum; one pod of each here), and
+    memory.high on the container unless request = limit (Guaranteed)."""
+    request = plan.memory_request or 0
+    applied = []
+    if request:
+        for rel in (container.rel, container.pod_rel, f"kubepods/{plan.tier}"):
+            (node.memory / rel / "memory.min").write_text(str(request))
+        applied.append(f"memory.min={request}")
+    if plan.memory_limit is None or request != plan.memory_limit:
+        high = memory_high(request, plan.memory_limit, node.allocatable_bytes)
+        (node.memory / container.rel / "memory.high").write_text(str(high))
+        applied.append(f"memory.high={high}")
+    return applied
+
+
 async def read_line(process: subprocess.Popen[str]) -> str:
     assert process.stdout is not None
     return await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), READY_TIMEOUT_S)
@@ -421,9 +468,15 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                                memory_limit=OFFLINE.memory_limit,
                                cpu_request_milli=OFFLINE.cpu_request_milli)
         agent = None
-        if mode == "managed":
+        if mode in AGENT_MODES:
             agent = await stack.enter_async_context(
-                Agent(node, work, Path(settings.agent_source or REPO)))
+                Agent(node, work, Path(settings.agent_source or REPO),
+                      creation_only=mode == "agent-creation"))
+        elif mode == "static":
+            burstable = sum(p.memory_request or 0 for p in (ONLINE, OFFLINE)
+                            if p.tier == "burstable")
+            for rel, limit in static_limits(node.allocatable_bytes, burstable, 0).items():
+                node.set_limit(rel, limit)
         online_out, offline_out = work / "online.bin", work / "offline.txt"
 
         async def start(plan: PodPlan, container: Container,
@@ -434,6 +487,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             oom = kubelet_oom_score_adj(plan.memory_request or 0, node.memory_bytes,
                                         plan.tier)
             oom, applied = apply_adjustment(node, container, adjust, oom)
+            if mode == "kubelet-memoryqos":
+                applied = memory_qos(node, plan, container)
             adjustments.extend(f"{plan.name}: {a}" for a in applied)
             process = node.spawn(container.rel, [sys.executable, "-I", str(WORKLOADS), *argv],
                                  oom_score_adj=oom)
@@ -451,7 +506,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         t0_ns, t0_unix = time.monotonic_ns(), time.time()
         offline_process = await start(OFFLINE, offline, [
             "offline", "--input", str(data / "input.bin"), "--output",
-            str(data / "output.bin"), "--anon-mib", str(settings.offline_anon_mib),
+            str(work / "output.bin"), "--anon-mib", str(settings.offline_anon_mib),
             "--grow-mib-s", str(settings.offline_grow_mib_s), "--task-s",
             str(settings.offline_task_s), "--write-every",
             str(settings.offline_write_every), "--out", str(offline_out)])
@@ -537,7 +592,7 @@ def fmt(value: float | None, digits: int = 1) -> str:
 
 COLUMNS = ("mode", "rep", "iters", "alone p99", "p50", "p99", "p99.9", "max", "majflt",
            "refaults", "kubepods hits", "PSI mem", "PSI io", "PSI cpu",
-           "offline MB", "MB/s", "agent actions")
+           "offline MiB", "MiB/s", "agent actions")
 
 
 def table_rows(reps: Sequence[Repetition], duration_s: float) -> list[list[str]]:
@@ -562,7 +617,7 @@ def table_rows(reps: Sequence[Repetition], duration_s: float) -> list[list[str]]
                 fmt(ind.get("psi_memory_ms_s"), 1), fmt(ind.get("psi_io_ms_s"), 1),
                 fmt(ind.get("psi_cpu_ms_s"), 1),
                 fmt(mb, 0), fmt(mb / duration_s, 0),
-                actions_text(actions, len(group)) if mode == "managed" else "-",
+                actions_text(actions, len(group)) if mode in AGENT_MODES else "-",
             ])
     return rows
 
@@ -584,7 +639,7 @@ def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
     print("latency: online iteration (ms); indicators: online container over the window (mean "
           "per repetition), PSI as ms of 'some' stall per second; kubepods hits: charges that "
-          "hit the node-allocatable limit; offline MB: read + written in the window (mean per "
+          "hit the node-allocatable limit; offline MiB: read + written in the window (mean per "
           "repetition)")
     print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                     enumerate(zip(COLUMNS, widths, strict=True))))
@@ -599,20 +654,48 @@ def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
         print(f"applied from the agent's CreateContainer answers: {'; '.join(applied)}")
 
 
+def rep_p99(rep: Repetition) -> float:
+    return percentile(sorted(rep.latencies_ms), 0.99)
+
+
+def intervals(reps: Sequence[Repetition], seed: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per mode, the bootstrap 95 % intervals of the median per-repetition p99 and of the mean
+    offline MiB, over its repetitions."""
+    found = {}
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        found[mode] = {
+            "p99": bootstrap_interval([rep_p99(r) for r in mine],
+                                      lambda v: percentile(sorted(v), 0.5), seed),
+            "offline": bootstrap_interval([r.offline_mb for r in mine],
+                                          lambda v: sum(v) / len(v), seed)}
+    return found
+
+
+def print_intervals(reps: Sequence[Repetition], seed: int) -> None:
+    for mode, found in intervals(reps, seed).items():
+        (p_lo, p_hi), (o_lo, o_hi) = found["p99"], found["offline"]
+        print(f"{mode}: per-repetition p99 95 % interval {fmt(p_lo, 2)}-{fmt(p_hi, 2)} ms; "
+              f"offline {fmt(o_lo, 0)}-{fmt(o_hi, 0)} MiB")
+
+
 def final_line(reps: Sequence[Repetition]) -> str:
+    """``online p99 ms: unmanaged=… static=… …; offline MiB: unmanaged=… …`` over the modes
+    that ran, in the order of MODES (pooled p99; mean offline MiB per repetition)."""
+    ran = [m for m in MODES if any(r.mode == m for r in reps)]
+
     def p99(mode: str) -> float:
         return percentile(sorted(v for r in reps if r.mode == mode for v in r.latencies_ms), 0.99)
 
-    def mb(mode: str) -> float:
+    def mib(mode: str) -> float:
         return mean([r.offline_mb for r in reps if r.mode == mode]) or 0.0
 
-    return (f"online p99 managed={fmt(p99('managed'), 2)} ms unmanaged="
-            f"{fmt(p99('unmanaged'), 2)} ms; offline progress managed={mb('managed'):.0f} MB "
-            f"unmanaged={mb('unmanaged'):.0f} MB")
+    return ("online p99 ms: " + " ".join(f"{m}={fmt(p99(m), 2)}" for m in ran)
+            + "; offline MiB: " + " ".join(f"{m}={mib(m):.0f}" for m in ran))
 
 
 def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
-    """Online latency CDFs and offline progress over time, managed against unmanaged."""
+    """Online latency CDFs and offline progress over time, one colour per mode."""
     try:
         import matplotlib
     except ImportError:
@@ -622,7 +705,8 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
 
-    colours = {"unmanaged": "tab:red", "managed": "tab:blue"}
+    colours = {"unmanaged": "tab:red", "static": "tab:orange", "kubelet-memoryqos": "tab:olive",
+               "agent-creation": "tab:cyan", "agent": "tab:blue"}
     fig, (cdf, progress) = plt.subplots(1, 2, figsize=(12, 4.8))
     for mode, colour in colours.items():
         lat = sorted(v for r in reps if r.mode == mode for v in r.latencies_ms)
@@ -678,27 +762,39 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
 # -- driving --------------------------------------------------------------------------------------
 
 
+def quiet_machine(idle_s: float) -> None:
+    """Between repetitions: the page cache dropped (what a run left charged to a removed node's
+    cgroup stays in memory otherwise), then an idle gap."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    time.sleep(idle_s)
+
+
 async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> list[Repetition]:
-    """Every repetition, the modes alternating; each in a work directory under ``under``
-    (removed after it unless ``keep``)."""
+    """A warm-up block, then ``reps`` blocks of every mode once, each block in an order drawn
+    from ``settings.seed`` (:func:`bench.baselines.block_order`); each repetition in a work
+    directory under ``under`` (removed after it unless ``keep``), after the caches were dropped
+    and the machine left idle. The warm-up block's repetitions are not returned."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
     for signum in (signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(signum, task.cancel)
     reps: list[Repetition] = []
-    order = [(mode, i) for i in range(1, settings.reps + 1) for mode in settings.modes]
-    for mode, index in order:
+    print(f"order: seed {settings.seed}; block 0 is a warm-up, not counted", flush=True)
+    for mode, index in block_order(settings.modes, settings.reps + 1, settings.seed):
         work = Path(tempfile.mkdtemp(prefix=f"coloc-{mode}-{index}-", dir=under))
         try:
-            print(f"{mode} repetition {index}/{settings.reps}: {settings.duration_s:g} s",
-                  flush=True)
+            await asyncio.to_thread(quiet_machine, settings.idle_s)
+            name = "warm-up" if index == 0 else f"repetition {index}/{settings.reps}"
+            print(f"{mode} {name}: {settings.duration_s:g} s", flush=True)
             rep = await repetition(mode, index, settings, data, work)
-            reps.append(rep)
+            if index:
+                reps.append(rep)
             lat = sorted(rep.latencies_ms)
             print(f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
                   f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); offline "
-                  f"{rep.offline_mb:.0f} MB; agent: {rep.actions or '-'}", flush=True)
+                  f"{rep.offline_mb:.0f} MiB; agent: {rep.actions or '-'}", flush=True)
         finally:
             if not keep:
                 shutil.rmtree(work, ignore_errors=True)
@@ -749,8 +845,14 @@ def main() -> int:
                         help="seconds of each repetition's window (the offline job's run)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each mode")
     parser.add_argument("--quick", action="store_true",
-                        help="a short run (20 s windows, 2 repetitions): about two minutes")
-    parser.add_argument("--modes", default="unmanaged,managed")
+                        help="a short run: 20 s windows, one counted block after the warm-up")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated, of " + ", ".join(MODES) + " (kubelet-memoryqos "
+                             "only where the memory controller is cgroup v2); default: all")
+    parser.add_argument("--seed", type=int, help="of the blocks' order (default: drawn, and "
+                                                 "printed)")
+    parser.add_argument("--idle-s", type=float, default=5.0,
+                        help="idle time after the caches are dropped, before each repetition")
     parser.add_argument("--node-mib", type=int, default=3072)
     parser.add_argument("--reserved-mib", type=int, default=256,
                         help="the node's memory kept from kubepods (system reserved)")
@@ -782,18 +884,20 @@ def main() -> int:
         problem = unavailable()
         if problem:
             print(f"colocation: cannot run here ({problem})")
-            print("online p99 managed=- ms unmanaged=- ms; offline progress managed=- MB "
-                  "unmanaged=- MB")
+            print("online p99 ms: -; offline MiB: -")
             return 1
         settings = Settings(
-            duration_s=20.0 if args.quick else args.duration, reps=2 if args.quick else args.reps,
+            duration_s=20.0 if args.quick else args.duration, reps=1 if args.quick else args.reps,
             node_mib=args.node_mib, reserved_mib=args.reserved_mib,
             online_files_mib=args.online_files_mib, online_anon_mib=args.online_anon_mib,
             offline_anon_mib=args.offline_anon_mib, offline_grow_mib_s=args.offline_grow_mib_s,
             offline_task_s=args.offline_task_s,
             offline_input_mib=args.offline_input_mib,
             offline_write_every=args.offline_write_every,
-            modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+            modes=modes_for([m.strip() for m in args.modes.split(",") if m.strip()],
+                            v2_memory()),
+            seed=args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31),
+            idle_s=2.0 if args.quick else args.idle_s,
             agent_source=str(Path(args.agent_from).resolve()) if args.agent_from else "")
         for gone in sweep("coloc") + sweep("colocdata"):
             print(f"removed a cgroup left by an earlier run: {gone}")
@@ -827,6 +931,7 @@ def main() -> int:
              f"{settings.node_mib} MiB node on Linux {machine['kernel']}, cgroup "
              f"{machine['cgroup']}, {machine['cpus']} CPUs; {settings.reps} x "
              f"{settings.duration_s:g} s per mode")
+    print_intervals(reps, settings.seed)
     print(final_line(reps))
     return 0
 

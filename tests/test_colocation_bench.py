@@ -15,6 +15,15 @@ from typing import Any
 
 import pytest
 
+from bench.baselines import (
+    MODES,
+    block_order,
+    bootstrap_interval,
+    memory_high,
+    modes_for,
+    quantile,
+    static_limits,
+)
 from bench.colocation import (
     WORKLOADS,
     Repetition,
@@ -217,10 +226,60 @@ def rep(mode: str, latencies: list[float], mb: float) -> Repetition:
 
 
 def test_the_last_line() -> None:
-    reps = [rep("unmanaged", [float(v) for v in range(1, 101)], 900.0),
-            rep("managed", [1.0] * 100, 800.0), rep("managed", [2.0] * 100, 1000.0)]
+    reps = [rep("agent", [1.0] * 100, 800.0), rep("unmanaged", [float(v) for v in range(1, 101)],
+                                                     900.0),
+            rep("agent", [2.0] * 100, 1000.0), rep("static", [3.0] * 100, 700.0)]
+    # modes in their fixed order, those not run left out
     assert final_line(reps) == (
-        "online p99 managed=2.00 ms unmanaged=99.01 ms; offline progress managed=900 MB "
-        "unmanaged=900 MB")
+        "online p99 ms: unmanaged=99.01 static=3.00 agent=2.00; offline MiB: unmanaged=900 "
+        "static=700 agent=900")
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert percentile([], 0.99) != percentile([], 0.99)  # NaN: nothing measured
+
+
+# -- the baselines and the method (bench/baselines.py) -----------------------------------------
+
+def test_modes_on_each_cgroup_version() -> None:
+    assert modes_for(list(MODES), v2=True) == MODES
+    assert modes_for(["agent", "unmanaged", "kubelet-memoryqos"], v2=False) == (
+        "unmanaged", "agent")
+    with pytest.raises(ValueError, match="unknown mode"):
+        modes_for(["managed"], v2=True)
+
+
+def test_qos_reserved_limits_the_tiers_as_kubelet_does() -> None:
+    # allocatable 2816 MiB, a Burstable pod requesting 512 MiB, no Guaranteed pod
+    assert static_limits(2816 * MIB, 512 * MIB, 0) == {
+        "kubepods/besteffort": 2304 * MIB, "kubepods/burstable": 2816 * MIB}
+    assert static_limits(2816 * MIB, 512 * MIB, 256 * MIB, 50) == {
+        "kubepods/besteffort": 2432 * MIB, "kubepods/burstable": 2688 * MIB}
+    assert static_limits(GIB, 2 * GIB, 0)["kubepods/besteffort"] == 0  # never negative
+
+
+def test_memory_qos_high_as_kubelet_computes_it() -> None:
+    # request 512 MiB, limit 1 GiB: 512 + 0.9 x 512 MiB = 972.8 MiB, down to a page
+    assert memory_high(512 * MIB, GIB, 2816 * MIB) == int(972.8 * MIB) // 4096 * 4096
+    # no limit: node allocatable in its place; a BestEffort container (request 0)
+    assert memory_high(0, None, 2816 * MIB) == int(0.9 * 2816 * MIB) // 4096 * 4096
+    assert memory_high(0, None, 4096 * 10) == 4096 * 9
+
+
+def test_blocks_hold_every_mode_once_in_a_seeded_order() -> None:
+    order = block_order(MODES, 4, seed=7)
+    assert len(order) == 20
+    for block in range(4):
+        assert sorted(m for m, b in order if b == block) == sorted(MODES)
+    assert order == block_order(MODES, 4, seed=7)  # the printed seed repeats a run
+    assert order != block_order(MODES, 4, seed=8)
+    # not one fixed order: the first place goes to more than one mode over the blocks
+    assert len({next(m for m, b in order if b == block) for block in range(4)}) > 1
+
+
+def test_bootstrap_interval() -> None:
+    values = [10.0, 11.0, 12.0, 13.0, 30.0]
+    low, high = bootstrap_interval(values, lambda v: sorted(v)[len(v) // 2], seed=1)
+    assert min(values) <= low <= 12.0 <= high <= max(values)
+    assert bootstrap_interval([5.0] * 4, lambda v: sum(v) / len(v), seed=1) == (5.0, 5.0)
+    nothing = bootstrap_interval([], lambda v: 0.0, seed=1)
+    assert nothing[0] != nothing[0]  # NaN
+    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5

@@ -323,3 +323,50 @@ async def test_an_agent_started_with_the_reconciler_off_restores_what_an_earlier
         agent.executor.shutdown()
     assert tier_files(host) == ORIGINAL[2]
     assert state_file(state_dir).entries(NOTES) == {}
+
+
+# -- a node switched from enforce to observe ------------------------------------------------------
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_switching_to_observe_gives_the_tier_back_and_holds_later_caps(tmp_path: Path,
+                                                                         version: int) -> None:
+    observing = [False]
+    host = FakeHost(tmp_path / "host", version=version,
+                    driver="systemd" if version == 2 else "cgroupfs")
+    host.set_numa([(8 * GIB, 32 * GIB, 0)])
+    host.set_tier_usage("besteffort", 2 * GIB, per_node=[2 * GIB])
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs(host.root, audit).observing(lambda: observing[0])
+    loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit, notes=StateFile(None))
+    loop.cycle(0.0)
+    capped = tier_files(host)
+    assert capped != ORIGINAL[version]
+    observing[0] = True
+    loop.cycle(1.0)
+    assert tier_files(host) == ORIGINAL[version]
+    # still deciding: the cap it would write is audited, not written
+    assert sink.named("write_observed")
+    loop.cycle(2.0)
+    assert tier_files(host) == ORIGINAL[version]
+    observing[0] = False  # enforcing again: the cap comes back
+    loop.cycle(3.0)
+    assert tier_files(host) == capped
+
+
+def test_switching_to_observe_undoes_the_bindings(tmp_path: Path) -> None:
+    observing = [False]
+    host = FakeHost(tmp_path / "host", version=2, driver="systemd")
+    offline = host.add_pod("11111111-0000-0000-0000-000000000001", tier="besteffort")
+    host.set_numa([(20 * GIB, 64 * GIB, 1000), (2 * GIB, 64 * GIB, 1000)])
+    state = NodeState()
+    state.replace_all(*host.nri())
+    sysfs = SysFs(host.root, AuditLog(MemoryAuditSink())).observing(lambda: observing[0])
+    loop = NumaBindingLoop(Config, state, sysfs, layout_for(sysfs), AuditLog(MemoryAuditSink()),
+                           notes=StateFile(None))
+    before = bound(host, offline)
+    loop.cycle(0.0)
+    assert bound(host, offline) == "0"
+    observing[0] = True
+    loop.cycle(1.0)
+    assert bound(host, offline) == before

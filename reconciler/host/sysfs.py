@@ -238,6 +238,10 @@ class SysFs:
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
                      sleep=self._sleep, metrics=self._metrics, observe=observe)
 
+    def held(self) -> bool:
+        """Whether writes are held back now (observe mode)."""
+        return self._observe is not None and self._observe()
+
     def unobserved(self) -> SysFs:
         """The same tree and write policy, never held back by observe mode: for undoing what
         the agent changed, which returns the node to what it was (an enforcing run's cap must

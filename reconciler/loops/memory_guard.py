@@ -252,6 +252,7 @@ class MemoryGuardLoop(Loop):
                  squeeze: GuardSqueeze | None = None, metrics: Metrics | None = None,
                  notes: StateFile | None = None) -> None:
         self._notes = notes if notes is not None else StateFile(None)
+        self._was_held = False
         self._config = config
         self._metrics = metrics
         self._sysfs = sysfs
@@ -294,6 +295,12 @@ class MemoryGuardLoop(Loop):
         if not (cfg.reconciler.enabled and guard.enabled):
             self._restore("memory guard switched off")
             return
+        held = self._sysfs.held()
+        if held and not self._was_held:
+            # Observe: the node is watched, not acted on; the cap an enforcing run left goes
+            # back (the guard goes on deciding, its writes held and audited).
+            self._restore("observe mode: the node is watched, not acted on")
+        self._was_held = held
         page = PAGE_SIZE
         sysfs, v2 = self._sysfs, self._layout.v2
         tier = self._layout.tier_dir("memory", BESTEFFORT)

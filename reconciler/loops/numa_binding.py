@@ -109,6 +109,7 @@ class NumaBindingLoop(Loop):
                  layout: CgroupLayout, audit: AuditLog, *,
                  managed: ManagedCache | None = None, notes: StateFile | None = None) -> None:
         self._notes = notes if notes is not None else StateFile(None)
+        self._was_held = False
         self._config = config
         self._state = state
         self._sysfs = sysfs
@@ -127,6 +128,13 @@ class NumaBindingLoop(Loop):
                 restore_bindings(self._sysfs, self._notes, "NUMA binding switched off")
             self._chosen = frozenset()
             return
+        held = self._sysfs.held()
+        if held and not self._was_held and self._notes.entries(NUMA_NOTES):
+            # Observe: the bindings an enforcing run made go back (see the memory guard).
+            restore_bindings(self._sysfs, self._notes,
+                             "observe mode: the node is watched, not acted on")
+            self._chosen = frozenset()
+        self._was_held = held
         for path in self._notes.entries(NUMA_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_NOTES, path)

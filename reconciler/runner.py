@@ -34,6 +34,7 @@ from reconciler.loops.memory_guard import (
     MemoryGuardSections,
     restore_tier,
 )
+from reconciler.loops.numa_balance import NumaBalanceConfig, NumaBalanceLoop, NumaBalanceSections
 from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop, restore_bindings
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
@@ -43,8 +44,12 @@ from reconciler.state import NodeState
 log = structlog.get_logger("nri_qos.reconciler")
 
 
-class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Protocol):
+class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig,
+                         NumaBalanceSections, Protocol):
     """Every section some loop reads (the node configuration has them all)."""
+
+    @property
+    def numa_balance(self) -> NumaBalanceConfig: ...
 
     @property
     def resctrl(self) -> ResctrlConfig: ...
@@ -71,6 +76,8 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                   managed=managed),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
+        NumaBalanceLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
+                        metrics=metrics),
     ]
     if resctrl is not None:
         loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,

@@ -31,7 +31,14 @@ from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile
-from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
+from reconciler.host.sysfs import (
+    PAGE_SIZE,
+    Outcome,
+    SysFs,
+    format_id_list,
+    parse_id_list,
+    same_id_list,
+)
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig
@@ -70,8 +77,18 @@ def choose_nodes(nodes: list[NumaNode], floor_bytes: int, scale_factor: float,
     return sorted(chosen[:max_nodes]) if max_nodes else sorted(chosen)
 
 
+class BalanceSwitch(Protocol):
+    """Of the NUMA balance section, whether it runs (it then takes nodes out of bindings)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+
 class NumaBindingConfig(Protocol):
     """The sections the NUMA binding loop reads (the guard's watermark decides the headroom)."""
+
+    @property
+    def numa_balance(self) -> BalanceSwitch: ...
 
     @property
     def reconciler(self) -> ReconcilerConfig: ...
@@ -122,7 +139,8 @@ class NumaBindingLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
-        if not (cfg.reconciler.enabled and cfg.numa.enabled):
+        balancing = cfg.numa_balance.enabled and self._layout.v2
+        if not (cfg.reconciler.enabled and (cfg.numa.enabled or balancing)):
             if self._notes.entries(NUMA_NOTES):
                 restore_bindings(self._sysfs, self._notes, "NUMA binding switched off")
             self._chosen = frozenset()
@@ -130,6 +148,9 @@ class NumaBindingLoop(Loop):
         for path in self._notes.entries(NUMA_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_NOTES, path)
+        if not cfg.numa.enabled:
+            self._chosen = frozenset()
+            return
         nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
             return
@@ -151,15 +172,26 @@ class NumaBindingLoop(Loop):
                 continue
             # One container's odd cgroup must not keep the others from being bound.
             try:
-                self._bind(item, mems, reason, migrate)
+                self._bind(item, chosen, reason, migrate, balancing)
             except (OSError, ValueError) as exc:
                 log.warning("numa_binding_failed", container=item.view.info.name,
                             pod_uid=item.view.pod.info.uid, error=str(exc))
 
-    def _bind(self, item: Managed, mems: str, reason: str, migrate: bool) -> None:
+    def _bind(self, item: Managed, chosen: list[int], reason: str, migrate: bool,
+              balancing: bool) -> None:
         cgroup = self._layout.dir("cpuset", item.ref.rel)
         current = self._sysfs.read(f"{cgroup}/cpuset.mems")
-        if current is None or same_id_list(current, mems):
+        if current is None:
+            return
+        nodes = set(chosen)
+        if balancing:
+            # Taking a node away would move all the pages held there in one write: the
+            # balancer does that in bounded steps, so the binding only adds nodes.
+            allowed = current if current.strip() else self._sysfs.read(
+                f"{cgroup}/cpuset.mems.effective")
+            nodes |= parse_id_list(allowed or "")
+        mems = format_id_list(nodes)
+        if same_id_list(current, mems):
             return
         if not self._notes.remember(NUMA_NOTES, f"{cgroup}/cpuset.mems", current.strip()):
             return

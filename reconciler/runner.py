@@ -35,7 +35,12 @@ from reconciler.loops.memory_guard import (
     restore_tier,
 )
 from reconciler.loops.numa_balance import NumaBalanceConfig, NumaBalanceLoop, NumaBalanceSections
-from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop, restore_bindings
+from reconciler.loops.numa_binding import (
+    NUMA_BALANCE_NOTES,
+    NumaBindingConfig,
+    NumaBindingLoop,
+    restore_bindings,
+)
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import restore_wmark
@@ -126,9 +131,10 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
 
 def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
     """Writes back every host file the state file says the agent changed: the memory guard's
-    tier files, tuned memory.wmark_ratio, NUMA bindings."""
+    tier files, tuned memory.wmark_ratio, NUMA bindings and balancing."""
     restore_tier(sysfs, notes, reason)
     restore_wmark(sysfs, notes, reason)
+    restore_bindings(sysfs, notes, reason, NUMA_BALANCE_NOTES)
     restore_bindings(sysfs, notes, reason)
 
 

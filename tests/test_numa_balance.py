@@ -20,7 +20,12 @@ from reconciler.loops.numa_balance import (
     next_step_at,
     plan_step,
 )
-from reconciler.loops.numa_binding import NUMA_NOTES, NumaBindingLoop, restore_bindings
+from reconciler.loops.numa_binding import (
+    NUMA_BALANCE_NOTES,
+    NUMA_NOTES,
+    NumaBindingLoop,
+    restore_bindings,
+)
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 from tests.fakesys import GIB, MIB, FakeHost, FakePod
@@ -237,10 +242,11 @@ def test_steps_move_the_offline_pod_off_the_hot_node_then_narrow_its_binding(
     assert get("nri_qos_numa_balance_steps_total", {"result": "done"}) == 4
     assert get("nri_qos_numa_balance_moved_bytes_total") == 200 * MIB
     assert get("nri_qos_numa_balance_step_duration_seconds_count") == 4
-    # undone by the binding's restore
+    # undone as nri-qos reset does it
     path = f"/sys/fs/cgroup/{offline.containers[0].rel}/cpuset.mems"
-    assert notes.entries(NUMA_NOTES) == {path: "0"}
-    assert restore_bindings(sysfs, notes, "reset") == 1
+    assert notes.entries(NUMA_BALANCE_NOTES) == {path: "0"}
+    assert notes.entries(NUMA_NOTES) == {}
+    assert restore_bindings(sysfs, notes, "reset", NUMA_BALANCE_NOTES) == 1
     assert mems(host, offline) == "0"
 
 
@@ -323,19 +329,38 @@ def test_with_balancing_the_binding_only_adds_nodes(tmp_path: Path) -> None:
     assert mems(host, offline) == "1"
 
 
-def test_binding_off_and_balancing_on_keeps_the_notes(tmp_path: Path) -> None:
+def test_switched_off_the_balance_writes_back_what_it_changed(tmp_path: Path) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
     notes = StateFile(str(tmp_path / "state.json"))
-    loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)), notes).cycle(0.0)
+    loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)), notes)
+    loop.cycle(0.0)
     assert mems(host, offline) == "0-1"
-    no_binding = dataclasses.replace(cfg, numa=dataclasses.replace(cfg.numa, enabled=False))
-    binding = NumaBindingLoop(lambda: no_binding, state, sysfs, layout_for(sysfs),
-                              AuditLog(sink), notes=notes)
+    # the binding finds the note and leaves the undo to the balance
+    binding = NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                              notes=notes)
     binding.cycle(1.0)
-    assert mems(host, offline) == "0-1"
-    # both off: what they changed is written back
-    both_off = dataclasses.replace(no_binding, numa_balance=dataclasses.replace(
-        cfg.numa_balance, enabled=False))
-    NumaBindingLoop(lambda: both_off, state, sysfs, layout_for(sysfs), AuditLog(sink),
-                    notes=notes).cycle(2.0)
+    assert notes.entries(NUMA_NOTES) == {}
+    cfg_off = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                        enabled=False))
+    off = NumaBalanceLoop(lambda: cfg_off, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                          notes=notes)
+    off.cycle(2.0)
     assert mems(host, offline) == "0"
+    assert notes.entries(NUMA_BALANCE_NOTES) == {}
+
+
+def test_a_file_the_binding_noted_first_stays_the_bindings_to_undo(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    notes = StateFile(str(tmp_path / "state.json"))
+    NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                    notes=notes).cycle(0.0)
+    assert mems(host, offline) == "0-1"
+    path = f"/sys/fs/cgroup/{offline.containers[0].rel}/cpuset.mems"
+    assert notes.entries(NUMA_NOTES) == {path: "0"}
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    (host.cg("cpuset", offline.containers[0].rel) / "cpuset.mems").write_text("0\n")
+    loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)), notes).cycle(1.0)
+    assert mems(host, offline) == "0-1"
+    assert notes.entries(NUMA_BALANCE_NOTES) == {}
+    assert notes.entries(NUMA_NOTES) == {path: "0"}

@@ -122,14 +122,14 @@ _CHILD_MOVER = (
     "                continue\n"
     "            chosen = [pages[i] for i in range(n) if found[i] == hot][:budget - moved]\n"
     "            k = len(chosen)\n"
-    "            chosen = (ctypes.c_void_p * k)(*chosen)\n"
-    "            status = (ctypes.c_int * k)()\n"
-    "            if libc.syscall(nr, pid, k, chosen, (ctypes.c_int * k)(*[cool] * k), status,\n"
-    "                            4) < 0 or libc.syscall(nr, pid, k, chosen, None, status, 0) < 0:\n"
+    "            if (libc.syscall(nr, pid, k, (ctypes.c_void_p * k)(*chosen),\n"
+    "                             (ctypes.c_int * k)(*[cool] * k), (ctypes.c_int * k)(), 4) < 0\n"
+    "                    or libc.syscall(nr, pid, n, pages, None, status, 0) < 0):\n"
     "                if ctypes.get_errno() == errno.ESRCH:\n"
     "                    break\n"
     "                finish(ctypes.get_errno())\n"
-    "            moved += status[:].count(cool)\n"
+    "            now = status[:]\n"
+    "            moved += sum(1 for i in range(n) if found[i] == hot and now[i] == cool)\n"
     "        if moved >= budget:\n"
     "            finish(0)\n"
     "finish(0)\n"
@@ -137,8 +137,9 @@ _CHILD_MOVER = (
 """What a child process runs to move at most ``budget`` pages of the given processes from NUMA
 node ``hot`` to ``cool`` with move_pages(2): each call asks the kernel where a run of at most
 4096 pages is (nodes NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared pages too, as a
-cpuset.mems change moves them) and asks again where they are: the move's own status misses the
-pages of a huge page moved whole with its first one. Small calls keep the child killable
+cpuset.mems change moves them) and asks again where the whole run is: a huge page moves whole
+with the first of its pages asked for, which the move's own status does not show, so a step
+exceeds its budget by at most one huge page. Small calls keep the child killable
 between them, which one migrate_pages(2) or a cpuset.mems write (the kernel moves everything in
 one go) is not. It prints the pages it moved and exits with 0 or the errno of a refused call
 (EACCES: ``cool`` is not in the process's cpuset; a process that exited meanwhile, ESRCH, is

@@ -24,8 +24,8 @@ migration that hung other balancers' hosts. This loop moves the pages instead, i
 No step while no node is under its watermark, so balancing stops when the hot node recovers.
 Online pods are never touched. Each step is audited (``numa_balance_step``: bytes asked, bytes
 moved by ``memory.numa_stat`` before and after, duration) and counted. The ``cpuset.mems``
-values from before are noted in the binding's state file section, so the binding's restore
-(switched off, ``nri-qos reset``) writes them back.
+values from before are noted in the state file (unless the binding noted them first), and written
+back when the balance is switched off and by ``nri-qos reset``.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from reconciler.host.sysfs import (
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
-from reconciler.loops.numa_binding import NUMA_NOTES
+from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, noted_elsewhere, restore_bindings
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 
@@ -205,10 +205,15 @@ class NumaBalanceLoop(Loop):
     def cycle(self, now: float) -> None:
         cfg = self._config()
         balance = cfg.numa_balance
-        # Undoing is the binding loop's (one state file section for both).
         if not (cfg.reconciler.enabled and balance.enabled and self._layout.v2):
+            if self._notes.entries(NUMA_BALANCE_NOTES):
+                restore_bindings(self._sysfs, self._notes, "NUMA balance switched off",
+                                 NUMA_BALANCE_NOTES)
             self._last = None
             return
+        for path in self._notes.entries(NUMA_BALANCE_NOTES):
+            if not self._sysfs.exists(path):
+                self._notes.forget(NUMA_BALANCE_NOTES, path)
         nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
             return
@@ -294,7 +299,9 @@ class NumaBalanceLoop(Loop):
     def _set_mems(self, cpuset: str, nodes: frozenset[int], reason: str) -> bool:
         path = f"{cpuset}/cpuset.mems"
         current = self._sysfs.read(path)
-        if current is None or not self._notes.remember(NUMA_NOTES, path, current.strip()):
+        if current is None or not (
+                noted_elsewhere(self._notes, NUMA_BALANCE_NOTES, path)
+                or self._notes.remember(NUMA_BALANCE_NOTES, path, current.strip())):
             return False
         return self._sysfs.write(path, format_id_list(nodes), reason) in (
             Outcome.WRITTEN, Outcome.OBSERVED)

@@ -102,18 +102,29 @@ class NumaBindingConfig(Protocol):
 
 NUMA_NOTES = "numa_binding"
 """The state file's section: a container's cpuset.mems file -> its value before binding."""
+NUMA_BALANCE_NOTES = "numa_balance"
+"""The same for the files the NUMA balance changed first. A file is noted in one section only,
+by the loop that changed it first (the other finds the note and adds none), so its note is the
+value from before either, and the loop that noted it writes it back when it is switched off."""
 
 
-def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str) -> int:
-    """Writes back every cpuset.mems the loop changed (a container gone meanwhile has nothing
-    to restore); how many were written."""
+def noted_elsewhere(notes: StateFile, section: str, path: str) -> bool:
+    """Whether the other NUMA loop noted ``path`` already (it then owns the undo)."""
+    other = NUMA_BALANCE_NOTES if section == NUMA_NOTES else NUMA_NOTES
+    return path in notes.entries(other)
+
+
+def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
+                     section: str = NUMA_NOTES) -> int:
+    """Writes back every cpuset.mems noted in ``section`` (a container gone meanwhile has
+    nothing to restore); how many were written."""
     restored = 0
     sysfs = sysfs.unobserved()
-    for path, value in notes.entries(NUMA_NOTES).items():
+    for path, value in notes.entries(section).items():
         outcome = sysfs.write_if_changed(path, value, reason)
         restored += outcome is Outcome.WRITTEN
         if outcome is not Outcome.FAILED:
-            notes.forget(NUMA_NOTES, path)
+            notes.forget(section, path)
     return restored
 
 
@@ -139,8 +150,7 @@ class NumaBindingLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
-        balancing = cfg.numa_balance.enabled and self._layout.v2
-        if not (cfg.reconciler.enabled and (cfg.numa.enabled or balancing)):
+        if not (cfg.reconciler.enabled and cfg.numa.enabled):
             if self._notes.entries(NUMA_NOTES):
                 restore_bindings(self._sysfs, self._notes, "NUMA binding switched off")
             self._chosen = frozenset()
@@ -148,9 +158,7 @@ class NumaBindingLoop(Loop):
         for path in self._notes.entries(NUMA_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_NOTES, path)
-        if not cfg.numa.enabled:
-            self._chosen = frozenset()
-            return
+        balancing = cfg.numa_balance.enabled and self._layout.v2
         nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
             return
@@ -193,7 +201,9 @@ class NumaBindingLoop(Loop):
         mems = format_id_list(nodes)
         if same_id_list(current, mems):
             return
-        if not self._notes.remember(NUMA_NOTES, f"{cgroup}/cpuset.mems", current.strip()):
+        path = f"{cgroup}/cpuset.mems"
+        if not (noted_elsewhere(self._notes, NUMA_NOTES, path)
+                or self._notes.remember(NUMA_NOTES, path, current.strip())):
             return
         if migrate:
             # Only needed when the binding changes, and it must be in place before.

@@ -23,7 +23,7 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.numa_balance import Mover, NumaBalanceLoop
-from reconciler.loops.numa_binding import NUMA_NOTES, restore_bindings
+from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, restore_bindings
 from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, numa_stat
 
@@ -79,6 +79,7 @@ def balance(cfg: Config, state: NodeState, cycles: int, *, notes: StateFile | No
                            notes=notes, mover=mover)
     for i in range(cycles):
         loop.cycle(float(i))
+        time.sleep(0.2)  # past the rate limit's wait after a step (128 MiB at 1 GiB/s)
     return sink, sysfs
 
 
@@ -93,16 +94,19 @@ def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node
     assert numa_stat(cgroup, "anon")[0] >= 500 * MIB
     # Node 0 is 100 MiB under the floor; node 1 far above it.
     floor = free(0) + 100 * MIB
-    assert free(1) > floor + 256 * MIB
+    assert free(1) > floor + 150 * MIB
     started = time.monotonic()
     sink, _ = balance(config(floor), state_of(path), 12)
     elapsed = time.monotonic() - started
     steps = sink.named("numa_balance_step")
+    seen = [(s["result"], int(str(s["moved_bytes"])) // MIB, s["duration_s"], s["reason"])
+            for s in steps]
     assert steps, "no step"
-    assert all(s["result"] == "done" for s in steps), steps
-    # Each step within its budget (a THP moves whole: 2 MiB of slack); recovery stops them.
-    assert all(0 < int(str(s["moved_bytes"])) <= 66 * MIB for s in steps), steps
-    assert 2 <= len(steps) <= 4, steps
+    assert all(s["result"] == "done" for s in steps), seen
+    # Each step within its budget (a huge page moves whole: 2 MiB of slack, and what the
+    # process's neighbours free meanwhile); recovery stops them.
+    assert all(0 < int(str(s["moved_bytes"])) <= 67 * MIB for s in steps), seen
+    assert 2 <= len(steps) <= 5, seen
     assert free(0) >= floor - 8 * MIB
     after = numa_stat(cgroup, "anon")
     assert after[1] >= moved(steps) - 8 * MIB, (after, moved(steps))
@@ -130,17 +134,19 @@ def test_all_offline_pages_move_then_the_node_leaves_the_binding_online_untouche
     sink, sysfs = balance(config(floor, step=128 * MIB), state_of(path, web_path), 8,
                           notes=notes)
     steps = sink.named("numa_balance_step")
-    assert [s["container"] for s in steps] == ["c"] * len(steps), steps
+    seen = [(s["result"], int(str(s["moved_bytes"])) // MIB, s["asked_bytes"], s["reason"])
+            for s in steps]
+    assert [s["container"] for s in steps] == ["c"] * len(steps), seen
     after = numa_stat(cgroup, "anon")
     assert after[0] < 8 * MIB, after
     assert after[1] >= 248 * MIB, after
-    assert (cgroup / "cpuset.mems").read_text().strip() == "1"
+    assert (cgroup / "cpuset.mems").read_text().strip() == "1", seen
     online_after = numa_stat(web, "anon")
     assert abs(online_after[0] - online_before[0]) < 8 * MIB, (online_before, online_after)
     assert (web / "cpuset.mems").read_text().strip() == "0"
-    # The binding's restore writes back what was there before.
-    assert notes.entries(NUMA_NOTES) == {f"{cgroup}/cpuset.mems": "0"}
-    assert restore_bindings(sysfs, notes, "test") == 1
+    # The restore (nri-qos reset, the balance switched off) writes back what was there before.
+    assert notes.entries(NUMA_BALANCE_NOTES) == {f"{cgroup}/cpuset.mems": "0"}
+    assert restore_bindings(sysfs, notes, "test", NUMA_BALANCE_NOTES) == 1
     assert (cgroup / "cpuset.mems").read_text().strip() == "0"
     holder.kill()
     holder.wait()

@@ -124,7 +124,7 @@ def test_all_offline_pages_move_then_the_node_leaves_the_binding_online_untouche
     (cgroup / "cpuset.mems").write_text("0")
     web, web_path = node.container("burstable", ONLINE, ONLINE_CID)
     (web / "cpuset.mems").write_text("0")
-    node.holder(web, 600)
+    node.holder(web, 800)
     holder = node.holder(cgroup, 256)
     online_before = numa_stat(web, "anon")
     # Node 0 stays under the floor even with the offline pages gone; node 1 keeps room.
@@ -198,8 +198,8 @@ def test_a_cgroup_removed_mid_step_ends_the_step(node: Node) -> None:
     cgroup, path = node.container("besteffort", UID, CID)
     (cgroup / "cpuset.mems").write_text("0")
     holder = node.holder(cgroup, 768)
-    floor = free(0) + 600 * MIB
-    assert free(1) > floor
+    floor = free(0) + 300 * MIB
+    assert free(1) > floor + 200 * MIB
 
     def remove_meanwhile(pids: Sequence[int], hot: int, cool: int, budget: int,
                          timeout_s: float) -> tuple[Outcome, int, str]:

@@ -105,6 +105,8 @@ def test_the_rate_limit_spaces_steps_by_the_bytes_they_moved() -> None:
     step, reason = plan(nodes, [cand("a", GIB)], last=last, now=100.499)
     assert step is None
     assert reason == "rate limit: next step in 0.001 s"
+    assert plan_step(nodes, [cand("a", GIB)], MARK, step_bytes=64 * MIB,
+                     rate_bytes_per_s=128 * MIB, last=last, now=100.499).retry_at == 100.5
     assert plan(nodes, [cand("a", GIB)], last=last, now=100.5)[0] == ("a", 0, 1, 64 * MIB)
     # a step that moved nothing does not hold the next one back
     assert plan(nodes, [cand("a", GIB)], last=(100.0, 0), now=100.0)[0] is not None
@@ -220,9 +222,15 @@ def test_steps_move_the_offline_pod_off_the_hot_node_then_narrow_its_binding(
                     "asked_bytes": 64 * MIB, "moved_bytes": 64 * MIB, "duration_s": 0.0,
                     "result": "done", "dry_run": False, "reason": step["reason"]}
     assert step["reason"].startswith("node 0 1073741824 bytes under its watermark")
-    # 64 MiB at 128 MiB/s: the next step waits half a second
+    # 64 MiB at 128 MiB/s: the next step waits half a second, and the next cycle with it
+    assert loop.interval() == 1.0
     loop.cycle(1.0)
     assert len(mover.calls) == 1
+    assert loop.interval() == 0.5
+    clock[0] = 10.25
+    assert loop.interval() == 0.25
+    clock[0] = 10.49
+    assert loop.interval() == 0.05  # never less, however short the rate limit's wait
     clock[0] = 10.5
     loop.cycle(2.0)
     clock[0] = 11.0

@@ -60,6 +60,8 @@ from reconciler.state import NodeState
 log = structlog.get_logger("nri_qos.reconciler")
 
 MIB = 1 << 20
+MIN_GAP_S = 0.05
+"""The shortest wait between two cycles while a step waits for the rate limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,10 +119,12 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The step to take now, or None and why not."""
+    """The step to take now, or None and why not (``retry_at``: when the rate limit lets the
+    step that waits for it start)."""
 
     step: Step | None
     reason: str
+    retry_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +168,7 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: 
         if last is not None:
             start = next_step_at(last[0], last[1], rate_bytes_per_s)
             if now < start:
-                return Decision(None, f"rate limit: next step in {start - now:.3f} s")
+                return Decision(None, f"rate limit: next step in {start - now:.3f} s", start)
         asked = min(step_bytes, chosen.per_node[hot], room[cool])
         return Decision(Step(chosen, hot, cool, asked),
                         f"node {hot} {-room[hot]} bytes under its watermark, node {cool} "
@@ -198,9 +202,15 @@ class NumaBalanceLoop(Loop):
         self._last: tuple[float, int] | None = None
         self._said = ""
         self._held: tuple[object, ...] = ()
+        self._retry_at: float | None = None
 
     def interval(self) -> float:
-        return self._config().numa_balance.interval_s
+        period = self._config().numa_balance.interval_s
+        if self._retry_at is None:
+            return period
+        # A step waits for the rate limit: the next cycle comes when it may start, so the rate
+        # and not the period bounds how fast a hot node is relieved.
+        return min(period, max(self._retry_at - self._clock(), MIN_GAP_S))
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
@@ -227,6 +237,7 @@ class NumaBalanceLoop(Loop):
                                          guard.watermark_floor_percent),
             step_bytes=balance.step_bytes, rate_bytes_per_s=balance.rate_bytes_per_s,
             last=self._last, now=self._clock())
+        self._retry_at = decision.retry_at
         if decision.step is None:
             if decision.reason != self._said:
                 log.debug("numa_balance_idle", reason=decision.reason)

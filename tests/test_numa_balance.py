@@ -81,9 +81,13 @@ def test_a_step_asks_for_the_budget_or_what_the_container_holds_whichever_is_les
     assert plan(nodes, [cand("a", 64 * MIB - 4096)])[0] == ("a", 0, 1, 64 * MIB - 4096)
 
 
-def test_never_more_than_the_cool_node_has_above_its_watermark() -> None:
+def test_never_more_than_half_what_the_cool_node_has_above_its_watermark() -> None:
     nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 10 * MIB)]
-    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 10 * MIB)
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 5 * MIB)
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 128 * MIB)]
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 64 * MIB)
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 126 * MIB)]
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 63 * MIB)
     # exactly at its watermark: no headroom, nothing moves
     step, reason = plan([node(0, 3 * GIB), node(1, 4 * GIB)], [cand("a", GIB)])
     assert step is None

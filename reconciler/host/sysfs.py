@@ -109,7 +109,7 @@ _CHILD_MOVER = (
     "    for text in ranges:\n"
     "        lo, hi = (int(x, 16) for x in text.split('-'))\n"
     "        while lo < hi and moved < budget:\n"
-    "            n = min((hi - lo) // page, 4096)\n"
+    "            n = min((hi - lo) // page, 512)\n"
     "            pages = (ctypes.c_void_p * n)(*range(lo, lo + n * page, page))\n"
     "            lo += n * page\n"
     "            status = (ctypes.c_int * n)()\n"
@@ -136,10 +136,10 @@ _CHILD_MOVER = (
 )
 """What a child process runs to move at most ``budget`` pages of the given processes from NUMA
 node ``hot`` to ``cool`` with move_pages(2): each call asks the kernel where a run of at most
-4096 pages is (nodes NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared pages too, as a
-cpuset.mems change moves them) and asks again where the whole run is: a huge page moves whole
-with the first of its pages asked for, which the move's own status does not show, so a step
-exceeds its budget by at most one huge page. Small calls keep the child killable
+512 pages (one huge page) is (nodes NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared
+pages too, as a cpuset.mems change moves them) and asks again where the whole run is: a huge
+page moves whole with the first of its pages asked for, which the move's own status does not
+show, so a step exceeds its budget by at most one huge page. Small calls keep the child killable
 between them, which one migrate_pages(2) or a cpuset.mems write (the kernel moves everything in
 one go) is not. It prints the pages it moved and exits with 0 or the errno of a refused call
 (EACCES: ``cool`` is not in the process's cpuset; a process that exited meanwhile, ESRCH, is

@@ -9,9 +9,10 @@ migration that hung other balancers' hosts. This loop moves the pages instead, i
 1. the pure planner (:func:`plan_step`) picks the node furthest under its watermark (hot), the
    node with most headroom (cool), and the ``reclaimed_cores`` container holding most on the hot
    node (its pod first: largest pod, then its largest container, by ``memory.numa_stat``);
-   a step asks for ``min(step_bytes, the container's bytes on hot, headroom(cool))``, so the
-   cool node never falls below its own watermark, and waits for the rate limit: a step that
-   moved ``b`` bytes and ended at ``t`` lets the next start at ``t + b / rate_bytes_per_s``;
+   a step asks for ``min(step_bytes, the container's bytes on hot, headroom(cool) / 2)``, so the
+   cool node never falls below its own watermark nor becomes the next hot node, and waits for
+   the rate limit: a step that moved ``b`` bytes and ended at ``t`` lets the next start at
+   ``t + b / rate_bytes_per_s``;
 2. the container's ``cpuset.mems`` gets the cool node added (widening moves nothing; the
    kernel refuses to move pages onto a node outside a process's cpuset);
 3. a child process moves at most the asked bytes of the container's processes with
@@ -169,7 +170,9 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: 
             start = next_step_at(last[0], last[1], rate_bytes_per_s)
             if now < start:
                 return Decision(None, f"rate limit: next step in {start - now:.3f} s", start)
-        asked = min(step_bytes, chosen.per_node[hot], room[cool])
+        # Half the cool node's headroom at most: pages moved there must not make it the next
+        # hot node (allocations elsewhere keep taking from it) and send them back.
+        asked = min(step_bytes, chosen.per_node[hot], room[cool] // 2)
         return Decision(Step(chosen, hot, cool, asked),
                         f"node {hot} {-room[hot]} bytes under its watermark, node {cool} "
                         f"{room[cool]} bytes above")

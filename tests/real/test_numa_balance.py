@@ -94,7 +94,7 @@ def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node
     assert numa_stat(cgroup, "anon")[0] >= 500 * MIB
     # Node 0 is 100 MiB under the floor; node 1 far above it.
     floor = free(0) + 100 * MIB
-    assert free(1) > floor + 150 * MIB
+    assert free(1) > floor + 200 * MIB
     started = time.monotonic()
     sink, _ = balance(config(floor), state_of(path), 12)
     elapsed = time.monotonic() - started
@@ -185,8 +185,9 @@ def test_a_step_past_its_deadline_is_killed_and_keeps_what_it_moved(node: Node) 
     outcome, _, why = SysFs("/").move_pages_bounded([holder.pid], 0, 1, 768 * MIB, deadline)
     took = time.monotonic() - started
     assert outcome is Outcome.TIMEOUT, why
-    # killed between two calls of at most 4096 pages: it ends soon after its deadline
-    assert took < deadline + 0.5, took
+    # killed between two calls of at most 512 pages: it ends soon after its deadline (the
+    # whole process takes several seconds to move)
+    assert took < deadline + 1.0, took
     on_1 = numa_stat(cgroup, "anon")[1]
     assert on_1 < 760 * MIB, "the whole process moved before the deadline"
     print(f"deadline_s={deadline} took_s={took:.2f} moved_mib={on_1 // MIB}")

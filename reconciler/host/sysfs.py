@@ -109,7 +109,7 @@ _CHILD_MOVER = (
     "    for text in ranges:\n"
     "        lo, hi = (int(x, 16) for x in text.split('-'))\n"
     "        while lo < hi and moved < budget:\n"
-    "            n = min((hi - lo) // page, 512)\n"
+    "            n = min(hi, (lo // (512 * page) + 1) * 512 * page) // page - lo // page\n"
     "            pages = (ctypes.c_void_p * n)(*range(lo, lo + n * page, page))\n"
     "            lo += n * page\n"
     "            status = (ctypes.c_int * n)()\n"
@@ -136,7 +136,8 @@ _CHILD_MOVER = (
 )
 """What a child process runs to move at most ``budget`` pages of the given processes from NUMA
 node ``hot`` to ``cool`` with move_pages(2): each call asks the kernel where a run of at most
-512 pages (one huge page) is (nodes NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared
+512 pages is (one huge page, aligned as huge pages are, so that none lies across two runs; nodes
+NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared
 pages too, as a cpuset.mems change moves them) and asks again where the whole run is: a huge
 page moves whole with the first of its pages asked for, which the move's own status does not
 show, so a step exceeds its budget by at most one huge page. Small calls keep the child killable

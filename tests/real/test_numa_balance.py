@@ -9,6 +9,9 @@ watermark floor above its free memory (and below the other node's), as the bindi
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +36,7 @@ UID = "4e4e4e4e-0000-4000-8000-0000000000b1"
 CID = "b" * 64
 ONLINE = "4e4e4e4e-0000-4000-8000-0000000000b2"
 ONLINE_CID = "c" * 64
+REPO = Path(__file__).resolve().parents[2]
 
 
 def free(node: int) -> int:
@@ -229,3 +233,19 @@ def test_a_cgroup_removed_mid_step_ends_the_step(node: Node) -> None:
     assert not cgroup.exists()
     # nothing written after the step: the cgroup is gone
     assert not [r for r in sink.named("cgroup_write") if r["value"] == "1"]
+
+
+@pytest.mark.vm(numa=2, mem_mib=1024, cgroup="v1")
+def test_on_cgroup_v1_the_balance_does_not_run_and_says_why() -> None:
+    # v1 has its own way to move pages with a binding (the one-go migration the balance exists
+    # to avoid on v2): cpuset.memory_migrate.
+    assert Path("/sys/fs/cgroup/cpuset/cpuset.memory_migrate").is_file()
+    done = subprocess.run([sys.executable, "-m", "nri_plugin", "probe", "--json"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, check=True)
+    found = json.loads(done.stdout)
+    assert found["cgroup"]["version"] == 1
+    assert [n["id"] for n in found["numa_nodes"]] == [0, 1]
+    assert found["features"]["reconciler.numa_balance"] == {
+        "runs": False, "detail": "cgroup v1 is not supported: there a binding's change moves "
+                                 "the pages (cpuset.memory_migrate) in one go"}
+    assert found["features"]["reconciler.numa_binding"]["runs"] is True

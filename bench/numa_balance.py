@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import time
 from pathlib import Path
+
+import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -123,6 +126,8 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=30.0,
                         help="how long each mode may take to recover (default 30)")
     args = parser.parse_args()
+    # The loops' debug lines (each wait for the rate limit) would bury the results.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     off, _, _ = run("off", args.under_mib, args.window_s)
     bind, _, bind_step = run("bind", args.under_mib, args.window_s)
     on, moved, longest = run("on", args.under_mib, args.window_s)

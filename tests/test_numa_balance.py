@@ -304,16 +304,47 @@ def test_observe_mode_holds_the_widening_and_the_move(tmp_path: Path) -> None:
     assert (step["result"], step["moved_bytes"]) == ("observed", 0)
 
 
-def test_a_refused_move_is_audited_and_keeps_the_binding(tmp_path: Path) -> None:
+def test_a_refused_move_is_audited_and_the_container_left_for_a_minute(tmp_path: Path) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
     mover = FakeMover(stat_of(host, offline), Outcome.FAILED)
     metrics = Metrics()
-    loop_of(cfg, state, sysfs, sink, mover, metrics=metrics).cycle(0.0)
+    clock = [100.0]
+    loop = loop_of(cfg, state, sysfs, sink, mover, metrics=metrics, clock=clock)
+    loop.cycle(0.0)
     [step] = sink.named("numa_balance_step")
     assert (step["result"], step["reason"]) == ("failed", "EACCES: refused")
     assert mems(host, offline) == "0-1"
     assert metrics.registry.get_sample_value(
         "nri_qos_numa_balance_steps_total", {"result": "failed"}) == 1
+    clock[0] = 159.99
+    loop.cycle(1.0)
+    assert len(mover.calls) == 1
+    clock[0] = 160.0
+    loop.cycle(2.0)
+    assert len(mover.calls) == 2
+
+
+class RefusingSysFs(SysFs):
+    """The kernel refuses every cpuset.mems write (EINVAL: a node the parent does not allow)."""
+
+    def write(self, path: str, value: str, reason: str, *, create: bool = False) -> Outcome:
+        if path.endswith("/cpuset.mems"):
+            return Outcome.FAILED
+        return super().write(path, value, reason, create=create)
+
+
+def test_a_cpuset_the_kernel_will_not_widen_is_a_failed_step(tmp_path: Path) -> None:
+    host, offline, _, cfg, _, sink, state = setup(tmp_path)
+    mover = FakeMover(stat_of(host, offline))
+    clock = [100.0]
+    loop = loop_of(cfg, state, RefusingSysFs(tmp_path, AuditLog(sink)), sink, mover,
+                   clock=clock)
+    loop.cycle(0.0)
+    clock[0] = 110.0
+    loop.cycle(1.0)
+    assert mover.calls == []
+    [step] = sink.named("numa_balance_step")
+    assert (step["result"], step["reason"]) == ("failed", "cpuset.mems not widened to node 1")
 
 
 def test_switched_off_or_on_cgroup_v1_nothing_moves(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Binding (:mod:`reconciler.loops.numa_binding`) decides where reclaimed pods may allocate; it
 does not move what they already hold. On cgroup v2 a ``cpuset.mems`` write that takes a node
 away migrates every page the cgroup's processes hold there, synchronously and in one go (seen
-in a two-node guest: 512 MiB in 2.2 s, 1.6 GiB in 8 s, the writer blocked throughout), an
+in a two-node guest: 772 MiB in 2.2 s, 1.6 GiB in 8 s, the writer blocked throughout), an
 unbounded step that nothing can interrupt. This loop moves the pages instead, in steps:
 
 1. the pure planner (:func:`plan_step`) picks the node furthest under its watermark (hot), the

@@ -98,7 +98,8 @@ def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node
     assert numa_stat(cgroup, "anon")[0] >= 500 * MIB
     # Node 0 is 100 MiB under the floor; node 1 far above it.
     floor = free(0) + 100 * MIB
-    assert free(1) > floor + 200 * MIB
+    # room for two steps of 64 MiB within half of node 1's headroom each time
+    assert free(1) > floor + 150 * MIB
     started = time.monotonic()
     sink, _ = balance(config(floor), state_of(path), 12)
     elapsed = time.monotonic() - started

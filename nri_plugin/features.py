@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from hooks.memory_qos import memory_qos_active
 from hooks.oci_hooks import level_hooks
+from hooks.units import human_bytes
 from nri_plugin.config.schema import Config
 from reconciler.detection.config import (
     FULFILLMENT,
@@ -97,6 +98,23 @@ def _numa_binding(cfg: Config, host: HostInfo) -> Feature:
     if base.runs and len(host.numa_nodes) < 2:
         return Feature(False, "one NUMA node: nothing to bind")
     return base
+
+
+def _numa_balance(cfg: Config, host: HostInfo) -> Feature:
+    base = _loop(lambda c: c.numa_balance.enabled, "NUMA balance")(cfg, host)
+    if not base.runs:
+        return base
+    if len(host.numa_nodes) < 2:
+        return Feature(False, "one NUMA node: nothing to balance")
+    if not host.cgroup.v2:
+        return Feature(False, "cgroup v1 is not supported: there a binding's change moves the "
+                              "pages (cpuset.memory_migrate) in one go")
+    balance = cfg.numa_balance
+    mode = "dry-run: decides and audits steps, moves nothing" if balance.dry_run else (
+        "moves reclaimed pods' pages off a node under its watermark")
+    return Feature(True, f"{mode}; steps of at most {human_bytes(balance.step_bytes)}, killed "
+                         f"after {balance.step_deadline_s:g} s, at most "
+                         f"{human_bytes(balance.rate_bytes_per_s)}/s")
 
 
 def _resctrl_tasks(cfg: Config, host: HostInfo) -> Feature:
@@ -238,6 +256,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.resctrl_tasks": _resctrl_tasks,
     "reconciler.memory_guard": _memory_guard,
     "reconciler.numa_binding": _numa_binding,
+    "reconciler.numa_balance": _numa_balance,
     "detection.system_free": _detector(SYSTEM_FREE, _always(
         "MemFree of /proc/meminfo vs max(floor, total x watermark_scale_factor, zones' low)")),
     "detection.numa_free": _detector(NUMA_FREE, _numa_free),

@@ -44,7 +44,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions, NodeOutcome, build_api_client, node_name
 from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
 from reconciler.loops.memory_guard import restore_tier
-from reconciler.loops.numa_binding import NUMA_NOTES, restore_bindings
+from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings
 from reconciler.mitigation.actions import (
     CONDITION_NOTES,
     TAINT_NOTES,
@@ -88,6 +88,12 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
     if wmark:
         steps.append(Step(f"tune: restore memory.wmark_ratio of {len(wmark)} pod(s)",
                           lambda: f"restored {restore_wmark(sysfs, notes, REASON)} file(s)"))
+    balanced = notes.entries(NUMA_BALANCE_NOTES)
+    if balanced:
+        steps.append(Step(
+            f"NUMA balance: restore cpuset.mems of {len(balanced)} container(s)",
+            lambda: "restored "
+                    f"{restore_bindings(sysfs, notes, REASON, NUMA_BALANCE_NOTES)} file(s)"))
     numa = notes.entries(NUMA_NOTES)
     if numa:
         steps.append(Step(f"NUMA binding: restore cpuset.mems of {len(numa)} container(s)",

@@ -79,6 +79,12 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "memory); node-wide limits use /proc/meminfo."),
     AuditEvent("numa_binding", ("pod_uid", "container", "mems", "reason"),
                "A container's cpuset.mems was changed."),
+    AuditEvent("numa_balance_step", ("pod_uid", "container", "from_node", "to_node",
+                                      "asked_bytes", "moved_bytes", "duration_s", "result",
+                                      "dry_run", "reason"),
+               "A step moving a reclaimed container's memory off a NUMA node under its watermark "
+               "(done, timeout, failed; dry_run and observed once while the same step is held); "
+               "moved_bytes from memory.numa_stat before and after."),
     AuditEvent("annotation_ignored", ("pod_uid", "annotation", "reason"),
                "A pod annotation a background loop reads was not usable, so the node's or the "
                "level's value applies: the RSS overuse factor, or a memory QoS or oom_score_adj "

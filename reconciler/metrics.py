@@ -47,6 +47,10 @@ NRI_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 
 CYCLE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 """Seconds of one reconciler cycle."""
 
+STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Seconds of one NUMA balance step (a child process's start is part of it)."""
+BALANCE_RESULTS = ("done", "timeout", "failed")
+
 NRI_RESULTS = ("ok", "fail-open", "error")
 """How an NRI request was answered: everything applied; answered with what worked (a capability
 failed or missed its deadline, or the input was unusable); an error status."""
@@ -190,6 +194,15 @@ class Metrics:
         self._drop_cache_freed = Counter(
             f"{PREFIX}_drop_cache_freed_bytes_total",
             "Memory freed by drop-cache actions.", registry=r)
+        self._balance_steps = Counter(
+            f"{PREFIX}_numa_balance_steps_total",
+            "NUMA balance steps, per result (done, timeout, failed).", ["result"], registry=r)
+        self._balance_bytes = Counter(
+            f"{PREFIX}_numa_balance_moved_bytes_total",
+            "Memory NUMA balance steps moved off nodes under their watermark.", registry=r)
+        self._balance_duration = Histogram(
+            f"{PREFIX}_numa_balance_step_duration_seconds",
+            "Duration of one NUMA balance step.", buckets=STEP_BUCKETS, registry=r)
         self._evictions = Counter(
             f"{PREFIX}_evictions_total",
             "Evictions asked for, per eviction plugin and result.", ["plugin", "result"],
@@ -280,6 +293,16 @@ class Metrics:
         self._drop_cache_runs.labels(result).inc()
         if freed_bytes > 0:
             self._drop_cache_freed.inc(freed_bytes)
+
+    def numa_balance_step(self, result: str, moved_bytes: int, seconds: float) -> None:
+        """One NUMA balance step ended with ``result`` (``done``, ``timeout``, ``failed``; held
+        steps are not counted) after moving ``moved_bytes`` in ``seconds``."""
+        if result not in BALANCE_RESULTS:
+            raise ValueError(f"unknown NUMA balance result {result!r}")
+        self._balance_steps.labels(result).inc()
+        self._balance_duration.observe(seconds)
+        if moved_bytes > 0:
+            self._balance_bytes.inc(moved_bytes)
 
     def eviction(self, plugin: str, result: str) -> None:
         """An eviction asked for by ``plugin`` ended with ``result`` (an EvictionOutcome value,

@@ -34,7 +34,13 @@ from reconciler.loops.memory_guard import (
     MemoryGuardSections,
     restore_tier,
 )
-from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop, restore_bindings
+from reconciler.loops.numa_balance import NumaBalanceConfig, NumaBalanceLoop, NumaBalanceSections
+from reconciler.loops.numa_binding import (
+    NUMA_BALANCE_NOTES,
+    NumaBindingConfig,
+    NumaBindingLoop,
+    restore_bindings,
+)
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import restore_wmark
@@ -43,8 +49,12 @@ from reconciler.state import NodeState
 log = structlog.get_logger("nri_qos.reconciler")
 
 
-class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Protocol):
+class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig,
+                         NumaBalanceSections, Protocol):
     """Every section some loop reads (the node configuration has them all)."""
+
+    @property
+    def numa_balance(self) -> NumaBalanceConfig: ...
 
     @property
     def resctrl(self) -> ResctrlConfig: ...
@@ -71,6 +81,8 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                   managed=managed),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
+        NumaBalanceLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
+                        metrics=metrics),
     ]
     if resctrl is not None:
         loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,
@@ -119,9 +131,10 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
 
 def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
     """Writes back every host file the state file says the agent changed: the memory guard's
-    tier files, tuned memory.wmark_ratio, NUMA bindings."""
+    tier files, tuned memory.wmark_ratio, NUMA bindings and balancing."""
     restore_tier(sysfs, notes, reason)
     restore_wmark(sysfs, notes, reason)
+    restore_bindings(sysfs, notes, reason, NUMA_BALANCE_NOTES)
     restore_bindings(sysfs, notes, reason)
 
 

@@ -265,6 +265,8 @@ def test_unknown_results_and_states_are_refused() -> None:
         metrics.nri_request("create_container", "partial", 0.001)
     with pytest.raises(ValueError, match="unknown connection state"):
         metrics.nri_connection("registering", 0.0)
+    with pytest.raises(ValueError, match="unknown NUMA balance result"):
+        metrics.numa_balance_step("observed", 0, 0.0)
 
 
 def test_series_of_actions_record_what_they_are_told() -> None:

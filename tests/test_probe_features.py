@@ -179,3 +179,24 @@ def test_the_pod_watch_keeps_the_rss_overuse_annotation() -> None:
     custom = dataclasses.replace(cfg, detection=dataclasses.replace(
         cfg.detection, rss_overuse_annotation="other"))
     assert meta.trimmed(custom.read_keys()).annotations == {"other": "x"}
+
+
+def test_numa_balance_runs_on_cgroup_v2_only_and_says_its_bounds(tmp_path: Path) -> None:
+    def balance(cfg: Config, host: HostInfo) -> tuple[bool, str]:
+        found = report(cfg, host)["features"]["reconciler.numa_balance"]
+        return found["runs"], found["detail"]
+
+    v2 = host_of(tmp_path / "v2", 2)
+    assert balance(Config(), v2) == (
+        True, "moves reclaimed pods' pages off a node under its watermark; steps of at most "
+              "64.0 MiB, killed after 5 s, at most 128.0 MiB/s")
+    cfg = Config()
+    dry = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                    dry_run=True))
+    assert balance(dry, v2)[1].startswith("dry-run: decides and audits steps, moves nothing")
+    off = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                    enabled=False))
+    assert balance(off, v2) == (False, "NUMA balance is switched off in the configuration")
+    assert balance(Config(), host_of(tmp_path / "v1", 1)) == (
+        False, "cgroup v1 is not supported: there a binding's change moves the pages "
+               "(cpuset.memory_migrate) in one go")

@@ -21,6 +21,7 @@ from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubernetesConfig
 from reconciler.loops.memory_guard import MemoryGuardLoop
+from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.fakesys import GIB, FakeHost
 from tests.paths import REPO
@@ -192,3 +193,19 @@ def test_the_uninstall_job_runs_reset_on_the_agents_state_and_host_files() -> No
     assert mounts[root + "/sys/fs"]["hostPath"]["path"] == "/sys/fs"
     assert mounts["/etc/nri-qos/config.toml.d"] == volumes["config"]
     assert pod["serviceAccountName"] == "nri-qos"
+
+
+def test_reset_writes_back_what_the_numa_balance_changed(node: Node) -> None:
+    pod = node.host.add_pod("33333333-0000-0000-0000-000000000003", tier="besteffort")
+    mems = node.host.cg("cpuset", pod.containers[0].rel) / "cpuset.mems"
+    mems.write_text("0-1\n")
+    state_file(node.cfg.reconciler.state_dir).remember(
+        NUMA_BALANCE_NOTES, f"/sys/fs/cgroup/{pod.containers[0].rel}/cpuset.mems", "0")
+    code, out = node.run(dry_run=True)
+    assert "would NUMA balance: restore cpuset.mems of 1 container(s)" in out.splitlines()
+    assert mems.read_text() == "0-1\n"
+    code, out = node.run()
+    assert code == 0, out
+    assert "NUMA balance: restore cpuset.mems of 1 container(s): restored 1 file(s)" in out
+    assert mems.read_text().strip() == "0"
+    assert state_file(node.cfg.reconciler.state_dir).entries(NUMA_BALANCE_NOTES) == {}

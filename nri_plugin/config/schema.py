@@ -33,6 +33,7 @@ from reconciler.eviction.config import EvictionConfig
 from reconciler.k8s import KubernetesConfig
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.memory_guard import MemoryGuardConfig
+from reconciler.loops.numa_balance import NumaBalanceConfig
 from reconciler.loops.numa_binding import NumaConfig
 from reconciler.mitigation.config import MitigationConfig
 
@@ -180,6 +181,8 @@ class Config:
         MemoryGuardConfig, "Cap on the memory of the reclaimed tier."
     )
     numa: NumaConfig = section(NumaConfig, "NUMA binding of reclaimed pods.")
+    numa_balance: NumaBalanceConfig = section(
+        NumaBalanceConfig, "Moving reclaimed pods' memory off a NUMA node under its watermark.")
     detection: DetectionConfig = section(DetectionConfig, "Memory interference detection.")
     mitigation: MitigationConfig = section(MitigationConfig, "Mitigation ladder.")
     eviction: EvictionConfig = section(EvictionConfig, "Eviction through the Kubernetes API.")

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
 from pathlib import Path
 
@@ -85,6 +85,69 @@ _CHILD_WRITER = (
 )
 """What a child process runs to write one value: its exit status is the errno (0: written;
 ECHILD: the agent was gone before the child could tie its life to it)."""
+
+
+_CHILD_MOVER = (
+    "import ctypes, errno, os, sys\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.prctl(1, 9)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(errno.ECHILD)\n"
+    "libc.syscall.restype = ctypes.c_long\n"
+    "proc, hot, cool, budget, page, nr = (sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),\n"
+    "    int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))\n"
+    "moved = 0\n"
+    "def finish(code):\n"
+    "    print(moved, flush=True)\n"
+    "    sys.exit(code)\n"
+    "for pid in map(int, sys.argv[8:]):\n"
+    "    try:\n"
+    "        with open(f'{proc}/{pid}/maps') as f:\n"
+    "            ranges = [line.split()[0] for line in f if '[vsyscall]' not in line]\n"
+    "    except OSError:\n"
+    "        continue\n"
+    "    for text in ranges:\n"
+    "        lo, hi = (int(x, 16) for x in text.split('-'))\n"
+    "        while lo < hi and moved < budget:\n"
+    "            n = min(hi, (lo // (512 * page) + 1) * 512 * page) // page - lo // page\n"
+    "            pages = (ctypes.c_void_p * n)(*range(lo, lo + n * page, page))\n"
+    "            lo += n * page\n"
+    "            status = (ctypes.c_int * n)()\n"
+    "            if libc.syscall(nr, pid, n, pages, None, status, 0) < 0:\n"
+    "                if ctypes.get_errno() == errno.ESRCH:\n"
+    "                    break\n"
+    "                finish(ctypes.get_errno())\n"
+    "            found = status[:]\n"
+    "            if hot not in found:\n"
+    "                continue\n"
+    "            chosen = [pages[i] for i in range(n) if found[i] == hot][:budget - moved]\n"
+    "            k = len(chosen)\n"
+    "            if (libc.syscall(nr, pid, k, (ctypes.c_void_p * k)(*chosen),\n"
+    "                             (ctypes.c_int * k)(*[cool] * k), (ctypes.c_int * k)(), 4) < 0\n"
+    "                    or libc.syscall(nr, pid, n, pages, None, status, 0) < 0):\n"
+    "                if ctypes.get_errno() == errno.ESRCH:\n"
+    "                    break\n"
+    "                finish(ctypes.get_errno())\n"
+    "            now = status[:]\n"
+    "            moved += sum(1 for i in range(n) if found[i] == hot and now[i] == cool)\n"
+    "        if moved >= budget:\n"
+    "            finish(0)\n"
+    "finish(0)\n"
+)
+"""What a child process runs to move at most ``budget`` pages of the given processes from NUMA
+node ``hot`` to ``cool`` with move_pages(2): each call asks the kernel where a run of at most
+512 pages is (one huge page, aligned as huge pages are, so that none lies across two runs; nodes
+NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared
+pages too, as a cpuset.mems change moves them) and asks again where the whole run is: a huge
+page moves whole with the first of its pages asked for, which the move's own status does not
+show, so a step exceeds its budget by at most one huge page. Small calls keep the child killable
+between them, which one migrate_pages(2) or a cpuset.mems write (the kernel moves everything in
+one go) is not. It prints the pages it moved and exits with 0 or the errno of a refused call
+(EACCES: ``cool`` is not in the process's cpuset; a process that exited meanwhile, ESRCH, is
+skipped)."""
+
+SYS_MOVE_PAGES = {"x86_64": 279, "aarch64": 239}
+"""move_pages(2)'s number per architecture (the generic table's 239 on arm64)."""
 
 
 class SysPathError(ValueError):
@@ -428,6 +491,68 @@ class SysFs:
             return Outcome.FAILED, f"the writer died of signal {-code}"
         error = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
         return (Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED), error
+
+    def move_pages_bounded(self, pids: Sequence[int], hot: int, cool: int, budget_bytes: int,
+                           timeout_s: float) -> tuple[Outcome, int, str]:
+        """Move at most ``budget_bytes`` of the processes' pages from NUMA node ``hot`` to
+        ``cool`` from a child process killed after ``timeout_s`` (pages moved until then stay
+        moved). Not audited here: the caller records the step.
+
+        Returns the outcome (WRITTEN, FAILED, TIMEOUT or OBSERVED), the bytes the kernel said
+        it moved (0 when the child was killed: its count is lost with it) and, unless done,
+        why."""
+        what = f"{budget_bytes} bytes of {' '.join(map(str, pids))} from node {hot} to {cool}"
+        if self._observed_only(f"/proc/{pids[0] if pids else 0}/move_pages", what,
+                               "NUMA balance step"):
+            return Outcome.OBSERVED, 0, "observe mode: nothing moved"
+        number = SYS_MOVE_PAGES.get(os.uname().machine)
+        if number is None:
+            return Outcome.FAILED, 0, f"move_pages(2) unknown on {os.uname().machine}"
+        argv = [str(os.getpid()), self.real("/proc"), str(hot), str(cool),
+                str(budget_bytes // PAGE_SIZE), str(PAGE_SIZE), str(number),
+                *map(str, pids)]
+        code, out, why = self._run_child(_CHILD_MOVER, argv, timeout_s)
+        moved = int(out) * PAGE_SIZE if out.strip().isdigit() else 0
+        if code is None:
+            return Outcome.TIMEOUT, moved, why
+        if code == 0:
+            return Outcome.WRITTEN, moved, ""
+        return Outcome.FAILED, moved, why
+
+    def _run_child(self, script: str, argv: list[str], timeout_s: float
+                   ) -> tuple[int | None, str, str]:
+        """Runs ``script`` in a child killed after ``timeout_s``: its exit status (None when
+        killed at the deadline), what it printed, and why it failed in words."""
+        with self._writers_lock:
+            if self._stopping:
+                return -1, "", "not started: the agent is stopping"
+            try:
+                child = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", script, *argv],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL)
+            except OSError as exc:
+                return -1, "", f"could not start the child: {exc}"
+            self._writers.add(child)
+        try:
+            out, _ = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            out, _ = child.communicate()
+            return None, out.decode("ascii", "replace"), (
+                f"no answer within {timeout_s:g} s: the child was killed")
+        finally:
+            with self._writers_lock:
+                self._writers.discard(child)
+        code = child.returncode
+        if code < 0:
+            why = ("the child was killed: the agent is stopping" if self._stopping
+                   else f"the child died of signal {-code}")
+        elif code:
+            why = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+        else:
+            why = ""
+        return code, out.decode("ascii", "replace"), why
 
     def kill_writers(self) -> int:
         """The agent stops: kills every child writer still running (the kernel stops its

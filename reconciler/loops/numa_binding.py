@@ -31,7 +31,14 @@ from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile
-from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, format_id_list, same_id_list
+from reconciler.host.sysfs import (
+    PAGE_SIZE,
+    Outcome,
+    SysFs,
+    format_id_list,
+    parse_id_list,
+    same_id_list,
+)
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig
@@ -70,8 +77,18 @@ def choose_nodes(nodes: list[NumaNode], floor_bytes: int, scale_factor: float,
     return sorted(chosen[:max_nodes]) if max_nodes else sorted(chosen)
 
 
+class BalanceSwitch(Protocol):
+    """Of the NUMA balance section, whether it runs (it then takes nodes out of bindings)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+
 class NumaBindingConfig(Protocol):
     """The sections the NUMA binding loop reads (the guard's watermark decides the headroom)."""
+
+    @property
+    def numa_balance(self) -> BalanceSwitch: ...
 
     @property
     def reconciler(self) -> ReconcilerConfig: ...
@@ -85,18 +102,29 @@ class NumaBindingConfig(Protocol):
 
 NUMA_NOTES = "numa_binding"
 """The state file's section: a container's cpuset.mems file -> its value before binding."""
+NUMA_BALANCE_NOTES = "numa_balance"
+"""The same for the files the NUMA balance changed first. A file is noted in one section only,
+by the loop that changed it first (the other finds the note and adds none), so its note is the
+value from before either, and the loop that noted it writes it back when it is switched off."""
 
 
-def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str) -> int:
-    """Writes back every cpuset.mems the loop changed (a container gone meanwhile has nothing
-    to restore); how many were written."""
+def noted_elsewhere(notes: StateFile, section: str, path: str) -> bool:
+    """Whether the other NUMA loop noted ``path`` already (it then owns the undo)."""
+    other = NUMA_BALANCE_NOTES if section == NUMA_NOTES else NUMA_NOTES
+    return path in notes.entries(other)
+
+
+def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
+                     section: str = NUMA_NOTES) -> int:
+    """Writes back every cpuset.mems noted in ``section`` (a container gone meanwhile has
+    nothing to restore); how many were written."""
     restored = 0
     sysfs = sysfs.unobserved()
-    for path, value in notes.entries(NUMA_NOTES).items():
+    for path, value in notes.entries(section).items():
         outcome = sysfs.write_if_changed(path, value, reason)
         restored += outcome is Outcome.WRITTEN
         if outcome is not Outcome.FAILED:
-            notes.forget(NUMA_NOTES, path)
+            notes.forget(section, path)
     return restored
 
 
@@ -138,6 +166,7 @@ class NumaBindingLoop(Loop):
         for path in self._notes.entries(NUMA_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_NOTES, path)
+        balancing = cfg.numa_balance.enabled and self._layout.v2
         nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
             return
@@ -159,17 +188,30 @@ class NumaBindingLoop(Loop):
                 continue
             # One container's odd cgroup must not keep the others from being bound.
             try:
-                self._bind(item, mems, reason, migrate)
+                self._bind(item, chosen, reason, migrate, balancing)
             except (OSError, ValueError) as exc:
                 log.warning("numa_binding_failed", container=item.view.info.name,
                             pod_uid=item.view.pod.info.uid, error=str(exc))
 
-    def _bind(self, item: Managed, mems: str, reason: str, migrate: bool) -> None:
+    def _bind(self, item: Managed, chosen: list[int], reason: str, migrate: bool,
+              balancing: bool) -> None:
         cgroup = self._layout.dir("cpuset", item.ref.rel)
         current = self._sysfs.read(f"{cgroup}/cpuset.mems")
-        if current is None or same_id_list(current, mems):
+        if current is None:
             return
-        if not self._notes.remember(NUMA_NOTES, f"{cgroup}/cpuset.mems", current.strip()):
+        nodes = set(chosen)
+        if balancing:
+            # Taking a node away would move all the pages held there in one write: the
+            # balancer does that in bounded steps, so the binding only adds nodes.
+            allowed = current if current.strip() else self._sysfs.read(
+                f"{cgroup}/cpuset.mems.effective")
+            nodes |= parse_id_list(allowed or "")
+        mems = format_id_list(nodes)
+        if same_id_list(current, mems):
+            return
+        path = f"{cgroup}/cpuset.mems"
+        if not (noted_elsewhere(self._notes, NUMA_NOTES, path)
+                or self._notes.remember(NUMA_NOTES, path, current.strip())):
             return
         if migrate:
             # Only needed when the binding changes, and it must be in place before.

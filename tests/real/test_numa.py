@@ -140,8 +140,12 @@ def test_an_offline_pod_is_bound_to_the_node_with_room_and_its_pages_move(node: 
     base = Config()
     floor = node_meminfo(0)["MemFree"] + 150 * MIB
     assert node_meminfo(1)["MemFree"] > floor + 150 * MIB, "node 1 must have room"
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, watermark_floor_bytes=floor, watermark_floor_percent=100.0))
+    # The binding's own move, in one write: with the NUMA balance on, the binding only adds
+    # nodes and the balance moves the pages in steps (tests/real/test_numa_balance.py).
+    cfg = dataclasses.replace(
+        base, memory_guard=dataclasses.replace(base.memory_guard, watermark_floor_bytes=floor,
+                                               watermark_floor_percent=100.0),
+        numa_balance=dataclasses.replace(base.numa_balance, enabled=False))
     state = NodeState()
     state.replace_all(
         [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",

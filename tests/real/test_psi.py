@@ -41,9 +41,12 @@ def pressed(node: Node) -> tuple[Path, Worker]:
 
 
 def config(window_ms: int = WINDOW_MS) -> Config:
+    """A 500 ms trigger whose threshold is 2 % of it (10 ms): how much of the writer's wait is
+    memory stall rather than writeback throttling varies from run to run in a small memcg, and
+    what is tested is that the kernel's trigger reaches the agent, not the default's level."""
     base = Config()
     return dataclasses.replace(base, detection=dataclasses.replace(
-        base.detection, psi_trigger_window_ms=window_ms))
+        base.detection, psi_trigger_window_ms=window_ms, psi_some_low_percent=2.0))
 
 
 async def node_psi(cfg: Config, worker: Worker, data: Path, *, refuse: bool = False
@@ -65,7 +68,7 @@ async def node_psi(cfg: Config, worker: Worker, data: Path, *, refuse: bool = Fa
     try:
         await asyncio.sleep(0.5)  # the trigger armed, or a first sample of the counter
         mode = psi.mode
-        made = asyncio.create_task(asyncio.to_thread(worker.ask, f"dirty {data} 3.0 256"))
+        made = asyncio.create_task(asyncio.to_thread(worker.ask, f"dirty {data} 6.0 256"))
         await eventually(lambda: bool(seen), 60.0)
         answer = await made
         assert answer["onset"] is not None
@@ -97,7 +100,7 @@ async def test_a_pod_cgroups_trigger_fires(pressed: tuple[Path, Worker], tmp_pat
     cgroup, worker = pressed
     window_us = WINDOW_MS * 1000
     watch = PsiWatch(SysFs("/"), f"{cgroup.parent}/memory.pressure",
-                     (window_us // 10, window_us))
+                     (window_us // 50, window_us))  # 2 %, as config() says
     fired: list[float] = []
     stop = asyncio.Event()
     task = asyncio.create_task(watch.run(
@@ -108,7 +111,7 @@ async def test_a_pod_cgroups_trigger_fires(pressed: tuple[Path, Worker], tmp_pat
         await asyncio.sleep(0.3)
         assert watch.mode == "trigger"  # armed: the kernel took a 500 ms window on a pod
         made = asyncio.create_task(asyncio.to_thread(
-            worker.ask, f"dirty {tmp_path / 'pod.bin'} 3.0 256"))
+            worker.ask, f"dirty {tmp_path / 'pod.bin'} 6.0 256"))
         await eventually(lambda: bool(fired), 60.0)
         await made
         assert watch.mode == "trigger"

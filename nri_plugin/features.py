@@ -24,6 +24,7 @@ from reconciler.detection.config import (
 )
 from reconciler.detection.service import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
+from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
 from reconciler.mitigation.service import node_psi_drives
 
@@ -97,6 +98,33 @@ def _numa_binding(cfg: Config, host: HostInfo) -> Feature:
     if base.runs and len(host.numa_nodes) < 2:
         return Feature(False, "one NUMA node: nothing to bind")
     return base
+
+
+def _offload(cfg: Config, host: HostInfo) -> Feature:
+    problem = offload_problem(host)
+    if problem:
+        return Feature(False, problem)
+    base = _loop(lambda c: c.offload.enabled, "offloading")(cfg, host)
+    if not base.runs:
+        return base
+    off = cfg.offload
+    who = "reclaimed_cores containers" + (
+        f" and shared_cores ones of pods annotated {off.annotation}=true" if off.shared_cores
+        else "")
+    swap = f"swap of {host.swap_total_bytes >> 20} MiB" + (", zswap on" if host.zswap else "")
+    if not host.swap_total_bytes:
+        what = "file cache only: the node has no swap (the kernel cannot reclaim anonymous " \
+               "memory without it)"
+    elif off.anon:
+        what = f"file cache and anonymous memory ({swap}; not of containers whose " \
+               "memory.swap.max is 0)"
+    else:
+        what = f"file cache only (offload.anon is false), steps bounded by inactive file " \
+               f"memory; {swap}: memory.reclaim is not given swappiness= (Linux 6.1 has " \
+               "none), so the kernel may still take some anonymous memory"
+    mode = "dry-run (decides and audits, writes nothing): " if off.dry_run else ""
+    return Feature(True, f"{mode}memory.reclaim of {who}, {what}; at most "
+                         f"{off.max_bytes_per_s >> 20} MiB/s; held while the ladder is engaged")
 
 
 def _resctrl_tasks(cfg: Config, host: HostInfo) -> Feature:
@@ -238,6 +266,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.resctrl_tasks": _resctrl_tasks,
     "reconciler.memory_guard": _memory_guard,
     "reconciler.numa_binding": _numa_binding,
+    "reconciler.offload": _offload,
     "detection.system_free": _detector(SYSTEM_FREE, _always(
         "MemFree of /proc/meminfo vs max(floor, total x watermark_scale_factor, zones' low)")),
     "detection.numa_free": _detector(NUMA_FREE, _numa_free),

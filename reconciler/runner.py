@@ -35,6 +35,7 @@ from reconciler.loops.memory_guard import (
     restore_tier,
 )
 from reconciler.loops.numa_binding import NumaBindingConfig, NumaBindingLoop, restore_bindings
+from reconciler.loops.offload import OffloadLoop, OffloadSections
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import restore_wmark
@@ -43,7 +44,8 @@ from reconciler.state import NodeState
 log = structlog.get_logger("nri_qos.reconciler")
 
 
-class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, Protocol):
+class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig, OffloadSections,
+                         Protocol):
     """Every section some loop reads (the node configuration has them all)."""
 
     @property
@@ -55,12 +57,14 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                 squeeze: GuardSqueeze | None = None,
                 metrics: Metrics | None = None, *,
                 managed: ManagedCache | None = None,
-                notes: StateFile | None = None) -> list[Loop]:
+                notes: StateFile | None = None,
+                ladder_engaged: Callable[[], bool] = lambda: False) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
     the mitigation ladder's handle on the memory guard. ``managed``: the running containers'
     cache, one for every loop (and whatever else reads the same node state); a new one when
-    None. ``notes``: the agent's state file (what to restore)."""
+    None. ``notes``: the agent's state file (what to restore). ``ladder_engaged``: whether the
+    mitigation ladder has a rung engaged (offloading holds off meanwhile)."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
@@ -71,6 +75,8 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                   managed=managed),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
+        OffloadLoop(config, state, sysfs, host, audit, ladder_engaged=ladder_engaged,
+                    managed=managed, metrics=metrics),
     ]
     if resctrl is not None:
         loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,

@@ -211,7 +211,7 @@ def test_build_loops_without_resctrl(tmp_path: Path) -> None:
     _, state, sysfs, _, sink = make_host(tmp_path)
     names = [loop.name for loop in build_loops(Store(Config()).get, state, sysfs,
                                                host_of(sysfs), None, AuditLog(sink))]
-    assert names == ["drift", "memory_guard", "numa_binding"]
+    assert names == ["drift", "memory_guard", "numa_binding", "offload"]
 
 
 def counted_parses(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[str]:

@@ -34,6 +34,7 @@ from reconciler.k8s import KubernetesConfig
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.memory_guard import MemoryGuardConfig
 from reconciler.loops.numa_binding import NumaConfig
+from reconciler.loops.offload import OffloadConfig
 from reconciler.mitigation.config import MitigationConfig
 
 
@@ -180,6 +181,9 @@ class Config:
         MemoryGuardConfig, "Cap on the memory of the reclaimed tier."
     )
     numa: NumaConfig = section(NumaConfig, "NUMA binding of reclaimed pods.")
+    offload: OffloadConfig = section(
+        OffloadConfig, "Offloading: proactive reclaim of offline containers' cold memory."
+    )
     detection: DetectionConfig = section(DetectionConfig, "Memory interference detection.")
     mitigation: MitigationConfig = section(MitigationConfig, "Mitigation ladder.")
     eviction: EvictionConfig = section(EvictionConfig, "Eviction through the Kubernetes API.")
@@ -194,6 +198,7 @@ class Config:
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
             self.oom.annotation, self.detection.rss_overuse_annotation, *EVICTION_ANNOTATIONS,
+            self.offload.annotation,
         }), labels=frozenset({KOORDINATOR_KEY}))
 
     def validate(self) -> list[tuple[str, str]]:

@@ -82,7 +82,8 @@ class Node:
         assert process.stdout.readline() == "ready\n"
         return process
 
-    def close(self) -> None:
+    def kill_processes(self) -> None:
+        """Every process started in the node's cgroups ends (their cgroups can then go)."""
         for process in self._processes:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
@@ -90,6 +91,9 @@ class Node:
             for pipe in (process.stdin, process.stdout, process.stderr):
                 if pipe is not None:
                     pipe.close()
+
+    def close(self) -> None:
+        self.kill_processes()
         for path in reversed(self._made):
             for _ in range(100):  # a cgroup just left by its tasks may stay busy for a moment
                 try:

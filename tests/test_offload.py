@@ -408,3 +408,29 @@ def test_probe_says_what_memory_goes_by_swap_and_setting(tmp_path: Path) -> None
 
 def test_off_by_default() -> None:
     assert Config().offload.enabled is False
+
+
+def test_metrics_stall_after_a_step_refault_rate_and_gone_with_the_pod(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = node.pod("offline", "reclaimed_cores")
+    labels = {"pod_uid": pod.info.uid, "namespace": "default", "pod": "offline"}
+    cgroup = node.host.cg("memory", pod.containers[0].rel)
+    node.loop.cycle(0.0)
+    (cgroup / "memory.pressure").write_text(PRESSURE.format(some=3000))  # before any step
+    node.loop.cycle(5.0)  # the first step
+    assert node.metrics.registry.get_sample_value(
+        "nri_qos_offload_stall_seconds_total", labels) == 0
+    (cgroup / "memory.pressure").write_text(PRESSURE.format(some=13_000))
+    stat = (cgroup / "memory.stat").read_text().replace(
+        "workingset_refault_file 0", "workingset_refault_file 50")
+    (cgroup / "memory.stat").write_text(stat)
+    node.loop.cycle(10.0)
+    get = node.metrics.registry.get_sample_value
+    assert get("nri_qos_offload_stall_seconds_total", labels) == pytest.approx(0.01)
+    assert get("nri_qos_offload_refaults_per_second", labels) == pytest.approx(10.0)
+    node.host.remove_pod(pod)
+    node.state.replace_all(*node.host.nri())
+    node.loop.cycle(15.0)
+    left = [sample for family in node.metrics.registry.collect()
+            if family.name.startswith("nri_qos_offload") for sample in family.samples]
+    assert left == []

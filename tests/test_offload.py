@@ -434,3 +434,20 @@ def test_metrics_stall_after_a_step_refault_rate_and_gone_with_the_pod(tmp_path:
     left = [sample for family in node.metrics.registry.collect()
             if family.name.startswith("nri_qos_offload") for sample in family.samples]
     assert left == []
+
+
+def test_with_swap_a_container_whose_swap_max_is_zero_offloads_file_cache_only(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path, anon=True)
+    (tmp_path / "proc/meminfo").write_text("MemTotal: 4194304 kB\nSwapTotal: 1048576 kB\n")
+    pod = node.pod("offline", "reclaimed_cores", containers=2, inactive=100 * MIB)
+    for container, swap_max in zip(pod.containers, ("max\n", "0\n"), strict=True):
+        d = node.host.cg("memory", container.rel)
+        (d / "memory.stat").write_text(stat_text(file=100 * MIB, ifile=100 * MIB,
+                                                 anon=GIB, ia=900 * MIB))
+        (d / "memory.swap.max").write_text(swap_max)
+    node.loop.cycle(0.0)
+    node.loop.cycle(5.0)
+    steps = {s["container"]: s for s in node.sink.named("offload_step")}
+    assert (steps["c0"]["anon"], steps["c0"]["asked_bytes"]) == (True, pages(50 * MIB))
+    assert (steps["c1"]["anon"], steps["c1"]["asked_bytes"]) == (False, pages(5 * MIB))

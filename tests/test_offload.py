@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -209,8 +213,9 @@ class KernelSysFs(SysFs):
     """A fake kernel behind memory.reclaim: a write takes what it asks from inactive_file and
     counts it in pgsteal, as the kernel does when the cache is cold."""
 
-    def write_bounded(self, path: str, value: str, timeout_s: float) -> tuple[Outcome, str]:
-        outcome, error = super().write_bounded(path, value, timeout_s)
+    def write_bounded(self, path: str, value: str, timeout_s: float,
+                      nice: int = 0) -> tuple[Outcome, str]:
+        outcome, error = super().write_bounded(path, value, timeout_s, nice)
         if outcome is Outcome.WRITTEN:
             stat = Path(self.real(path.rsplit("/", 1)[0] + "/memory.stat"))
             values = dict(line.split() for line in stat.read_text().splitlines())
@@ -451,3 +456,45 @@ def test_with_swap_a_container_whose_swap_max_is_zero_offloads_file_cache_only(
     steps = {s["container"]: s for s in node.sink.named("offload_step")}
     assert (steps["c0"]["anon"], steps["c0"]["asked_bytes"]) == (True, pages(50 * MIB))
     assert (steps["c1"]["anon"], steps["c1"]["asked_bytes"]) == (False, pages(5 * MIB))
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...: comm may hold spaces, the fields after it do not.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def test_the_step_is_written_by_a_child_at_niceness_19(tmp_path: Path) -> None:
+    """The kernel reclaims in the writer's context: the writer yields the CPU to the pods."""
+    node = Node(tmp_path)
+    pod = node.pod("offline", "reclaimed_cores")
+    reclaim = node.host.cg("memory", pod.containers[0].rel) / "memory.reclaim"
+    reclaim.unlink()
+    os.mkfifo(reclaim)  # the writer blocks in open() until the test reads
+    node.loop.cycle(0.0)
+    step = threading.Thread(target=node.loop.cycle, args=(5.0,))
+    step.start()
+    wanted = min(os.getpriority(os.PRIO_PROCESS, 0) + 19, 19)
+    deadline = time.monotonic() + 30
+    seen: list[int] = []
+    while time.monotonic() < deadline and wanted not in seen:
+        seen = []
+        for pid in children(os.getpid()):
+            with contextlib.suppress(OSError):
+                seen.append(os.getpriority(os.PRIO_PROCESS, pid))
+        time.sleep(0.02)
+    with reclaim.open("rb") as fifo:
+        written = fifo.read()
+    step.join(30)
+    assert wanted in seen
+    assert written == str(pages(50 * MIB)).encode()
+    assert node.sink.named("offload_step")[0]["result"] == "done"

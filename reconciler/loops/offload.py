@@ -48,8 +48,9 @@ memory went, and ``nri-qos probe`` says so.
 
 Never while the mitigation ladder is engaged (the ladder owns the node then; the containers'
 baselines start over afterwards). Each write runs in a child process killed after
-``step_timeout_s`` (:meth:`SysFs.write_bounded`), and goes through the agent's SysFs, so observe
-mode holds it; ``dry_run`` decides and audits without writing. Every step is audited
+``step_timeout_s`` (:meth:`SysFs.write_bounded`) at niceness 19 (the kernel reclaims in the
+writer's context: background work yields to the pods), and goes through the agent's SysFs, so
+observe mode holds it; ``dry_run`` decides and audits without writing. Every step is audited
 (``offload_step``) with what was asked and what the kernel reclaimed. Nothing is restored when
 offloading stops: reclaimed memory comes back by itself when it is used.
 
@@ -79,6 +80,11 @@ from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+WRITER_NICE = 19
+"""The niceness of the process that writes memory.reclaim, in whose context the kernel does the
+reclaim: background work that must yield the CPU to the pods the node is for (measured in
+``docs/offloading.md``)."""
 
 MIN_PERCENT = 1.0
 """``percent`` is never halved below this: a container that backed off still probes with small
@@ -440,7 +446,8 @@ class OffloadLoop(Loop):
             return None
         before = self._sysfs.read(f"{cgroup}/memory.stat")
         started = time.monotonic()
-        outcome, error = self._sysfs.write_bounded(path, str(grant), off.step_timeout_s)
+        outcome, error = self._sysfs.write_bounded(path, str(grant), off.step_timeout_s,
+                                                   nice=WRITER_NICE)
         duration = round(time.monotonic() - started, 6)
         after = self._sysfs.read(f"{cgroup}/memory.stat")
         freed = _freed(before, after)

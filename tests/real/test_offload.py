@@ -111,7 +111,8 @@ class RemovedAsItStarts(SysFs):
         self._node = node
         self._cgroup = cgroup
 
-    def write_bounded(self, path: str, value: str, timeout_s: float) -> tuple[Outcome, str]:
+    def write_bounded(self, path: str, value: str, timeout_s: float,
+                      nice: int = 0) -> tuple[Outcome, str]:
         self._node.kill_processes()
         for _ in range(100):
             try:
@@ -119,7 +120,7 @@ class RemovedAsItStarts(SysFs):
                 break
             except OSError:
                 time.sleep(0.02)
-        return super().write_bounded(path, value, timeout_s)
+        return super().write_bounded(path, value, timeout_s, nice)
 
 
 def test_a_cgroup_removed_as_its_step_starts_is_forgotten(node: Node, tmp_path: Path) -> None:

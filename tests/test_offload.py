@@ -498,3 +498,17 @@ def test_the_step_is_written_by_a_child_at_niceness_19(tmp_path: Path) -> None:
     assert wanted in seen
     assert written == str(pages(50 * MIB)).encode()
     assert node.sink.named("offload_step")[0]["result"] == "done"
+
+
+def test_a_step_killed_at_its_deadline_halves_the_share(tmp_path: Path) -> None:
+    node = Node(tmp_path, step_timeout_s=0.2)
+    pod = node.pod("offline", "reclaimed_cores")
+    reclaim = node.host.cg("memory", pod.containers[0].rel) / "memory.reclaim"
+    reclaim.unlink()
+    os.mkfifo(reclaim)  # nobody reads: the writer blocks until it is killed
+    for now in (0.0, 5.0, 10.0):
+        node.loop.cycle(now)
+    steps = node.sink.named("offload_step")
+    assert [s["result"] for s in steps] == ["timeout", "timeout"]
+    # 5 %, halved to 2.5 %, then grown by 5 % (nothing came back: no faster growth)
+    assert [s["percent"] for s in steps] == [5.0, 7.5]

@@ -30,7 +30,8 @@ Per container, from the deltas of its own files over the time ``t`` since its la
 * otherwise ``percent`` grows by ``fast_grow_percent`` when the last step got all it asked with no
   refault at all, else by ``grow_percent``; never above ``max_step_percent``.
 
-``percent`` never falls below :data:`MIN_PERCENT`; a step under ``min_step_bytes`` is not taken.
+A step killed at its deadline halves ``percent`` too. ``percent`` never falls below
+:data:`MIN_PERCENT`; a step under ``min_step_bytes`` is not taken.
 A container's first cycle only reads its counters. The stall counter's increase per interval, not
 the kernel's 60 s average, drives the back-off, so the loop reacts at its next cycle.
 
@@ -399,9 +400,13 @@ class OffloadLoop(Loop):
         for cid, (item, decision, counters, anon) in decided.items():
             grant = grants.get(cid, 0)
             reclaimed: int | None = None
+            percent = decision.percent
             if grant and not self._ladder_engaged():
-                reclaimed = self._step(item, decision, grant, anon, off)
-            self._tracks[cid] = Track(now, counters, decision.percent,
+                reclaimed, timed_out = self._step(item, decision, grant, anon, off)
+                if timed_out:
+                    # The kernel worked for the whole deadline: the memory is not that cold.
+                    percent = max(percent / 2, MIN_PERCENT)
+            self._tracks[cid] = Track(now, counters, percent,
                                       0 if reclaimed is None else grant, reclaimed or 0)
 
     def _decide(self, item: Managed, off: OffloadConfig, now: float, swap: int
@@ -428,9 +433,10 @@ class OffloadLoop(Loop):
         return decision, counters, anon
 
     def _step(self, item: Managed, decision: Decision, grant: int, anon: bool,
-              off: OffloadConfig) -> int | None:
-        """One write to the container's memory.reclaim; the bytes the kernel reclaimed (None:
-        the step was not taken: dry run, observe mode, the cgroup gone)."""
+              off: OffloadConfig) -> tuple[int | None, bool]:
+        """One write to the container's memory.reclaim: the bytes the kernel reclaimed (None:
+        the step was not taken: dry run, observe mode, the cgroup gone), and whether the writer
+        was killed at the deadline."""
         cgroup = self._layout.dir("memory", item.ref.rel)
         path = f"{cgroup}/memory.reclaim"
         pod = item.view.pod.info
@@ -443,7 +449,7 @@ class OffloadLoop(Loop):
             else round(decision.refault_ratio, 4))
         if off.dry_run:
             self._audit.record("offload_step", result="dry_run", dry_run=True, **fields)
-            return None
+            return None, False
         before = self._sysfs.read(f"{cgroup}/memory.stat")
         started = time.monotonic()
         outcome, error = self._sysfs.write_bounded(path, str(grant), off.step_timeout_s,
@@ -461,10 +467,10 @@ class OffloadLoop(Loop):
                            file_freed_bytes=freed.get("file"),
                            anon_freed_bytes=freed.get("anon"), error=error or None, **fields)
         if outcome in (Outcome.OBSERVED, Outcome.GONE):
-            return None
+            return None, False
         reclaimed = freed.get("pgsteal", 0)
         self._account(pod.uid, reclaimed, 0)
-        return reclaimed
+        return reclaimed, outcome is Outcome.TIMEOUT
 
     def _account(self, uid: str, offloaded: int, stall_us: int) -> None:
         with self._pods_lock:

@@ -512,3 +512,16 @@ def test_a_step_killed_at_its_deadline_halves_the_share(tmp_path: Path) -> None:
     assert [s["result"] for s in steps] == ["timeout", "timeout"]
     # 5 %, halved to 2.5 %, then grown by 5 % (nothing came back: no faster growth)
     assert [s["percent"] for s in steps] == [5.0, 7.5]
+
+
+@pytest.mark.real_kernel
+def test_this_kernel_says_whether_it_can_offload() -> None:
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, enabled=True))
+    host = probe_host(SysFs("/"))
+    found = evaluate(cfg, host, kubernetes_feature(cfg, None, ""))["reconciler.offload"]
+    if not host.cgroup.v2:
+        assert (found.runs, found.detail) == (
+            False, "cgroup v1 has no memory.reclaim (offloading needs cgroup v2)")
+    else:
+        assert found.runs == host.memcg.reclaim

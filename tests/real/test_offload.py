@@ -19,6 +19,7 @@ import pytest
 
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
+from nri_plugin.features import evaluate, kubernetes_feature
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs
@@ -176,3 +177,12 @@ def test_a_step_longer_than_its_deadline_is_killed(node: Node, tmp_path: Path) -
     assert step["result"] == "timeout", step
     assert 0.3 <= step["duration_s"] < 2.0, step
     assert step["asked_bytes"] >= 1 << 30, step
+
+
+def test_probe_of_a_node_without_swap_offloads_file_cache_only() -> None:
+    cfg = config()
+    host = probe_host(SysFs("/"))
+    assert host.swap_total_bytes == 0
+    found = evaluate(cfg, host, kubernetes_feature(cfg, None, ""))["reconciler.offload"]
+    assert found.runs
+    assert "file cache only: the node has no swap" in found.detail

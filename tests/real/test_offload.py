@@ -1,6 +1,6 @@
 """Offloading on a real cgroup v2 kernel: the loop frees an offline pod's cold page cache step by
-step and leaves an online pod's alone; a cgroup removed as its step starts is forgotten; a step
-that outlasts its deadline is killed.
+step and leaves an online pod's alone; a cgroup removed as its step starts, or while the kernel
+reclaims from it, is forgotten; a step that outlasts its deadline is killed.
 
 Page cache comes from files on the guest's scratch ext4 disk (tmpfs pages are not file cache).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import threading
 import time
 from pathlib import Path
@@ -140,6 +141,68 @@ def test_a_cgroup_removed_as_its_step_starts_is_forgotten(node: Node, tmp_path: 
     assert step["result"] == "gone", step
     assert not cgroup.exists()
     loop.cycle(time.monotonic() + 2)  # the container's files are gone: nothing, no error
+    assert len(sink.named("offload_step")) == 1
+
+
+def writing() -> bool:
+    """Whether a child of this process has a memory.reclaim open: a writer in the kernel."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                # pid (comm) state ppid ...: comm may hold spaces, the fields after it do not.
+                if int(stat.rsplit(")", 1)[1].split()[1]) != os.getpid():
+                    continue
+                fds = Path(f"/proc/{entry}/fd")
+                if any(os.readlink(fd).endswith("/memory.reclaim") for fd in fds.iterdir()):
+                    return True
+    return False
+
+
+def test_a_cgroup_removed_while_its_step_reclaims(node: Node, tmp_path: Path) -> None:
+    """The container's processes end and its cgroup is removed while the kernel is reclaiming
+    1.5 GiB from it: Linux 6.1 finishes the step on the removed cgroup and the write succeeds;
+    what it reclaimed cannot be read any more (the cgroup's memory.stat went with it), and the
+    container is forgotten at the next cycle."""
+    cgroup, cgroups_path = node.container("besteffort", OFFLINE, OFFLINE_ID)
+    worker = node.worker(cgroup, cgroup)
+    worker.ask(f"write {tmp_path / 'big.bin'} 1536")
+    state = NodeState()
+    state.replace_all([pod_info(OFFLINE, "besteffort", "reclaimed_cores")],
+                      [ContainerInfo(id=OFFLINE_ID, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
+                                     cgroups_path=cgroups_path)])
+    cfg = config(initial_percent=100.0, max_step_percent=100.0, max_step_bytes=4 << 30,
+                 max_bytes_per_s=4 << 30, step_timeout_s=60.0)
+    loop, sink, _ = loop_for(cfg, state)
+    loop.cycle(0.0)
+    removed_during: list[bool] = []
+
+    def remove() -> None:
+        deadline = time.monotonic() + 30
+        while not writing() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        node.kill_processes()
+        while time.monotonic() < deadline:
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:
+                time.sleep(0.005)
+        removed_during.append(writing())
+
+    remover = threading.Thread(target=remove)
+    remover.start()
+    started = time.monotonic()
+    loop.cycle(5.0)  # a whole period's budget: the step asks for all 1.5 GiB
+    remover.join(60)
+    [step] = sink.named("offload_step")
+    assert removed_during == [True], step  # the cgroup went while the writer was reclaiming
+    assert not cgroup.exists()
+    assert step["result"] == "done", step
+    assert step["asked_bytes"] >= 1 << 30, step
+    assert step["reclaimed_bytes"] is None, step
+    assert time.monotonic() - started < 30, step
+    loop.cycle(10.0)  # its files are gone: nothing, no error
     assert len(sink.named("offload_step")) == 1
 
 

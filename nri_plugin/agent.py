@@ -201,19 +201,20 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         notes = state_file(cfg.reconciler.state_dir)
         # One parse of the node state's containers for the loops, detection and the actions.
         managed = ManagedCache()
-        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze, metrics, tracker, managed, notes))
-        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
-                                  managed=managed).run)
         # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
             in_tree_plugins(board, lambda: store.in_force.eviction), metrics=metrics)
-        services.append(evictor.run)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
                                       metrics=metrics, notes=notes)
+        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
+                                    squeeze, metrics, tracker, managed, notes,
+                                    mitigation.engaged))
+        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
+                                  managed=managed).run)
+        services.append(evictor.run)
         services.append(mitigation.run)
     elif run_background:
         # The reconciler is off: what an earlier run of it left on the node goes now.
@@ -276,12 +277,14 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
                 resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
                 squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker,
-                managed: ManagedCache, notes: StateFile) -> Service:
+                managed: ManagedCache, notes: StateFile,
+                ladder_engaged: Callable[[], bool]) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
         loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze,
-                            metrics, managed=managed, notes=notes)
+                            metrics, managed=managed, notes=notes,
+                            ladder_engaged=ladder_engaged)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,

@@ -25,6 +25,7 @@ from reconciler.detection.config import (
 )
 from reconciler.detection.service import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
+from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
 from reconciler.mitigation.service import node_psi_drives
 
@@ -115,6 +116,33 @@ def _numa_balance(cfg: Config, host: HostInfo) -> Feature:
     return Feature(True, f"{mode}; steps of at most {human_bytes(balance.step_bytes)}, killed "
                          f"after {balance.step_deadline_s:g} s, at most "
                          f"{human_bytes(balance.rate_bytes_per_s)}/s")
+
+
+def _offload(cfg: Config, host: HostInfo) -> Feature:
+    problem = offload_problem(host)
+    if problem:
+        return Feature(False, problem)
+    base = _loop(lambda c: c.offload.enabled, "offloading")(cfg, host)
+    if not base.runs:
+        return base
+    off = cfg.offload
+    who = "reclaimed_cores containers" + (
+        f" and shared_cores ones of pods annotated {off.annotation}=true" if off.shared_cores
+        else "")
+    swap = f"swap of {host.swap_total_bytes >> 20} MiB" + (", zswap on" if host.zswap else "")
+    if not host.swap_total_bytes:
+        what = "file cache only: the node has no swap (the kernel cannot reclaim anonymous " \
+               "memory without it)"
+    elif off.anon:
+        what = f"file cache and anonymous memory ({swap}; not of containers whose " \
+               "memory.swap.max is 0)"
+    else:
+        what = f"file cache only (offload.anon is false), steps bounded by inactive file " \
+               f"memory; {swap}: memory.reclaim is not given swappiness= (Linux 6.1 has " \
+               "none), so the kernel may still take some anonymous memory"
+    mode = "dry-run (decides and audits, writes nothing): " if off.dry_run else ""
+    return Feature(True, f"{mode}memory.reclaim of {who}, {what}; at most "
+                         f"{off.max_bytes_per_s >> 20} MiB/s; held while the ladder is engaged")
 
 
 def _resctrl_tasks(cfg: Config, host: HostInfo) -> Feature:
@@ -257,6 +285,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.memory_guard": _memory_guard,
     "reconciler.numa_binding": _numa_binding,
     "reconciler.numa_balance": _numa_balance,
+    "reconciler.offload": _offload,
     "detection.system_free": _detector(SYSTEM_FREE, _always(
         "MemFree of /proc/meminfo vs max(floor, total x watermark_scale_factor, zones' low)")),
     "detection.numa_free": _detector(NUMA_FREE, _numa_free),

@@ -100,6 +100,16 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "A rung of the ladder was engaged, repeated or released, with its cause "
                "(detector, scope, value, threshold) and result (done, unchanged, dry_run, "
                "skipped, failed, timeout)."),
+    AuditEvent("offload_step", ("path", "pod_uid", "container", "asked_bytes", "verdict",
+                                "result", "dry_run"),
+               "An offloading step: what memory.reclaim was asked (asked_bytes, of wanted_bytes "
+               "before the node's budget), why (verdict: grow, fast_grow, scan) and what the "
+               "kernel reclaimed (reclaimed_bytes; file_freed_bytes, anon_freed_bytes), with "
+               "result done, short (less than asked), timeout, gone, failed, observed, dry_run."),
+    AuditEvent("offload_paused", ("reason",),
+               "Offloading stopped while the mitigation ladder is engaged."),
+    AuditEvent("offload_resumed", ("reason",),
+               "Offloading started again after the ladder was released."),
     AuditEvent("drop_cache_started", ("path", "reason", "pod_uid", "usage_before_bytes"),
                "A drop-cache write to a reclaimed pod's memcg started."),
     AuditEvent("drop_cache_finished", ("path", "duration_s", "result", "pod_uid",

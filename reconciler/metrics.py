@@ -107,6 +107,20 @@ class ResctrlUsageLike(Protocol):
     def pod_uid(self) -> str | None: ...
 
 
+class PodOffloadLike(Protocol):
+    @property
+    def pod_uid(self) -> str: ...
+
+    @property
+    def offloaded_bytes(self) -> int: ...
+
+    @property
+    def stall_us(self) -> int: ...
+
+    @property
+    def refaults_per_s(self) -> float: ...
+
+
 PodNames = Callable[[], Mapping[str, tuple[str, str]]]
 """uid -> (namespace, name) of the pods the agent knows now."""
 
@@ -339,6 +353,41 @@ class Metrics:
         """Export resctrl monitoring (LLC occupancy, MBM bytes) of our groups, read at scrape
         time through ``read``; a pod's group with the pod's ``namespace`` and ``pod``."""
         self.registry.register(_ResctrlCollector(read, pods))
+
+    def watch_offload(self, read: Callable[[], Iterable[PodOffloadLike]],
+                      pods: PodNames = dict) -> None:
+        """Export what the offloading loop did per pod, read at scrape time through ``read``,
+        with the pod's ``namespace`` and ``pod`` from ``pods``."""
+        self.registry.register(_OffloadCollector(read, pods))
+
+
+class _OffloadCollector(Collector):
+    def __init__(self, read: Callable[[], Iterable[PodOffloadLike]], pods: PodNames) -> None:
+        self._read = read
+        self._pods = pods
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["pod_uid", "namespace", "pod"]
+        pods = self._pods()
+        offloaded = CounterMetricFamily(
+            f"{PREFIX}_offload_reclaimed_bytes",
+            "Memory the offloading loop reclaimed from a pod's containers.", labels=labels)
+        stall = CounterMetricFamily(
+            f"{PREFIX}_offload_stall_seconds",
+            "Memory stall (memory.pressure some) of a pod's containers in the cycles that "
+            "followed an offloading step: the cost the steps may have added.", labels=labels)
+        refaults = GaugeMetricFamily(
+            f"{PREFIX}_offload_refaults_per_second",
+            "Refaults of a pod's offloaded containers per second, at their last cycle.",
+            labels=labels)
+        for pod in self._read():
+            values = [pod.pod_uid, *_names(pods, pod.pod_uid)]
+            offloaded.add_metric(values, pod.offloaded_bytes)
+            stall.add_metric(values, pod.stall_us / 1e6)
+            refaults.add_metric(values, pod.refaults_per_s)
+        yield offloaded
+        yield stall
+        yield refaults
 
 
 class _OptionalGauge(Collector):

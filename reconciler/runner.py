@@ -41,6 +41,7 @@ from reconciler.loops.numa_binding import (
     NumaBindingLoop,
     restore_bindings,
 )
+from reconciler.loops.offload import OffloadLoop, OffloadSections
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import restore_wmark
@@ -50,7 +51,7 @@ log = structlog.get_logger("nri_qos.reconciler")
 
 
 class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig,
-                         NumaBalanceSections, Protocol):
+                         NumaBalanceSections, OffloadSections, Protocol):
     """Every section some loop reads (the node configuration has them all)."""
 
     @property
@@ -65,12 +66,14 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                 squeeze: GuardSqueeze | None = None,
                 metrics: Metrics | None = None, *,
                 managed: ManagedCache | None = None,
-                notes: StateFile | None = None) -> list[Loop]:
+                notes: StateFile | None = None,
+                ladder_engaged: Callable[[], bool] = lambda: False) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
     the mitigation ladder's handle on the memory guard. ``managed``: the running containers'
     cache, one for every loop (and whatever else reads the same node state); a new one when
-    None. ``notes``: the agent's state file (what to restore)."""
+    None. ``notes``: the agent's state file (what to restore). ``ladder_engaged``: whether the
+    mitigation ladder has a rung engaged (offloading holds off meanwhile)."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
@@ -83,6 +86,8 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
         NumaBalanceLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
                         metrics=metrics),
+        OffloadLoop(config, state, sysfs, host, audit, ladder_engaged=ladder_engaged,
+                    managed=managed, metrics=metrics),
     ]
     if resctrl is not None:
         loops.insert(0, ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit,

@@ -202,8 +202,10 @@ class Running:
 async def test_the_service_escalates_and_releases_with_audit() -> None:
     async with Running(config()) as run:
         run.board.publish("psi", [reading("psi", Level.LOW)])
+        assert not run.mitigation.engaged()
         await run.until(lambda: len(run.calls) == 2)
         assert run.calls == [("taint", "engage", False), ("tune", "engage", False)]
+        assert run.mitigation.engaged()  # what holds offloading off
         [level] = run.sink.named("mitigation_level")
         assert (level["ladder_level"], level["previous"]) == ("low", "none")
         record = run.sink.named("mitigation_action")[0]
@@ -213,6 +215,7 @@ async def test_the_service_escalates_and_releases_with_audit() -> None:
         run.board.publish("psi", [reading("psi", Level.NONE)])
         await run.until(lambda: len(run.calls) == 4)  # released after the 0.2 s cooldown
         assert run.calls[2:] == [("tune", "release", False), ("taint", "release", False)]
+        await run.until(lambda: not run.mitigation.engaged())
 
 
 async def test_dry_run_is_per_rung() -> None:
@@ -507,6 +510,7 @@ async def test_the_service_retries_a_failed_release() -> None:
         # What status shows meanwhile: nothing engaged, the taint rung still being released.
         state = run.mitigation.state()
         assert (state.engaged, state.releasing) == ((), ("taint",))
+        assert run.mitigation.engaged()  # a release not confirmed: the ladder still owns it
         run.actions["taint"].refuse.discard("release")
         await run.until(lambda: any(a == ("taint", "release", "done", False)
                                     for a in run.actions_audited()))
@@ -515,3 +519,4 @@ async def test_the_service_retries_a_failed_release() -> None:
         assert len(run.calls) == settled
         assert run.mitigation.state().engaged == ()
         assert run.mitigation.state().releasing == ()
+        assert not run.mitigation.engaged()

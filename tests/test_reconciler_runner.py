@@ -211,7 +211,20 @@ def test_build_loops_without_resctrl(tmp_path: Path) -> None:
     _, state, sysfs, _, sink = make_host(tmp_path)
     names = [loop.name for loop in build_loops(Store(Config()).get, state, sysfs,
                                                host_of(sysfs), None, AuditLog(sink))]
-    assert names == ["drift", "memory_guard", "numa_binding", "numa_balance"]
+    assert names == ["drift", "memory_guard", "numa_binding", "numa_balance", "offload"]
+
+
+def test_the_offloading_loop_is_held_by_the_ladder_handed_to_build_loops(tmp_path: Path) -> None:
+    host, state, sysfs, _, sink = make_host(tmp_path)
+    (host.tier_dir("guaranteed") / "memory.reclaim").write_text("")
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, enabled=True))
+    loops = build_loops(Store(cfg).get, state, sysfs, host_of(sysfs), None, AuditLog(sink),
+                        ladder_engaged=lambda: True)
+    [offload] = [loop for loop in loops if loop.name == "offload"]
+    offload.cycle(0.0)
+    assert [r["reason"] for r in sink.named("offload_paused")] == [
+        "the mitigation ladder is engaged"]
 
 
 def counted_parses(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[str]:

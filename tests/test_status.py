@@ -96,7 +96,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
             while True:
                 doc = await document(sock)
                 loops = doc["reconciler"]["loops"]
-                if len(loops) == 5 and all(loop["cycles"] >= 2 for loop in loops.values()):
+                if len(loops) == 6 and all(loop["cycles"] >= 2 for loop in loops.values()):
                     break
                 await asyncio.sleep(0.05)
 
@@ -127,7 +127,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         assert doc["node"]["pods_by_level"] == {"reclaimed_cores": 1, "shared_cores": 1}
         assert doc["reconciler"]["running"] is True
         assert set(loops) == {"resctrl_tasks", "drift", "memory_guard", "numa_binding",
-                              "numa_balance"}
+                              "numa_balance", "offload"}
         assert all(loop["failures"] == 0 and loop["ago_s"] < 30 for loop in loops.values())
         # The fake host has no /proc/vmstat: the detector says it does not know, and why.
         kswapd = {(r["detector"], r["scope"]): r for r in doc["detection"]}[("kswapd", "node")]

@@ -35,6 +35,7 @@ from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.memory_guard import MemoryGuardConfig
 from reconciler.loops.numa_balance import NumaBalanceConfig
 from reconciler.loops.numa_binding import NumaConfig
+from reconciler.loops.offload import OffloadConfig
 from reconciler.mitigation.config import MitigationConfig
 
 
@@ -183,6 +184,9 @@ class Config:
     numa: NumaConfig = section(NumaConfig, "NUMA binding of reclaimed pods.")
     numa_balance: NumaBalanceConfig = section(
         NumaBalanceConfig, "Moving reclaimed pods' memory off a NUMA node under its watermark.")
+    offload: OffloadConfig = section(
+        OffloadConfig, "Offloading: proactive reclaim of offline containers' cold memory."
+    )
     detection: DetectionConfig = section(DetectionConfig, "Memory interference detection.")
     mitigation: MitigationConfig = section(MitigationConfig, "Mitigation ladder.")
     eviction: EvictionConfig = section(EvictionConfig, "Eviction through the Kubernetes API.")
@@ -197,6 +201,7 @@ class Config:
             self.qos.annotation, KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_QOS_ANNOTATION,
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
             self.oom.annotation, self.detection.rss_overuse_annotation, *EVICTION_ANNOTATIONS,
+            self.offload.annotation,
         }), labels=frozenset({KOORDINATOR_KEY}))
 
     def validate(self) -> list[tuple[str, str]]:

@@ -22,6 +22,7 @@ from reconciler.host.sysfs import PAGE_SIZE, SysFs
 
 KERNEL_RELEASE = "/proc/sys/kernel/osrelease"
 PSI_MEMORY = "/proc/pressure/memory"
+ZSWAP_ENABLED = "/sys/module/zswap/parameters/enabled"
 TRIGGER_WINDOWS_US = (500_000, 1_000_000, 2_000_000)
 """Trigger windows tried, shortest first: the kernel takes 500 ms to 10 s, and without
 CAP_SYS_RESOURCE some kernels only whole multiples of 2 s on cgroup pressure files."""
@@ -75,6 +76,11 @@ class HostInfo:
     memcg: MemcgKnobs
     psi: PsiSupport
     warnings: tuple[str, ...]
+    # /proc/meminfo SwapTotal: 0 when the node has no swap (anonymous memory cannot be
+    # reclaimed then, only file cache).
+    swap_total_bytes: int = 0
+    # zswap is on (it compresses into RAM what is swapped out; it needs a swap device too).
+    zswap: bool = False
 
     @property
     def memory_total_bytes(self) -> int:
@@ -109,6 +115,8 @@ def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str
         meminfo_total_bytes=meminfo.get("MemTotal", 0), numa_nodes=nodes, numa_view=view,
         resctrl=resctrl, resctrl_problem=resctrl_problem, memcg=_memcg_knobs(sysfs, layout),
         psi=_psi(sysfs, layout), warnings=tuple(warnings),
+        swap_total_bytes=meminfo.get("SwapTotal", 0),
+        zswap=(sysfs.read(ZSWAP_ENABLED) or "").strip() in ("Y", "1"),
     )
 
 

@@ -77,14 +77,15 @@ _CHILD_WRITER = (
     "ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
     "if os.getppid() != int(sys.argv[3]):\n"
     "    sys.exit(errno.ECHILD)\n"
+    "os.nice(int(sys.argv[4]))\n"
     "try:\n"
     "    fd = os.open(sys.argv[1], os.O_WRONLY)\n"
     "    os.write(fd, sys.argv[2].encode('ascii'))\n"
     "except OSError as exc:\n"
     "    sys.exit(exc.errno or 1)\n"
 )
-"""What a child process runs to write one value: its exit status is the errno (0: written;
-ECHILD: the agent was gone before the child could tie its life to it)."""
+"""What a child process runs to write one value, at the niceness it is given: its exit status is
+the errno (0: written; ECHILD: the agent was gone before the child could tie its life to it)."""
 
 
 _CHILD_MOVER = (
@@ -452,11 +453,14 @@ class SysFs:
             raise
         return efd
 
-    def write_bounded(self, path: str, value: str, timeout_s: float) -> tuple[Outcome, str]:
+    def write_bounded(self, path: str, value: str, timeout_s: float,
+                      nice: int = 0) -> tuple[Outcome, str]:
         """Write ``value`` from a child process that is killed after ``timeout_s``: for writes
         that make the kernel work for long (``memory.force_empty``, ``memory.reclaim``), which a
         thread could not abandon but a killed writer interrupts (the kernel checks for a
-        pending signal while it reclaims). Not audited here: the caller records the action.
+        pending signal while it reclaims). The kernel's work is done in the writer's context, so
+        ``nice`` (added to the agent's niceness) is the priority it reclaims at. Not audited
+        here: the caller records the action.
 
         Returns the outcome (WRITTEN, GONE, FAILED, TIMEOUT or OBSERVED) and, unless written,
         why."""
@@ -468,7 +472,7 @@ class SysFs:
             try:
                 child = subprocess.Popen(
                     [sys.executable, "-I", "-S", "-c", _CHILD_WRITER, self.real(path), value,
-                     str(os.getpid())],
+                     str(os.getpid()), str(nice)],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                     stderr=subprocess.DEVNULL)
             except OSError as exc:

@@ -190,6 +190,11 @@ class Mitigation:
         return LadderState(self._level, self._cause.text(), self._ladder.engaged,
                            self._ladder.releasing, dict(self._last))
 
+    def engaged(self) -> bool:
+        """Whether the ladder owns the node: a rung engaged, or one whose release is not
+        confirmed yet. Safe from any thread (the ladder's tuples are taken whole)."""
+        return bool(self._ladder.engaged or self._ladder.releasing)
+
     def assess(self) -> Cause:
         """The ladder's level and its cause from the board now. Of readings at the worst
         level, one whose latest sample is itself at that level (fresh pressure) is preferred to

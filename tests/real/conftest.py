@@ -80,6 +80,10 @@ class Node:
         assert process.stdout.readline() == "ready\n"
         return process
 
+    def kill_processes(self) -> None:
+        """Every process started in the node's cgroups ends (their cgroups can then go)."""
+        end(self._processes, [])
+
     def close(self) -> None:
         end(self._processes, self._made)
 

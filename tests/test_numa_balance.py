@@ -7,6 +7,8 @@ import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
@@ -14,6 +16,7 @@ from reconciler.host.numa import NumaNode
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.numa_balance import (
+    RESIDUE_BYTES,
     Candidate,
     NumaBalanceLoop,
     Watermark,
@@ -407,3 +410,28 @@ def test_a_file_the_binding_noted_first_stays_the_bindings_to_undo(tmp_path: Pat
     assert mems(host, offline) == "0-1"
     assert notes.entries(NUMA_BALANCE_NOTES) == {}
     assert notes.entries(NUMA_NOTES) == {path: "0"}
+
+
+class StuckMover(FakeMover):
+    """move_pages saying it moved what it was asked while ``memory.numa_stat`` does not move:
+    what a guest showed for the last 48 KiB of a pod, step after step."""
+
+    def __call__(self, pids: Sequence[int], hot: int, cool: int, budget: int,
+                 timeout_s: float) -> tuple[Outcome, int, str]:
+        self.calls.append((list(pids), hot, cool, budget, timeout_s))
+        return Outcome.WRITTEN, budget, ""
+
+
+@pytest.mark.parametrize(("left", "narrowed"), [
+    (RESIDUE_BYTES, True),  # at most this much left: the node is taken out
+    (RESIDUE_BYTES + 4096, False),  # a page more: another step
+])
+def test_a_residue_that_does_not_move_ends_the_balance_of_a_container(
+        tmp_path: Path, left: int, narrowed: bool) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    write_stat(stat_of(host, offline), {0: left, 1: 200 * MIB})
+    (host.cg("cpuset", offline.containers[0].rel) / "cpuset.mems").write_text("0-1\n")
+    loop = loop_of(cfg, state, sysfs, sink, StuckMover(stat_of(host, offline)),
+                   StateFile(str(tmp_path / "state.json")))
+    loop.cycle(0.0)
+    assert mems(host, offline) == ("1" if narrowed else "0-1")

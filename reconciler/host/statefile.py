@@ -23,6 +23,8 @@ from collections.abc import Mapping
 
 import structlog
 
+from reconciler.host.sysfs import Outcome, SysFs
+
 log = structlog.get_logger("nri_qos.state")
 
 STATE_FILE = "state.json"
@@ -128,3 +130,17 @@ class StateFile:
 def state_file(directory: str) -> StateFile:
     """The agent's state file in ``directory`` (memory only when it is empty)."""
     return StateFile(os.path.join(directory, STATE_FILE) if directory else None)
+
+
+def restore_noted(sysfs: SysFs, notes: StateFile, section: str, reason: str) -> int:
+    """Writes back every file noted in ``section`` (never held back by observe mode: undoing
+    returns the node to what it was), forgetting each one restored or gone (a container gone
+    meanwhile has nothing to restore); how many were written."""
+    restored = 0
+    sysfs = sysfs.unobserved()
+    for path, value in notes.entries(section).items():
+        outcome = sysfs.write_if_changed(path, value, reason)
+        restored += outcome is Outcome.WRITTEN
+        if outcome is not Outcome.FAILED:
+            notes.forget(section, path)
+    return restored

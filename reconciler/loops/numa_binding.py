@@ -30,7 +30,7 @@ from hooks.levels import QosLevel
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
-from reconciler.host.statefile import StateFile
+from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import (
     PAGE_SIZE,
     Outcome,
@@ -116,16 +116,8 @@ def noted_elsewhere(notes: StateFile, section: str, path: str) -> bool:
 
 def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
                      section: str = NUMA_NOTES) -> int:
-    """Writes back every cpuset.mems noted in ``section`` (a container gone meanwhile has
-    nothing to restore); how many were written."""
-    restored = 0
-    sysfs = sysfs.unobserved()
-    for path, value in notes.entries(section).items():
-        outcome = sysfs.write_if_changed(path, value, reason)
-        restored += outcome is Outcome.WRITTEN
-        if outcome is not Outcome.FAILED:
-            notes.forget(section, path)
-    return restored
+    """Writes back every cpuset.mems noted in ``section``; how many were written."""
+    return restore_noted(sysfs, notes, section, reason)
 
 
 class NumaBindingLoop(Loop):

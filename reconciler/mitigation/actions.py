@@ -20,7 +20,7 @@ from reconciler.audit import AuditLog
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
 from reconciler.host.probe import HostInfo
-from reconciler.host.statefile import StateFile
+from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.k8s import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
@@ -306,16 +306,8 @@ CONDITION_NOTES = "node_condition"
 
 
 def restore_wmark(sysfs: SysFs, notes: StateFile, reason: str) -> int:
-    """Writes back every memory.wmark_ratio the tune rung changed (a pod gone meanwhile has
-    nothing to restore); how many were written."""
-    restored = 0
-    sysfs = sysfs.unobserved()
-    for path, value in notes.entries(WMARK_NOTES).items():
-        outcome = sysfs.write_if_changed(path, value, reason)
-        restored += outcome is Outcome.WRITTEN
-        if outcome is not Outcome.FAILED:
-            notes.forget(WMARK_NOTES, path)
-    return restored
+    """Writes back every memory.wmark_ratio the tune rung changed; how many were written."""
+    return restore_noted(sysfs, notes, WMARK_NOTES, reason)
 
 
 class EvictAction:

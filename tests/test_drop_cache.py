@@ -29,6 +29,7 @@ from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod
 from tests.paths import REPO
 from tests.polling import eventually
+from tests.processes import alive, children_of
 
 LEVEL = "qos.nri-qos.io/level"
 CAUSE = Cause(Level.MEDIUM)
@@ -276,29 +277,6 @@ def test_pod_names_from_the_runtime_are_bounded(v2: Tree) -> None:
 
 
 # -- stopping -------------------------------------------------------------------------------------
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces, the fields after it do not.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
 
 async def test_a_running_drop_is_killed_not_waited_for_when_the_agent_stops(
         tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from reconciler.loops.offload import (
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod
+from tests.processes import children_of
 
 LEVEL = "qos.nri-qos.io/level"
 GIB = 1024 * MIB
@@ -458,21 +459,6 @@ def test_with_swap_a_container_whose_swap_max_is_zero_offloads_file_cache_only(
     assert (steps["c1"]["anon"], steps["c1"]["asked_bytes"]) == (False, pages(5 * MIB))
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid ...: comm may hold spaces, the fields after it do not.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
 def test_the_step_is_written_by_a_child_at_niceness_19(tmp_path: Path) -> None:
     """The kernel reclaims in the writer's context: the writer yields the CPU to the pods."""
     node = Node(tmp_path)
@@ -488,7 +474,7 @@ def test_the_step_is_written_by_a_child_at_niceness_19(tmp_path: Path) -> None:
     seen: list[int] = []
     while time.monotonic() < deadline and wanted not in seen:
         seen = []
-        for pid in children(os.getpid()):
+        for pid in children_of(os.getpid()):
             with contextlib.suppress(OSError):
                 seen.append(os.getpriority(os.PRIO_PROCESS, pid))
         time.sleep(0.02)

@@ -101,13 +101,17 @@ _CHILD_MOVER = (
     "def finish(code):\n"
     "    print(moved, flush=True)\n"
     "    sys.exit(code)\n"
+    "GONE = (errno.ESRCH, errno.EINVAL)\n"
     "for pid in map(int, sys.argv[8:]):\n"
     "    try:\n"
     "        with open(f'{proc}/{pid}/maps') as f:\n"
     "            ranges = [line.split()[0] for line in f if '[vsyscall]' not in line]\n"
     "    except OSError:\n"
     "        continue\n"
+    "    gone = False\n"
     "    for text in ranges:\n"
+    "        if gone:\n"
+    "            break\n"
     "        lo, hi = (int(x, 16) for x in text.split('-'))\n"
     "        while lo < hi and moved < budget:\n"
     "            n = min(hi, (lo // (512 * page) + 1) * 512 * page) // page - lo // page\n"
@@ -115,7 +119,8 @@ _CHILD_MOVER = (
     "            lo += n * page\n"
     "            status = (ctypes.c_int * n)()\n"
     "            if libc.syscall(nr, pid, n, pages, None, status, 0) < 0:\n"
-    "                if ctypes.get_errno() == errno.ESRCH:\n"
+    "                if ctypes.get_errno() in GONE:\n"
+    "                    gone = True\n"
     "                    break\n"
     "                finish(ctypes.get_errno())\n"
     "            found = status[:]\n"
@@ -126,7 +131,8 @@ _CHILD_MOVER = (
     "            if (libc.syscall(nr, pid, k, (ctypes.c_void_p * k)(*chosen),\n"
     "                             (ctypes.c_int * k)(*[cool] * k), (ctypes.c_int * k)(), 4) < 0\n"
     "                    or libc.syscall(nr, pid, n, pages, None, status, 0) < 0):\n"
-    "                if ctypes.get_errno() == errno.ESRCH:\n"
+    "                if ctypes.get_errno() in GONE:\n"
+    "                    gone = True\n"
     "                    break\n"
     "                finish(ctypes.get_errno())\n"
     "            now = status[:]\n"
@@ -144,8 +150,9 @@ page moves whole with the first of its pages asked for, which the move's own sta
 show, so a step exceeds its budget by at most one huge page. Small calls keep the child killable
 between them, which one migrate_pages(2) or a cpuset.mems write (the kernel moves everything in
 one go) is not. It prints the pages it moved and exits with 0 or the errno of a refused call
-(EACCES: ``cool`` is not in the process's cpuset; a process that exited meanwhile, ESRCH, is
-skipped)."""
+(EACCES: ``cool`` is not in the process's cpuset). A process that exited meanwhile is skipped:
+ESRCH once it is gone, EINVAL while it exits (its memory is already released: the kernel finds
+no mm to move pages of)."""
 
 SYS_MOVE_PAGES = {"x86_64": 279, "aarch64": 239}
 """move_pages(2)'s number per architecture (the generic table's 239 on arm64)."""

@@ -9,7 +9,9 @@ answers on), then prints ``ready``. Modes:
   GetTopEvictionPods names the reclaimed_cores pods, largest memory first. ``--record FILE``
   appends every request as a JSON line.
 * ``hang``: every call waits forever.
-* ``crash``: ThresholdMet answers; the process dies in the middle of GetEvictPods.
+* ``crash``: ThresholdMet answers; the process dies in the middle of GetEvictPods, which the
+  manager asks at the same time: the death waits until ThresholdMet's answer has had
+  ``CRASH_AFTER_S`` to leave, so that it is only GetEvictPods that finds the plugin gone.
 * ``garbage``: ThresholdMet answers bytes that are no protobuf message; GetEvictPods a pod
   without uid; GetTopEvictionPods more pods than asked for.
 """
@@ -31,11 +33,13 @@ from protos import eviction_pb2_grpc as pb_grpc
 
 SERVICE = "nriqos.eviction.v1.EvictionPlugin"
 MET = {"none": pb.NOT_MET, "soft": pb.SOFT_MET, "hard": pb.HARD_MET}
+CRASH_AFTER_S = 0.15
 
 
 class Plugin(pb_grpc.EvictionPluginServicer):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.answered = asyncio.Event()
 
     def _record(self, call: str, request: Any) -> None:
         if self.args.record:
@@ -47,6 +51,8 @@ class Plugin(pb_grpc.EvictionPluginServicer):
         if self.args.mode == "hang":
             await asyncio.sleep(3600)
         if self.args.mode == "crash" and call == "GetEvictPods":
+            await self.answered.wait()
+            await asyncio.sleep(CRASH_AFTER_S)
             os._exit(3)
 
     async def ThresholdMet(self, request: Any, context: Any) -> pb.ThresholdMetResponse:
@@ -59,6 +65,7 @@ class Plugin(pb_grpc.EvictionPluginServicer):
             answer.condition.CopyFrom(pb.Condition(
                 type=pb.NODE_CONDITION, name=self.args.condition,
                 met=self.args.met != "none"))
+        self.answered.set()
         return answer
 
     async def GetTopEvictionPods(self, request: Any, context: Any) -> Any:

@@ -39,7 +39,8 @@ from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import read_nodes
-from reconciler.host.sysfs import PAGE_SIZE, SysFs
+from reconciler.host.sysfs import SysFs
+from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_balance import NumaBalanceLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.state import NodeState

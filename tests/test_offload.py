@@ -17,7 +17,8 @@ from nri_plugin.config.schema import Config
 from nri_plugin.features import evaluate, kubernetes_feature
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, probe_host
-from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.offload import (
     FAST_GROW,
     FIRST,

@@ -10,15 +10,11 @@ from pathlib import Path
 import pytest
 
 from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.host.sysfs import (
-    Outcome,
-    SysFs,
-    SysPathError,
+from reconciler.host.sysfs import Outcome, SysFs, SysPathError, read_file_bytes, read_id_file
+from reconciler.host.values import (
     format_id_list,
     parse_bytes,
     parse_id_list,
-    read_file_bytes,
-    read_id_file,
     same_bytes,
     same_id_list,
 )

@@ -36,7 +36,7 @@ from reconciler.detection.parse import (
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
 from reconciler.host.memstat import ANON_KEYS
 from reconciler.host.numa import MEMINFO, VMSTAT, NumaFormatError, parse_meminfo
-from reconciler.host.sysfs import parse_bytes
+from reconciler.host.values import parse_bytes
 
 GRADED = (Level.LOW, Level.MEDIUM, Level.HIGH)
 Thresholds = tuple[float | None, float | None, float | None]

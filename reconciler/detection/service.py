@@ -60,7 +60,8 @@ from reconciler.host.numa import (
 )
 from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, PsiWatch
 from reconciler.host.probe import PSI_MEMORY, HostInfo
-from reconciler.host.sysfs import PAGE_SIZE, SysFs
+from reconciler.host.sysfs import SysFs
+from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.base import Loop, ReconcilerConfig, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.state import NodeState

@@ -18,7 +18,8 @@ from reconciler.host.cgroups import CGROUP_MOUNT, CgroupLayout, layout_for
 from reconciler.host.numa import NumaNode, NumaView, check_view, read_meminfo, read_nodes
 from reconciler.host.resctrl_files import ResctrlUnavailable
 from reconciler.host.resctrlfs import read_info
-from reconciler.host.sysfs import PAGE_SIZE, SysFs
+from reconciler.host.sysfs import SysFs
+from reconciler.host.values import PAGE_SIZE
 
 KERNEL_RELEASE = "/proc/sys/kernel/osrelease"
 PSI_MEMORY = "/proc/pressure/memory"

@@ -29,12 +29,8 @@ since a loop decides the same write again every cycle while the file stays as it
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from enum import Enum
@@ -44,14 +40,11 @@ import structlog
 
 from hooks.untrusted import bounded, bounded_repr
 from reconciler.audit import AuditLog
+from reconciler.host.children import MOVER, SYS_MOVE_PAGES, WRITER, Children
+from reconciler.host.values import PAGE_SIZE, Comparator, same_text
 from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.sysfs")
-
-# Values cgroup v1 reports for "no limit" (PAGE_COUNTER_MAX rounded to pages), and anything above.
-UNLIMITED_THRESHOLD = 1 << 62
-# The kernel's page: the unit of /proc/zoneinfo, v1 memory.numa_stat and memcg limits.
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 _GONE_ERRNOS = frozenset({errno.ENOENT, errno.ENODEV, errno.ESRCH})
 _RETRY_ERRNOS = frozenset({errno.EBUSY, errno.EINVAL})
@@ -71,154 +64,8 @@ OBSERVED_MEMORY = 4096
 containers' cgroup files fit, and past it the memory starts over rather than grow."""
 
 
-_CHILD_WRITER = (
-    "import ctypes, errno, os, sys\n"
-    # PR_SET_PDEATHSIG (1) = SIGKILL (9): the writer dies with the agent, whatever kills it.
-    "ctypes.CDLL(None, use_errno=True).prctl(1, 9)\n"
-    "if os.getppid() != int(sys.argv[3]):\n"
-    "    sys.exit(errno.ECHILD)\n"
-    "os.nice(int(sys.argv[4]))\n"
-    "try:\n"
-    "    fd = os.open(sys.argv[1], os.O_WRONLY)\n"
-    "    os.write(fd, sys.argv[2].encode('ascii'))\n"
-    "except OSError as exc:\n"
-    "    sys.exit(exc.errno or 1)\n"
-)
-"""What a child process runs to write one value, at the niceness it is given: its exit status is
-the errno (0: written; ECHILD: the agent was gone before the child could tie its life to it)."""
-
-
-_CHILD_MOVER = (
-    "import ctypes, errno, os, sys\n"
-    "libc = ctypes.CDLL(None, use_errno=True)\n"
-    "libc.prctl(1, 9)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(errno.ECHILD)\n"
-    "libc.syscall.restype = ctypes.c_long\n"
-    "proc, hot, cool, budget, page, nr = (sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),\n"
-    "    int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]))\n"
-    "moved = 0\n"
-    "def finish(code):\n"
-    "    print(moved, flush=True)\n"
-    "    sys.exit(code)\n"
-    "GONE = (errno.ESRCH, errno.EINVAL)\n"
-    "for pid in map(int, sys.argv[8:]):\n"
-    "    try:\n"
-    "        with open(f'{proc}/{pid}/maps') as f:\n"
-    "            ranges = [line.split()[0] for line in f if '[vsyscall]' not in line]\n"
-    "    except OSError:\n"
-    "        continue\n"
-    "    gone = False\n"
-    "    for text in ranges:\n"
-    "        if gone:\n"
-    "            break\n"
-    "        lo, hi = (int(x, 16) for x in text.split('-'))\n"
-    "        while lo < hi and moved < budget:\n"
-    "            n = min(hi, (lo // (512 * page) + 1) * 512 * page) // page - lo // page\n"
-    "            pages = (ctypes.c_void_p * n)(*range(lo, lo + n * page, page))\n"
-    "            lo += n * page\n"
-    "            status = (ctypes.c_int * n)()\n"
-    "            if libc.syscall(nr, pid, n, pages, None, status, 0) < 0:\n"
-    "                if ctypes.get_errno() in GONE:\n"
-    "                    gone = True\n"
-    "                    break\n"
-    "                finish(ctypes.get_errno())\n"
-    "            found = status[:]\n"
-    "            if hot not in found:\n"
-    "                continue\n"
-    "            chosen = [pages[i] for i in range(n) if found[i] == hot][:budget - moved]\n"
-    "            k = len(chosen)\n"
-    "            if (libc.syscall(nr, pid, k, (ctypes.c_void_p * k)(*chosen),\n"
-    "                             (ctypes.c_int * k)(*[cool] * k), (ctypes.c_int * k)(), 4) < 0\n"
-    "                    or libc.syscall(nr, pid, n, pages, None, status, 0) < 0):\n"
-    "                if ctypes.get_errno() in GONE:\n"
-    "                    gone = True\n"
-    "                    break\n"
-    "                finish(ctypes.get_errno())\n"
-    "            now = status[:]\n"
-    "            moved += sum(1 for i in range(n) if found[i] == hot and now[i] == cool)\n"
-    "        if moved >= budget:\n"
-    "            finish(0)\n"
-    "finish(0)\n"
-)
-"""What a child process runs to move at most ``budget`` pages of the given processes from NUMA
-node ``hot`` to ``cool`` with move_pages(2): each call asks the kernel where a run of at most
-512 pages is (one huge page, aligned as huge pages are, so that none lies across two runs; nodes
-NULL), moves those on ``hot`` (MPOL_MF_MOVE_ALL: shared
-pages too, as a cpuset.mems change moves them) and asks again where the whole run is: a huge
-page moves whole with the first of its pages asked for, which the move's own status does not
-show, so a step exceeds its budget by at most one huge page. Small calls keep the child killable
-between them, which one migrate_pages(2) or a cpuset.mems write (the kernel moves everything in
-one go) is not. It prints the pages it moved and exits with 0 or the errno of a refused call
-(EACCES: ``cool`` is not in the process's cpuset). A process that exited meanwhile is skipped:
-ESRCH once it is gone, EINVAL while it exits (its memory is already released: the kernel finds
-no mm to move pages of)."""
-
-SYS_MOVE_PAGES = {"x86_64": 279, "aarch64": 239}
-"""move_pages(2)'s number per architecture (the generic table's 239 on arm64)."""
-
-
 class SysPathError(ValueError):
     """A system path that is not absolute or tries to leave its tree."""
-
-
-Comparator = Callable[[str, str], bool]
-
-
-def same_text(current: str, desired: str) -> bool:
-    return current.strip() == desired.strip()
-
-
-def parse_bytes(text: str) -> int | None:
-    """A memory value as cgroup files show it; ``None`` means unlimited (``max``, ``-1``, huge)."""
-    value = text.strip()
-    if value in ("max", "-1", ""):
-        return None
-    number = int(value)
-    return None if number >= UNLIMITED_THRESHOLD else number
-
-
-def same_bytes(current: str, desired: str) -> bool:
-    """Equal as the kernel stores them: limits are kept in whole pages, unlimited has many names."""
-    try:
-        have, want = parse_bytes(current), parse_bytes(desired)
-    except ValueError:
-        return same_text(current, desired)
-    if have is None or want is None:
-        return have is None and want is None
-    return have // PAGE_SIZE == want // PAGE_SIZE
-
-
-def parse_id_list(text: str) -> frozenset[int]:
-    """A kernel list such as ``0-2,5`` (cpuset.mems); empty text is the empty set."""
-    ids: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        low, _, high = part.partition("-")
-        ids.update(range(int(low), int(high or low) + 1))
-    return frozenset(ids)
-
-
-def format_id_list(ids: Iterable[int]) -> str:
-    """The shortest kernel list form: ``{0, 1, 2, 5}`` -> ``0-2,5``."""
-    ordered = sorted(set(ids))
-    parts: list[str] = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
-
-
-def same_id_list(current: str, desired: str) -> bool:
-    try:
-        return parse_id_list(current) == parse_id_list(desired)
-    except ValueError:
-        return same_text(current, desired)
 
 
 def check_sys_path(path: str) -> str:
@@ -266,79 +113,17 @@ def read_id_file(real: str) -> list[int] | None:
     return [int(x) for x in data.split()]
 
 
-class SysFs:
-    """Reads and writes system files below ``root``; see the module doc for the error policy."""
+class SysReader:
+    """Reads system files below ``root`` (missing files, processes and cgroups read as
+    ``None`` or empty), and arms the kernel's notifications on them."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike[str] = "/",
-        audit: AuditLog | None = None,
-        *,
-        retries: int = 3,
-        backoff_s: float = 0.01,
-        sleep: Callable[[float], None] = time.sleep,
-        metrics: Metrics | None = None,
-        observe: Callable[[], bool] | None = None,
-    ) -> None:
-        if retries < 1:
-            raise ValueError("retries must be at least 1")
+    def __init__(self, root: str | os.PathLike[str] = "/") -> None:
         self.root = Path(root)
         self._prefix = str(self.root).rstrip("/")
-        self._audit = audit
-        self._retries = retries
-        self._backoff_s = backoff_s
-        self._sleep = sleep
-        self._metrics = metrics
-        self._observe = observe
-        # The value last audited per file in observe mode.
-        self._observed: dict[str, str] = {}
-        # A write was refused with EROFS and said so; cleared by the next write that succeeds.
-        self._read_only_said = False
-        # Child writers of write_bounded still running, killed by kill_writers().
-        self._writers: set[subprocess.Popen[bytes]] = set()
-        self._writers_lock = threading.Lock()
-        self._stopping = False
-
-    def metered(self, metrics: Metrics) -> SysFs:
-        """The same tree and write policy, counting every write into ``metrics``."""
-        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
-                     sleep=self._sleep, metrics=metrics, observe=self._observe)
-
-    def observing(self, observe: Callable[[], bool]) -> SysFs:
-        """The same tree and write policy, writing nothing while ``observe()`` is true."""
-        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
-                     sleep=self._sleep, metrics=self._metrics, observe=observe)
-
-    def held(self) -> bool:
-        """Whether writes are held back now (observe mode)."""
-        return self._observe is not None and self._observe()
-
-    def unobserved(self) -> SysFs:
-        """The same tree and write policy, never held back by observe mode: for undoing what
-        the agent changed, which returns the node to what it was (an enforcing run's cap must
-        go when the node is switched to observe, or when an observing agent finds it)."""
-        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
-                     sleep=self._sleep, metrics=self._metrics)
-
-    def _observed_only(self, path: str, value: str, reason: str, count: int = 1) -> bool:
-        """True (after counting and, once per file and value, auditing) when the write is
-        held back by observe mode."""
-        if self._observe is None or not self._observe():
-            return False
-        shown = bounded(value.strip())
-        if self._observed.get(path) != shown:
-            if len(self._observed) >= OBSERVED_MEMORY:
-                self._observed.clear()
-            self._observed[path] = shown
-            self._record("write_observed", path=path, value=shown, reason=reason)
-        self._count(path, Outcome.OBSERVED, count)
-        return True
 
     def real(self, path: str) -> str:
         """Where the system path ``path`` is below the root."""
         return self._prefix + check_sys_path(path)
-
-    # -- reading ---------------------------------------------------------------------------------
 
     def exists(self, path: str) -> bool:
         return os.path.exists(self.real(path))
@@ -390,38 +175,6 @@ class SysFs:
         except OSError:
             return []
 
-    def make_dir(self, path: str) -> bool:
-        """Create a directory (a cgroup or resctrl group); False when it already existed."""
-        try:
-            os.mkdir(self.real(path))
-        except FileExistsError:
-            return False
-        return True
-
-    def remove_dir(self, path: str) -> bool:
-        """Remove a directory; False when it did not exist.
-
-        On cgroupfs and resctrl one ``rmdir`` removes a group with its files and sub-groups
-        (the kernel hands the tasks back to the parent); a plain directory tree standing in for
-        one is emptied first.
-        """
-        real = self.real(path)
-        try:
-            os.rmdir(real)
-            return True
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        for dirpath, dirnames, filenames in os.walk(real, topdown=False):
-            for name in filenames:
-                os.unlink(os.path.join(dirpath, name))
-            for name in dirnames:
-                os.rmdir(os.path.join(dirpath, name))
-        os.rmdir(real)
-        return True
-
     def open_trigger(self, path: str, spec: str) -> int:
         """Arm a PSI trigger (``some 150000 1000000``) on a pressure file; the open descriptor,
         which signals POLLPRI when the trigger fires and disarms it when closed. Raises
@@ -460,48 +213,126 @@ class SysFs:
             raise
         return efd
 
+
+class SysFs(SysReader):
+    """Reads and writes system files below ``root``; see the module doc for the error policy."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] = "/",
+        audit: AuditLog | None = None,
+        *,
+        retries: int = 3,
+        backoff_s: float = 0.01,
+        sleep: Callable[[float], None] = time.sleep,
+        metrics: Metrics | None = None,
+        observe: Callable[[], bool] | None = None,
+        children: Children | None = None,
+    ) -> None:
+        if retries < 1:
+            raise ValueError("retries must be at least 1")
+        super().__init__(root)
+        self._audit = audit
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._sleep = sleep
+        self._metrics = metrics
+        self._observe = observe
+        # The value last audited per file in observe mode.
+        self._observed: dict[str, str] = {}
+        # A write was refused with EROFS and said so; cleared by the next write that succeeds.
+        self._read_only_said = False
+        # Children doing long kernel work, shared with every view made from this one.
+        self._children = Children() if children is None else children
+
+    def metered(self, metrics: Metrics) -> SysFs:
+        """The same tree and write policy, counting every write into ``metrics``."""
+        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
+                     sleep=self._sleep, metrics=metrics, observe=self._observe,
+                     children=self._children)
+
+    def observing(self, observe: Callable[[], bool]) -> SysFs:
+        """The same tree and write policy, writing nothing while ``observe()`` is true."""
+        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
+                     sleep=self._sleep, metrics=self._metrics, observe=observe,
+                     children=self._children)
+
+    def held(self) -> bool:
+        """Whether writes are held back now (observe mode)."""
+        return self._observe is not None and self._observe()
+
+    def unobserved(self) -> SysFs:
+        """The same tree and write policy, never held back by observe mode: for undoing what
+        the agent changed, which returns the node to what it was (an enforcing run's cap must
+        go when the node is switched to observe, or when an observing agent finds it)."""
+        return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
+                     sleep=self._sleep, metrics=self._metrics, children=self._children)
+
+    def _observed_only(self, path: str, value: str, reason: str, count: int = 1) -> bool:
+        """True (after counting and, once per file and value, auditing) when the write is
+        held back by observe mode."""
+        if self._observe is None or not self._observe():
+            return False
+        shown = bounded(value.strip())
+        if self._observed.get(path) != shown:
+            if len(self._observed) >= OBSERVED_MEMORY:
+                self._observed.clear()
+            self._observed[path] = shown
+            self._record("write_observed", path=path, value=shown, reason=reason)
+        self._count(path, Outcome.OBSERVED, count)
+        return True
+
+    def make_dir(self, path: str) -> bool:
+        """Create a directory (a cgroup or resctrl group); False when it already existed."""
+        try:
+            os.mkdir(self.real(path))
+        except FileExistsError:
+            return False
+        return True
+
+    def remove_dir(self, path: str) -> bool:
+        """Remove a directory; False when it did not exist.
+
+        On cgroupfs and resctrl one ``rmdir`` removes a group with its files and sub-groups
+        (the kernel hands the tasks back to the parent); a plain directory tree standing in for
+        one is emptied first.
+        """
+        real = self.real(path)
+        try:
+            os.rmdir(real)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        for dirpath, dirnames, filenames in os.walk(real, topdown=False):
+            for name in filenames:
+                os.unlink(os.path.join(dirpath, name))
+            for name in dirnames:
+                os.rmdir(os.path.join(dirpath, name))
+        os.rmdir(real)
+        return True
+
     def write_bounded(self, path: str, value: str, timeout_s: float,
                       nice: int = 0) -> tuple[Outcome, str]:
-        """Write ``value`` from a child process that is killed after ``timeout_s``: for writes
-        that make the kernel work for long (``memory.force_empty``, ``memory.reclaim``), which a
-        thread could not abandon but a killed writer interrupts (the kernel checks for a
-        pending signal while it reclaims). The kernel's work is done in the writer's context, so
-        ``nice`` (added to the agent's niceness) is the priority it reclaims at. Not audited
-        here: the caller records the action.
+        """Write ``value`` from a child process that is killed after ``timeout_s``
+        (:mod:`reconciler.host.children`): for writes that make the kernel work for long
+        (``memory.force_empty``, ``memory.reclaim``). The kernel's work is done in the
+        writer's context, so ``nice`` (added to the agent's niceness) is the priority it
+        reclaims at. Not audited here: the caller records the action.
 
         Returns the outcome (WRITTEN, GONE, FAILED, TIMEOUT or OBSERVED) and, unless written,
         why."""
         if self._observed_only(path, value, "bounded write"):
             return Outcome.OBSERVED, "observe mode: not written"
-        with self._writers_lock:
-            if self._stopping:
-                return Outcome.FAILED, "not started: the agent is stopping"
-            try:
-                child = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", _CHILD_WRITER, self.real(path), value,
-                     str(os.getpid()), str(nice)],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL)
-            except OSError as exc:
-                return Outcome.FAILED, f"could not start the writer: {exc}"
-            self._writers.add(child)
-        try:
-            code = child.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-            return Outcome.TIMEOUT, f"no answer within {timeout_s:g} s: the writer was killed"
-        finally:
-            with self._writers_lock:
-                self._writers.discard(child)
+        code, _, why = self._children.run(
+            WRITER, [self.real(path), value, str(os.getpid()), str(nice)], timeout_s, "writer")
+        if code is None:
+            return Outcome.TIMEOUT, why
         if code == 0:
             return Outcome.WRITTEN, ""
-        if code < 0:
-            if self._stopping:
-                return Outcome.FAILED, "the writer was killed: the agent is stopping"
-            return Outcome.FAILED, f"the writer died of signal {-code}"
-        error = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
-        return (Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED), error
+        return (Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED), why
 
     def move_pages_bounded(self, pids: Sequence[int], hot: int, cool: int, budget_bytes: int,
                            timeout_s: float) -> tuple[Outcome, int, str]:
@@ -522,7 +353,7 @@ class SysFs:
         argv = [str(os.getpid()), self.real("/proc"), str(hot), str(cool),
                 str(budget_bytes // PAGE_SIZE), str(PAGE_SIZE), str(number),
                 *map(str, pids)]
-        code, out, why = self._run_child(_CHILD_MOVER, argv, timeout_s)
+        code, out, why = self._children.run(MOVER, argv, timeout_s, "child")
         moved = int(out) * PAGE_SIZE if out.strip().isdigit() else 0
         if code is None:
             return Outcome.TIMEOUT, moved, why
@@ -530,51 +361,10 @@ class SysFs:
             return Outcome.WRITTEN, moved, ""
         return Outcome.FAILED, moved, why
 
-    def _run_child(self, script: str, argv: list[str], timeout_s: float
-                   ) -> tuple[int | None, str, str]:
-        """Runs ``script`` in a child killed after ``timeout_s``: its exit status (None when
-        killed at the deadline), what it printed, and why it failed in words."""
-        with self._writers_lock:
-            if self._stopping:
-                return -1, "", "not started: the agent is stopping"
-            try:
-                child = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", script, *argv],
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL)
-            except OSError as exc:
-                return -1, "", f"could not start the child: {exc}"
-            self._writers.add(child)
-        try:
-            out, _ = child.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            out, _ = child.communicate()
-            return None, out.decode("ascii", "replace"), (
-                f"no answer within {timeout_s:g} s: the child was killed")
-        finally:
-            with self._writers_lock:
-                self._writers.discard(child)
-        code = child.returncode
-        if code < 0:
-            why = ("the child was killed: the agent is stopping" if self._stopping
-                   else f"the child died of signal {-code}")
-        elif code:
-            why = f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
-        else:
-            why = ""
-        return code, out.decode("ascii", "replace"), why
-
     def kill_writers(self) -> int:
         """The agent stops: kills every child writer still running (the kernel stops its
         reclaim) instead of waiting for it, and starts no new one; how many were killed."""
-        with self._writers_lock:
-            self._stopping = True
-            running = list(self._writers)
-        for child in running:
-            with contextlib.suppress(ProcessLookupError):
-                child.kill()
-        return len(running)
+        return self._children.stop()
 
     def append_ids(self, path: str, ids: Iterable[int], *, create: bool = False) -> int:
         """Write task ids into a ``tasks``-like file, one id per write as the kernel requires;

@@ -37,7 +37,8 @@ from hooks.untrusted import bounded
 from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import set_oom_score_adj
-from reconciler.host.sysfs import SysFs, same_bytes
+from reconciler.host.sysfs import SysFs
+from reconciler.host.values import same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.state import NodeState

@@ -79,7 +79,8 @@ from reconciler.host.numa import (
     system_node,
 )
 from reconciler.host.statefile import StateFile
-from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.values import PAGE_SIZE, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.metrics import Metrics
 

@@ -46,13 +46,8 @@ from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile
-from reconciler.host.sysfs import (
-    PAGE_SIZE,
-    Outcome,
-    SysFs,
-    format_id_list,
-    parse_id_list,
-)
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat

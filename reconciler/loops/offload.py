@@ -74,7 +74,8 @@ from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import MEMINFO, meminfo_values
 from reconciler.host.probe import HostInfo
-from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.metrics import Metrics

@@ -24,7 +24,8 @@ from reconciler.detection.signals import Board, Level
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import read_nodes
 from reconciler.host.probe import probe_host
-from reconciler.host.sysfs import PAGE_SIZE, SysFs
+from reconciler.host.sysfs import SysFs
+from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, numa_stat

@@ -26,12 +26,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import enum
 import functools
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import structlog
 
@@ -46,34 +45,27 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
+from reconciler.eviction.calls import PluginCalls
 from reconciler.eviction.choice import PodFacts, PodFilter, rank
+from reconciler.eviction.conditions import NodeConditions
 from reconciler.eviction.config import EvictionConfig, grace_of
+from reconciler.eviction.facts import pod_facts
+from reconciler.eviction.once import RoundAudit
+from reconciler.eviction.owners import OwnerCheck
 from reconciler.eviction.ratelimit import TokenBucket
-from reconciler.eviction.remote import PluginCallError, PluginDirectory
-from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
+from reconciler.eviction.remote import PluginDirectory
+from reconciler.eviction.smoothing import MetSmoother
 from reconciler.host.cgroups import CgroupLayout
-from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import EvictionOutcome, KubeActions, NodeOutcome, PodRef
+from reconciler.k8s import EvictionOutcome, KubeActions, PodRef
 from reconciler.metrics import Metrics
-from reconciler.state import NodeState, Snapshot
+from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.eviction")
 
 EVENT_REASON = "NriQosEvicted"
-CONDITION_MET = "NriQosThresholdMet"
-CONDITION_NOT_MET = "NriQosThresholdNotMet"
-# Conditions kept at most: far above what the in-tree and any sane set of out-of-tree plugins
-# use; a plugin inventing names cannot make the agent grow without bound.
-MAX_CONDITIONS = 32
-# The asyncio guard around a plugin call is a little longer than the deadline the call itself
-# carries, so that a remote plugin's lateness is reported by gRPC as a missed deadline.
-DEADLINE_MARGIN_S = 0.05
 RECENT_KEPT = 20
 """Decisions kept for ``nri-qos status``."""
-
-T = TypeVar("T")
-
 
 class EvictionSections(Protocol):
     @property
@@ -142,37 +134,39 @@ class _Retry:
     backoff: Backoff
 
 
-@dataclass(slots=True)
-class _Condition:
-    plugin: str
-    status: bool | None = None
-    written: bool | None = None
-    message: str = ""
-    next_try: float = 0.0
-    backoff: Backoff | None = None
-
-
-@dataclass(slots=True)
-class _Failing:
-    count: int = 0
-    kinds: set[str] = field(default_factory=set)
-
-
 MAX_AUDITED_PROPOSALS = 64
 """Proposals of one plugin audited one by one per round (two records each at most): more than a
 node's offline pods are rarely proposed at once, and a plugin listing thousands of uids must
 not write thousands of records; the rest are counted in one ``eviction_proposals_capped``."""
-
-OWNER_CHECK_TTL_S = 300.0
-"""How long the API's answer about a pod's DaemonSet owner is kept: owners come and go far less
-often than rounds run (one a second under pressure)."""
-
 
 @dataclass(slots=True)
 class _Answers:
     threshold: dict[str, ThresholdMet] = field(default_factory=dict)
     evict: dict[str, EvictPods] = field(default_factory=dict)
     top: dict[str, TopPods] = field(default_factory=dict)
+
+
+def choose(candidates: Sequence[Candidate], retries: Mapping[str, _Retry], once: RoundAudit,
+           cfg: EvictionConfig, now: float) -> list[Candidate]:
+    """Forced and hard-met targets ranked, then the best ``soft_per_round`` soft ones; pods
+    backing off after a refusal wait."""
+    ready = []
+    for candidate in candidates:
+        retry = retries.get(candidate.facts.pod.uid)
+        if retry is not None and now < retry.at:
+            once.record("eviction_deferred", candidate.facts.pod.uid, "backoff",
+                        pod=candidate.facts.pod.ref, plugin=candidate.plugin,
+                        why=f"backing off after {retry.backoff.failures} refused or failed "
+                            f"eviction(s); next try in {retry.at - now:.1f} s")
+            continue
+        ready.append(candidate)
+
+    def pod_of(candidate: Candidate) -> ActivePod:
+        return candidate.facts.pod
+
+    forced = rank([c for c in ready if c.forced], pod_of, cfg.sort_keys)
+    soft = rank([c for c in ready if not c.forced], pod_of, cfg.sort_keys)
+    return forced + soft[:cfg.soft_per_round]
 
 
 class EvictionManager:
@@ -200,17 +194,13 @@ class EvictionManager:
         self._bucket: TokenBucket | None = None
         self._filter = PodFilter(cfg)
         self._met = MetSmoother()
-        self._tracker = ConditionTracker()
-        self._conditions: dict[str, _Condition] = {}
+        self._conditions = NodeConditions(actions, node, audit, self._dry)
         self._flights: dict[str, _Flight] = {}
         self._retries: dict[str, _Retry] = {}
-        # (plugin, call) -> its current streak of failures
-        self._failing: dict[tuple[str, str], _Failing] = {}
-        self._said: set[tuple[str, ...]] = set()
-        self._seen: set[tuple[str, ...]] = set()
+        self._calls = PluginCalls(audit)
+        self._once = RoundAudit(audit)
         self._told_unavailable = False
-        # (namespace, DaemonSet name, uid) -> (whether it exists, when the API said so)
-        self._owners: dict[tuple[str, str, str], tuple[bool, float]] = {}
+        self._owners = OwnerCheck(actions)
         self._requests: collections.deque[str] = collections.deque(maxlen=64)
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -280,24 +270,23 @@ class EvictionManager:
                                          if name in self._in_tree]
         plugins += remote
         names = [p.name for p in plugins]
-        for key in [k for k in self._failing if k[0] not in names]:
-            del self._failing[key]
+        self._calls.keep_only(names)
         self._met.keep_only(names)
 
         snapshot = self._state.snapshot()
-        facts = await asyncio.to_thread(self._pod_facts, snapshot)
+        facts = await asyncio.to_thread(pod_facts, snapshot, self._sysfs, self._layout)
         self._prune(facts, cfg, now)
         active = [f.pod for uid, f in facts.items()
                   if not f.terminating and uid not in self._flights]
-        self._seen = set()
+        self._once.start_round()
 
         answers = _Answers()
         deadline = cfg.call_timeout_s
         async with asyncio.TaskGroup() as group:
             for plugin in plugins:
-                group.create_task(self._ask(plugin, "ThresholdMet", plugin.threshold_met,
+                group.create_task(self._calls.ask(plugin, "ThresholdMet", plugin.threshold_met,
                                             deadline, answers.threshold))
-                group.create_task(self._ask(plugin, "GetEvictPods",
+                group.create_task(self._calls.ask(plugin, "GetEvictPods",
                                             functools.partial(plugin.get_evict_pods, active),
                                             deadline, answers.evict))
         hard = []
@@ -307,11 +296,11 @@ class EvictionManager:
                                     cfg.met_rounds)
             if met is MetType.HARD_MET and answer is not None:
                 hard.append((plugin, answer))
-        await self._keep_conditions(plugins, answers, cfg, now)
+        await self._conditions.keep(plugins, answers.threshold, answers.evict, cfg, now)
         if hard:
             async with asyncio.TaskGroup() as group:
                 for plugin, answer in hard:
-                    group.create_task(self._ask(
+                    group.create_task(self._calls.ask(
                         plugin, "GetTopEvictionPods",
                         functools.partial(plugin.get_top_eviction_pods, active, cfg.top_n,
                                           answer.scope),
@@ -319,89 +308,14 @@ class EvictionManager:
         proposed = {uid for plugin, _ in hard if plugin.name in answers.top
                     for uid in answers.top[plugin.name].uids}
         proposed |= {request.uid for wanted in answers.evict.values() for request in wanted.pods}
-        facts = await self._confirm_owners(facts, proposed, now)
+        facts = await self._owners.confirm(facts, proposed, now)
         candidates = self._candidates(plugins, hard, answers, facts, cfg)
-        chosen = self._choose(candidates, facts, cfg, now)
+        chosen = choose(candidates, self._retries, self._once, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
-        self._said &= self._seen
+        self._once.end_round()
         return RoundReport(tuple(decisions))
 
-    async def _ask(self, plugin: EvictionPlugin, call: str, fn: Callable[[], Awaitable[T]],
-                   deadline: float, into: dict[str, T]) -> None:
-        """One plugin call under its deadline; the answer lands in ``into``, a failure in the
-        audit trail. Never raises (but for cancellation): one plugin cannot end a round."""
-        try:
-            async with asyncio.timeout(deadline + DEADLINE_MARGIN_S):
-                into[plugin.name] = await fn()
-        except TimeoutError:
-            self._failed(plugin.name, call, PluginCallError(
-                "deadline", f"no answer within {deadline} s"))
-        except PluginCallError as exc:
-            self._failed(plugin.name, call, exc)
-        except Exception as exc:  # an in-tree plugin's bug costs its round, nothing more
-            log.warning("eviction_plugin_bug", plugin=plugin.name, call=call, exc_info=True)
-            self._failed(plugin.name, call, PluginCallError("error", repr(exc)))
-        else:
-            failing = self._failing.pop((plugin.name, call), None)
-            if failing is not None:
-                self._audit.record("eviction_plugin_recovered", plugin=plugin.name, call=call,
-                                   failures=failing.count)
-
-    def _failed(self, plugin: str, call: str, exc: PluginCallError) -> None:
-        """Audited at the first failure of a streak of this call, and when its kind changes."""
-        failing = self._failing.setdefault((plugin, call), _Failing())
-        failing.count += 1
-        if exc.kind not in failing.kinds:
-            failing.kinds.add(exc.kind)
-            self._audit.record("eviction_plugin_failed", plugin=plugin, call=call,
-                               error=str(exc), kind=exc.kind, failures=failing.count)
-
     # ---- pods -------------------------------------------------------------------------------
-
-    def _pod_facts(self, snapshot: Snapshot) -> dict[str, PodFacts]:
-        """Every pod with a running container, with its memory (read here: a worker thread)."""
-        requests: dict[str, int | None] = {}
-        for container in snapshot.running():
-            pod_id = container.pod.info.id
-            request = container.info.memory_request
-            if request is not None:
-                requests[pod_id] = (requests.get(pod_id) or 0) + request
-            else:
-                requests.setdefault(pod_id, None)
-        facts: dict[str, PodFacts] = {}
-        for pod_id, request in requests.items():
-            view = snapshot.pods[pod_id]
-            info, meta = view.info, view.meta
-            usage = pod_anon_bytes(self._sysfs, self._layout, info.cgroup_parent)
-            pod = ActivePod(info.uid, info.namespace, info.name, view.level, info.priority,
-                            request, usage)
-            facts[info.uid] = PodFacts(
-                pod, info.labels, info.annotations,
-                terminating=meta.terminating if meta is not None else False,
-                described=meta is not None,
-                claimed_daemonset=meta.daemonset if meta is not None else None)
-        return facts
-
-    async def _confirm_owners(self, facts: dict[str, PodFacts], proposed: set[str],
-                              now: float) -> dict[str, PodFacts]:
-        """Proposed pods naming an apps/v1 DaemonSet as controller, with whether the API has
-        it (a pod's author can write any owner reference). Answers are kept for
-        :data:`OWNER_CHECK_TTL_S`; a failed check leaves the pod unconfirmed (not evicted)."""
-        for key in [k for k, (_, at) in self._owners.items() if now - at >= OWNER_CHECK_TTL_S]:
-            del self._owners[key]
-        for uid in proposed:
-            found = facts.get(uid)
-            owner = found.claimed_daemonset if found is not None else None
-            if found is None or owner is None:
-                continue
-            key = (found.pod.namespace, owner.name, owner.uid)
-            known = self._owners.get(key)
-            exists = known[0] if known is not None else \
-                await self._actions.owner_exists(found.pod.namespace, owner)
-            if exists is not None and known is None:
-                self._owners[key] = (exists, now)
-            facts[uid] = dataclasses.replace(found, daemonset=exists)
-        return facts
 
     def _dry(self, plugin: str, cfg: EvictionConfig) -> bool:
         return cfg.dry_run or plugin in cfg.dry_run_plugins
@@ -442,7 +356,7 @@ class EvictionManager:
             loud = audited.get(plugin, 0) < MAX_AUDITED_PROPOSALS
             audited[plugin] = audited.get(plugin, 0) + 1
             if loud:
-                self._record_once("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
+                self._once.record("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
                                   reason=reason, force=forced)
             flight = self._flights.get(uid)
             if found is None:
@@ -453,7 +367,7 @@ class EvictionManager:
                 why = self._filter.why_not(found, need_description=need_description)
             if why is not None:
                 if loud:
-                    self._record_once("eviction_filtered", uid, plugin, why, pod=pod,
+                    self._once.record("eviction_filtered", uid, plugin, why, pod=pod,
                                       plugin=plugin, why=why)
                 continue
             assert found is not None
@@ -463,33 +377,10 @@ class EvictionManager:
                 chosen[uid] = Candidate(found, plugin, reason, grace, forced)
         for plugin, count in audited.items():
             if count > MAX_AUDITED_PROPOSALS:
-                self._record_once("eviction_proposals_capped", plugin, plugin=plugin,
+                self._once.record("eviction_proposals_capped", plugin, plugin=plugin,
                                   proposals=count, audited=MAX_AUDITED_PROPOSALS,
                                   omitted=count - MAX_AUDITED_PROPOSALS)
         return list(chosen.values())
-
-    def _choose(self, candidates: Sequence[Candidate], facts: Mapping[str, PodFacts],
-                cfg: EvictionConfig, now: float) -> list[Candidate]:
-        """Forced and hard-met targets ranked, then the best ``soft_per_round`` soft ones;
-        pods backing off after a refusal wait."""
-        ready = []
-        for candidate in candidates:
-            retry = self._retries.get(candidate.facts.pod.uid)
-            if retry is not None and now < retry.at:
-                self._record_once("eviction_deferred", candidate.facts.pod.uid, "backoff",
-                           pod=candidate.facts.pod.ref, plugin=candidate.plugin,
-                           why=f"backing off after {retry.backoff.failures} refused or failed "
-                               f"eviction(s); next try in {retry.at - now:.1f} s")
-                continue
-            ready.append(candidate)
-        keys = cfg.sort_keys
-
-        def pod_of(candidate: Candidate) -> ActivePod:
-            return candidate.facts.pod
-
-        forced = rank([c for c in ready if c.forced], pod_of, keys)
-        soft = rank([c for c in ready if not c.forced], pod_of, keys)
-        return forced + soft[:cfg.soft_per_round]
 
     # ---- evicting ---------------------------------------------------------------------------
 
@@ -503,7 +394,7 @@ class EvictionManager:
             if not bucket.take(now):
                 wait = bucket.wait(now)
                 for late in chosen[index:]:
-                    self._record_once("eviction_deferred", late.facts.pod.uid, "rate limit",
+                    self._once.record("eviction_deferred", late.facts.pod.uid, "rate limit",
                                pod=late.facts.pod.ref, plugin=late.plugin,
                                why=f"rate limit: next token in {wait:.1f} s")
                     decisions.append(Decision(late.facts.pod.ref, late.plugin,
@@ -563,68 +454,3 @@ class EvictionManager:
                 now, Backoff(cfg.retry_initial_s, cfg.retry_max_s))
         retry.at = now + retry.backoff.next()
         return Outcome(outcome.value)
-
-    # ---- conditions -------------------------------------------------------------------------
-
-    async def _keep_conditions(self, plugins: Sequence[EvictionPlugin], answers: _Answers,
-                               cfg: EvictionConfig, now: float) -> None:
-        # condition -> (met, message) as this round's plugins report it
-        reported: dict[str, tuple[bool, str]] = {}
-        for plugin in plugins:
-            threshold = answers.threshold.get(plugin.name)
-            wanted = answers.evict.get(plugin.name)
-            for condition, detail in (
-                (threshold.condition if threshold else None,
-                 threshold.describe() if threshold else ""),
-                (wanted.condition if wanted else None, "pods to evict"),
-            ):
-                if condition is None:
-                    continue
-                owner = self._conditions.get(condition.name)
-                if owner is not None and owner.plugin != plugin.name:
-                    continue  # another plugin's condition: the first one keeps it
-                if owner is None and len(self._conditions) >= MAX_CONDITIONS:
-                    continue
-                if owner is None:
-                    self._conditions[condition.name] = _Condition(plugin.name)
-                met, message = reported.get(condition.name, (False, ""))
-                reported[condition.name] = (
-                    met or condition.met, message if met else f"{plugin.name}: {detail}")
-        for name, state in self._conditions.items():
-            met, message = reported.get(name, (False, ""))
-            status = self._tracker.observe(name, met, now, cfg.condition_transition_s)
-            dry = self._dry(state.plugin, cfg)
-            if status != state.status:
-                state.status = status
-                state.message = bounded(message, 256) if status else (
-                    f"{state.plugin}: not met for {cfg.condition_transition_s:g} s")
-                self._audit.record("eviction_condition", node=self._node, condition=name,
-                                   status=status, reason=self._reason(status),
-                                   plugin=state.plugin, message=state.message, dry_run=dry)
-            if dry or not self._actions.available or status == state.written \
-                    or now < state.next_try:
-                continue
-            written = await self._actions.set_node_condition(
-                self._node, name, status, self._reason(status), state.message)
-            if written in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
-                state.written, state.backoff, state.next_try = status, None, 0.0
-            else:
-                state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
-                state.next_try = now + state.backoff.next()
-
-    @staticmethod
-    def _reason(status: bool) -> str:
-        return CONDITION_MET if status else CONDITION_NOT_MET
-
-    # ---- audit once ---------------------------------------------------------------------------
-
-    def _record_once(self, event: str, *key: str, **fields: object) -> None:
-        """Record ``event`` unless the same decision was recorded in the previous round too:
-        a pod proposed every second is audited when it starts being proposed."""
-        ident = (event, *key)
-        self._seen.add(ident)
-        if ident in self._said:
-            return
-        self._said.add(ident)
-        self._audit.record(event, **fields)
-

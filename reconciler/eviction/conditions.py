@@ -1,0 +1,104 @@
+"""Node conditions that eviction plugins report: true as soon as one is met, false after
+``condition_transition_s`` without being met, audited when they change and written to the
+Node (unless dry-run), with a backoff while the API server refuses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hooks.untrusted import bounded
+from reconciler.aio import Backoff
+from reconciler.audit import AuditLog
+from reconciler.eviction.api import EvictionPlugin, EvictPods, ThresholdMet
+from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.smoothing import ConditionTracker
+from reconciler.k8s import KubeActions, NodeOutcome
+
+CONDITION_MET = "NriQosThresholdMet"
+CONDITION_NOT_MET = "NriQosThresholdNotMet"
+# Conditions kept at most: far above what the in-tree and any sane set of out-of-tree plugins
+# use; a plugin inventing names cannot make the agent grow without bound.
+MAX_CONDITIONS = 32
+
+
+@dataclass(slots=True)
+class _Condition:
+    plugin: str
+    status: bool | None = None
+    written: bool | None = None
+    message: str = ""
+    next_try: float = 0.0
+    backoff: Backoff | None = None
+
+
+def _reason(status: bool) -> str:
+    return CONDITION_MET if status else CONDITION_NOT_MET
+
+
+class NodeConditions:
+    """Each condition belongs to the first plugin that reported it. ``dry(plugin, cfg)``:
+    whether that plugin's effects are only audited."""
+
+    def __init__(self, actions: KubeActions, node: str, audit: AuditLog,
+                 dry: Callable[[str, EvictionConfig], bool]) -> None:
+        self._actions = actions
+        self._node = node
+        self._audit = audit
+        self._dry = dry
+        self._tracker = ConditionTracker()
+        self._conditions: dict[str, _Condition] = {}
+
+    async def keep(self, plugins: Sequence[EvictionPlugin],
+                   thresholds: Mapping[str, ThresholdMet], evicts: Mapping[str, EvictPods],
+                   cfg: EvictionConfig, now: float) -> None:
+        """This round's answers: the conditions they report, audited and written."""
+        reported = self._reported(plugins, thresholds, evicts)
+        for name, state in self._conditions.items():
+            met, message = reported.get(name, (False, ""))
+            status = self._tracker.observe(name, met, now, cfg.condition_transition_s)
+            dry = self._dry(state.plugin, cfg)
+            if status != state.status:
+                state.status = status
+                state.message = bounded(message, 256) if status else (
+                    f"{state.plugin}: not met for {cfg.condition_transition_s:g} s")
+                self._audit.record("eviction_condition", node=self._node, condition=name,
+                                   status=status, reason=_reason(status),
+                                   plugin=state.plugin, message=state.message, dry_run=dry)
+            if dry or not self._actions.available or status == state.written \
+                    or now < state.next_try:
+                continue
+            written = await self._actions.set_node_condition(
+                self._node, name, status, _reason(status), state.message)
+            if written in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+                state.written, state.backoff, state.next_try = status, None, 0.0
+            else:
+                state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
+                state.next_try = now + state.backoff.next()
+
+    def _reported(self, plugins: Sequence[EvictionPlugin],
+                  thresholds: Mapping[str, ThresholdMet], evicts: Mapping[str, EvictPods]
+                  ) -> dict[str, tuple[bool, str]]:
+        """condition -> (met, message) as this round's plugins report it."""
+        reported: dict[str, tuple[bool, str]] = {}
+        for plugin in plugins:
+            threshold = thresholds.get(plugin.name)
+            wanted = evicts.get(plugin.name)
+            for condition, detail in (
+                (threshold.condition if threshold else None,
+                 threshold.describe() if threshold else ""),
+                (wanted.condition if wanted else None, "pods to evict"),
+            ):
+                if condition is None:
+                    continue
+                owner = self._conditions.get(condition.name)
+                if owner is not None and owner.plugin != plugin.name:
+                    continue  # another plugin's condition: the first one keeps it
+                if owner is None and len(self._conditions) >= MAX_CONDITIONS:
+                    continue
+                if owner is None:
+                    self._conditions[condition.name] = _Condition(plugin.name)
+                met, message = reported.get(condition.name, (False, ""))
+                reported[condition.name] = (
+                    met or condition.met, message if met else f"{plugin.name}: {detail}")
+        return reported

@@ -1,0 +1,37 @@
+"""What a round knows of each running pod: its level, priority, memory request and the
+anonymous memory it uses now (read from its cgroups), with what the API server says of it."""
+
+from __future__ import annotations
+
+from reconciler.eviction.api import ActivePod
+from reconciler.eviction.choice import PodFacts
+from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.memstat import pod_anon_bytes
+from reconciler.host.sysfs import SysFs
+from reconciler.state import Snapshot
+
+
+def pod_facts(snapshot: Snapshot, sysfs: SysFs, layout: CgroupLayout) -> dict[str, PodFacts]:
+    """Every pod with a running container, by uid. Reads cgroup files: run it in a worker
+    thread."""
+    requests: dict[str, int | None] = {}
+    for container in snapshot.running():
+        pod_id = container.pod.info.id
+        request = container.info.memory_request
+        if request is not None:
+            requests[pod_id] = (requests.get(pod_id) or 0) + request
+        else:
+            requests.setdefault(pod_id, None)
+    facts: dict[str, PodFacts] = {}
+    for pod_id, request in requests.items():
+        view = snapshot.pods[pod_id]
+        info, meta = view.info, view.meta
+        usage = pod_anon_bytes(sysfs, layout, info.cgroup_parent)
+        pod = ActivePod(info.uid, info.namespace, info.name, view.level, info.priority,
+                        request, usage)
+        facts[info.uid] = PodFacts(
+            pod, info.labels, info.annotations,
+            terminating=meta.terminating if meta is not None else False,
+            described=meta is not None,
+            claimed_daemonset=meta.daemonset if meta is not None else None)
+    return facts

@@ -1,0 +1,42 @@
+"""Whether a pod's claimed DaemonSet owner exists: a pod's author can write any owner
+reference, so a pod is spared as a DaemonSet's only once the API server has the DaemonSet."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from reconciler.eviction.choice import PodFacts
+from reconciler.k8s import KubeActions
+
+OWNER_CHECK_TTL_S = 300.0
+"""How long the API's answer about a pod's DaemonSet owner is kept: owners come and go far less
+often than rounds run (one a second under pressure)."""
+
+
+class OwnerCheck:
+    """The API's answers about DaemonSet owners, kept for :data:`OWNER_CHECK_TTL_S`."""
+
+    def __init__(self, actions: KubeActions) -> None:
+        self._actions = actions
+        # (namespace, DaemonSet name, uid) -> (whether it exists, when the API said so)
+        self._owners: dict[tuple[str, str, str], tuple[bool, float]] = {}
+
+    async def confirm(self, facts: dict[str, PodFacts], proposed: set[str],
+                      now: float) -> dict[str, PodFacts]:
+        """Proposed pods naming an apps/v1 DaemonSet as controller, with whether the API has
+        it. A failed check leaves the pod unconfirmed (not evicted)."""
+        for key in [k for k, (_, at) in self._owners.items() if now - at >= OWNER_CHECK_TTL_S]:
+            del self._owners[key]
+        for uid in proposed:
+            found = facts.get(uid)
+            owner = found.claimed_daemonset if found is not None else None
+            if found is None or owner is None:
+                continue
+            key = (found.pod.namespace, owner.name, owner.uid)
+            known = self._owners.get(key)
+            exists = known[0] if known is not None else \
+                await self._actions.owner_exists(found.pod.namespace, owner)
+            if exists is not None and known is None:
+                self._owners[key] = (exists, now)
+            facts[uid] = dataclasses.replace(found, daemonset=exists)
+        return facts

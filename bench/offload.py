@@ -39,7 +39,7 @@ from nri_plugin.config.schema import Config
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.offload import OffloadLoop
+from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.state import NodeState
 
 CGROUP = Path("/sys/fs/cgroup")

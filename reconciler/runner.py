@@ -41,7 +41,8 @@ from reconciler.loops.numa_binding import (
     NumaBindingLoop,
     restore_bindings,
 )
-from reconciler.loops.offload import OffloadLoop, OffloadSections
+from reconciler.loops.offload import OffloadSections
+from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import restore_wmark

@@ -30,7 +30,6 @@ from reconciler.loops.offload import (
     CounterError,
     Counters,
     OffloadConfig,
-    OffloadLoop,
     Track,
     anon_allowed,
     budget,
@@ -40,6 +39,7 @@ from reconciler.loops.offload import (
     parse_counters,
     share,
 )
+from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod

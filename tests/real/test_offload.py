@@ -24,7 +24,7 @@ from nri_plugin.features import evaluate, kubernetes_feature
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.loops.offload import OffloadLoop
+from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, memory_stat

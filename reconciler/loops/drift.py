@@ -65,7 +65,7 @@ class DriftConfig(Protocol):
 
 
 class DriftLoop(Loop):
-    """``memory_total`` is the host's memory (bytes), as the creation hook reads it (the host
+    """``memory_total`` is the host's memory (bytes), as the memory QoS capability reads it at creation (the host
     probe), so both compute the same memory.high for a container without a limit."""
 
     name = "drift"

@@ -65,8 +65,9 @@ class DriftConfig(Protocol):
 
 
 class DriftLoop(Loop):
-    """``memory_total`` is the host's memory (bytes), as the memory QoS capability reads it at creation (the host
-    probe), so both compute the same memory.high for a container without a limit."""
+    """``memory_total`` is the host's memory (bytes), as the memory QoS capability reads it at
+    creation (the host probe), so both compute the same memory.high for a container without a
+    limit."""
 
     name = "drift"
     wake_events = frozenset({Event.START_CONTAINER, Event.UPDATE_CONTAINER})

@@ -7,13 +7,16 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 
+from nri_plugin.chain import run_threaded
 from nri_plugin.log_context import bound_fields, current_fields, merge_fields
 from nri_plugin.logs import LoggingConfig, LoggingSetup
 
@@ -244,3 +247,17 @@ def test_nested_event_fields_and_their_reset() -> None:
                             "pod_uid": "u1"}
         assert dict(current_fields()) == {"nri_event": "outer", "pod_uid": "u1"}
     assert dict(current_fields()) == {}
+
+
+async def test_a_capability_in_a_worker_thread_sees_the_event_fields() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def capability() -> None:
+        seen.append((threading.current_thread().name, dict(current_fields())))
+
+    fields = {"nri_event": "run_pod_sandbox", "pod_uid": "u1"}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker") as executor, \
+            bound_fields(fields):
+        outcome = await run_threaded([("c", capability)], executor, deadline_ms=5000)
+    assert outcome.complete
+    assert seen == [("worker_0", fields)]

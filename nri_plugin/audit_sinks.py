@@ -60,12 +60,13 @@ class AuditFile:
     ``max_bytes`` still goes, alone, into a fresh file. Thread-safe.
 
     Not ``logging.handlers.RotatingFileHandler`` itself, which differs where the audit trail
-    needs this behaviour (each difference has a test in ``tests/test_audit.py``): with
-    ``backupCount=0`` it never rolls over, so the file grows without bound (135 bytes written
-    past a 60-byte limit, where this file truncates); a first line longer than the limit rotates
-    the empty file into an empty ``.1`` that pushes a real backup out; and a failed write goes
-    to ``handleError`` (a traceback on stderr per record) instead of raising, so
-    :class:`LogAuditSink` could not report ``audit_file_write_failed`` once per failure streak.
+    needs this behaviour (measured on Python 3.11; a test of this class pins each difference):
+    with ``backupCount=0`` it never rolls over, so the file grows without bound (five 27-byte
+    lines under a 60-byte limit left a 135-byte file, where this one truncates); a first line
+    longer than the limit rotates the empty file into an empty ``.1`` that pushes a real backup
+    out; it rolls over when a line would bring the file *to* the limit, not past it; and a
+    failed write goes to ``handleError`` (a traceback on stderr per record) instead of raising,
+    so :class:`LogAuditSink` could not report ``audit_file_write_failed`` once per failure streak.
     """
 
     def __init__(self, path: str, max_bytes: int, backups: int) -> None:

@@ -84,14 +84,3 @@ def bootstrap_interval(values: Sequence[float], statistic: Callable[[Sequence[fl
     rng = random.Random(seed)
     stats = sorted(statistic([rng.choice(values) for _ in values]) for _ in range(samples))
     return stats[int(0.025 * (samples - 1))], stats[math.ceil(0.975 * (samples - 1))]
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) of ``values``, linearly interpolated; nan without values."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

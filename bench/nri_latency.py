@@ -10,13 +10,14 @@ runtime and sends the CreateContainer request recorded from containerd 2.4 (pod
 * ``simulator``: the asyncio runtime simulator (``nri-qos simulate``), whose own Python work
   (about as much as the plugin's transport) is in the figures too.
 
-usage: python bench/nri_latency.py [--all-hooks] [--calls N] [--log-level LEVEL]
+usage: python bench/nri_latency.py [--all-capabilities] [--calls N] [--log-level LEVEL]
 
-``--all-hooks`` runs the chain with every capability enabled (resctrl on a fake resctrl tree in a
-temporary directory, memory QoS, oom score, an OCI hook); the default is an empty chain. The
-plugin logs its canonical line per event at ``--log-level`` (default info) to /dev/null.
-Besides latency percentiles and throughput it prints the plugin process's CPU time per call
-(from /proc), which does not depend on what else the machine is running.
+``--all-capabilities`` (formerly ``--all-hooks``, still accepted) runs the chain with every
+capability enabled (resctrl on a fake resctrl tree in a temporary directory, memory QoS, oom
+score, an OCI hook); the default is an empty chain. The plugin logs its canonical line per
+event at ``--log-level`` (default info) to /dev/null. Besides latency percentiles and throughput
+it prints the plugin process's CPU time per call (from /proc), which does not depend on what else
+the machine is running.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ IN_FLIGHT = 16
 
 # The background reconciler stays off: these figures are the NRI path's. So does the status
 # socket, which would take the node agent's path; the metrics are recorded all the same.
-ALL_HOOKS_CONFIG = """
+ALL_CAPABILITIES_CONFIG = """
 [reconciler]
 enabled = false
 [status]
@@ -160,22 +161,22 @@ def summary(name: str, latencies: list[float], wall: float, plugin_cpu: float) -
 
 
 @contextmanager
-def plugin_files(all_hooks: bool) -> Iterator[tuple[Path, Path]]:
+def plugin_files(all_capabilities: bool) -> Iterator[tuple[Path, Path]]:
     """(socket path, config path) in a fresh temporary directory (with a fake resctrl tree)."""
     with tempfile.TemporaryDirectory(prefix="nri-bench-") as tmp:
         config_path = Path(tmp) / "config.toml"
-        if all_hooks:
+        if all_capabilities:
             fake_resctrl(Path(tmp) / "resctrl")
-            config_path.write_text(ALL_HOOKS_CONFIG.format(resctrl=Path(tmp) / "resctrl"))
+            config_path.write_text(ALL_CAPABILITIES_CONFIG.format(resctrl=Path(tmp) / "resctrl"))
         else:
             config_path.write_text(EMPTY_CHAIN_CONFIG)
         yield Path(tmp) / "nri.sock", config_path
 
 
-def plugin_command(socket_path: Path, config_path: Path, all_hooks: bool,
+def plugin_command(socket_path: Path, config_path: Path, all_capabilities: bool,
                    log_level: str) -> list[str]:
     return [sys.executable, __file__, "--serve", str(socket_path), str(config_path),
-            "--log-level", log_level, *(["--all-hooks"] if all_hooks else [])]
+            "--log-level", log_level, *(["--all-capabilities"] if all_capabilities else [])]
 
 
 class MinimalRuntime:
@@ -229,14 +230,14 @@ class MinimalRuntime:
         return frame.stream_id
 
 
-def measure_minimal(payload: bytes, calls: int, all_hooks: bool, log_level: str) -> None:
-    with plugin_files(all_hooks) as (socket_path, config_path), \
+def measure_minimal(payload: bytes, calls: int, all_capabilities: bool, log_level: str) -> None:
+    with plugin_files(all_capabilities) as (socket_path, config_path), \
             socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
         listener.bind(str(socket_path))
         listener.listen(1)
         listener.settimeout(30)
-        child = subprocess.Popen(plugin_command(socket_path, config_path, all_hooks, log_level),
-                                 stderr=subprocess.DEVNULL)
+        command = plugin_command(socket_path, config_path, all_capabilities, log_level)
+        child = subprocess.Popen(command, stderr=subprocess.DEVNULL)
         try:
             sock, _ = listener.accept()
             with sock:
@@ -274,12 +275,13 @@ def measure_minimal(payload: bytes, calls: int, all_hooks: bool, log_level: str)
             child.wait()
 
 
-async def measure_simulator(payload: bytes, calls: int, all_hooks: bool, log_level: str) -> None:
-    with plugin_files(all_hooks) as (socket_path, config_path):
+async def measure_simulator(payload: bytes, calls: int, all_capabilities: bool,
+                            log_level: str) -> None:
+    with plugin_files(all_capabilities) as (socket_path, config_path):
         simulator = RuntimeSimulator(socket_path)
         await simulator.start()
         child = await asyncio.create_subprocess_exec(
-            *plugin_command(socket_path, config_path, all_hooks, log_level),
+            *plugin_command(socket_path, config_path, all_capabilities, log_level),
             stderr=asyncio.subprocess.DEVNULL,
         )
         try:
@@ -318,7 +320,8 @@ async def measure_simulator(payload: bytes, calls: int, all_hooks: bool, log_lev
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--all-hooks", action="store_true")
+    # The older spelling stays accepted for the scripts and notes that use it.
+    parser.add_argument("--all-capabilities", "--all-hooks", action="store_true")
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--log-level", default="info",
                         choices=("debug", "info", "warning", "error"))
@@ -328,10 +331,10 @@ def main() -> None:
         serve_plugin(args.serve[0], args.serve[1], args.log_level)
     payload = recorded_create_payload()
     print(f"request: recorded CreateContainer, {len(payload)} bytes of payload; "
-          f"chain: {'all capabilities' if args.all_hooks else 'empty'}; "
+          f"chain: {'all capabilities' if args.all_capabilities else 'empty'}; "
           f"plugin log level: {args.log_level}")
-    measure_minimal(payload, args.calls, args.all_hooks, args.log_level)
-    asyncio.run(measure_simulator(payload, args.calls, args.all_hooks, args.log_level))
+    measure_minimal(payload, args.calls, args.all_capabilities, args.log_level)
+    asyncio.run(measure_simulator(payload, args.calls, args.all_capabilities, args.log_level))
 
 
 if __name__ == "__main__":

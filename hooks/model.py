@@ -57,9 +57,6 @@ class RuntimeInfo:
     cgroup_v2: bool = False
     extra: Mapping[str, str] = field(default_factory=lambda: EMPTY_MAP)
 
-    def nri_at_least(self, major: int, minor: int, patch: int = 0) -> bool:
-        return self.nri_version is not None and self.nri_version >= (major, minor, patch)
-
 
 MAX_ANNOTATION_CHARS = 16384
 """The longest annotation value any policy reads (the Volcano colocation config). A longer value

@@ -55,7 +55,7 @@ from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, restore_host, run_reconciler
 from reconciler.state import NodeState, report_refusals
 
-HOOK_THREADS = 4
+CAPABILITY_THREADS = 4
 """Worker threads running capabilities that may block; more than one so one stuck past its
 deadline does not hold up the next event."""
 RECONCILER_FIELDS = frozenset({"oom_score_adj", "unified", "memory_limit", "memory_reservation",
@@ -174,7 +174,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     if not reconcile:
         log.info("reconciler_disabled", reason="reconciler.enabled is false")
     store.subscribe(_reconfigurer(capabilities))
-    executor = ThreadPoolExecutor(max_workers=HOOK_THREADS, thread_name_prefix="nri-qos-hook")
+    executor = ThreadPoolExecutor(max_workers=CAPABILITY_THREADS,
+                                  thread_name_prefix="nri-qos-capability")
     reconciler_fields = RECONCILER_FIELDS if reconcile else frozenset()
     stub = PluginStub(identity=identity, config=lambda: store.current, capabilities=capabilities,
                       audit=audit, executor=executor, state=state, track_containers=reconcile,

@@ -58,6 +58,15 @@ class AuditFile:
     copies shift to ``path.2`` ... ``path.<backups>``, the oldest is deleted) and a new file is
     started; with ``backups = 0`` the file is truncated instead. A line longer than
     ``max_bytes`` still goes, alone, into a fresh file. Thread-safe.
+
+    Not ``logging.handlers.RotatingFileHandler`` itself, which differs where the audit trail
+    needs this behaviour (measured on Python 3.11; a test of this class pins each difference):
+    with ``backupCount=0`` it never rolls over, so the file grows without bound (five 27-byte
+    lines under a 60-byte limit left a 135-byte file, where this one truncates); a first line
+    longer than the limit rotates the empty file into an empty ``.1`` that pushes a real backup
+    out; it rolls over when a line would bring the file *to* the limit, not past it; and a
+    failed write goes to ``handleError`` (a traceback on stderr per record) instead of raising,
+    so :class:`LogAuditSink` could not report ``audit_file_write_failed`` once per failure streak.
     """
 
     def __init__(self, path: str, max_bytes: int, backups: int) -> None:
@@ -107,7 +116,7 @@ class LogAuditSink:
     """The production sink: one line on the audit logger and, if configured, one in the file.
 
     The log stream and the file can be swapped while records flow (a reloaded configuration);
-    :func:`nri_plugin.logs.configure_logging` does the wiring. A failing audit file never fails
+    :class:`nri_plugin.logs.LoggingSetup` does the wiring. A failing audit file never fails
     the caller: the error goes to ``errors`` (the operational log) once per failure streak.
     """
 

@@ -2,7 +2,7 @@
 
 Inbound: ``PodSandbox``/``Container`` -> :class:`~hooks.model.PodInfo` /
 :class:`~hooks.model.ContainerInfo`. Outbound: merged :class:`~hooks.settings.ContainerSettings`
--> ``ContainerAdjustment`` (at creation) or ``ContainerUpdate`` (for containers that exist).
+-> the ``ContainerAdjustment`` of a CreateContainer answer.
 """
 
 from __future__ import annotations
@@ -163,22 +163,6 @@ def fill_adjustment(
         linux.oom_score_adj.value = settings.oom_score_adj
     if settings.rdt_class is not None and clos_field == "clos_id":
         linux.rdt.clos_id.value = settings.rdt_class
-
-
-def to_update(
-    container_id: str,
-    settings: ContainerSettings,
-    *,
-    clos_field: ClosField | None,
-    ignore_failure: bool = False,
-) -> api.ContainerUpdate:
-    """An update of an existing container: only its resources can change."""
-    update = api.ContainerUpdate(container_id=container_id, ignore_failure=ignore_failure)
-    resources = update.linux.resources
-    resources.SetInParent()
-    # An update has no linux.rdt, so the class can only travel as rdt_class.
-    _fill_resources(resources, settings, "rdt_class" if clos_field is not None else None)
-    return update
 
 
 _STAGE_FIELDS: Mapping[HookStage, str] = MappingProxyType({

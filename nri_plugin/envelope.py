@@ -38,12 +38,6 @@ class Reply:
     def ok(self) -> bool:
         return self.code == StatusCode.OK
 
-    def unwrap(self) -> bytes:
-        """The payload, or :class:`RpcError` carrying the status."""
-        if self.code != StatusCode.OK:
-            raise RpcError(self.code, self.message)
-        return self.payload
-
 
 def encode_request(service: str, method: str, payload: bytes, timeout_nano: int = 0) -> bytes:
     return envelope.Request(

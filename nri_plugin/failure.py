@@ -48,7 +48,7 @@ class FailurePolicy:
 
     def unexpected(self, event: str, error: Exception, *, pod_uid: str = "",
                    container: str = "") -> None:
-        """Handling the event failed outside any hook: audited and answered empty, or an error
+        """Handling the event failed outside any capability: audited and answered empty, or an error
         status when strict."""
         reason = f"{type(error).__name__}: {error}"
         if self.strict:

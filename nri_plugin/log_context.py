@@ -1,9 +1,14 @@
 """The context of the NRI event being handled, carried by every log line and audit record.
 
 One context variable holds the event's fields as a single mapping. Binding it costs one
-``ContextVar.set`` and reading it one ``get``, where binding each field as its own variable (as
-``structlog.contextvars`` does) costs a lookup of every variable in the context per log line:
-this runs on every CreateContainer, inside the runtime's request timeout.
+``ContextVar.set`` and reading it one ``get``, where ``structlog.contextvars`` binds each field as
+its own variable and copies the whole context, then walks every variable in it, for each log line
+and each read. Measured with ``timeit`` (structlog 26.1, Python 3.11, in a running event loop,
+the stub's six fields): binding them and writing two lines costs 1.6 µs here and 9.4 µs with
+``bound_contextvars`` and ``merge_contextvars``; one line's merge 0.4 µs against 1.5 µs. This runs
+on every NRI event, inside the runtime's request timeout, where the plugin's own CPU time is some
+140 µs a call. Both are context variables, so a worker thread sees the fields the same way: the
+chain runs blocking capabilities in a copy of the event's context.
 """
 
 from __future__ import annotations

@@ -2,16 +2,13 @@
 
 :class:`LoggingSetup` configures structlog (and routes the standard library's ``logging`` through
 the same renderer): JSON lines when the stream is not a terminal or ``format = "json"``, a console
-renderer otherwise; ISO-8601 UTC timestamps; level filtering; the event's context
-(:mod:`nri_plugin.log_context`) merged into every line so it is bound once::
-
-    with event_context("CreateContainer", pod=pod, container=container):
-        log.info("...")          # carries nri_event, pod_namespace, pod_name, pod_uid, container
+renderer otherwise; ISO-8601 UTC timestamps; level filtering; the fields bound for the event
+being handled (:func:`nri_plugin.log_context.bound_fields`) merged into every line, so the
+handler binds them once.
 
 Its :attr:`LoggingSetup.audit` is the production :class:`AuditLog`; :meth:`LoggingSetup.apply`
 re-applies a (reloaded) ``[logging]`` section without replacing that object, so components keep
-the audit log they were given. :func:`timed_event` writes the canonical one line per NRI event
-with its duration (see ``docs/audit.md`` for its fields).
+the audit log they were given.
 
 The message key is structlog's ``event``: never pass ``event=`` to a log call (use ``nri_event``).
 """
@@ -20,19 +17,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any, TextIO, cast
 
 import structlog
 from structlog.typing import Processor
 
 from hooks.config_fields import setting
-from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
-from nri_plugin.log_context import bound_fields, merge_fields
+from nri_plugin.log_context import merge_fields
 from reconciler.audit import AuditLog
 
 LEVELS: Mapping[str, int] = {
@@ -237,61 +231,3 @@ class LoggingSetup:
             self._handler = None
         root.setLevel(self._root_level)
         structlog.reset_defaults()
-
-
-def configure_logging(cfg: LoggingConfig, level: str | None = None,
-                      stream: TextIO | None = None) -> AuditLog:
-    """Configure logging once and return the production audit log.
-
-    Use :class:`LoggingSetup` directly to re-apply a reloaded configuration later.
-    """
-    return LoggingSetup(cfg, level=level, stream=stream).audit
-
-
-def event_context(nri_event: str, *, pod: PodInfo | None = None,
-                  container: ContainerInfo | None = None,
-                  **extra: Any) -> AbstractContextManager[None]:
-    """Bind an event's context (name, pod namespace/name/uid, container) to every log line."""
-    context: dict[str, Any] = {"nri_event": nri_event}
-    if pod is not None:
-        context.update(pod_namespace=pod.namespace, pod_name=pod.name, pod_uid=pod.uid)
-    if container is not None:
-        context["container"] = container.name
-    context.update(extra)
-    return bound_fields(context)
-
-
-@dataclass
-class EventOutcome:
-    """What the canonical line reports; the handler sets ``result`` and adds ``fields``."""
-
-    result: str = "ok"
-    fields: dict[str, Any] = field(default_factory=dict)
-
-
-@contextmanager
-def timed_event(
-    log: Any,
-    nri_event: str,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    pod: PodInfo | None = None,
-    container: ContainerInfo | None = None,
-) -> Iterator[EventOutcome]:
-    """Bind the event's context and, on exit, log the one ``nri_event`` line with its duration.
-
-    An exception escaping the block is reported as ``result="error"`` (with ``error``) and
-    re-raised. ``clock`` is the caller's clock, e.g. ``loop.time``.
-    """
-    outcome = EventOutcome()
-    with event_context(nri_event, pod=pod, container=container):
-        started = clock()
-        try:
-            yield outcome
-        except Exception as exc:
-            outcome.result = "error"
-            outcome.fields.setdefault("error", f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            log.info("nri_event", duration_ms=round((clock() - started) * 1000, 3),
-                     result=outcome.result, **outcome.fields)

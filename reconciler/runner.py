@@ -27,7 +27,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.k8s import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache
-from reconciler.loops.drift import DriftConfig, DriftLoop
+from reconciler.loops.drift import DriftLoop, DriftSections
 from reconciler.loops.memory_guard import (
     GuardSqueeze,
     MemoryGuardLoop,
@@ -37,8 +37,8 @@ from reconciler.loops.memory_guard import (
 from reconciler.loops.numa_balance import NumaBalanceConfig, NumaBalanceLoop, NumaBalanceSections
 from reconciler.loops.numa_binding import (
     NUMA_BALANCE_NOTES,
-    NumaBindingConfig,
     NumaBindingLoop,
+    NumaBindingSections,
     restore_bindings,
 )
 from reconciler.loops.offload import OffloadSections
@@ -51,7 +51,7 @@ from reconciler.state import NodeState
 log = structlog.get_logger("nri_qos.reconciler")
 
 
-class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig,
+class ReconcilerSections(DriftSections, MemoryGuardSections, NumaBindingSections,
                          NumaBalanceSections, OffloadSections, Protocol):
     """Every section some loop reads (the node configuration has them all)."""
 

@@ -199,12 +199,6 @@ class NodeState:
                     return pod.uid, pod.namespace, pod.name
         return None
 
-    def put_pod(self, pod: PodInfo, event: Event) -> None:
-        with self._lock:
-            self._add_pod(pod)
-            self._changed()
-        self._notify(event)
-
     def _add_pod(self, pod: PodInfo) -> None:
         """Remember ``pod`` (lock held); beyond the limit the oldest pod goes."""
         if pod.id not in self._pods and len(self._pods) >= self._pod_limit:

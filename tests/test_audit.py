@@ -197,6 +197,26 @@ def test_a_line_longer_than_the_limit_gets_a_file_of_its_own(tmp_path: Path) -> 
     assert [r["i"] for r in read_lines(path)] == [2]
 
 
+def test_a_line_that_fills_the_file_to_the_limit_stays_in_it(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_text("x" * 91 + "\n", encoding="utf-8")
+    f = AuditFile(str(path), max_bytes=100, backups=1)
+    f.write({"i": 1})  # 8 bytes: 100 in all, not past the limit
+    f.close()
+    assert path.stat().st_size == 100
+    assert not (tmp_path / "audit.jsonl.1").exists()
+
+
+def test_a_first_line_longer_than_the_limit_leaves_no_empty_backup(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    (tmp_path / "audit.jsonl.1").write_text('{"i": 0}\n', encoding="utf-8")
+    f = AuditFile(str(path), max_bytes=20, backups=1)
+    f.write({"i": 1, "pad": "z" * 50})
+    f.close()
+    assert [r["i"] for r in read_lines(tmp_path / "audit.jsonl.1")] == [0]
+    assert [r["i"] for r in read_lines(path)] == [1]
+
+
 def test_audit_file_is_thread_safe(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     f = AuditFile(str(path), max_bytes=4096, backups=50)

@@ -46,7 +46,7 @@ class World:
         assert fs is not None
         self.fs = fs
 
-    def hooks(self, *, cgroup_v2: bool = True) -> list[Capability]:
+    def capabilities(self, *, cgroup_v2: bool = True) -> list[Capability]:
         return build_capabilities(self.config, resctrl=self.fs, audit=self.audit,
                                   cgroup_v2=cgroup_v2, memory_total=0)
 
@@ -55,9 +55,9 @@ class World:
         return self.fs.apply_class_groups(plan, reason="config", warn=self.warnings.append)
 
     def resctrl(self) -> ResctrlCapability:
-        hook = self.hooks()[0]
-        assert isinstance(hook, ResctrlCapability)
-        return hook
+        capability = self.capabilities()[0]
+        assert isinstance(capability, ResctrlCapability)
+        return capability
 
 
 def pod(annotations: dict[str, str] | None = None, uid: str = UID) -> PodInfo:
@@ -78,42 +78,42 @@ def world(tmp_path: Path) -> World:
 # --- wiring ----------------------------------------------------------------------------------
 
 def test_default_chain_and_events(world: World) -> None:
-    hooks = world.hooks()
-    assert [h.name for h in hooks] == ["resctrl", "memory_qos", "oom_score"]
-    assert hooks[0].events == {Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER,
+    capabilities = world.capabilities()
+    assert [h.name for h in capabilities] == ["resctrl", "memory_qos", "oom_score"]
+    assert capabilities[0].events == {Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER,
                                Event.REMOVE_POD_SANDBOX}
-    assert all(h.events == {Event.CREATE_CONTAINER} for h in hooks[1:])
+    assert all(h.events == {Event.CREATE_CONTAINER} for h in capabilities[1:])
 
 
-def test_without_resctrl_no_resctrl_hook(world: World) -> None:
-    hooks = build_capabilities(world.config, resctrl=None, audit=world.audit, cgroup_v2=True,
-                               memory_total=0)
-    assert [h.name for h in hooks] == ["memory_qos", "oom_score"]
+def test_without_resctrl_no_resctrl_capability(world: World) -> None:
+    capabilities = build_capabilities(world.config, resctrl=None, audit=world.audit,
+                                      cgroup_v2=True, memory_total=0)
+    assert [h.name for h in capabilities] == ["memory_qos", "oom_score"]
 
 
 def test_disabled_features_are_not_built(tmp_path: Path) -> None:
     w = World(tmp_path, "enabled = false\n[memory]\nenabled = false\n[oom]\nenabled = false\n")
-    assert w.hooks() == []
+    assert w.capabilities() == []
 
 
-def test_memory_hook_off_when_nothing_to_do(tmp_path: Path) -> None:
+def test_memory_capability_off_when_nothing_to_do(tmp_path: Path) -> None:
     w = World(tmp_path, "[memory]\nvolcano_annotation = false\n"
                         "[memory.levels.reclaimed_cores]\npolicy = \"none\"\n")
-    assert "memory_qos" not in [h.name for h in w.hooks()]
+    assert "memory_qos" not in [h.name for h in w.capabilities()]
 
 
-def test_oci_hooks_hook_only_with_configured_hooks(tmp_path: Path) -> None:
+def test_oci_hooks_capability_only_with_configured_hooks(tmp_path: Path) -> None:
     tool = tmp_path / "tool"
     tool.write_text("#!/bin/sh\n")
     tool.chmod(0o755)
     os.chown(tool, 0, 0)
     w = World(tmp_path, f'[[oci_hooks.levels.reclaimed_cores.prestart]]\npath = "{tool}"\n')
-    hooks = w.hooks()
-    assert hooks[-1].name == "oci_hooks"
-    settings = hooks[-1].create_container(
+    capabilities = w.capabilities()
+    assert capabilities[-1].name == "oci_hooks"
+    settings = capabilities[-1].create_container(
         ContainerEvent(pod({"x": "y"}), ctr(), "reclaimed_cores", RUNTIME))
     assert settings.hooks == (OciHookSpec(HookStage.PRESTART, str(tool)),)
-    assert hooks[-1].create_container(
+    assert capabilities[-1].create_container(
         ContainerEvent(pod(), ctr(), "shared_cores", RUNTIME)).is_empty()
 
 
@@ -126,7 +126,7 @@ def test_cgroup_version_override(tmp_path: Path, setting: str, detected: bool, v
     if detected:
         (host / "sys/fs/cgroup/cgroup.controllers").write_text("memory\n")
     assert (detect_version(SysFs(host), w.config.memory.cgroup_version) == 2) is v2
-    mem = next(h for h in w.hooks(cgroup_v2=v2) if h.name == "memory_qos")
+    mem = next(h for h in w.capabilities(cgroup_v2=v2) if h.name == "memory_qos")
     settings = mem.create_container(ContainerEvent(pod(), ctr(), "reclaimed_cores", RUNTIME))
     assert bool(settings.unified) is v2
 
@@ -167,42 +167,43 @@ def test_class_groups_that_do_not_fit_are_skipped(tmp_path: Path) -> None:
     assert "nriqos-shared_cores" in w.warnings[0]
 
 
-# --- resctrl hook ----------------------------------------------------------------------------
+# --- resctrl capability ----------------------------------------------------------------------
 
 def test_container_goes_to_its_level_class_group(world: World) -> None:
     world.setup()
-    hook = world.resctrl()
+    capability = world.resctrl()
     for level in ("reclaimed_cores", "shared_cores"):
-        settings = hook.create_container(ContainerEvent(pod(), ctr(), level, RUNTIME))
+        settings = capability.create_container(ContainerEvent(pod(), ctr(), level, RUNTIME))
         assert settings.rdt_class == f"nriqos-{level}"
         assert settings.hooks == ()
 
 
 def test_missing_class_group_emits_no_clos(world: World) -> None:
-    hook = world.resctrl()
-    assert hook.create_container(ContainerEvent(pod(), ctr(), "shared_cores", RUNTIME)).is_empty()
+    capability = world.resctrl()
+    assert capability.create_container(
+        ContainerEvent(pod(), ctr(), "shared_cores", RUNTIME)).is_empty()
     assert "class group of shared_cores is missing" in (
         world.sink.named("adjustment_skipped")[0]["reason"])
 
 
 def test_pod_group_lifecycle(world: World) -> None:
     world.setup()
-    hook = world.resctrl()
+    capability = world.resctrl()
     p = pod({KOORDINATOR_ANNOTATION: RECORDED})
-    hook.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
     assert (world.root / POD_GROUP / "schemata").read_text() == "L3:0=1fc;1=1fc\nMB:0=20;1=20\n"
     assert (world.root / POD_GROUP / "mon_groups" / POD_GROUP).is_dir()
-    settings = hook.create_container(ContainerEvent(p, ctr(), "shared_cores", RUNTIME))
+    settings = capability.create_container(ContainerEvent(p, ctr(), "shared_cores", RUNTIME))
     assert settings.rdt_class == POD_GROUP
     assert settings.hooks == ()   # monitor hook is off by default
     # After a plugin restart the group on disk is found again.
     fresh = world.resctrl()
     assert fresh.create_container(
         ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class == POD_GROUP
-    hook.remove_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    capability.remove_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
     assert not (world.root / POD_GROUP).exists()
     assert (world.root / "nriqos-shared_cores").is_dir()   # class groups are never removed
-    assert hook.create_container(
+    assert capability.create_container(
         ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class == "nriqos-shared_cores"
 
 
@@ -214,47 +215,48 @@ def test_monitor_hook_injected_for_pod_groups(tmp_path: Path) -> None:
     w = World(tmp_path, f'[resctrl.monitor_hook]\nenabled = true\npath = "{tool}"\n'
                         "strict = true\ntimeout_s = 3\n")
     w.setup()
-    hook = w.resctrl()
+    capability = w.resctrl()
     p = pod({w.config.resctrl.annotation: '{"MB":{"schemata":{"percent":50}}}'})
-    hook.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
-    settings = hook.create_container(ContainerEvent(p, ctr(), "shared_cores", RUNTIME))
+    capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    settings = capability.create_container(ContainerEvent(p, ctr(), "shared_cores", RUNTIME))
     assert settings.hooks == (OciHookSpec(
         HookStage.PRESTART, str(tool),
         ("nri-qos-hook", "resctrl-join", "--root", str(w.root), "--group", POD_GROUP,
          "--strict"), timeout_s=3),)
     # Class-group containers need no monitor hook.
-    other = hook.create_container(ContainerEvent(pod(uid="u2"), ctr(), "shared_cores", RUNTIME))
+    other = capability.create_container(
+        ContainerEvent(pod(uid="u2"), ctr(), "shared_cores", RUNTIME))
     assert other.hooks == ()
 
 
 def test_invalid_annotation_is_audited_and_class_group_used(world: World) -> None:
     world.setup()
-    hook = world.resctrl()
+    capability = world.resctrl()
     p = pod({KOORDINATOR_ANNOTATION: '{"LLC":{"schemata":{"range":[0,101]}}}'})
-    hook.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
     assert not (world.root / POD_GROUP).exists()
     skipped = world.sink.named("adjustment_skipped")
     assert skipped[0]["pod_uid"] == UID
     assert "resctrl: LLC.schemata.range[1]" in (
         skipped[0]["reason"])
-    assert hook.create_container(
+    assert capability.create_container(
         ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class == "nriqos-shared_cores"
 
 
 def test_strict_turns_problems_into_invalid_input(tmp_path: Path) -> None:
     w = World(tmp_path, "[plugin]\nstrict = true\n")
     w.setup()
-    hook = w.resctrl()
+    capability = w.resctrl()
     p = pod({KOORDINATOR_ANNOTATION: "{not json"})
     with pytest.raises(InvalidInput) as err:
-        hook.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+        capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
     assert err.value.capability == "resctrl"
     assert len(w.sink.named("adjustment_skipped")) == 1
-    mem = next(h for h in w.hooks() if h.name == "memory_qos")
+    mem = next(h for h in w.capabilities() if h.name == "memory_qos")
     with pytest.raises(InvalidInput, match="memory_qos"):
         mem.create_container(ContainerEvent(pod({VOLCANO_ANNOTATION: "[]"}), ctr(),
                                             "shared_cores", RUNTIME))
-    oom = next(h for h in w.hooks() if h.name == "oom_score")
+    oom = next(h for h in w.capabilities() if h.name == "oom_score")
     with pytest.raises(InvalidInput, match="oom_score"):
         oom.create_container(ContainerEvent(pod({w.config.oom.annotation: "-1000"}), ctr(),
                                             "shared_cores", RUNTIME))
@@ -263,28 +265,28 @@ def test_strict_turns_problems_into_invalid_input(tmp_path: Path) -> None:
 def test_clos_exhaustion_falls_back_to_class_group(tmp_path: Path) -> None:
     w = World(tmp_path, num_closids=6)   # root + 4 class groups + 1 pod group
     w.setup()
-    hook = w.resctrl()
+    capability = w.resctrl()
     shared = [pod({KOORDINATOR_ANNOTATION: RECORDED}, uid=f"sh-{i}") for i in range(2)]
     for p in shared:
-        hook.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
-    got = [hook.create_container(ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class
-           for p in shared]
+        capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    got = [capability.create_container(ContainerEvent(p, ctr(), "shared_cores", RUNTIME))
+           .rdt_class for p in shared]
     assert got == ["nriqos-pod-sh-0", "nriqos-shared_cores"]
     assert w.sink.named("resctrl_fallback") == [{
         "pod_uid": "sh-1", "group": "nriqos-shared_cores",
         "reason": "CLOS budget exhausted (6 CLOS)"}]
     # Removing the fallen-back pod never touches the class group.
-    hook.remove_pod_sandbox(PodEvent(shared[1], "shared_cores", RUNTIME))
+    capability.remove_pod_sandbox(PodEvent(shared[1], "shared_cores", RUNTIME))
     assert (w.root / "nriqos-shared_cores").is_dir()
 
 
 def test_reclaimed_pod_keeps_within_its_share(world: World) -> None:
     world.setup()
-    hook = world.resctrl()
+    capability = world.resctrl()
     # The recorded pod asks for L3 20..80 %: outside reclaimed's 0..30 %, so L3 stays at the
     # level's share while its MB request (20 %) is honoured.
     p = pod({KOORDINATOR_ANNOTATION: RECORDED})
-    hook.run_pod_sandbox(PodEvent(p, "reclaimed_cores", RUNTIME))
+    capability.run_pod_sandbox(PodEvent(p, "reclaimed_cores", RUNTIME))
     assert (world.root / POD_GROUP / "schemata").read_text() == "L3:0=f;1=f\nMB:0=20;1=20\n"
     assert "outside the allowed [0, 30]" in world.sink.named("adjustment_skipped")[0]["reason"]
 
@@ -300,25 +302,26 @@ def test_synchronize_learns_existing_pod_groups(world: World) -> None:
         ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class == POD_GROUP
 
 
-# --- memory and oom hooks --------------------------------------------------------------------
+# --- memory and oom capabilities ---------------------------------------------------------------
 
-def test_memory_and_oom_hooks_for_reclaimed(world: World) -> None:
-    hooks = {h.name: h for h in world.hooks()}
+def test_memory_and_oom_capabilities_for_reclaimed(world: World) -> None:
+    capabilities = {h.name: h for h in world.capabilities()}
     ev = ContainerEvent(pod(), ctr(), "reclaimed_cores", RUNTIME)
-    assert dict(hooks["memory_qos"].create_container(ev).unified) == {"memory.high": "510025728"}
-    assert hooks["oom_score"].create_container(ev).oom_score_adj == 1000
+    memory = capabilities["memory_qos"].create_container(ev)
+    assert dict(memory.unified) == {"memory.high": "510025728"}
+    assert capabilities["oom_score"].create_container(ev).oom_score_adj == 1000
 
 
 def test_problems_audited_per_container_without_strict(world: World) -> None:
-    hooks = {h.name: h for h in world.hooks()}
+    capabilities = {h.name: h for h in world.capabilities()}
     ev = ContainerEvent(pod({world.config.oom.annotation: "abc"}), ctr(), "shared_cores", RUNTIME)
-    assert hooks["oom_score"].create_container(ev).is_empty()
+    assert capabilities["oom_score"].create_container(ev).is_empty()
     rec = world.sink.named("adjustment_skipped")[0]
     assert rec["container"] == "app"
     assert rec["reason"].startswith("oom_score: ")
 
 
-def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
+def test_reconfigure_applies_a_reloaded_config_to_built_capabilities() -> None:
     import dataclasses
 
     from hooks.config_fields import frozen_map
@@ -355,15 +358,15 @@ def test_reconfigure_reaches_oci_hooks() -> None:
     from nri_plugin.config.schema import Config
 
     cfg = Config()
-    hook = OciHooksCapability(cfg.oci_hooks)
+    capability = OciHooksCapability(cfg.oci_hooks)
     event = ContainerEvent(PodInfo("s", "u", "p", "ns"), ContainerInfo("c", "s", "n"),
                            "reclaimed_cores", RuntimeInfo())
-    assert hook.create_container(event).hooks == ()
+    assert capability.create_container(event).hooks == ()
     level = OciLevelHooks(prestart=(OciHook(path="/bin/true", args=("true",)),))
     reloaded = dataclasses.replace(cfg, oci_hooks=dataclasses.replace(
         cfg.oci_hooks, levels=frozen_map({"reclaimed_cores": level})))
-    hook.reconfigure(reloaded)
-    assert [(h.stage, h.path, h.args) for h in hook.create_container(event).hooks] == [
+    capability.reconfigure(reloaded)
+    assert [(h.stage, h.path, h.args) for h in capability.create_container(event).hooks] == [
         ("prestart", "/bin/true", ("true",))]
     other = dataclasses.replace(event, level="shared_cores")
-    assert hook.create_container(other).hooks == ()
+    assert capability.create_container(other).hooks == ()

@@ -1,9 +1,9 @@
 """Replay recorded containerd traffic to the real plugin stub and check what it writes back.
 
 The runtime-to-plugin bytes of each recording are written to the plugin over a socketpair in the
-recorded read-sized chunks. Every runtime message must decode, the hooks must see the recorded
-pod and container, and every byte the plugin writes must be a well-formed answer: one response
-per request, same stream id, status OK, split into mux frames by the 4096-then-rest rule.
+recorded read-sized chunks. Every runtime message must decode, the capabilities must see the
+recorded pod and container, and every byte the plugin writes must be a well-formed answer: one
+response per request, same stream id, status OK, split into mux frames by the 4096-then-rest rule.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ async def test_replay_recording(recording: Path) -> None:
             assert (conn, msg_type) == (2, MessageType.RESPONSE)
             assert decode_response(data).ok
 
-    hook = Seen()
+    capability = Seen()
     sink = MemoryAuditSink()
     ours, theirs = socket.socketpair()
     reader, writer = await asyncio.open_unix_connection(sock=ours)
@@ -167,7 +167,7 @@ async def test_replay_recording(recording: Path) -> None:
         cfg = Config()
         cfg = dataclasses.replace(cfg, oom=dataclasses.replace(cfg.oom, annotation="qos.lab/class"))
         stub = PluginStub(identity=PluginIdentity("replay", "10"), config=lambda: cfg,
-                          capabilities=[hook], audit=AuditLog(sink), executor=executor,
+                          capabilities=[capability], audit=AuditLog(sink), executor=executor,
                           state=NodeState(), track_containers=True)
         serving = asyncio.create_task(stub.serve(reader, writer))
         loop = asyncio.get_running_loop()
@@ -210,11 +210,11 @@ async def test_replay_recording(recording: Path) -> None:
     assert events == (0x7FF if "1.7" in recording.name else 0x1FFF)
 
     expected = EXPECTED[recording.name]
-    created = [c for name, c in hook.containers if name == "create_container"]
+    created = [c for name, c in capability.containers if name == "create_container"]
     assert [(c.name, c.memory_limit) for c in created] == [
         (expected.container, expected.memory_limit)]
-    pods = [p for _, p in hook.pods if p.uid == expected.uid]
-    assert pods, "the recorded pod never reached the hooks"
+    pods = [p for _, p in capability.pods if p.uid == expected.uid]
+    assert pods, "the recorded pod never reached the capabilities"
     for pod in pods:
         assert (pod.namespace, pod.name, pod.cgroup_parent) == (
             expected.namespace, expected.name, expected.cgroup_parent)

@@ -21,7 +21,6 @@ from bench.baselines import (
     bootstrap_interval,
     memory_high,
     modes_for,
-    quantile,
     static_limits,
 )
 from bench.colocation import (
@@ -282,4 +281,3 @@ def test_bootstrap_interval() -> None:
     assert bootstrap_interval([5.0] * 4, lambda v: sum(v) / len(v), seed=1) == (5.0, 5.0)
     nothing = bootstrap_interval([], lambda v: 0.0, seed=1)
     assert nothing[0] != nothing[0]  # NaN
-    assert quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5

@@ -156,6 +156,8 @@ def test_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
         ("4096", 4096), ("4Ki", 4096), ("4KiB", 4096), ("4k", 4000), ("512Mi", 512 << 20),
         ("512MiB", 512 << 20), ("100M", 100_000_000), ("4Gi", 4 << 30), ("1.5Gi", 3 << 29),
         ("2Ti", 2 << 40), (" 7 B ", 7),
+        # exact, where a float would round: 2**64 + 1
+        ("18446744073709551617", (1 << 64) + 1),
     ],
 )
 def test_parse_size(text: str, expected: int) -> None:

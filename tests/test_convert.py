@@ -15,7 +15,6 @@ from nri_plugin.convert import (
     container_info,
     fill_adjustment,
     pod_info,
-    to_update,
 )
 from nri_plugin.runtime_support import ClosField
 from protos import nri_api_pb2 as api
@@ -132,16 +131,6 @@ def test_adjustment_with_clos_id_or_none() -> None:
 
 def test_empty_settings_make_an_empty_adjustment() -> None:
     assert to_adjustment(ContainerSettings(), clos_field="clos_id").ByteSize() == 0
-
-
-def test_update_carries_resources_only() -> None:
-    update = to_update("c9", SETTINGS, clos_field="clos_id", ignore_failure=True)
-    assert (update.container_id, update.ignore_failure) == ("c9", True)
-    resources = update.linux.resources
-    assert resources.memory.limit.value == 1 << 30
-    assert dict(resources.unified) == {"memory.high": "1000"}
-    assert resources.rdt_class.value == "nriqos-reclaimed_cores"
-    assert not to_update("c9", SETTINGS, clos_field=None).linux.resources.HasField("rdt_class")
 
 
 @pytest.mark.parametrize("text", ["²", "-5", "0", "9" * 25, "1e9", " 12x"])

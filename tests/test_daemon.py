@@ -9,6 +9,7 @@ import gc
 import json
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,22 @@ async def test_services_and_capabilities_join_the_agent(tmp_path: Path) -> None:
     assert gc.get_freeze_count() == 0
     await simulator.stop()
     logging_setup.close()
+
+
+async def test_capabilities_run_on_threads_named_for_them() -> None:
+    logging_setup = LoggingSetup(level="warning")
+    store = load_store(None, logging_setup)
+    assert store is not None
+    host, sysfs = probe(store.current, logging_setup.audit)
+    agent = build_agent(store, logging_setup.audit, host, sysfs, PluginIdentity("nri-qos", "10"),
+                        run_background=False)
+    try:
+        name = agent.executor.submit(lambda: threading.current_thread().name).result(timeout=5)
+    finally:
+        agent.executor.shutdown()
+        logging_setup.close()
+    # nri-qos-hook is the OCI hook executable; a thread running capabilities is not one of it.
+    assert name.startswith("nri-qos-capability_")
 
 
 async def test_sighup_reloads_and_sigterm_stops(tmp_path: Path) -> None:

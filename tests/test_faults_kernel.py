@@ -202,8 +202,9 @@ def test_removing_a_busy_pod_group_at_remove_pod_sandbox_raises_for_the_failure_
     mounts: Mounts, tmp_path: Path,
 ) -> None:
     # The capability raises; the stub's failure policy answers RemovePodSandbox empty with an
-    # audit record (strict: an error status), see test_stub::test_failing_hook_fails_open_or_
-    # strict. The orphaned group is the garbage collector's (the test above).
+    # audit record (strict: an error status), see
+    # test_stub::test_failing_capability_fails_open_or_strict. The orphaned group is the garbage
+    # collector's (the test above).
     root = intel_tree(tmp_path / "resctrl")
     sink = MemoryAuditSink()
     cfg = resctrl_config(root)

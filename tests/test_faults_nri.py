@@ -1,10 +1,10 @@
 """Faults on the runtime's side of the NRI connection, each with the outcome the agent promises.
 
 The runtime goes away in the middle of a request, restarts while pods are being created, never
-answers RegisterPlugin, configures the plugin before that answer, or waits on a hook that hangs;
-the plugin itself restarts on a node whose resctrl groups it made before. Every case runs over a
-real unix socket against the stub (or ``run_external``, the daemon's connection loop); waits are
-bounded by the deadline they check.
+answers RegisterPlugin, configures the plugin before that answer, or waits on a capability that
+hangs; the plugin itself restarts on a node whose resctrl groups it made before. Every case runs
+over a real unix socket against the stub (or ``run_external``, the daemon's connection loop);
+waits are bounded by the deadline they check.
 """
 
 from __future__ import annotations
@@ -137,20 +137,20 @@ async def session(executor: ThreadPoolExecutor) -> AsyncIterator[Start]:
 async def test_a_runtime_gone_mid_request_ends_the_session_and_the_late_answer_is_dropped(
     session: Start,
 ) -> None:
-    hook = Hanging()
-    setup = await session([hook])
+    capability = Hanging()
+    setup = await session([capability])
     await setup.runtime.handshake()
     pod = pod_message("mid")
     setup.runtime.send("RunPodSandbox", api.RunPodSandboxRequest(pod=pod).SerializeToString())
-    assert await asyncio.to_thread(hook.entered.wait, BOUND_S)
+    assert await asyncio.to_thread(capability.entered.wait, BOUND_S)
     setup.runtime.close()  # containerd dies while the plugin works on its request
     assert await setup.ended() == "connection closed by peer"
     assert not setup.stub.connected
     assert setup.stub.connection_state == "disconnected"
-    # The hook's work ends later, in its thread; its result goes nowhere (no task waits for it,
-    # nothing is raised: the conftest guard fails a test that leaves a task behind).
-    hook.release.set()
-    assert await asyncio.to_thread(hook.returned.wait, BOUND_S)
+    # The capability's work ends later, in its thread; its result goes nowhere (no task waits for
+    # it, nothing is raised: the conftest guard fails a test that leaves a task behind).
+    capability.release.set()
+    assert await asyncio.to_thread(capability.returned.wait, BOUND_S)
     # The pod was taken into the node state as the request arrived; the next Synchronize (after
     # the reconnect) decides whether it is still there.
     assert set(setup.state.snapshot().pods) == {"sb-mid"}
@@ -222,8 +222,8 @@ async def test_a_configured_session_whose_registration_is_never_answered_is_left
 
 
 async def test_configure_before_the_register_plugin_answer_is_served(session: Start) -> None:
-    hook = Quick()
-    setup = await session([hook], cfg=plugin_config(register_timeout_ms=SHORT_MS))
+    capability = Quick()
+    setup = await session([capability], cfg=plugin_config(register_timeout_ms=SHORT_MS))
     runtime = setup.runtime
     conn, frame = await runtime.frame()
     assert (conn, decode_request(frame.data).method) == (RUNTIME_SERVICE_CONN, "RegisterPlugin")
@@ -247,16 +247,16 @@ async def test_configure_before_the_register_plugin_answer_is_served(session: St
     assert setup.stub.connection_state == "synchronized"
 
 
-# -- a hook that hangs ----------------------------------------------------------------------------
+# -- a capability that hangs ----------------------------------------------------------------------
 
 
-async def test_hung_hooks_in_every_worker_still_answer_before_the_runtime_times_out(
+async def test_hung_capabilities_in_every_worker_still_answer_before_the_runtime_times_out(
     tmp_path: Path, executor: ThreadPoolExecutor,
 ) -> None:
     # The configured deadline (2 s) is longer than the runtime's request timeout: the stub keeps
-    # its own below the runtime's, and a hook that never returns costs only its own part. The
-    # simulated runtime drops a plugin that answers late, as containerd does.
-    hooks = [Hanging(), Quick()]
+    # its own below the runtime's, and a capability that never returns costs only its own part.
+    # The simulated runtime drops a plugin that answers late, as containerd does.
+    capabilities = [Hanging(), Quick()]
     runtime_timeout_ms = 400
     cfg = plugin_config(deadline_ms=2000)
     margin = cfg.plugin.deadline_margin_ms
@@ -265,7 +265,7 @@ async def test_hung_hooks_in_every_worker_still_answer_before_the_runtime_times_
     await simulator.start()
     sink = MemoryAuditSink()
     stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: cfg,
-                      capabilities=hooks, audit=AuditLog(sink), executor=executor,
+                      capabilities=capabilities, audit=AuditLog(sink), executor=executor,
                       state=NodeState())
     reader, writer = await asyncio.open_unix_connection(str(tmp_path / "nri.sock"))
     serving = asyncio.create_task(stub.serve(reader, writer))
@@ -277,24 +277,24 @@ async def test_hung_hooks_in_every_worker_still_answer_before_the_runtime_times_
             response = await simulator.send(connection, Event.CREATE_CONTAINER,
                                             pod_message(f"h{i}"), container_message(f"h{i}"))
             assert isinstance(response, api.CreateContainerResponse)
-            # Fail-open: the hung hook's part is missing; the answer came in time.
+            # Fail-open: the hung capability's part is missing; the answer came in time.
             assert dict(response.adjust.annotations) == {}
             assert connection.alive
         skipped = sink.named("adjustment_skipped")
         assert len(skipped) == 6
         assert all("deadline" in r["reason"] and "hanging" in r["reason"] for r in skipped)
     finally:
-        hooks[0].release.set()  # type: ignore[attr-defined]
+        capabilities[0].release.set()  # type: ignore[attr-defined]
         stub.close()
         await serving
         await simulator.stop()
 
 
-async def test_a_hook_that_hangs_in_strict_mode_answers_an_error_in_time(
+async def test_a_capability_that_hangs_in_strict_mode_answers_an_error_in_time(
     session: Start,
 ) -> None:
-    hook = Hanging()
-    setup = await session([hook], cfg=plugin_config(strict=True, deadline_ms=100))
+    capability = Hanging()
+    setup = await session([capability], cfg=plugin_config(strict=True, deadline_ms=100))
     await setup.runtime.handshake()
     try:
         reply = await setup.runtime.call("CreateContainer", create_request("strict"),
@@ -303,7 +303,7 @@ async def test_a_hook_that_hangs_in_strict_mode_answers_an_error_in_time(
         assert "hanging" in reply.message
         assert setup.stub.connected
     finally:
-        hook.release.set()
+        capability.release.set()
 
 
 # -- containerd restarts while pods are being created ---------------------------------------------

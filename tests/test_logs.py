@@ -1,4 +1,4 @@
-"""Logging setup: renderers, levels, bound context, the per-event line, audit lines and file."""
+"""Logging setup: renderers, levels, bound context, audit lines and file."""
 
 from __future__ import annotations
 
@@ -7,26 +7,22 @@ import json
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 
-from hooks.model import ContainerInfo, PodInfo
+from nri_plugin.chain import run_threaded
 from nri_plugin.log_context import bound_fields, current_fields, merge_fields
-from nri_plugin.logs import (
-    LoggingConfig,
-    LoggingSetup,
-    configure_logging,
-    event_context,
-    timed_event,
-)
+from nri_plugin.logs import LoggingConfig, LoggingSetup
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
-POD = PodInfo(id="sb1", uid="uid-1", name="web-0", namespace="shop")
-CONTAINER = ContainerInfo(id="c1", pod_sandbox_id="sb1", name="nginx")
+EVENT_FIELDS = {"nri_event": "create_container", "pod_namespace": "shop", "pod_name": "web-0",
+                "pod_uid": "uid-1", "container": "nginx"}
 
 
 @pytest.fixture
@@ -108,11 +104,13 @@ def test_unknown_level_override_is_rejected() -> None:
         LoggingSetup(level="loud", stream=io.StringIO())
 
 
-def test_event_context_binds_pod_and_container(make_setup: Callable[..., LoggingSetup]) -> None:
+def test_bound_fields_reach_every_line_of_the_block(
+    make_setup: Callable[..., LoggingSetup],
+) -> None:
     out = io.StringIO()
     make_setup(stream=out)
     log = structlog.get_logger()
-    with event_context("create_container", pod=POD, container=CONTAINER):
+    with bound_fields(EVENT_FIELDS):
         log.info("inside")
     log.info("outside")
     inside, outside = json_lines(out)
@@ -123,49 +121,12 @@ def test_event_context_binds_pod_and_container(make_setup: Callable[..., Logging
     assert "nri_event" not in outside
 
 
-class StepClock:
-    def __init__(self, *readings: float) -> None:
-        self.readings = list(readings)
-
-    def __call__(self) -> float:
-        return self.readings.pop(0)
-
-
-def test_timed_event_writes_one_line_with_duration(make_setup: Callable[..., LoggingSetup]) -> None:
-    out = io.StringIO()
-    make_setup(stream=out)
-    log = structlog.get_logger("nri_qos.nri")
-    with timed_event(log, "run_pod_sandbox", clock=StepClock(10.0, 10.25), pod=POD) as outcome:
-        outcome.fields["hooks"] = 3
-        log.debug("not at info")
-    (line,) = json_lines(out)
-    assert line["event"] == "nri_event"
-    assert line["duration_ms"] == 250.0
-    assert line["result"] == "ok"
-    assert line["hooks"] == 3
-    assert line["nri_event"] == "run_pod_sandbox"
-    assert line["pod_uid"] == "uid-1"
-
-
-def test_timed_event_reports_and_reraises_errors(make_setup: Callable[..., LoggingSetup]) -> None:
-    out = io.StringIO()
-    make_setup(stream=out)
-    log = structlog.get_logger("nri_qos.nri")
-    with pytest.raises(KeyError), timed_event(log, "stop_container",
-                                              clock=StepClock(1.0, 1.0005)):
-        raise KeyError("gone")
-    (line,) = json_lines(out)
-    assert line["result"] == "error"
-    assert line["error"] == "KeyError: 'gone'"
-    assert line["duration_ms"] == 0.5
-
-
 def test_audit_records_bypass_the_level_and_carry_the_context(
     make_setup: Callable[..., LoggingSetup],
 ) -> None:
     out = io.StringIO()
     setup = make_setup(LoggingConfig(level="error"), stream=out)
-    with event_context("create_container", pod=POD):
+    with bound_fields({"nri_event": "create_container", "pod_uid": "uid-1"}):
         setup.audit.record("adjustment_applied", pod_uid="uid-1", container="nginx",
                            qos_level="reclaimed_cores", fields=("memory_high",))
     (line,) = json_lines(out)
@@ -243,19 +204,6 @@ def test_standard_library_logging_is_routed(make_setup: Callable[..., LoggingSet
     assert len(json_lines(out)) == 1
 
 
-def test_configure_logging_returns_the_production_audit_log(
-    make_setup: Callable[..., LoggingSetup],
-) -> None:
-    out = io.StringIO()
-    audit = configure_logging(LoggingConfig(), "info", out)
-    audit.record("taint_removed", node="n1", taint="k:NoSchedule", reason="pressure gone")
-    (line,) = json_lines(out)
-    assert line["event"] == "taint_removed"
-    assert line["audit"] is True
-    # Leave the global state as the fixture expects to find it.
-    make_setup(stream=io.StringIO())
-
-
 def test_values_json_cannot_encode_are_rendered(make_setup: Callable[..., LoggingSetup]) -> None:
     from types import MappingProxyType
 
@@ -299,3 +247,17 @@ def test_nested_event_fields_and_their_reset() -> None:
                             "pod_uid": "u1"}
         assert dict(current_fields()) == {"nri_event": "outer", "pod_uid": "u1"}
     assert dict(current_fields()) == {}
+
+
+async def test_a_capability_in_a_worker_thread_sees_the_event_fields() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def capability() -> None:
+        seen.append((threading.current_thread().name, dict(current_fields())))
+
+    fields = {"nri_event": "run_pod_sandbox", "pod_uid": "u1"}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker") as executor, \
+            bound_fields(fields):
+        outcome = await run_threaded([("c", capability)], executor, deadline_ms=5000)
+    assert outcome.complete
+    assert seen == [("worker_0", fields)]

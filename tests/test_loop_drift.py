@@ -149,7 +149,7 @@ def test_v1_reservation_from_requests_known_through_the_api(tmp_path: Path) -> N
 def test_stopped_containers_are_left_alone(tmp_path: Path) -> None:
     host, state, loop, sink = build(tmp_path, 1, "cgroupfs")
     pod = host.add_pod(UID, tier="besteffort")
-    state.put_pod(pod.info, Event.RUN_POD_SANDBOX)
+    state.pod_view(pod.info.id, lambda: pod.info)
     state.put_container(pod.info.id, pod.containers[0].info, Event.STOP_CONTAINER, running=False)
     assert state.snapshot().containers  # known, but not running
     loop.cycle(0.0)
@@ -181,7 +181,8 @@ def test_an_unusable_cgroups_path_is_said_once_while_its_container_runs(tmp_path
     with capture_logs() as logs:
         state.replace_all([pod.info], [odd])
         loop.cycle(0.0)
-        state.put_pod(pod.info, Event.RUN_POD_SANDBOX)  # a new snapshot, the container still runs
+        # a new snapshot, the container still runs
+        state.put_container(pod.info.id, odd, Event.UPDATE_CONTAINER)
         loop.cycle(1.0)
         # Gone, then back (a new container with the same id): said again, nothing was kept.
         state.replace_all([pod.info], [])

@@ -46,7 +46,7 @@ def test_synchronize_then_events() -> None:
     assert sorted(c.info.id for c in snap.containers) == ["c1-0", "c2-0"]
     assert snap.pod_uids == {"uid-1", "uid-2"}
 
-    state.put_pod(pod(3), Event.RUN_POD_SANDBOX)
+    state.pod_view("s3", lambda: pod(3))  # RunPodSandbox
     started(state, 3, Event.CREATE_CONTAINER)
     started(state, 3)
     started(state, 1, Event.STOP_CONTAINER)

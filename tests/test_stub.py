@@ -39,7 +39,7 @@ ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request
 
 
 class Recorder(Capability):
-    """A hook that records its calls and answers CreateContainer with fixed settings."""
+    """A capability that records its calls and answers CreateContainer with fixed settings."""
 
     def __init__(self, name: str, events: Sequence[Event] = (Event.CREATE_CONTAINER,), *,
                  settings: ContainerSettings = EMPTY_SETTINGS, block: threading.Event | None = None,
@@ -157,10 +157,10 @@ async def test_registers_with_name_index_and_version(make) -> None:
         "nri-qos", "10", "v0.12.2")
 
 
-async def test_mask_is_hooks_plus_state_events_within_new_runtime(make) -> None:
-    hook = Recorder("h", (Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER,
+async def test_mask_is_capabilities_plus_state_events_within_new_runtime(make) -> None:
+    capability = Recorder("h", (Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER,
                           Event.VALIDATE_CONTAINER_ADJUSTMENT))
-    setup = await make([hook])
+    setup = await make([capability])
     expected = {Event.RUN_POD_SANDBOX, Event.REMOVE_POD_SANDBOX, Event.CREATE_CONTAINER,
                 Event.REMOVE_CONTAINER, Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER}
     assert setup.conn.events == sum(e.bit for e in expected)
@@ -169,14 +169,14 @@ async def test_mask_is_hooks_plus_state_events_within_new_runtime(make) -> None:
 @pytest.mark.parametrize("runtime", [OLD_RUNTIME, ANCIENT_RUNTIME])
 async def test_mask_never_exceeds_old_runtime_limit(make, runtime: RuntimeSpec) -> None:
     # The simulator drops a plugin whose mask has bits outside 0x7ff, as the runtime does.
-    hook = Recorder("h", (Event.UPDATE_POD_SANDBOX, Event.POST_UPDATE_POD_SANDBOX))
-    setup = await make([hook], runtime=runtime)
+    capability = Recorder("h", (Event.UPDATE_POD_SANDBOX, Event.POST_UPDATE_POD_SANDBOX))
+    setup = await make([capability], runtime=runtime)
     assert setup.conn.events & ~0x7FF == 0
     assert setup.conn.events != 0
     assert setup.conn.alive
 
 
-async def test_create_container_merges_hooks_and_audits_conflicts(make) -> None:
+async def test_create_container_merges_capabilities_and_audits_conflicts(make) -> None:
     first = Recorder("first", settings=ContainerSettings(
         oom_score_adj=1000, annotations={"a": "1"},
         hooks=(OciHookSpec(HookStage.PRESTART, "/bin/true", ("true",), timeout_s=5),)))
@@ -198,16 +198,16 @@ async def test_create_container_merges_hooks_and_audits_conflicts(make) -> None:
     assert setup.sink.named("adjustment_applied")[0]["container"] == "name-c1"
 
 
-async def test_hooks_get_resolved_level_and_bad_values_are_audited(make) -> None:
-    hook = Recorder("h", (Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER))
-    setup = await make([hook])
+async def test_capabilities_get_resolved_level_and_bad_values_are_audited(make) -> None:
+    capability = Recorder("h", (Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER))
+    setup = await make([capability])
     offline = pod("uid-2", **{"qos.nri-qos.io/level": "reclaimed_cores"})
     weird = pod("uid-3", **{"qos.nri-qos.io/level": "turbo"})
     await setup.simulator.send(setup.conn, Event.RUN_POD_SANDBOX, offline)
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, weird, container("c3", "uid-3"))
-    assert hook.calls[0] == ("run_pod_sandbox", "uid-2", "reclaimed_cores")
+    assert capability.calls[0] == ("run_pod_sandbox", "uid-2", "reclaimed_cores")
     # The bad annotation falls through to the QoS class of the cgroup parent (besteffort).
-    assert hook.calls[1] == ("create_container", "c3", "reclaimed_cores")
+    assert capability.calls[1] == ("create_container", "c3", "reclaimed_cores")
     skipped = setup.sink.named("adjustment_skipped")
     assert any("turbo" in record["reason"] for record in skipped)
 
@@ -215,8 +215,8 @@ async def test_hooks_get_resolved_level_and_bad_values_are_audited(make) -> None
 @pytest.mark.parametrize(("runtime", "field"), [
     (RuntimeSpec(), "clos_id"), (OLD_RUNTIME, "rdt_class")])
 async def test_clos_field_follows_runtime(make, runtime: RuntimeSpec, field: str) -> None:
-    hook = Recorder("rdt", settings=ContainerSettings(rdt_class="nriqos-reclaimed_cores"))
-    setup = await make([hook], runtime=runtime)
+    capability = Recorder("rdt", settings=ContainerSettings(rdt_class="nriqos-reclaimed_cores"))
+    setup = await make([capability], runtime=runtime)
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert isinstance(response, api.CreateContainerResponse)
     adjust = response.adjust
@@ -232,8 +232,8 @@ BEFORE_OOM = RuntimeSpec(version="v1.7.25", nri_version="", request_timeout_ms=0
 
 
 async def test_oom_score_adj_dropped_where_runtime_ignores_it(make) -> None:
-    hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
-    setup = await make([hook], runtime=BEFORE_OOM)
+    capability = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
+    setup = await make([capability], runtime=BEFORE_OOM)
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert isinstance(response, api.CreateContainerResponse)
     assert not response.adjust.linux.HasField("oom_score_adj")
@@ -242,8 +242,8 @@ async def test_oom_score_adj_dropped_where_runtime_ignores_it(make) -> None:
 
 async def test_oom_score_adj_answered_from_containerd_1_7_26(make) -> None:
     # containerd 1.7.26+ vendors NRI 0.8.0, whose adaptation applies oom_score_adj.
-    hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
-    setup = await make([hook], runtime=OLD_RUNTIME)
+    capability = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000))
+    setup = await make([capability], runtime=OLD_RUNTIME)
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert isinstance(response, api.CreateContainerResponse)
     assert response.adjust.linux.oom_score_adj.value == 1000
@@ -251,8 +251,10 @@ async def test_oom_score_adj_answered_from_containerd_1_7_26(make) -> None:
 
 
 async def test_oom_score_adj_left_to_the_reconciler_where_runtime_ignores_it(make) -> None:
-    hook = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000, annotations={"a": "b"}))
-    setup = await make([hook], runtime=BEFORE_OOM, reconciler_fields=frozenset({"oom_score_adj"}))
+    capability = Recorder("oom", settings=ContainerSettings(oom_score_adj=1000,
+                                                            annotations={"a": "b"}))
+    setup = await make([capability], runtime=BEFORE_OOM,
+                       reconciler_fields=frozenset({"oom_score_adj"}))
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     assert isinstance(response, api.CreateContainerResponse)
     assert not response.adjust.linux.HasField("oom_score_adj")
@@ -263,7 +265,7 @@ async def test_oom_score_adj_left_to_the_reconciler_where_runtime_ignores_it(mak
     assert setup.sink.named("adjustment_skipped") == []
 
 
-async def test_slow_hook_answers_partial_adjustment_before_deadline(make) -> None:
+async def test_slow_capability_answers_partial_adjustment_before_deadline(make) -> None:
     block = threading.Event()
     fast = Recorder("fast", settings=ContainerSettings(annotations={"fast": "yes"}))
     slow = Recorder("slow", settings=ContainerSettings(annotations={"slow": "yes"}), block=block)
@@ -281,7 +283,7 @@ async def test_slow_hook_answers_partial_adjustment_before_deadline(make) -> Non
     assert setup.conn.alive
 
 
-async def test_slow_hook_in_strict_mode_answers_error(make) -> None:
+async def test_slow_capability_in_strict_mode_answers_error(make) -> None:
     block = threading.Event()
     slow = Recorder("slow", block=block)
     setup = await make([slow], cfg=config(deadline_ms=100, strict=True))
@@ -298,7 +300,7 @@ async def test_deadline_stays_below_runtime_timeout(make) -> None:
     assert setup.stub.deadline_ms() == 600 - Config().plugin.deadline_margin_ms
 
 
-async def test_failing_hook_fails_open_or_strict(make) -> None:
+async def test_failing_capability_fails_open_or_strict(make) -> None:
     ok = Recorder("ok", settings=ContainerSettings(annotations={"ok": "1"}))
     bad = Recorder("bad", error=OSError("resctrl gone"))
     setup = await make([bad, ok])
@@ -315,16 +317,16 @@ async def test_failing_hook_fails_open_or_strict(make) -> None:
 
 
 async def test_invalid_input_fails_open_or_strict(make) -> None:
-    hook = Recorder("h", settings=ContainerSettings(annotations={"x": "1"}))
-    setup = await make([hook])
+    capability = Recorder("h", settings=ContainerSettings(annotations={"x": "1"}))
+    setup = await make([capability])
     nameless = container(cid="")
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), nameless)
     assert isinstance(response, api.CreateContainerResponse)
     assert response.adjust.ByteSize() == 0
     assert "invalid input" in setup.sink.named("adjustment_skipped")[0]["reason"]
-    assert hook.calls == []
+    assert capability.calls == []
 
-    strict = await make([hook], cfg=config(strict=True))
+    strict = await make([capability], cfg=config(strict=True))
     with pytest.raises(RpcError) as error:
         await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), nameless)
     assert error.value.code == StatusCode.INVALID_ARGUMENT
@@ -334,9 +336,9 @@ ALL_EVENTS = [e for e in Event if e is not Event.VALIDATE_CONTAINER_ADJUSTMENT]
 
 
 @pytest.mark.parametrize("runtime", [RuntimeSpec(), OLD_RUNTIME], ids=["dedicated", "statechange"])
-async def test_every_event_reaches_hooks(make, runtime: RuntimeSpec) -> None:
-    hook = Recorder("all", ALL_EVENTS)
-    setup = await make([hook], runtime=runtime)
+async def test_every_event_reaches_capabilities(make, runtime: RuntimeSpec) -> None:
+    capability = Recorder("all", ALL_EVENTS)
+    setup = await make([capability], runtime=runtime)
     sent = []
     for event in ALL_EVENTS:
         if not setup.conn.subscribed(event):
@@ -346,7 +348,7 @@ async def test_every_event_reaches_hooks(make, runtime: RuntimeSpec) -> None:
                                 Event.POST_UPDATE_POD_SANDBOX) else container()
         await setup.simulator.send(setup.conn, event, pod(), ctr)
         sent.append(event.name.lower())
-    assert [call[0] for call in hook.calls] == sent
+    assert [call[0] for call in capability.calls] == sent
     methods = {answer.method for answer in setup.conn.answers}
     if runtime.nri_version:
         assert "StateChange" not in methods
@@ -379,13 +381,13 @@ async def test_validate_is_unimplemented_and_shutdown_is_a_no_op(make) -> None:
 
 
 async def test_split_synchronize_is_accumulated(make) -> None:
-    hook = Recorder("h")
+    capability = Recorder("h")
     pods = [pod(f"uid-{i}") for i in range(5)]
     containers = [container(f"c{i}", f"uid-{i}") for i in range(3)]
-    setup = await make([hook], runtime=RuntimeSpec(sync_chunk=2), pods=pods,
+    setup = await make([capability], runtime=RuntimeSpec(sync_chunk=2), pods=pods,
                        containers=containers)
     assert [r.more for r in setup.conn.sync_responses] == [True, True, False]
-    assert hook.synced == [([f"uid-{i}" for i in range(5)], ["c0", "c1", "c2"])]
+    assert capability.synced == [([f"uid-{i}" for i in range(5)], ["c0", "c1", "c2"])]
 
 
 async def test_update_containers_from_outside_a_handler(make) -> None:
@@ -402,8 +404,8 @@ async def test_update_containers_refused_inside_a_handler(make, executor) -> Non
     class Eager(Recorder):
         stub: PluginStub
 
-    hook = Eager("eager", (Event.RUN_POD_SANDBOX,))
-    setup = await make([hook])
+    capability = Eager("eager", (Event.RUN_POD_SANDBOX,))
+    setup = await make([capability])
     # Call from the handler's own task context, as a handler would.
     original = setup.stub._finish_later
 
@@ -444,8 +446,8 @@ async def test_failing_synchronize_stays_connected_even_when_strict(make) -> Non
 async def test_one_canonical_log_line_per_event(make) -> None:
     stream = io.StringIO()
     LoggingSetup(LoggingConfig(format="json"), level="info", stream=stream)
-    hook = Recorder("h", settings=ContainerSettings(annotations={"a": "1"}))
-    setup = await make([hook])
+    capability = Recorder("h", settings=ContainerSettings(annotations={"a": "1"}))
+    setup = await make([capability])
     stream.seek(0)
     stream.truncate()
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
@@ -496,7 +498,7 @@ class ThreadProbe(Capability):
         return EMPTY_SETTINGS
 
 
-async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -> None:
+async def test_computing_capabilities_run_on_the_loop_blocking_ones_in_a_worker(make) -> None:
     loop_thread = threading.get_ident()
     fast_a, fast_b = ThreadProbe("a", inline=True), ThreadProbe("b", inline=True)
     setup = await make([fast_a, fast_b])
@@ -508,7 +510,7 @@ async def test_computing_hooks_run_on_the_loop_blocking_ones_in_a_worker(make) -
     assert reader is not None
     assert reader.get_coro().__qualname__ == "TtrpcPeer.run"  # type: ignore[union-attr]
 
-    # One hook that may block moves the whole chain, in order, to a worker thread.
+    # One capability that may block moves the whole chain, in order, to a worker thread.
     fast, slow = ThreadProbe("fast", inline=True), ThreadProbe("slow", inline=False)
     setup = await make([fast, slow])
     await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
@@ -527,10 +529,10 @@ async def assert_fails_open(setup: Setup, reason: str) -> None:
     assert reason in skipped["reason"]
 
 
-async def test_inline_hook_raising_cancelled_error_fails_open(make) -> None:
-    hook = Recorder("cancels", settings=ContainerSettings(oom_score_adj=900),
-                    error=asyncio.CancelledError("hook code"), inline=True)
-    setup = await make([hook])
+async def test_inline_capability_raising_cancelled_error_fails_open(make) -> None:
+    capability = Recorder("cancels", settings=ContainerSettings(oom_score_adj=900),
+                          error=asyncio.CancelledError("capability code"), inline=True)
+    setup = await make([capability])
     await assert_fails_open(setup, "capability cancels failed: CancelledError")
 
 
@@ -554,8 +556,8 @@ def test_failed_create_container_answers_an_empty_payload(executor: ThreadPoolEx
     assert "ValueError" in skipped["reason"]
 
 
-async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:
-    # A value no adjustment can carry (beyond int64) breaks building the answer, not a hook.
+async def test_failure_outside_the_capabilities_fails_open_or_strict(make) -> None:
+    # A value no adjustment can carry (beyond int64) breaks building the answer, not a capability.
     huge = Recorder("huge", settings=ContainerSettings(memory_reservation=1 << 70))
     setup = await make([huge])
     await assert_fails_open(setup, "ValueError")
@@ -594,8 +596,8 @@ def envelope_request(method: str, message: Any) -> Any:
 
 
 async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExecutor) -> None:
-    # The runtime gives the whole split Synchronize one request timeout: the hooks of the last
-    # chunk only get what the earlier chunks left of the deadline.
+    # The runtime gives the whole split Synchronize one request timeout: the capabilities of the
+    # last chunk only get what the earlier chunks left of the deadline.
     now = [0.0]
     release = threading.Event()
 

@@ -63,7 +63,15 @@ class ConfigError(Exception):
 
 
 def parse_size(text: str) -> int:
-    """Parse ``"4Gi"``, ``"512MiB"``, ``"100M"`` or ``"4096"`` into bytes."""
+    """Parse ``"4Gi"``, ``"512MiB"``, ``"100M"`` or ``"4096"`` into bytes.
+
+    Not ``kubernetes.utils.parse_quantity``, which reads Kubernetes quantities, not byte sizes:
+    it refuses ``"512MiB"`` and ``"7 B"``, takes ``"100m"`` as 0.1 (milli) and ``"0.5"`` as a
+    fraction of a byte, accepts ``"-1Gi"`` and ``"1e3"``, and returns a ``Decimal`` that would
+    still need checking for a whole non-negative number. Importing it also costs some 150 ms
+    (``python -X importtime``) in commands that otherwise never load the Kubernetes client, and
+    only the API client module may import ``kubernetes`` (import-linter's ``one-api-client``).
+    """
     m = _SIZE_RE.match(text)
     if not m:
         raise ValueError(f"not a byte size: {text!r} (use e.g. 4Gi, 512Mi, 100M or a number)")

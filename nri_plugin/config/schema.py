@@ -92,7 +92,7 @@ class PluginConfig:
     )
     strict: bool = setting(
         False,
-        "On invalid input, a failed hook or a missed deadline, answer with an error status "
+        "On invalid input, a failed capability or a missed deadline, answer with an error status "
         "(fails the pod or container) instead of a partial adjustment.",
     )
     register_timeout_ms: int = setting(

@@ -40,9 +40,6 @@ _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
 
 RECLAIMED_TIER = "tier:reclaimed"
 
-Config = Callable[[], EvictionConfig]
-
-
 def largest_first(active: Sequence[ActivePod], levels: Sequence[str],
                   top_n: int) -> list[ActivePod]:
     """Pods of ``levels``, largest anonymous memory first (unknown last), at most ``top_n``."""
@@ -54,7 +51,8 @@ def largest_first(active: Sequence[ActivePod], levels: Sequence[str],
 class PressurePlugin:
     """A plugin over the worst of some readings; see the module doc."""
 
-    def __init__(self, name: str, condition: str, board: Board, config: Config,
+    def __init__(self, name: str, condition: str, board: Board,
+                 config: Callable[[], EvictionConfig],
                  wants: Callable[[Reading, EvictionConfig], bool],
                  levels: Callable[[EvictionConfig], Sequence[str]]) -> None:
         self._name = name
@@ -101,7 +99,7 @@ class RssOverusePlugin:
 
     name = "rss_overuse"
 
-    def __init__(self, board: Board, config: Config) -> None:
+    def __init__(self, board: Board, config: Callable[[], EvictionConfig]) -> None:
         self._board = board
         self._config = config
 
@@ -152,7 +150,8 @@ IN_TREE_CONDITIONS = (SYSTEM_CONDITION, NUMA_CONDITION, RECLAIMED_CONDITION)
 """The node conditions the in-tree plugins keep (nri-qos reset takes them off)."""
 
 
-def in_tree_plugins(board: Board, config: Config) -> dict[str, EvictionPlugin]:
+def in_tree_plugins(board: Board,
+                    config: Callable[[], EvictionConfig]) -> dict[str, EvictionPlugin]:
     """Every in-tree plugin by name; ``[eviction] plugins`` says which of them run."""
 
     def pressure_levels(cfg: EvictionConfig) -> Sequence[str]:

@@ -49,7 +49,9 @@ class PodFacts:
             self.annotations.get(CONFIG_SOURCE_ANNOTATION) in STATIC_SOURCES
 
 
-class FilterConfig(Protocol):
+class FilterRules(Protocol):
+    """What the filter applies of the eviction section (``EvictionConfig`` has it)."""
+
     @property
     def priority_threshold(self) -> int: ...
 
@@ -66,7 +68,7 @@ class FilterConfig(Protocol):
 class PodFilter:
     """The refusals, in the order they are checked; the first that applies is the reason."""
 
-    def __init__(self, cfg: FilterConfig) -> None:
+    def __init__(self, cfg: FilterRules) -> None:
         self.cfg = cfg
         self._selectors: tuple[Selector, ...] = tuple(
             parse_selector(text) for text in cfg.exclude_selectors)

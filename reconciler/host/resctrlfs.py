@@ -219,8 +219,3 @@ class ResctrlFs:
         if moved:
             self._audit.record("tasks_moved", group=group, count=moved, monitor=monitor)
         return moved
-
-    def read_tasks(self, group: str | None, *, monitor: bool = False) -> frozenset[int]:
-        """The task ids in a group (None: the root group); empty when it is gone."""
-        data = self.sysfs.read_bytes(self.tasks_file(group, monitor=monitor)) or b""
-        return frozenset(map(int, data.split()))

@@ -52,7 +52,7 @@ _V1_FILES = (("memory_limit", "memory.limit_in_bytes"),
              ("memory_reservation", "memory.soft_limit_in_bytes"))
 
 
-class DriftConfig(Protocol):
+class DriftSections(Protocol):
     """The sections the drift loop reads."""
 
     @property
@@ -66,14 +66,15 @@ class DriftConfig(Protocol):
 
 
 class DriftLoop(Loop):
-    """``memory_total`` is the host's memory (bytes), as the creation hook reads it (the host
-    probe), so both compute the same memory.high for a container without a limit."""
+    """``memory_total`` is the host's memory (bytes), as the memory QoS capability reads it at
+    creation (the host probe), so both compute the same memory.high for a container without a
+    limit."""
 
     name = "drift"
     wake_events = frozenset({Event.START_CONTAINER, Event.UPDATE_CONTAINER})
     wake_on_meta = True
 
-    def __init__(self, config: Callable[[], DriftConfig], state: NodeState, sysfs: SysFs,
+    def __init__(self, config: Callable[[], DriftSections], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, memory_total: int, *,
                  audit: AuditLog | None = None, managed: ManagedCache | None = None) -> None:
         self._audit = audit
@@ -85,7 +86,7 @@ class DriftLoop(Loop):
         self._layout = layout
         self._memory_total = memory_total
         self._managed = ManagedCache() if managed is None else managed
-        self._desired_key: tuple[tuple[Managed, ...], DriftConfig] | None = None
+        self._desired_key: tuple[tuple[Managed, ...], DriftSections] | None = None
         self._desired: list[tuple[Managed, ContainerSettings]] = []
 
     def interval(self) -> float:
@@ -105,7 +106,7 @@ class DriftLoop(Loop):
                             pod_uid=item.view.pod.info.uid, error=str(exc))
 
     def _desired_for(self, managed: tuple[Managed, ...],
-                     cfg: DriftConfig) -> list[tuple[Managed, ContainerSettings]]:
+                     cfg: DriftSections) -> list[tuple[Managed, ContainerSettings]]:
         if self._desired_key is not None and self._desired_key[0] is managed \
                 and self._desired_key[1] is cfg:
             return self._desired

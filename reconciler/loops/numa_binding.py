@@ -78,7 +78,7 @@ class BalanceSwitch(Protocol):
     def enabled(self) -> bool: ...
 
 
-class NumaBindingConfig(Protocol):
+class NumaBindingSections(Protocol):
     """The sections the NUMA binding loop reads (the guard's watermark decides the headroom)."""
 
     @property
@@ -119,7 +119,7 @@ class NumaBindingLoop(Loop):
     wake_events = frozenset({Event.START_CONTAINER})
     wake_on_meta = True
 
-    def __init__(self, config: Callable[[], NumaBindingConfig], state: NodeState, sysfs: SysFs,
+    def __init__(self, config: Callable[[], NumaBindingSections], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog, *,
                  managed: ManagedCache | None = None, notes: StateFile | None = None) -> None:
         self._notes = notes if notes is not None else StateFile(None)

@@ -82,7 +82,7 @@ class _Moves:
             (self.monitor if monitor else self.control).setdefault(group, []).append(tid)
 
 
-class ResctrlTasksConfig(Protocol):
+class ResctrlTasksSections(Protocol):
     """The sections the task-id loop reads."""
 
     @property
@@ -97,7 +97,7 @@ class ResctrlTasksLoop(Loop):
     wake_events = frozenset({Event.START_CONTAINER, Event.RUN_POD_SANDBOX})
     wake_on_meta = True
 
-    def __init__(self, config: Callable[[], ResctrlTasksConfig], state: NodeState, sysfs: SysFs,
+    def __init__(self, config: Callable[[], ResctrlTasksSections], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, resctrl: ResctrlFs, audit: AuditLog, *,
                  managed: ManagedCache | None = None) -> None:
         self._config = config
@@ -180,7 +180,7 @@ class ResctrlTasksLoop(Loop):
     # -- targets ---------------------------------------------------------------------------------
 
     def _targets_for(self, managed: tuple[Managed, ...], existing: frozenset[str],
-                     cfg: ResctrlTasksConfig) -> dict[str, Target]:
+                     cfg: ResctrlTasksSections) -> dict[str, Target]:
         key = (managed, existing)
         if self._targets_key is not None and self._targets_key[0] is managed \
                 and self._targets_key[1] == existing:
@@ -283,7 +283,7 @@ class ResctrlTasksLoop(Loop):
 
     # -- group maintenance -----------------------------------------------------------------------
 
-    def _keep_class_groups(self, cfg: ResctrlTasksConfig, existing: set[str]) -> set[str]:
+    def _keep_class_groups(self, cfg: ResctrlTasksSections, existing: set[str]) -> set[str]:
         """Repair the class groups (a removed one is made again); the groups that were made."""
         plan = plan_class_groups(cfg.resctrl, self._resctrl.info, existing)
         changed = self._resctrl.apply_class_groups(

@@ -24,6 +24,9 @@ from typing import Any
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.state import NodeState, report_refusals
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capability import Capability
@@ -35,7 +38,6 @@ from nri_plugin.metrics_server import MetricsEndpoint
 from nri_plugin.status import StatusServer, StatusSources, ladder_sections, status_document
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.version import agent_version
-from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board, Level
 from reconciler.eviction.builtin import in_tree_plugins
@@ -49,11 +51,9 @@ from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
 from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, restore_host, run_reconciler
-from reconciler.state import NodeState, report_refusals
 
 HOOK_THREADS = 4
 """Worker threads running capabilities that may block; more than one so one stuck past its

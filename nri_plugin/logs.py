@@ -29,11 +29,11 @@ from typing import Any, TextIO, cast
 import structlog
 from structlog.typing import Processor
 
+from common.audit import AuditLog
 from hooks.config_fields import setting
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
 from nri_plugin.log_context import bound_fields, merge_fields
-from reconciler.audit import AuditLog
 
 LEVELS: Mapping[str, int] = {
     "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,

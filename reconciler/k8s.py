@@ -32,10 +32,10 @@ from kubernetes import config as k8s_config
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
+from common.aio import Backoff, done_or_stopped, sleep_until
+from common.audit import AuditLog
+from common.podmeta import OwnerRef, PodMeta, pod_meta_from_object
 from hooks.config_fields import setting
-from reconciler.aio import Backoff, done_or_stopped, sleep_until
-from reconciler.audit import AuditLog
-from reconciler.podmeta import OwnerRef, PodMeta, pod_meta_from_object
 
 _log = structlog.get_logger(__name__)
 

@@ -1,6 +1,6 @@
 """Starting the reconciler: every loop (and the pod watch) in one TaskGroup until stop is set.
 
-Each loop gets its own wake event. :class:`~reconciler.state.NodeState` calls back from the
+Each loop gets its own wake event. :class:`~common.state.NodeState` calls back from the
 thread that applied an NRI event or a pod-watch change; the callback hands the ``set()`` to the
 event loop with ``call_soon_threadsafe``, so a new container gets its resctrl group and settings
 at once rather than at the next period. Cycles run in a thread pool owned by the reconciler (one
@@ -17,9 +17,11 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.model import ReadKeys
 from hooks.resctrl_config import ResctrlConfig
-from reconciler.audit import AuditLog
 from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile
@@ -43,9 +45,7 @@ from reconciler.loops.numa_binding import (
 )
 from reconciler.loops.offload import OffloadLoop, OffloadSections
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import restore_wmark
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -10,8 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.podmeta import pod_meta_from_object
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.eviction.api import (
     ActivePod,
     EvictPods,
@@ -25,9 +28,6 @@ from reconciler.eviction.manager import EvictionManager
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
-from reconciler.metrics import Metrics
-from reconciler.podmeta import pod_meta_from_object
-from reconciler.state import NodeState
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.fakesys import FakeHost, FakePod
 

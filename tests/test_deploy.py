@@ -493,7 +493,7 @@ def test_image_smoke_commands_pass() -> None:
 def test_only_k8s_module_imports_the_client() -> None:
     importers = {
         str(path.relative_to(REPO))
-        for package in ("nri_plugin", "hooks", "reconciler")
+        for package in ("nri_plugin", "hooks", "reconciler", "common")
         for path in (REPO / package).rglob("*.py")
         if re.search(r"^\s*(import|from) kubernetes\b", path.read_text(), re.MULTILINE)
     }
@@ -505,7 +505,7 @@ def test_every_package_of_the_tree_is_installed() -> None:
     listed = set(pyproject["tool"]["setuptools"]["packages"])
     found = {
         ".".join(init.parent.relative_to(REPO).parts)
-        for top in ("nri_plugin", "hooks", "reconciler", "protos")
+        for top in ("nri_plugin", "hooks", "reconciler", "common", "protos")
         for init in (REPO / top).rglob("__init__.py")
     }
     assert found == listed

@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.signals import Level
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import Candidate, DropCacheAction, page_cache, plan
-from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod
 from tests.paths import REPO
 from tests.polling import eventually

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from reconciler.audit import AuditLog, MemoryAuditSink
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
 from reconciler.k8s import (
     EvictionOutcome,
     KubeActions,
@@ -27,7 +28,6 @@ from reconciler.k8s import (
     NodeOutcome,
     PodWatcher,
 )
-from reconciler.podmeta import PodMeta
 from tests.eviction_env import NODE, forced, make_env
 from tests.fake_apiserver import (
     FakeApiServer,

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.sysfs import SysFs
@@ -22,7 +23,6 @@ from reconciler.loops.memory_guard import (
     parse_numa_stat,
     target_cap,
 )
-from reconciler.metrics import Metrics
 from tests.fakesys import GIB, MIB, READ_ONLY_NUMBER, FakeHost, refuse_writes, write
 
 STEP = 1 * GIB

@@ -24,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 import nri_plugin.metrics_server
+from common.aio import Backoff
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
 from hooks.events import Event
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.config.store import ConfigStore
@@ -34,13 +37,10 @@ from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
 from nri_plugin.version import agent_version
-from reconciler.aio import Backoff
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
-from reconciler.metrics import Metrics
 from tests.fakesys import GIB, FakeHost, nri_messages, write
 from tests.resctrl_trees import intel_tree
 from tests.test_daemon_reconciler import LEVEL

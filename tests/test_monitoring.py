@@ -16,9 +16,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.metrics import Metrics
 from nri_plugin.cli import build_parser
 from reconciler.detection.signals import NODE, Board, Level, Reading
-from reconciler.metrics import Metrics
 from tests.paths import REPO
 from tests.test_deploy import BASE, COMPONENTS, _container, _one, assert_parses_into_models, built
 

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.statefile import state_file
 from reconciler.k8s import (
@@ -21,7 +22,6 @@ from reconciler.k8s import (
     NodeOutcome,
     build_api_client,
 )
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause, TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.statefile import StateFile
@@ -29,8 +31,6 @@ from reconciler.loops.numa_binding import (
     NumaBindingLoop,
     restore_bindings,
 )
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 from tests.fakesys import GIB, MIB, FakeHost, FakePod
 
 MARK = Watermark(4 * GIB, 1.0, None)  # every node's watermark: 4 GiB

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from nri_plugin.config.schema import Config
 from nri_plugin.features import evaluate, kubernetes_feature
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs
 from reconciler.loops.offload import (
@@ -39,8 +41,6 @@ from reconciler.loops.offload import (
     parse_counters,
     share,
 )
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod
 from tests.processes import children_of
 

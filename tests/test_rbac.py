@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import OwnerRef, PodMeta
 from reconciler import k8s
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.k8s import (
     KubeActions,
     KubernetesConfig,
@@ -28,7 +29,6 @@ from reconciler.k8s import (
     build_api_client,
     node_name,
 )
-from reconciler.podmeta import OwnerRef, PodMeta
 from tests.fake_apiserver import FakeApiServer, Recorded, make_pod, write_kubeconfig
 from tests.paths import REPO
 

@@ -19,19 +19,19 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import NodePsi, PressureLevels, psi_path
 from reconciler.detection.signals import NODE, Board, Level, Reading, tier_scope
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
-from reconciler.state import NodeState
 from tests.polling import eventually
 from tests.realroot import MIB, RealRoot, Worker, unavailable
 

@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
@@ -29,9 +32,6 @@ from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 
 OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
 ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,

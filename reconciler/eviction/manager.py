@@ -35,9 +35,11 @@ from typing import Protocol, TypeVar
 
 import structlog
 
+from common.aio import Backoff, sleep_until
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.state import NodeState, Snapshot
 from hooks.untrusted import bounded
-from reconciler.aio import Backoff, sleep_until
-from reconciler.audit import AuditLog
 from reconciler.eviction.api import (
     ActivePod,
     EvictionPlugin,
@@ -55,8 +57,6 @@ from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
 from reconciler.k8s import EvictionOutcome, KubeActions, NodeOutcome, PodRef
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState, Snapshot
 
 log = structlog.get_logger("nri_qos.eviction")
 

@@ -33,11 +33,11 @@ import grpc
 import grpc.aio
 import structlog
 
+from common.audit import AuditLog
 from hooks.levels import QosLevel
 from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
-from reconciler.audit import AuditLog
 from reconciler.eviction.api import (
     PLUGIN_NAME,
     ActivePod,

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
 from hooks.untrusted import bounded, bounded_repr
-from reconciler.audit import AuditLog
-from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.sysfs")
 

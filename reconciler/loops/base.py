@@ -19,11 +19,11 @@ from types import MappingProxyType
 
 import structlog
 
+from common.aio import Backoff, sleep_until
+from common.metrics import Metrics
 from hooks.config_fields import setting
 from hooks.events import Event
 from hooks.untrusted import bounded
-from reconciler.aio import Backoff, sleep_until
-from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -65,9 +65,10 @@ from typing import Protocol
 
 import structlog
 
+from common.aio import Callbacks
+from common.audit import AuditLog
+from common.metrics import Metrics
 from hooks.config_fields import setting
-from reconciler.aio import Callbacks
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.memstat import anon_bytes
 from reconciler.host.numa import (
@@ -81,7 +82,6 @@ from reconciler.host.numa import (
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
-from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -40,9 +40,11 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile
@@ -57,8 +59,6 @@ from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, noted_elsewhere, restore_bindings
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -68,17 +68,17 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import MEMINFO, meminfo_values
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -14,9 +14,10 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
 from hooks.levels import QosLevel
 from hooks.units import quantity
-from reconciler.audit import AuditLog
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
 from reconciler.host.probe import HostInfo
@@ -24,7 +25,6 @@ from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.k8s import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
-from reconciler.metrics import Metrics
 from reconciler.mitigation.config import MitigationConfig
 
 log = structlog.get_logger("nri_qos.mitigation")

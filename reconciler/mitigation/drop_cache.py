@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
 from hooks.levels import QosLevel
-from reconciler.audit import AuditLog
 from reconciler.detection.parse import ParseError, parse_counters
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
     DONE,
     DRY_RUN,

@@ -26,8 +26,10 @@ from typing import Protocol
 
 import structlog
 
-from reconciler.aio import sleep_until
-from reconciler.audit import AuditLog
+from common.aio import sleep_until
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.state import NodeState
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.service import pressure_level_problem
@@ -39,7 +41,6 @@ from reconciler.k8s import KubeActions
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import (
     FAILED,
     TIMEOUT,
@@ -55,7 +56,6 @@ from reconciler.mitigation.actions import (
 from reconciler.mitigation.config import MitigationConfig
 from reconciler.mitigation.drop_cache import DropCacheAction
 from reconciler.mitigation.ladder import Backoff, Ladder, Rung, Step
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.mitigation")
 

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.metrics import Metrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
-from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, memory_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)

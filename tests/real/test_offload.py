@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from nri_plugin.features import evaluate, kubernetes_feature
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.offload import OffloadLoop
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, memory_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)

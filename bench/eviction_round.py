@@ -36,7 +36,7 @@ from reconciler.eviction.manager import EvictionManager
 from reconciler.eviction.remote import RemotePlugin
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions, KubernetesConfig
+from reconciler.kube import KubeActions, KubernetesConfig
 from tests.fakesys import GIB, FakeHost
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
+from reconciler.kube import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze

@@ -22,7 +22,7 @@ from nri_plugin.config.store import load_config
 from nri_plugin.features import evaluate, kubernetes_feature
 from nri_plugin.logs import LoggingSetup
 from reconciler.host.probe import HostInfo, TriggerSupport
-from reconciler.k8s import build_api_client
+from reconciler.kube import build_api_client
 
 
 def _trigger(support: TriggerSupport | None) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import PodWatcher
+from reconciler.kube import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.drift import DriftConfig, DriftLoop

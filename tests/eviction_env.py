@@ -27,7 +27,7 @@ from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
+from reconciler.kube import KubeActions, KubernetesConfig, build_api_client
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.fakesys import FakeHost, FakePod
 

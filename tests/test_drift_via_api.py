@@ -15,7 +15,7 @@ from common.state import NodeState
 from nri_plugin.config.schema import Config
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubernetesConfig, PodWatcher, build_api_client
+from reconciler.kube import KubernetesConfig, PodWatcher, build_api_client
 from reconciler.runner import build_loops, run_reconciler
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.fakesys import GIB, FakeHost

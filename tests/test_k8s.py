@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.podmeta import PodMeta
-from reconciler.k8s import (
+from reconciler.kube import (
     NODE_UPDATE_ATTEMPTS,
     EvictionOutcome,
     KubeActions,

@@ -15,7 +15,7 @@ from common.metrics import Metrics
 from nri_plugin.config.schema import Config
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.statefile import state_file
-from reconciler.k8s import (
+from reconciler.kube import (
     NODE_UPDATE_ATTEMPTS,
     KubeActions,
     KubernetesConfig,

@@ -27,7 +27,7 @@ from nri_plugin.status import StatusServer, ladder_sections
 from nri_plugin.status_command import main_status, print_status
 from reconciler.detection.signals import NODE as NODE_SCOPE
 from reconciler.detection.signals import Board, Level, Reading
-from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
+from reconciler.kube import KubeActions, KubernetesConfig, build_api_client
 from reconciler.mitigation.actions import TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.eviction_env import NODE, forced, make_env

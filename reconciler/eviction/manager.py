@@ -18,7 +18,7 @@ is called, the mitigation ladder's evict rung):
    with an Event on the pod, or, in dry-run, only audited.
 
 Nothing here blocks the event loop: plugin calls are awaited with deadlines, pod usage is read
-in a worker thread, API calls run in threads inside :class:`~reconciler.k8s.KubeActions`.
+in a worker thread, API calls run in threads inside :class:`~reconciler.kube.KubeActions`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import EvictionOutcome, KubeActions, NodeOutcome, PodRef
+from reconciler.kube import EvictionOutcome, KubeActions, NodeOutcome, PodRef
 
 log = structlog.get_logger("nri_qos.eviction")
 

@@ -49,7 +49,7 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
-from reconciler.k8s import MIN_GRACE_S
+from reconciler.kube import MIN_GRACE_S
 
 log = structlog.get_logger("nri_qos.eviction")
 

@@ -23,7 +23,7 @@ from reconciler.detection.signals import Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.k8s import KubeActions, NodeOutcome
+from reconciler.kube import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
 from reconciler.mitigation.config import MitigationConfig
 

@@ -37,7 +37,7 @@ from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Read
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions
+from reconciler.kube import KubeActions
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig

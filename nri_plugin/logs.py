@@ -29,7 +29,7 @@ from typing import Any, TextIO, cast
 import structlog
 from structlog.typing import Processor
 
-from common.audit import AuditLog
+from common.audit import AUDIT_LOGGER, AuditLog
 from hooks.config_fields import setting
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
@@ -137,7 +137,8 @@ class LoggingSetup:
         self._handler: logging.Handler | None = None
         self._root_level = logging.getLogger().level
         self._file_key: tuple[str, int, int] | None = None
-        self.sink = LogAuditSink(structlog.get_logger(), structlog.get_logger())
+        self.sink = LogAuditSink(structlog.get_logger(AUDIT_LOGGER),
+                                 structlog.get_logger(LOGS_LOGGER))
         self.audit = AuditLog(self.sink)
         self.apply(cfg if cfg is not None else LoggingConfig())
 

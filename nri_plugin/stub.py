@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError, Message
 
 from common.aio import wait_for_event
 from common.audit import AuditLog
-from common.metrics import Metrics
+from common.metrics import PluginMetrics
 from common.state import NodeState, PodView
 from hooks.events import POD_EVENTS, Event, mask_of
 from hooks.model import ContainerInfo, PodInfo, ReadKeys, RuntimeInfo
@@ -154,7 +154,7 @@ class PluginStub:
         cgroup_v2: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        metrics: Metrics | None = None,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.identity = identity
         self._config = config

@@ -18,7 +18,6 @@ from typing import Protocol
 import structlog
 
 from common.audit import AuditLog
-from common.metrics import Metrics
 from common.state import NodeState
 from hooks.model import ReadKeys
 from hooks.resctrl_config import ResctrlConfig
@@ -45,6 +44,7 @@ from reconciler.loops.numa_binding import (
 )
 from reconciler.loops.offload import OffloadLoop, OffloadSections
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import restore_wmark
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -64,7 +64,7 @@ class ReconcilerSections(DriftConfig, MemoryGuardSections, NumaBindingConfig,
 def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysfs: SysFs,
                 host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
                 squeeze: GuardSqueeze | None = None,
-                metrics: Metrics | None = None, *,
+                metrics: ReconcilerMetrics | None = None, *,
                 managed: ManagedCache | None = None,
                 notes: StateFile | None = None,
                 ladder_engaged: Callable[[], bool] = lambda: False) -> list[Loop]:

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.metrics import Metrics
 from nri_plugin.config.schema import Config
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.statefile import state_file
@@ -22,6 +21,7 @@ from reconciler.kube import (
     NodeOutcome,
     build_api_client,
 )
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause, TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
@@ -146,7 +146,7 @@ class Ladder:
             cfg.mitigation, cooldown_s=cooldown_s, **mitigation))
         self.board = Board()
         self.sink = MemoryAuditSink()
-        self.metrics = Metrics()
+        self.metrics = ReconcilerMetrics()
         action = TaintAction(lambda: self.cfg, kube, "node-a", AuditLog(self.sink), self.metrics)
         self.mitigation = Mitigation(lambda: self.cfg, self.board, {"taint": action},
                                      AuditLog(self.sink), metrics=self.metrics,

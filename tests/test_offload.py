@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.metrics import Metrics
 from common.state import NodeState
 from nri_plugin.config.schema import Config
 from nri_plugin.features import evaluate, kubernetes_feature
@@ -41,6 +40,7 @@ from reconciler.loops.offload import (
     parse_counters,
     share,
 )
+from reconciler.metrics import ReconcilerMetrics
 from tests.fakesys import MIB, FakeHost, FakePod
 from tests.processes import children_of
 
@@ -246,7 +246,7 @@ class Node:
         self.sysfs = sysfs.observing(lambda: observe) if observe else sysfs
         self.state = NodeState()
         self.engaged = False
-        self.metrics = Metrics()
+        self.metrics = ReconcilerMetrics()
         self.hostinfo: HostInfo = probe_host(sysfs)
         self.loop = OffloadLoop(lambda: self.cfg, self.state, self.sysfs, self.hostinfo,
                                 self.audit, ladder_engaged=lambda: self.engaged,

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.metrics import Metrics
+from common.metrics import PluginMetrics
 from common.state import NodeState
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
@@ -127,7 +127,7 @@ async def make(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[ob
                     containers: Sequence[api.Container] = (), wait: bool = True,
                     identity: PluginIdentity | None = None,
                     reconciler_fields: frozenset[str] = frozenset(),
-                    metrics: Metrics | None = None) -> Setup:
+                    metrics: PluginMetrics | None = None) -> Setup:
         socket_path = tmp_path / f"nri-{len(setups)}.sock"
         simulator = RuntimeSimulator(socket_path, runtime, pods=pods, containers=containers)
         await simulator.start()
@@ -461,7 +461,7 @@ async def test_one_canonical_log_line_per_event(make) -> None:
 async def test_strict_inline_failure_is_logged_and_counted_once(make) -> None:
     stream = io.StringIO()
     LoggingSetup(LoggingConfig(format="json"), level="info", stream=stream)
-    metrics = Metrics()
+    metrics = PluginMetrics()
     bad = Recorder("bad", error=OSError("resctrl gone"), inline=True)
     setup = await make([bad], cfg=config(strict=True), metrics=metrics)
     stream.seek(0)
@@ -627,7 +627,7 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
     assert "deadline of 50 ms" in failed["reason"]
 
 
-def requests(metrics: Metrics, event: str, result: str) -> float:
+def requests(metrics: PluginMetrics, event: str, result: str) -> float:
     return metrics.registry.get_sample_value(
         "nri_qos_nri_requests_total", {"event": event, "result": result}) or 0.0
 
@@ -635,7 +635,7 @@ def requests(metrics: Metrics, event: str, result: str) -> float:
 async def test_metrics_count_every_answer_by_result(make) -> None:
     """ok, fail-open (a failing capability, unusable input, an undecodable payload) and error
     (strict): each answer is counted once, after it was sent."""
-    metrics = Metrics()
+    metrics = PluginMetrics()
     ok = Recorder("ok", settings=ContainerSettings(annotations={"ok": "1"}))
     bad = Recorder("bad", error=OSError("resctrl gone"))
     setup = await make([ok], metrics=metrics)
@@ -675,7 +675,7 @@ async def test_metrics_count_every_answer_by_result(make) -> None:
 
 
 async def test_connection_state_follows_the_session(make) -> None:
-    metrics = Metrics()
+    metrics = PluginMetrics()
     setup = await make(metrics=metrics)
     stub = setup.stub
     assert stub.connection_state == "synchronized"

@@ -37,7 +37,6 @@ import structlog
 
 from common.aio import Backoff, sleep_until
 from common.audit import AuditLog
-from common.metrics import Metrics
 from common.state import NodeState, Snapshot
 from hooks.untrusted import bounded
 from reconciler.eviction.api import (
@@ -57,6 +56,7 @@ from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import EvictionOutcome, KubeActions, NodeOutcome, PodRef
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.eviction")
 
@@ -183,7 +183,7 @@ class EvictionManager:
                  actions: KubeActions, node: str, audit: AuditLog, sysfs: SysFs,
                  layout: CgroupLayout, in_tree: Mapping[str, EvictionPlugin], *,
                  clock: Callable[[], float] | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: ReconcilerMetrics | None = None) -> None:
         self._config = config
         self._metrics = metrics
         self._recent: collections.deque[Recent] = collections.deque(maxlen=RECENT_KEPT)

@@ -20,10 +20,10 @@ from types import MappingProxyType
 import structlog
 
 from common.aio import Backoff, sleep_until
-from common.metrics import Metrics
 from hooks.config_fields import setting
 from hooks.events import Event
 from hooks.untrusted import bounded
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -119,7 +119,7 @@ class LoopTracker:
     Used from the event loop only (where :func:`run_loop` runs).
     """
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: ReconcilerMetrics | None = None) -> None:
         self._metrics = metrics
         self._last: dict[str, CycleRecord] = {}
 

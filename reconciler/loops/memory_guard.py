@@ -67,7 +67,6 @@ import structlog
 
 from common.aio import Callbacks
 from common.audit import AuditLog
-from common.metrics import Metrics
 from hooks.config_fields import setting
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.memstat import anon_bytes
@@ -82,6 +81,7 @@ from reconciler.host.numa import (
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -249,7 +249,7 @@ class MemoryGuardLoop(Loop):
 
     def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog,
-                 squeeze: GuardSqueeze | None = None, metrics: Metrics | None = None,
+                 squeeze: GuardSqueeze | None = None, metrics: ReconcilerMetrics | None = None,
                  notes: StateFile | None = None) -> None:
         self._notes = notes if notes is not None else StateFile(None)
         self._was_held = False

@@ -69,7 +69,6 @@ from typing import Protocol
 import structlog
 
 from common.audit import AuditLog
-from common.metrics import Metrics
 from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
@@ -79,6 +78,7 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -325,9 +325,9 @@ class OffloadLoop(Loop):
     name = "offload"
 
     def __init__(self, config: Callable[[], OffloadSections], state: NodeState, sysfs: SysFs,
-                 host: HostInfo, audit: AuditLog, *,
+                 host: HostInfo, audit: AuditLog, *, managed: ManagedCache | None = None,
                  ladder_engaged: Callable[[], bool] = lambda: False,
-                 managed: ManagedCache | None = None, metrics: Metrics | None = None) -> None:
+                 metrics: ReconcilerMetrics | None = None) -> None:
         self._config = config
         self._state = state
         self._sysfs = sysfs

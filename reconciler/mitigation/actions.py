@@ -15,7 +15,6 @@ from typing import Protocol
 import structlog
 
 from common.audit import AuditLog
-from common.metrics import Metrics
 from hooks.levels import QosLevel
 from hooks.units import quantity
 from reconciler.detection.pods import PodIndex
@@ -25,6 +24,7 @@ from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.kube import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.config import MitigationConfig
 
 log = structlog.get_logger("nri_qos.mitigation")
@@ -108,7 +108,7 @@ class TaintAction:
     """Forbid scheduling: the node taint and the node condition."""
 
     def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions,
-                 node: str, audit: AuditLog, metrics: Metrics | None = None,
+                 node: str, audit: AuditLog, metrics: ReconcilerMetrics | None = None,
                  notes: StateFile | None = None) -> None:
         self._config = config
         self._metrics = metrics

@@ -28,7 +28,6 @@ import structlog
 
 from common.aio import sleep_until
 from common.audit import AuditLog
-from common.metrics import Metrics
 from common.state import NodeState
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
@@ -41,6 +40,7 @@ from reconciler.kube import KubeActions
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import (
     FAILED,
     TIMEOUT,
@@ -163,7 +163,7 @@ class Mitigation:
                  actions: Mapping[str, Action], audit: AuditLog,
                  clock: Callable[[], float] | None = None,
                  close: Callable[[], None] = lambda: None,
-                 metrics: Metrics | None = None,
+                 metrics: ReconcilerMetrics | None = None,
                  taints: Callable[[], list[PlacedTaint]] = list,
                  memcg_events: bool = False) -> None:
         self._config = config
@@ -311,7 +311,7 @@ class Mitigation:
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
                      sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions,
                      node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
-                     managed: ManagedCache, metrics: Metrics | None = None,
+                     managed: ManagedCache, metrics: ReconcilerMetrics | None = None,
                      notes: StateFile | None = None) -> Mitigation:
     """The ladder with its four actions for this host. ``kube`` without API access: the taint
     rung is audited as skipped; ``evictor`` None: no eviction manager (audited "no

@@ -4,10 +4,11 @@ The watch and the writes both run their requests through an :class:`ApiThreads`,
 loop's default executor (``asyncio.to_thread``):
 
 * a watch read blocks for up to a whole watch; a stop abandons it (after interrupting the
-  stream), and nothing waits for the abandoned thread, whereas ``asyncio.run`` waits for every
-  thread of the default executor before it returns;
-* the loops' cycles run in the default executor: an API write queued behind a slow cycle would
-  act late under pressure, when it matters;
+  stream) and returns without waiting for the abandoned thread, whereas ``asyncio.run`` waits
+  for every thread of the default executor before it returns;
+* under pressure the default executor also carries the host reads of the eviction manager and
+  the mitigation ladder (pod facts, drop-cache candidates, watermarks): an API write queued
+  behind them would act late, when it matters;
 * the threads are named for what they do, so a thread dump (and a test) tells them apart.
 """
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import Board, Level, Reading, pod_scope
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.builtin import in_tree_plugins
@@ -35,8 +36,7 @@ from reconciler.eviction.manager import EvictionManager
 from reconciler.eviction.remote import RemotePlugin
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions, KubernetesConfig
-from reconciler.state import NodeState
+from reconciler.kube import KubeActions, KubernetesConfig
 from tests.fakesys import GIB, FakeHost
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,16 +34,16 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import read_nodes
 from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_balance import NumaBalanceLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
-from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node
 
 UID = "4e4e4e4e-0000-4000-8000-0000000000e1"

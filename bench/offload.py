@@ -34,13 +34,13 @@ import threading
 import time
 from pathlib import Path
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.offload_loop import OffloadLoop
-from reconciler.state import NodeState
 
 CGROUP = Path("/sys/fs/cgroup")
 CONTROLLERS = "+cpuset +cpu +io +memory +pids"

@@ -35,10 +35,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.levels import LEVEL_NAMES
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
@@ -47,7 +48,6 @@ from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost
 
 CONTAINERS = 3

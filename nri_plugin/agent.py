@@ -24,6 +24,9 @@ from typing import Any
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics, PluginMetrics
+from common.state import NodeState, report_refusals
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capability import Capability
@@ -35,7 +38,6 @@ from nri_plugin.metrics_server import MetricsEndpoint
 from nri_plugin.status import StatusServer, StatusSources, ladder_sections, status_document
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.version import agent_version
-from reconciler.audit import AuditLog
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board, Level
 from reconciler.eviction.builtin import in_tree_plugins
@@ -45,15 +47,14 @@ from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import Api, KubeActions, PodWatcher, build_api_client, node_name
+from reconciler.kube import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
 from reconciler.mitigation.service import Mitigation, build_mitigation
 from reconciler.runner import build_loops, restore_host, run_reconciler
-from reconciler.state import NodeState, report_refusals
 
 CAPABILITY_THREADS = 4
 """Worker threads running capabilities that may block; more than one so one stuck past its
@@ -157,6 +158,9 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     overrides ``[metrics] address``."""
     cfg = store.current
     metrics = Metrics(agent_version())
+    # One registry, one endpoint: each side defines its own series in it.
+    plugin_metrics = PluginMetrics(metrics.registry)
+    reconciler_metrics = ReconcilerMetrics(metrics.registry)
     # The configuration in force was loaded before there were metrics to count it.
     metrics.config_reload(True, time.time())
     store.on_load(lambda ok: metrics.config_reload(ok, time.time()))
@@ -165,7 +169,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                       on_refused=report_refusals(audit, metrics))
     audit.identify(functools.partial(_pod_identity, state))
     board = Board()
-    tracker = LoopTracker(metrics)
+    tracker = LoopTracker(reconciler_metrics)
     resctrl = _resctrl(store, host, sysfs, audit)
     capabilities = build_capabilities(cfg, resctrl=resctrl, audit=audit,
                                       cgroup_v2=host.cgroup.v2,
@@ -180,12 +184,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     stub = PluginStub(identity=identity, config=lambda: store.current, capabilities=capabilities,
                       audit=audit, executor=executor, state=state, track_containers=reconcile,
                       reconciler_fields=reconciler_fields, cgroup_v2=host.cgroup.v2,
-                      metrics=metrics)
+                      metrics=plugin_metrics)
     metrics.watch_node(lambda: _counts(state))
-    metrics.watch_board(board, lambda: _pod_names(state))
-    metrics.watch_rejections(stub.rejections.as_dict)
+    reconciler_metrics.watch_board(board, lambda: _pod_names(state))
+    plugin_metrics.watch_rejections(stub.rejections.as_dict)
     if resctrl is not None:
-        metrics.watch_resctrl(lambda: read_usage(resctrl), lambda: _pod_names(state))
+        reconciler_metrics.watch_resctrl(lambda: read_usage(resctrl), lambda: _pod_names(state))
     services: list[Service] = [store.watch]
     background = reconcile and run_background
     evictor = None
@@ -205,13 +209,14 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.in_force.eviction), metrics=metrics)
+            in_tree_plugins(board, lambda: store.in_force.eviction),
+            metrics=reconciler_metrics)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
-                                      metrics=metrics, notes=notes)
+                                      metrics=reconciler_metrics, notes=notes)
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze, metrics, tracker, managed, notes,
+                                    squeeze, reconciler_metrics, tracker, managed, notes,
                                     mitigation.engaged))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
                                   managed=managed).run)
@@ -277,7 +282,7 @@ def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], 
 
 def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostInfo,
                 resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
-                squeeze: GuardSqueeze, metrics: Metrics, tracker: LoopTracker,
+                squeeze: GuardSqueeze, metrics: ReconcilerMetrics, tracker: LoopTracker,
                 managed: ManagedCache, notes: StateFile,
                 ladder_engaged: Callable[[], bool]) -> Service:
     async def run(stop: asyncio.Event) -> None:

@@ -2,7 +2,7 @@
 
 Audit records go through their own logger (``nri_qos.audit``, every line marked ``audit=true``)
 and, when ``logging.audit_file`` is set, to :class:`AuditFile`. The catalogue of records lives
-with :class:`reconciler.audit.AuditLog`, which hands each checked record to one of these sinks.
+with :class:`common.audit.AuditLog`, which hands each checked record to one of these sinks.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from common.audit import AUDIT_LOGGER, level_of
 from nri_plugin.log_context import current_fields
-from reconciler.audit import AUDIT_LOGGER, level_of
 
 
 def json_default(value: Any) -> Any:

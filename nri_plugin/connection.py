@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.aio import Backoff, sleep_until
 from nri_plugin.stub import PluginStub
-from reconciler.aio import Backoff, sleep_until
 
 ENV_SOCKET = "NRI_PLUGIN_SOCKET"
 ENV_NAME = "NRI_PLUGIN_NAME"

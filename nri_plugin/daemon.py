@@ -15,6 +15,7 @@ import signal
 
 import structlog
 
+from common.aio import Backoff
 from nri_plugin.agent import Connection, build_agent, load_store, probe, run_agent
 from nri_plugin.allocator import return_large_blocks
 from nri_plugin.config.schema import Config
@@ -22,7 +23,6 @@ from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, ta
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.status import another_agent_answers
 from nri_plugin.stub import PluginIdentity
-from reconciler.aio import Backoff
 
 log = structlog.get_logger("nri_qos.daemon")
 

@@ -8,10 +8,10 @@ error status instead, which fails the pod or container operation on the runtime 
 
 from __future__ import annotations
 
+from common.audit import AuditLog
 from nri_plugin.chain import ChainOutcome
 from nri_plugin.envelope import RpcError
 from nri_plugin.ttrpc import StatusCode
-from reconciler.audit import AuditLog
 
 CREATE_CONTAINER = "create_container"
 """Event name whose failures are reported as skipped adjustments."""

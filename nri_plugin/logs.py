@@ -24,10 +24,10 @@ from typing import Any, TextIO, cast
 import structlog
 from structlog.typing import Processor
 
+from common.audit import AUDIT_LOGGER, AuditLog
 from hooks.config_fields import setting
 from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
 from nri_plugin.log_context import merge_fields
-from reconciler.audit import AuditLog
 
 LEVELS: Mapping[str, int] = {
     "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -131,7 +131,8 @@ class LoggingSetup:
         self._handler: logging.Handler | None = None
         self._root_level = logging.getLogger().level
         self._file_key: tuple[str, int, int] | None = None
-        self.sink = LogAuditSink(structlog.get_logger(), structlog.get_logger())
+        self.sink = LogAuditSink(structlog.get_logger(AUDIT_LOGGER),
+                                 structlog.get_logger(LOGS_LOGGER))
         self.audit = AuditLog(self.sink)
         self.apply(cfg if cfg is not None else LoggingConfig())
 

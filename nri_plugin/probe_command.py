@@ -13,6 +13,7 @@ import sys
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from common.audit import AuditLog, MemoryAuditSink
 from hooks.units import human_bytes
 from nri_plugin.agent import probe
 from nri_plugin.config.loader import ConfigError
@@ -20,9 +21,8 @@ from nri_plugin.config.schema import Config, in_force
 from nri_plugin.config.store import load_config
 from nri_plugin.features import evaluate, kubernetes_feature
 from nri_plugin.logs import LoggingSetup
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, TriggerSupport
-from reconciler.k8s import build_api_client
+from reconciler.kube import build_api_client
 
 
 def _trigger(support: TriggerSupport | None) -> dict[str, Any] | None:

@@ -31,17 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TextIO
 
+from common.audit import AuditLog
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import load_config
 from nri_plugin.logs import LoggingSetup
-from reconciler.audit import AuditLog
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS
 from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions, NodeOutcome, build_api_client, node_name
+from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
 from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
 from reconciler.loops.memory_guard import restore_tier
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings

@@ -23,6 +23,7 @@ from typing import TextIO
 
 from google.protobuf.json_format import MessageToDict
 
+from common.aio import Backoff
 from nri_plugin import adjustment
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.config.loader import ConfigError
@@ -36,7 +37,6 @@ from nri_plugin.simulator import Answer, RuntimeSimulator, initial_state, play
 from nri_plugin.stub import PluginIdentity
 from nri_plugin.transport import ConnectionClosed
 from protos import nri_api_pb2 as api
-from reconciler.aio import Backoff
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.probe import HostInfo
 

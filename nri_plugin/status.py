@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from common.state import NodeState
 from hooks.events import Event
 from hooks.untrusted import bounded
 from nri_plugin.config.schema import Config
@@ -41,7 +42,6 @@ from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo
 from reconciler.loops.base import LoopTracker
 from reconciler.mitigation.service import Mitigation
-from reconciler.state import NodeState
 
 STATUS_FORMAT = 1
 EXTENSION_SECTIONS = ("mitigation", "evictions", "taints")

@@ -31,6 +31,10 @@ from typing import Any, TypeVar
 import structlog
 from google.protobuf.message import DecodeError, Message
 
+from common.aio import wait_for_event
+from common.audit import AuditLog
+from common.metrics import PluginMetrics
+from common.state import NodeState, PodView
 from hooks.events import POD_EVENTS, Event, mask_of
 from hooks.model import ContainerInfo, PodInfo, ReadKeys, RuntimeInfo
 from hooks.untrusted import bounded
@@ -55,10 +59,6 @@ from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
-from reconciler.aio import wait_for_event
-from reconciler.audit import AuditLog
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState, PodView
 
 PLUGIN_NRI_VERSION = "v0.12.2"
 """The NRI schema this plugin is built on, announced in RegisterPlugin."""
@@ -154,7 +154,7 @@ class PluginStub:
         cgroup_v2: bool = False,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
-        metrics: Metrics | None = None,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.identity = identity
         self._config = config
@@ -175,7 +175,7 @@ class PluginStub:
         self._clock = clock
         self._wall_clock = wall_clock
         self._metrics = metrics
-        # The runtime connection: its state (see reconciler.metrics.CONNECTION_STATES), when
+        # The runtime connection: its state (see common.metrics.CONNECTION_STATES), when
         # it entered it (``clock``), and how many connections were made.
         self.connection_state = "disconnected"
         self.state_since = clock()

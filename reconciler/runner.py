@@ -1,6 +1,6 @@
 """Starting the reconciler: every loop (and the pod watch) in one TaskGroup until stop is set.
 
-Each loop gets its own wake event. :class:`~reconciler.state.NodeState` calls back from the
+Each loop gets its own wake event. :class:`~common.state.NodeState` calls back from the
 thread that applied an NRI event or a pod-watch change; the callback hands the ``set()`` to the
 event loop with ``call_soon_threadsafe``, so a new container gets its resctrl group and settings
 at once rather than at the next period. Cycles run in a thread pool owned by the reconciler (one
@@ -17,14 +17,15 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.model import ReadKeys
 from hooks.resctrl_config import ResctrlConfig
-from reconciler.audit import AuditLog
 from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import PodWatcher
+from reconciler.kube import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.drift import DriftLoop, DriftSections
@@ -44,9 +45,8 @@ from reconciler.loops.numa_binding import (
 from reconciler.loops.offload import OffloadSections
 from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import restore_wmark
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -65,7 +65,7 @@ class ReconcilerSections(DriftSections, MemoryGuardSections, NumaBindingSections
 def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysfs: SysFs,
                 host: HostInfo, resctrl: ResctrlFs | None, audit: AuditLog,
                 squeeze: GuardSqueeze | None = None,
-                metrics: Metrics | None = None, *,
+                metrics: ReconcilerMetrics | None = None, *,
                 managed: ManagedCache | None = None,
                 notes: StateFile | None = None,
                 ladder_engaged: Callable[[], bool] = lambda: False) -> list[Loop]:

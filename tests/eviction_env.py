@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import pod_meta_from_object
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.eviction.api import (
     ActivePod,
     EvictPods,
@@ -24,10 +26,8 @@ from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
-from reconciler.metrics import Metrics
-from reconciler.podmeta import pod_meta_from_object
-from reconciler.state import NodeState
+from reconciler.kube import KubeActions, KubernetesConfig, build_api_client
+from reconciler.metrics import ReconcilerMetrics
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.fakesys import FakeHost, FakePod
 
@@ -92,7 +92,7 @@ class Env:
     rss: Scripted
     manager: EvictionManager
     cfg: list[Config]
-    metrics: Metrics
+    metrics: ReconcilerMetrics
     pods: dict[str, FakePod] = field(default_factory=dict)
 
     def configure(self, **changes: Any) -> None:
@@ -131,7 +131,9 @@ class Env:
         return [r[key] for r in self.sink.named(event)]
 
 
-def make_env(tmp_path: Path, fake: FakeApiServer | None, **changes: Any) -> Env:
+def make_env(tmp_path: Path, fake: FakeApiServer | None, *, request_timeout_s: float = 2.0,
+             **changes: Any) -> Env:
+    """``changes``: to the ``[eviction]`` section."""
     host = FakeHost(tmp_path / "host")
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
@@ -140,13 +142,13 @@ def make_env(tmp_path: Path, fake: FakeApiServer | None, **changes: Any) -> Env:
                           retry_initial_s=5.0, retry_max_s=20.0)
     cfg = [dataclasses.replace(Config(), eviction=dataclasses.replace(base, **changes))]
     api = None
-    kube = KubernetesConfig(request_timeout_s=2.0)
+    kube = KubernetesConfig(request_timeout_s=request_timeout_s)
     if fake is not None:
         kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
-        kube = KubernetesConfig(kubeconfig=str(kubeconfig), request_timeout_s=2.0)
+        kube = KubernetesConfig(kubeconfig=str(kubeconfig), request_timeout_s=request_timeout_s)
         api = build_api_client(kube)
     clock = Clock()
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     system, rss = Scripted("system_pressure"), Scripted("rss_overuse")
     manager = EvictionManager(
         lambda: cfg[0], state, KubeActions(api, kube, audit), NODE, audit,

@@ -31,7 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import yaml
 
-from reconciler.k8s import KubernetesConfig, build_api_client
+from reconciler.kube import KubernetesConfig, build_api_client
 
 
 @dataclass

@@ -5,7 +5,7 @@ driver, or v2 with the systemd driver, or any other combination), ``proc/<pid>/c
 ``proc/<pid>/oom_score_adj`` for every task, NUMA node meminfo and ``/proc/zoneinfo``, and
 optionally a resctrl tree. Pods added with :meth:`FakeHost.add_pod` come back as the
 :class:`~hooks.model.PodInfo` / :class:`~hooks.model.ContainerInfo` that NRI would report, so
-tests feed the same objects to :class:`~reconciler.state.NodeState`.
+tests feed the same objects to :class:`~common.state.NodeState`.
 
 Regular files stand in for kernel files: writes replace the content (``tasks`` files are
 appended to, as the reconciler opens them for appending), so a test reads back what was written.

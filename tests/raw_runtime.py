@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from common.audit import MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
 from nri_plugin.envelope import (
     Reply,
@@ -35,8 +37,6 @@ from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.stub import PluginStub
 from nri_plugin.ttrpc import Frame, MessageType, StatusCode, encode_frame
 from protos import nri_api_pb2 as api
-from reconciler.audit import MemoryAuditSink
-from reconciler.state import NodeState
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
+from common.audit import CATALOGUE, RESERVED_FIELDS, AuditLog, MemoryAuditSink
 from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
 from nri_plugin.log_context import bound_fields
-from reconciler.audit import CATALOGUE, RESERVED_FIELDS, AuditLog, MemoryAuditSink
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCE_DIRS = ("nri_plugin", "hooks", "reconciler")
+SOURCE_DIRS = ("nri_plugin", "hooks", "reconciler", "common")
 
 
 def minimal_fields(event: str) -> dict[str, Any]:

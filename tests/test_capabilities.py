@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from hooks.errors import InvalidInput
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
@@ -20,7 +21,6 @@ from nri_plugin.capabilities.resctrl import ResctrlCapability
 from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import detect_version
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
@@ -324,13 +324,13 @@ def test_problems_audited_per_container_without_strict(world: World) -> None:
 def test_reconfigure_applies_a_reloaded_config_to_built_capabilities() -> None:
     import dataclasses
 
+    from common.audit import AuditLog, MemoryAuditSink
     from hooks.config_fields import frozen_map
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
     from hooks.oom_score import OomLevel
     from nri_plugin.capabilities import build_capabilities
     from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
-    from reconciler.audit import AuditLog, MemoryAuditSink
 
     cfg = Config()
     (oom,) = [h for h in build_capabilities(cfg, resctrl=None, audit=AuditLog(MemoryAuditSink()),

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
@@ -30,8 +32,6 @@ from nri_plugin.mux import GO_BUFFER_SIZE, MuxDecoder
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import FrameDecoder, MessageType, StatusCode
 from protos import nri_api_pb2 as api
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.state import NodeState
 from tests.paths import CAPTURES, RECORDINGS
 
 pytestmark = pytest.mark.skipif(not RECORDINGS, reason=f"no recordings in {CAPTURES}")

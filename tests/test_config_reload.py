@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import EMBEDDED_DEFAULTS, ConfigStore
-from reconciler.audit import AuditLog, MemoryAuditSink
 
 HANG_GUARD_S = 10.0  # only stops a broken test from hanging; never a timing assertion
 

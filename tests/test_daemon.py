@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from common.aio import Backoff
 from hooks.events import Event
 from nri_plugin import daemon
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
@@ -22,7 +23,6 @@ from nri_plugin.connection import run_external
 from nri_plugin.logs import LoggingSetup
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity, PluginStub
-from reconciler.aio import Backoff
 
 REPO = Path(__file__).resolve().parents[1]
 

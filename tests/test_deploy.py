@@ -32,7 +32,7 @@ from nri_plugin.cli import build_parser
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import DEFAULT_CONFIG_PATH, load_layered
 from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET
-from reconciler import k8s
+from reconciler import kube
 from tests.paths import REPO
 from tests.prelaunch import create_one_container_then_go
 
@@ -490,14 +490,16 @@ def test_image_smoke_commands_pass() -> None:
         assert result.returncode == 0, result.stderr
 
 
-def test_only_k8s_module_imports_the_client() -> None:
+def test_only_the_kube_package_imports_the_client() -> None:
     importers = {
         str(path.relative_to(REPO))
-        for package in ("nri_plugin", "hooks", "reconciler")
+        for package in ("nri_plugin", "hooks", "reconciler", "common")
         for path in (REPO / package).rglob("*.py")
         if re.search(r"^\s*(import|from) kubernetes\b", path.read_text(), re.MULTILINE)
     }
-    assert importers == {str(Path(k8s.__file__).resolve().relative_to(REPO))}
+    package = Path(kube.__file__).resolve().parent.relative_to(REPO)
+    assert importers
+    assert all(Path(importer).parent == package for importer in importers), importers
 
 
 def test_every_package_of_the_tree_is_installed() -> None:
@@ -505,7 +507,7 @@ def test_every_package_of_the_tree_is_installed() -> None:
     listed = set(pyproject["tool"]["setuptools"]["packages"])
     found = {
         ".".join(init.parent.relative_to(REPO).parts)
-        for top in ("nri_plugin", "hooks", "reconciler", "protos")
+        for top in ("nri_plugin", "hooks", "reconciler", "common", "protos")
         for init in (REPO / top).rglob("__init__.py")
     }
     assert found == listed

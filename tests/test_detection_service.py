@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.detectors import RECLAIMED_TIER
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import Detection, DetectorsLoop, NodePsi, PressureLevels
@@ -30,7 +31,6 @@ from reconciler.detection.signals import (
 )
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.state import NodeState
 from tests.fakesys import GIB, MIB, PAGE, FakeHost
 from tests.polling import BOUND_S, eventually
 

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubernetesConfig, PodWatcher, build_api_client
+from reconciler.kube import KubernetesConfig, PodWatcher, build_api_client
 from reconciler.runner import build_loops, run_reconciler
-from reconciler.state import NodeState
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.fakesys import GIB, FakeHost
 

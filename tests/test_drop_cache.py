@@ -15,17 +15,17 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.signals import Level
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import Candidate, DropCacheAction, page_cache, plan
-from reconciler.state import NodeState
 from tests.fakesys import MIB, FakeHost, FakePod
 from tests.paths import REPO
 from tests.polling import eventually
@@ -49,7 +49,7 @@ class Tree:
         self.sink = MemoryAuditSink()
         self.sysfs = SysFs(root, AuditLog(self.sink))
         self.state = NodeState()
-        self.metrics = Metrics()
+        self.metrics = ReconcilerMetrics()
 
     def pod(self, name: str, level: str, cache: int, *, tier: str = "besteffort") -> Path:
         uid = f"{name}-0000-4000-8000-000000000000"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.store import EMBEDDED_DEFAULTS, ConfigStore, load_layered
-from reconciler.audit import AuditLog, MemoryAuditSink
 
 NRI_QOS = str(Path(sys.executable).with_name("nri-qos"))
 

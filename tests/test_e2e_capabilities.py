@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
 from hooks.resctrl_groups import plan_class_groups
@@ -27,10 +29,8 @@ from nri_plugin.simulator import PluginConnection, RuntimeSimulator
 from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
-from reconciler.state import NodeState
 from tests.paths import RECORDINGS
 from tests.resctrl_trees import intel_tree
 from tests.test_capture_replay import (

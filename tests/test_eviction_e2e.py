@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from common.aio import Backoff
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.agent import build_agent, probe, run_agent
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
@@ -21,8 +23,6 @@ from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
-from reconciler.aio import Backoff
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import Board, Level, Reading, pod_scope
 from reconciler.host.memstat import anon_bytes
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig

@@ -264,14 +264,12 @@ async def test_blocked_by_a_disruption_budget_retried_later_and_evicted_once(
 
 
 async def test_gone_failed_and_timed_out_evictions(tmp_path: Path, fake: FakeApiServer) -> None:
-    env = make_env(tmp_path, fake, rate_burst=10)
+    env = make_env(tmp_path, fake, rate_burst=10, request_timeout_s=0.3)
     env.add_pod("vanished")  # known to the node, unknown to the API: 404
     env.add_pod("broken", fake=fake)
     env.add_pod("slow", fake=fake)
     fake.fail_next("POST", "/api/v1/namespaces/batch/pods/broken/eviction", 500)
     fake.delay_next("POST", "/api/v1/namespaces/batch/pods/slow/eviction", 5.0)
-    env.manager._actions._cfg = dataclasses.replace(  # type: ignore[attr-defined]
-        env.manager._actions._cfg, request_timeout_s=0.3)  # type: ignore[attr-defined]
     forced(env, "vanished", "broken", "slow")
     assert await env.round() == [("batch/vanished", "gone"), ("batch/broken", "failed"),
                                  ("batch/slow", "failed")]

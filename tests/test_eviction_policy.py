@@ -8,6 +8,7 @@ from types import MappingProxyType
 
 import pytest
 
+from common.podmeta import OwnerRef
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
 from reconciler.detection.signals import Board, Level, Reading
@@ -18,7 +19,6 @@ from reconciler.eviction.config import SYSTEM_CLUSTER_CRITICAL, SYSTEM_NODE_CRIT
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.selector import SelectorError, parse_selector
 from reconciler.eviction.smoothing import ConditionTracker, MetSmoother
-from reconciler.podmeta import OwnerRef
 
 GIB = 1 << 30
 

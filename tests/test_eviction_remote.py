@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from protos import eviction_pb2 as pb
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.eviction.api import (
     ActivePod,
     Condition,

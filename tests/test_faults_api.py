@@ -19,15 +19,15 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.k8s import (
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
+from reconciler.kube import (
     EvictionOutcome,
     KubeActions,
     KubernetesConfig,
     NodeOutcome,
     PodWatcher,
 )
-from reconciler.podmeta import PodMeta
 from tests.eviction_env import NODE, forced, make_env
 from tests.fake_apiserver import (
     FakeApiServer,

@@ -23,20 +23,20 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.levels import LEVEL_NAMES
 from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities.resctrl import ResctrlCapability
 from nri_plugin.capability import ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost, read_ids
 from tests.resctrl_trees import intel_tree
 

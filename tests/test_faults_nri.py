@@ -19,6 +19,9 @@ from typing import Any
 
 import pytest
 
+from common.aio import Backoff
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.events import Event
 from hooks.settings import ContainerSettings
 from nri_plugin.agent import Agent, build_agent, probe
@@ -34,12 +37,9 @@ from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.transport import ConnectionClosed
 from nri_plugin.ttrpc import MessageType, StatusCode, encode_frame
 from protos import nri_api_pb2 as api
-from reconciler.aio import Backoff
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.loops.base import Loop
 from reconciler.runner import build_loops
-from reconciler.state import NodeState
 from tests.fakesys import FakeHost, nri_messages
 from tests.raw_runtime import (
     BOUND_S,

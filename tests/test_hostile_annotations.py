@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import CONFIG_SOURCE_ANNOTATION, PodMeta
+from common.state import NodeState, report_refusals
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION as VOLCANO_COLOCATION
 from hooks.model import PodInfo
@@ -35,7 +38,6 @@ from nri_plugin.logs import LoggingConfig, LoggingSetup
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator
 from nri_plugin.stub import PluginIdentity, PluginStub
 from protos import nri_api_pb2 as api
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
 from reconciler.detection.signals import Board, Level
@@ -44,8 +46,6 @@ from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
-from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION, PodMeta
-from reconciler.state import NodeState, report_refusals
 from tests.eviction_env import LEVEL, NODE, forced, make_env
 from tests.fake_apiserver import FakeApiServer
 from tests.fakesys import FakeHost

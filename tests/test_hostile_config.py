@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from hooks.config_fields import meta_of
 from hooks.events import Event
 from nri_plugin import daemon
@@ -51,7 +52,6 @@ from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
-from reconciler.audit import AuditLog, MemoryAuditSink
 
 OTHER_UID = 1000
 HOOK_KEY = "oci_hooks.levels.reclaimed_cores.prestart[0].path"

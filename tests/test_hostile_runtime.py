@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import MAX_ANNOTATION_CHARS
 from nri_plugin import daemon
 from nri_plugin.config.schema import Config
@@ -34,8 +36,6 @@ from nri_plugin.transport import MAX_UNSENT_BYTES, READ_SIZE, TtrpcPeer
 from nri_plugin.ttrpc import MAX_DATA_LENGTH, MessageType, StatusCode, encode_frame
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.state import NodeState
 from tests.raw_runtime import (
     BOUND_S,
     MiB,

@@ -15,8 +15,9 @@ import pytest
 from kubernetes import client as k8s_client
 from structlog.testing import capture_logs
 
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.k8s import (
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
+from reconciler.kube import (
     NODE_UPDATE_ATTEMPTS,
     EvictionOutcome,
     KubeActions,
@@ -27,7 +28,6 @@ from reconciler.k8s import (
     build_api_client,
     node_name,
 )
-from reconciler.podmeta import PodMeta
 from tests.fake_apiserver import (
     FakeApiServer,
     api_client,

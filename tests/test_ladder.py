@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.mitigation.actions import DONE, DRY_RUN, FAILED, Cause, EvictAction, Result
 from reconciler.mitigation.ladder import Backoff, Ladder, Rung, Step

@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 
+from common.aio import Backoff
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.events import Event
 from nri_plugin.agent import Agent, build_agent, probe, run_agent
 from nri_plugin.config.schema import Config
@@ -32,9 +35,6 @@ from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import PluginConnection, RuntimeSimulator
 from nri_plugin.stub import PluginIdentity, PluginStub
 from protos import nri_api_pb2 as api
-from reconciler.aio import Backoff
-from reconciler.audit import AuditLog
-from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost, nri_messages
 
 LEVEL = "qos.nri-qos.io/level"

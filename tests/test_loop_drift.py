@@ -9,16 +9,16 @@ from types import MappingProxyType
 
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
+from common.state import NodeState
 from hooks.events import Event
 from hooks.memory_qos import MemoryLevel
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import read_meminfo
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
-from reconciler.podmeta import PodMeta
-from reconciler.state import NodeState
 from tests.fakesys import GIB, MIB, FakeContainer, FakeHost
 
 UID = "33333333-0000-0000-0000-000000000003"

@@ -10,15 +10,15 @@ from types import MappingProxyType
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
+from common.state import NodeState
 from hooks.levels import LEVEL_NAMES
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.podmeta import PodMeta
-from reconciler.state import NodeState
 from tests.fakesys import FakeHost, read_ids
 
 PREFIX = "nriqos-"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.sysfs import SysFs
@@ -22,7 +22,7 @@ from reconciler.loops.memory_guard import (
     parse_numa_stat,
     target_cap,
 )
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from tests.fakesys import GIB, MIB, READ_ONLY_NUMBER, FakeHost, refuse_writes, write
 
 STEP = 1 * GIB
@@ -265,7 +265,7 @@ def test_a_refused_cap_is_not_recorded_and_the_guard_goes_on(tmp_path: Path,
     squeeze = GuardSqueeze()
     if squeezed:
         squeeze.set(Squeeze(64 * MIB, 256 * MIB, "test"))
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit, squeeze, metrics)
     limit = host.tier_dir("besteffort") / "memory.limit_in_bytes"
     refuse_writes(limit)

@@ -24,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 import nri_plugin.metrics_server
+from common.aio import Backoff
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics, PluginMetrics
 from hooks.events import Event
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.config.store import ConfigStore
@@ -34,13 +37,11 @@ from nri_plugin.nri_api import PLUGIN_SERVICE
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity
 from nri_plugin.version import agent_version
-from reconciler.aio import Backoff
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from tests.fakesys import GIB, FakeHost, nri_messages, write
 from tests.resctrl_trees import intel_tree
 from tests.test_daemon_reconciler import LEVEL
@@ -252,7 +253,7 @@ async def test_every_series_exists_and_moves(tmp_path: Path) -> None:
 
 
 def test_registry_is_the_agents_own() -> None:
-    first, second = Metrics(), Metrics()
+    first, second = PluginMetrics(), PluginMetrics()
     first.nri_reconnected()
     assert first.registry.get_sample_value("nri_qos_nri_reconnects_total") == 1
     assert second.registry.get_sample_value("nri_qos_nri_reconnects_total") == 0
@@ -260,18 +261,18 @@ def test_registry_is_the_agents_own() -> None:
 
 
 def test_unknown_results_and_states_are_refused() -> None:
-    metrics = Metrics()
+    plugin = PluginMetrics()
     with pytest.raises(ValueError, match="unknown NRI result"):
-        metrics.nri_request("create_container", "partial", 0.001)
+        plugin.nri_request("create_container", "partial", 0.001)
     with pytest.raises(ValueError, match="unknown connection state"):
-        metrics.nri_connection("registering", 0.0)
+        plugin.nri_connection("registering", 0.0)
     with pytest.raises(ValueError, match="unknown NUMA balance result"):
-        metrics.numa_balance_step("observed", 0, 0.0)
+        ReconcilerMetrics().numa_balance_step("observed", 0, 0.0)
 
 
 def test_series_of_actions_record_what_they_are_told() -> None:
     """The series the ladder, drop-cache, eviction, taint and wire code record into."""
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     get = metrics.registry.get_sample_value
     metrics.ladder_level(2)
     metrics.drop_cache("done", 3 * GIB)
@@ -387,7 +388,7 @@ async def test_endpoint_answers_health_and_refuses_the_rest() -> None:
 
 
 async def test_a_collector_that_fails_answers_500() -> None:
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
 
     class Broken:
         def current(self) -> list[Reading]:
@@ -423,7 +424,7 @@ async def test_port_in_use_is_logged_and_the_agent_goes_on() -> None:
 
 
 def test_board_levels_follow_publications() -> None:
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     board = Board()
     pods = {UID_A: ("shop", "web-0")}
     metrics.watch_board(board, lambda: pods)
@@ -481,7 +482,7 @@ class Serving:
 
 def counted_metrics() -> Metrics:
     metrics = Metrics("9.9.9")
-    metrics.nri_request("create_container", "ok", 0.001)
+    PluginMetrics(metrics.registry).nri_request("create_container", "ok", 0.001)
     return metrics
 
 
@@ -530,7 +531,7 @@ async def test_head_is_answered_without_a_body() -> None:
 
 
 def test_the_guard_cap_is_absent_until_one_is_set() -> None:
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     assert "nri_qos_memory_guard_cap_bytes" not in prometheus_client.generate_latest(
         metrics.registry).decode()
     metrics.memory_guard(1 << 30, 1 << 29)

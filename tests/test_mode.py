@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config, in_force
 from nri_plugin.config.store import ConfigStore
-from reconciler.audit import AuditLog
 from reconciler.host.sysfs import Outcome, SysFs
 
 

@@ -16,9 +16,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.metrics import Metrics, PluginMetrics
 from nri_plugin.cli import build_parser
 from reconciler.detection.signals import NODE, Board, Level, Reading
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from tests.paths import REPO
 from tests.test_deploy import BASE, COMPONENTS, _container, _one, assert_parses_into_models, built
 
@@ -41,25 +42,26 @@ class Usage:
 def exported() -> set[str]:
     """Every sample name the agent's registry renders, each series given a value."""
     metrics = Metrics("1.0")
-    metrics.nri_request("create_container", "ok", 0.001)
-    metrics.nri_adjusted(["rdt_class"])
-    metrics.nri_connection("synchronized", 1.0)
-    metrics.nri_reconnected()
-    metrics.nri_runtime("containerd", "v2.0.0", "v0.9.0")
-    metrics.loop_cycle("drift", 0.01, failed=True)
+    plugin, reconciler = PluginMetrics(metrics.registry), ReconcilerMetrics(metrics.registry)
+    plugin.nri_request("create_container", "ok", 0.001)
+    plugin.nri_adjusted(["rdt_class"])
+    plugin.nri_connection("synchronized", 1.0)
+    plugin.nri_reconnected()
+    plugin.nri_runtime("containerd", "v2.0.0", "v0.9.0")
+    reconciler.loop_cycle("drift", 0.01, failed=True)
     metrics.host_write("/sys/fs/cgroup/x/memory.high", "written")
-    metrics.memory_guard(1 << 30, 1 << 29)
-    metrics.ladder_level(1)
-    metrics.drop_cache("done", 4096)
-    metrics.eviction("system_pressure", "evicted")
-    metrics.taint("nri-qos.io/memory-pressure", True)
+    reconciler.memory_guard(1 << 30, 1 << 29)
+    reconciler.ladder_level(1)
+    reconciler.drop_cache("done", 4096)
+    reconciler.eviction("system_pressure", "evicted")
+    reconciler.taint("nri-qos.io/memory-pressure", True)
     metrics.config_reload(False, 1.0)
     metrics.watch_node(lambda: (1, 1))
-    metrics.watch_rejections(lambda: {"bad_payload": 1})
+    plugin.watch_rejections(lambda: {"bad_payload": 1})
     board = Board()
     board.publish("psi", [Reading("psi", NODE, Level.LOW, 1.0, 1.0, "percent")])
-    metrics.watch_board(board)
-    metrics.watch_resctrl(lambda: [Usage()])
+    reconciler.watch_board(board)
+    reconciler.watch_resctrl(lambda: [Usage()])
     text = prometheus_client.generate_latest(metrics.registry).decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 

@@ -10,18 +10,18 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.statefile import state_file
-from reconciler.k8s import (
+from reconciler.kube import (
     NODE_UPDATE_ATTEMPTS,
     KubeActions,
     KubernetesConfig,
     NodeOutcome,
     build_api_client,
 )
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause, TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
@@ -146,7 +146,7 @@ class Ladder:
             cfg.mitigation, cooldown_s=cooldown_s, **mitigation))
         self.board = Board()
         self.sink = MemoryAuditSink()
-        self.metrics = Metrics()
+        self.metrics = ReconcilerMetrics()
         action = TaintAction(lambda: self.cfg, kube, "node-a", AuditLog(self.sink), self.metrics)
         self.mitigation = Mitigation(lambda: self.cfg, self.board, {"taint": action},
                                      AuditLog(self.sink), metrics=self.metrics,

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.statefile import StateFile
@@ -29,8 +30,7 @@ from reconciler.loops.numa_binding import (
     NumaBindingLoop,
     restore_bindings,
 )
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
+from reconciler.metrics import ReconcilerMetrics
 from tests.fakesys import GIB, MIB, FakeHost, FakePod
 
 MARK = Watermark(4 * GIB, 1.0, None)  # every node's watermark: 4 GiB
@@ -197,7 +197,7 @@ def setup(tmp_path: Path, *, version: int = 2, dry_run: bool = False,
 
 def loop_of(cfg: Config, state: NodeState, sysfs: SysFs, sink: MemoryAuditSink,
             mover: FakeMover | None, notes: StateFile | None = None,
-            metrics: Metrics | None = None, clock: list[float] | None = None
+            metrics: ReconcilerMetrics | None = None, clock: list[float] | None = None
             ) -> NumaBalanceLoop:
     times = clock if clock is not None else [0.0]
     return NumaBalanceLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
@@ -217,7 +217,7 @@ def test_steps_move_the_offline_pod_off_the_hot_node_then_narrow_its_binding(
     host, offline, online, cfg, sysfs, sink, state = setup(tmp_path)
     mover = FakeMover(stat_of(host, offline))
     notes = StateFile(str(tmp_path / "state.json"))
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     clock = [10.0]
     loop = loop_of(cfg, state, sysfs, sink, mover, notes, metrics, clock)
     loop.cycle(0.0)
@@ -310,7 +310,7 @@ def test_observe_mode_holds_the_widening_and_the_move(tmp_path: Path) -> None:
 def test_a_refused_move_is_audited_and_the_container_left_for_a_minute(tmp_path: Path) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
     mover = FakeMover(stat_of(host, offline), Outcome.FAILED)
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     clock = [100.0]
     loop = loop_of(cfg, state, sysfs, sink, mover, metrics=metrics, clock=clock)
     loop.cycle(0.0)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.numa_binding import NumaBindingLoop, choose_nodes
-from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost, FakePod
 
 LOW = 1000  # pages; the 4 GiB floor dominates

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
 from nri_plugin.features import evaluate, kubernetes_feature
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE
@@ -40,8 +41,7 @@ from reconciler.loops.offload import (
     share,
 )
 from reconciler.loops.offload_loop import OffloadLoop
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
+from reconciler.metrics import ReconcilerMetrics
 from tests.fakesys import MIB, FakeHost, FakePod
 from tests.processes import children_of
 
@@ -247,7 +247,7 @@ class Node:
         self.sysfs = sysfs.observing(lambda: observe) if observe else sysfs
         self.state = NodeState()
         self.engaged = False
-        self.metrics = Metrics()
+        self.metrics = ReconcilerMetrics()
         self.hostinfo: HostInfo = probe_host(sysfs)
         self.loop = OffloadLoop(lambda: self.cfg, self.state, self.sysfs, self.hostinfo,
                                 self.audit, ladder_engaged=lambda: self.engaged,

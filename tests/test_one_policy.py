@@ -7,6 +7,9 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
+from common.state import NodeState
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
 from hooks.resctrl_groups import place_container
@@ -15,14 +18,11 @@ from nri_plugin.config.schema import Config
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.stub import PluginIdentity, PluginStub
 from protos import nri_api_pb2 as api
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from reconciler.podmeta import PodMeta
-from reconciler.state import NodeState
 from tests.fakesys import FakeHost, read_ids
 
 LEVEL = "qos.nri-qos.io/level"

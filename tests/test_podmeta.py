@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from reconciler.podmeta import OwnerRef, PodMeta, parse_quantity, pod_meta_from_object
+from common.podmeta import OwnerRef, PodMeta, parse_quantity, pod_meta_from_object
 from tests.fake_apiserver import make_pod
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import PodMeta
 from hooks.memory_qos import MemoryLevel
 from hooks.oci_hooks import OciHook, OciHooksConfig, OciLevelHooks
 from nri_plugin.capabilities import build_capabilities
@@ -16,10 +18,8 @@ from nri_plugin.capabilities.memory_qos import MemoryQosCapability
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.probe_command import report
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.podmeta import PodMeta
 from tests.fake_apiserver import write_kubeconfig
 from tests.fakesys import GIB, FakeHost
 

@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import Metrics
+from common.state import report_refusals
 from hooks.config_fields import frozen_map
 from hooks.model import PodInfo
 from hooks.qos_level import LevelDecision, QosConfig, Refusal, resolve_level
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.metrics import Metrics
-from reconciler.state import report_refusals
 from tests.qos_claims import CASES, CLASS_DEFAULT, CLASSES, KATALYST, OURS, Claim
 
 UID = "0f6a3c1e-2b7d-4e59-9a61-5d0c8b1f2e34"

@@ -1,10 +1,10 @@
 """The ClusterRole grants exactly what the code asks of the API server, seen from the server.
 
-Every public function and method of ``reconciler/k8s.py`` (the only module that talks to the API
+Every public function and method of ``reconciler.kube`` (the only package that talks to the API
 server) is driven against the fake API server; each request it received is turned into the
 (API group, resource, verb) the API server's authorizer would check, and the set is compared
 with the rules of ``deploy/kustomize/base/rbac.yaml`` in both directions. A public method added
-to k8s.py without a driver here fails the test.
+to what the package exports without a driver here fails the test.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from typing import Any
 
 import yaml
 
-from reconciler import k8s
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.k8s import (
+from common.audit import AuditLog, MemoryAuditSink
+from common.podmeta import OwnerRef, PodMeta
+from reconciler import kube
+from reconciler.kube import (
     KubeActions,
     KubernetesConfig,
     PodRef,
@@ -28,7 +29,6 @@ from reconciler.k8s import (
     build_api_client,
     node_name,
 )
-from reconciler.podmeta import OwnerRef, PodMeta
 from tests.fake_apiserver import FakeApiServer, Recorded, make_pod, write_kubeconfig
 from tests.paths import REPO
 
@@ -112,13 +112,15 @@ DRIVERS: dict[str, Callable[[Drive], Awaitable[None]]] = {
     "KubeActions.owner_exists": _owner_exists,
     "KubeActions.remove_node_condition": _remove_node_condition,
 }
-"""Every public function and method of k8s.py, in an order that works (the client first)."""
+"""Every public function and method of reconciler.kube, in an order that works (the client
+first)."""
 
 
 def public_api() -> set[str]:
     found: set[str] = set()
-    for name, obj in vars(k8s).items():
-        if name.startswith("_") or getattr(obj, "__module__", None) != k8s.__name__:
+    for name in kube.__all__:
+        obj = getattr(kube, name)
+        if not getattr(obj, "__module__", "").startswith(f"{kube.__name__}."):
             continue
         if inspect.isfunction(obj):
             found.add(name)
@@ -158,7 +160,7 @@ def granted() -> set[Permission]:
 
 def test_every_public_call_has_a_driver() -> None:
     assert public_api() == set(DRIVERS), (
-        "drive each public function/method of reconciler/k8s.py in DRIVERS, so its API calls "
+        "drive each public function/method of reconciler.kube in DRIVERS, so its API calls "
         "are checked against the ClusterRole")
 
 

@@ -17,16 +17,16 @@ from types import MappingProxyType
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.memory_qos import MemoryLevel
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import check_view, read_meminfo, read_nodes
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
-from reconciler.state import NodeState
 
 MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 UID = "55555555-0000-4000-8000-000000000005"

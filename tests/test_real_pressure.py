@@ -19,19 +19,19 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import NodePsi, PressureLevels, psi_path
 from reconciler.detection.signals import NODE, Board, Level, Reading, tier_scope
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
-from reconciler.state import NodeState
 from tests.polling import eventually
 from tests.pressure_worker import REACH_S
 from tests.realroot import MIB, RealRoot, Worker, unavailable
@@ -224,7 +224,7 @@ async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path:
         [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",
                  annotations={"qos.nri-qos.io/level": "reclaimed_cores"})],
         [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path)])
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     action = DropCacheAction(lambda: agent.cfg, agent.sysfs, agent.host,
                              PodIndex(state, agent.host.cgroup), agent.audit, metrics=metrics)
     try:

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from common.aio import Backoff, sleep_until
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
 from nri_plugin.agent import build_agent, probe
 from nri_plugin.config.schema import Config, StatusConfig
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.stub import PluginIdentity
-from reconciler.aio import Backoff, sleep_until
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.host.cgroups import CgroupRef, parse_cgroups_path
 from reconciler.host.probe import HostInfo, probe_host
@@ -31,7 +32,6 @@ from reconciler.loops import common
 from reconciler.loops.base import Loop, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.runner import build_loops, run_reconciler
-from reconciler.state import NodeState
 from tests.fakesys import GIB, FakeHost, read_ids
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from hooks.resctrl import Allocation, ResctrlInfo, build_schemata
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrl_files import parse_schemata, schemata_matches, schemata_text
 from reconciler.host.resctrlfs import GroupError, ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.cli import build_parser, main
 from nri_plugin.config.schema import Config
 from nri_plugin.reset_command import main_reset, reset
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubernetesConfig
+from reconciler.kube import KubernetesConfig
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.events import Event
 from nri_plugin.capability import Capability
 from nri_plugin.config.loader import ConfigError
@@ -29,8 +31,6 @@ from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.state import NodeState
 from tests.paths import REPO
 
 NO_RESCTRL = "[resctrl]\nenabled = false\n"

@@ -10,11 +10,11 @@ from types import MappingProxyType
 
 import pytest
 
+from common.podmeta import PodMeta
+from common.state import NodeState, PodView
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.qos_level import QosConfig, Refusal
-from reconciler.podmeta import PodMeta
-from reconciler.state import NodeState, PodView
 
 
 def pod(n: int, **kw: object) -> PodInfo:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from common.audit import AuditLog, MemoryAuditSink
 from hooks.events import Event
 from nri_plugin import daemon
 from nri_plugin.cli import main
@@ -24,10 +25,9 @@ from nri_plugin.config.schema import Config
 from nri_plugin.simulator import RuntimeSimulator
 from nri_plugin.status import StatusServer, ladder_sections
 from nri_plugin.status_command import main_status, print_status
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import NODE as NODE_SCOPE
 from reconciler.detection.signals import Board, Level, Reading
-from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
+from reconciler.kube import KubeActions, KubernetesConfig, build_api_client
 from reconciler.mitigation.actions import TaintAction
 from reconciler.mitigation.service import Mitigation
 from tests.eviction_env import NODE, forced, make_env

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from tests.paths import REPO
 
-PACKAGES = ("nri_plugin", "reconciler", "hooks")
+PACKAGES = ("nri_plugin", "reconciler", "common", "hooks")
 HOST_LAYER = REPO / "reconciler" / "host"
 FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "listdir",
               "scandir", "walk", "stat", "lstat", "exists", "isdir", "isfile", "mkdir", "rmdir",

@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import PluginMetrics
+from common.state import NodeState
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
@@ -29,9 +32,6 @@ from nri_plugin.stub import PluginIdentity, PluginStub
 from nri_plugin.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
-from reconciler.audit import AuditLog, MemoryAuditSink
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
 
 OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
 ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,
@@ -127,7 +127,7 @@ async def make(tmp_path: Path, executor: ThreadPoolExecutor) -> AsyncIterator[ob
                     containers: Sequence[api.Container] = (), wait: bool = True,
                     identity: PluginIdentity | None = None,
                     reconciler_fields: frozenset[str] = frozenset(),
-                    metrics: Metrics | None = None) -> Setup:
+                    metrics: PluginMetrics | None = None) -> Setup:
         socket_path = tmp_path / f"nri-{len(setups)}.sock"
         simulator = RuntimeSimulator(socket_path, runtime, pods=pods, containers=containers)
         await simulator.start()
@@ -463,7 +463,7 @@ async def test_one_canonical_log_line_per_event(make) -> None:
 async def test_strict_inline_failure_is_logged_and_counted_once(make) -> None:
     stream = io.StringIO()
     LoggingSetup(LoggingConfig(format="json"), level="info", stream=stream)
-    metrics = Metrics()
+    metrics = PluginMetrics()
     bad = Recorder("bad", error=OSError("resctrl gone"), inline=True)
     setup = await make([bad], cfg=config(strict=True), metrics=metrics)
     stream.seek(0)
@@ -629,7 +629,7 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
     assert "deadline of 50 ms" in failed["reason"]
 
 
-def requests(metrics: Metrics, event: str, result: str) -> float:
+def requests(metrics: PluginMetrics, event: str, result: str) -> float:
     return metrics.registry.get_sample_value(
         "nri_qos_nri_requests_total", {"event": event, "result": result}) or 0.0
 
@@ -637,7 +637,7 @@ def requests(metrics: Metrics, event: str, result: str) -> float:
 async def test_metrics_count_every_answer_by_result(make) -> None:
     """ok, fail-open (a failing capability, unusable input, an undecodable payload) and error
     (strict): each answer is counted once, after it was sent."""
-    metrics = Metrics()
+    metrics = PluginMetrics()
     ok = Recorder("ok", settings=ContainerSettings(annotations={"ok": "1"}))
     bad = Recorder("bad", error=OSError("resctrl gone"))
     setup = await make([ok], metrics=metrics)
@@ -677,7 +677,7 @@ async def test_metrics_count_every_answer_by_result(make) -> None:
 
 
 async def test_connection_state_follows_the_session(make) -> None:
-    metrics = Metrics()
+    metrics = PluginMetrics()
     setup = await make(metrics=metrics)
     stub = setup.stub
     assert stub.connection_state == "synchronized"

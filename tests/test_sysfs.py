@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.audit import AuditLog, MemoryAuditSink
+from common.audit import AuditLog, MemoryAuditSink
 from reconciler.host.sysfs import Outcome, SysFs, SysPathError, read_file_bytes, read_id_file
 from reconciler.host.values import (
     format_id_list,

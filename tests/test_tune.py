@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
 from reconciler.host.cgroups import layout_for
@@ -25,7 +26,6 @@ from reconciler.loops.memory_guard import (
 )
 from reconciler.mitigation.actions import Cause, TuneAction
 from reconciler.runner import run_reconciler
-from reconciler.state import NodeState
 from tests.fakesys import GIB, MIB, PAGE, READ_ONLY_NUMBER, FakeHost, refuse_writes
 from tests.polling import eventually
 

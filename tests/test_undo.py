@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.agent import build_agent
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.stub import PluginIdentity
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level
 from reconciler.host import statefile
@@ -30,7 +31,6 @@ from reconciler.loops.memory_guard import NOTES, GuardSqueeze, MemoryGuardLoop, 
 from reconciler.loops.numa_binding import NUMA_NOTES, NumaBindingLoop
 from reconciler.mitigation.actions import WMARK_NOTES, Cause, TuneAction
 from reconciler.runner import run_reconciler
-from reconciler.state import NodeState
 from tests.fakesys import GIB, MIB, UNLIMITED_V1, FakeHost, FakePod
 
 # -- the state file -------------------------------------------------------------------------------

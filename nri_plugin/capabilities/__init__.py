@@ -11,6 +11,7 @@ negotiated again.
 
 from __future__ import annotations
 
+from common.audit import AuditLog
 from hooks.memory_qos import memory_qos_active
 from hooks.oci_hooks import any_hooks
 from nri_plugin.capabilities.memory_qos import MemoryQosCapability
@@ -19,7 +20,6 @@ from nri_plugin.capabilities.oom_score import OomScoreCapability
 from nri_plugin.capabilities.resctrl import ResctrlCapability
 from nri_plugin.capability import Capability
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog
 from reconciler.host.resctrlfs import ResctrlFs
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from common.audit import AuditLog
 from hooks.events import Event
 from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.capability import Capability, ContainerEvent
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog
 
 
 class OomScoreCapability(Reporting, Capability):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.audit import AuditLog
 from hooks.errors import InvalidInput
 from hooks.model import PodInfo
 from hooks.untrusted import bounded
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog
 
 MAX_REASON_CHARS = 1024
 """The longest reason of one record: a few dozen problems, each already bounded by its policy."""

@@ -7,6 +7,7 @@ the task-id loop applies to running containers.
 
 from __future__ import annotations
 
+from common.audit import AuditLog
 from hooks.events import Event
 from hooks.resctrl_annotation import plan_pod_group
 from hooks.resctrl_config import ResctrlConfig
@@ -21,7 +22,6 @@ from hooks.untrusted import bounded
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog
 from reconciler.host.resctrlfs import ResctrlFs
 
 HOOK_PROGRAM = "nri-qos-hook"

@@ -30,7 +30,7 @@ from nri_plugin.logs import LoggingConfig
 from reconciler.detection.config import DetectionConfig
 from reconciler.eviction.choice import READ_ANNOTATIONS as EVICTION_ANNOTATIONS
 from reconciler.eviction.config import EvictionConfig
-from reconciler.k8s import KubernetesConfig
+from reconciler.kube import KubernetesConfig
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.memory_guard import MemoryGuardConfig
 from reconciler.loops.numa_balance import NumaBalanceConfig

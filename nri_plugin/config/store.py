@@ -26,10 +26,10 @@ from typing import Any
 
 import structlog
 
+from common.aio import sleep_until
+from common.audit import AuditLog
 from nri_plugin.config.loader import ConfigError, Layered, drop_in_dir, drop_ins, load_layers
 from nri_plugin.config.schema import Config, in_force
-from reconciler.aio import sleep_until
-from reconciler.audit import AuditLog
 
 DEFAULT_CONFIG_PATH = "/etc/nri-qos/config.toml"
 EMBEDDED_DEFAULTS = "embedded defaults"

@@ -1,6 +1,6 @@
 """The node's pods as the memory detectors and actions need them: level, memory cgroup, request.
 
-Built from a :class:`~reconciler.state.NodeState` snapshot: a pod's memory cgroup is the parent
+Built from a :class:`~common.state.NodeState` snapshot: a pod's memory cgroup is the parent
 of its containers' cgroups (the runtime reports the containers' paths), its request the sum of
 its running containers' memory requests (from the pod watch, else from the runtime). Cached per
 snapshot, so an idle detector pays nothing to ask again; the parsed containers come from a
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.state import NodeState, Snapshot
 from hooks.untrusted import bounded
 from reconciler.host.cgroups import CgroupLayout, pod_rel
 from reconciler.loops.common import ManagedCache
-from reconciler.state import NodeState, Snapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from reconciler.audit import AuditLog
+from common.audit import AuditLog
 from reconciler.detection.config import DetectionConfig
 from reconciler.detection.detectors import Sample
 from reconciler.detection.signals import Board, Level, Reading

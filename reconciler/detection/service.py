@@ -29,10 +29,11 @@ from typing import Protocol
 
 import structlog
 
+from common.aio import sleep_until
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.levels import QosLevel
 from hooks.untrusted import bounded
-from reconciler.aio import sleep_until
-from reconciler.audit import AuditLog
 from reconciler.detection import detectors as d
 from reconciler.detection.config import (
     DETECTORS,
@@ -64,7 +65,6 @@ from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.base import Loop, ReconcilerConfig, run_loop
 from reconciler.loops.common import ManagedCache
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.detection")
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
-from reconciler.aio import Callbacks
+from common.aio import Callbacks
 
 
 class Level(IntEnum):

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import structlog
 
-from reconciler.audit import AuditLog
+from common.audit import AuditLog
 from reconciler.eviction.api import EvictionPlugin
 from reconciler.eviction.remote import PluginCallError
 

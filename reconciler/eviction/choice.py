@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from common.podmeta import CONFIG_SOURCE_ANNOTATION, OwnerRef
 from hooks.levels import QosLevel
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.selector import Selector, parse_selector
-from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION, OwnerRef
 
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 """Set by kubelet on the API's copy (mirror pod) of a static pod. The API server lets nobody add

@@ -7,13 +7,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from common.aio import Backoff
+from common.audit import AuditLog
 from hooks.untrusted import bounded
-from reconciler.aio import Backoff
-from reconciler.audit import AuditLog
 from reconciler.eviction.api import EvictionPlugin, EvictPods, ThresholdMet
 from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.smoothing import ConditionTracker
-from reconciler.k8s import KubeActions, NodeOutcome
+from reconciler.kube import KubeActions, NodeOutcome
 
 CONDITION_MET = "NriQosThresholdMet"
 CONDITION_NOT_MET = "NriQosThresholdNotMet"

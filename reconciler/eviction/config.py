@@ -11,7 +11,7 @@ from hooks.levels import QosLevel
 from reconciler.detection.signals import SETTING_LEVEL_NAMES
 from reconciler.eviction.api import PLUGIN_NAME
 from reconciler.eviction.selector import check_selectors
-from reconciler.k8s import MIN_GRACE_S
+from reconciler.kube import MIN_GRACE_S
 
 SYSTEM_CLUSTER_CRITICAL = 2_000_000_000
 SYSTEM_NODE_CRITICAL = 2_000_001_000

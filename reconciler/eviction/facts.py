@@ -3,12 +3,12 @@ anonymous memory it uses now (read from its cgroups), with what the API server s
 
 from __future__ import annotations
 
+from common.state import Snapshot
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.choice import PodFacts
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
-from reconciler.state import Snapshot
 
 
 def pod_facts(snapshot: Snapshot, sysfs: SysFs, layout: CgroupLayout) -> dict[str, PodFacts]:

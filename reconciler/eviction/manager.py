@@ -18,7 +18,7 @@ is called, the mitigation ladder's evict rung):
    with an Event on the pod, or, in dry-run, only audited.
 
 Nothing here blocks the event loop: plugin calls are awaited with deadlines, pod usage is read
-in a worker thread, API calls run in threads inside :class:`~reconciler.k8s.KubeActions`.
+in a worker thread, API calls run in threads inside :class:`~reconciler.kube.KubeActions`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ from typing import Protocol
 
 import structlog
 
+from common.aio import Backoff, sleep_until
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.untrusted import bounded
-from reconciler.aio import Backoff, sleep_until
-from reconciler.audit import AuditLog
 from reconciler.eviction.api import (
     ActivePod,
     EvictionPlugin,
@@ -57,9 +58,8 @@ from reconciler.eviction.remote import PluginDirectory
 from reconciler.eviction.smoothing import MetSmoother
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import EvictionOutcome, KubeActions, PodRef
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
+from reconciler.kube import EvictionOutcome, KubeActions, PodRef
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.eviction")
 
@@ -177,7 +177,7 @@ class EvictionManager:
                  actions: KubeActions, node: str, audit: AuditLog, sysfs: SysFs,
                  layout: CgroupLayout, in_tree: Mapping[str, EvictionPlugin], *,
                  clock: Callable[[], float] | None = None,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: ReconcilerMetrics | None = None) -> None:
         self._config = config
         self._metrics = metrics
         self._recent: collections.deque[Recent] = collections.deque(maxlen=RECENT_KEPT)

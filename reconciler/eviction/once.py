@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reconciler.audit import AuditLog
+from common.audit import AuditLog
 
 
 class RoundAudit:

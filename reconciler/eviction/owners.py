@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from reconciler.eviction.choice import PodFacts
-from reconciler.k8s import KubeActions
+from reconciler.kube import KubeActions
 
 OWNER_CHECK_TTL_S = 300.0
 """How long the API's answer about a pod's DaemonSet owner is kept: owners come and go far less

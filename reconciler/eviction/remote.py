@@ -33,11 +33,11 @@ import grpc
 import grpc.aio
 import structlog
 
+from common.audit import AuditLog
 from hooks.levels import QosLevel
 from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
 from protos import eviction_pb2_grpc as pb_grpc
-from reconciler.audit import AuditLog
 from reconciler.eviction.api import (
     PLUGIN_NAME,
     ActivePod,
@@ -49,7 +49,7 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
-from reconciler.k8s import MIN_GRACE_S
+from reconciler.kube import MIN_GRACE_S
 
 log = structlog.get_logger("nri_qos.eviction")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
-from reconciler.aio import sleep_until
+from common.aio import sleep_until
 from reconciler.host.sysfs import SysFs
 
 log = structlog.get_logger("nri_qos.pressure")

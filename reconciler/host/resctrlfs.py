@@ -12,10 +12,10 @@ import errno
 import threading
 from collections.abc import Callable, Collection, Iterable
 
+from common.audit import AuditLog
 from hooks.resctrl import ResctrlInfo, Schemata
 from hooks.resctrl_groups import ClassGroupPlan, valid_group_name
 from hooks.untrusted import bounded_repr
-from reconciler.audit import AuditLog
 from reconciler.host.resctrl_files import (
     INFO_FILES,
     ResctrlUnavailable,

@@ -38,11 +38,11 @@ from pathlib import Path
 
 import structlog
 
+from common.audit import AuditLog
+from common.metrics import Metrics
 from hooks.untrusted import bounded, bounded_repr
-from reconciler.audit import AuditLog
 from reconciler.host.children import MOVER, SYS_MOVE_PAGES, WRITER, Children
 from reconciler.host.values import PAGE_SIZE, Comparator, same_text
-from reconciler.metrics import Metrics
 
 log = structlog.get_logger("nri_qos.sysfs")
 

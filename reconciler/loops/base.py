@@ -19,11 +19,11 @@ from types import MappingProxyType
 
 import structlog
 
+from common.aio import Backoff, sleep_until
 from hooks.config_fields import setting
 from hooks.events import Event
 from hooks.untrusted import bounded
-from reconciler.aio import Backoff, sleep_until
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -119,7 +119,7 @@ class LoopTracker:
     Used from the event loop only (where :func:`run_loop` runs).
     """
 
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: ReconcilerMetrics | None = None) -> None:
         self._metrics = metrics
         self._last: dict[str, CycleRecord] = {}
 

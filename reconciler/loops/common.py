@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.state import ContainerView, Snapshot
 from reconciler.host.cgroups import CgroupPathError, CgroupRef, parse_cgroups_path
-from reconciler.state import ContainerView, Snapshot
 
 log = structlog.get_logger("nri_qos.reconciler")
 

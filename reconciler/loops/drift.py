@@ -29,19 +29,19 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION, MemoryConfig, memory_settings
 from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings, merge
 from hooks.untrusted import bounded
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import set_oom_score_adj
 from reconciler.host.sysfs import SysFs
 from reconciler.host.values import same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 

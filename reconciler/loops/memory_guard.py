@@ -65,9 +65,9 @@ from typing import Protocol
 
 import structlog
 
+from common.aio import Callbacks
+from common.audit import AuditLog
 from hooks.config_fields import setting
-from reconciler.aio import Callbacks
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.memstat import anon_bytes
 from reconciler.host.numa import (
@@ -82,7 +82,7 @@ from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -250,7 +250,7 @@ class MemoryGuardLoop(Loop):
 
     def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog,
-                 squeeze: GuardSqueeze | None = None, metrics: Metrics | None = None,
+                 squeeze: GuardSqueeze | None = None, metrics: ReconcilerMetrics | None = None,
                  notes: StateFile | None = None) -> None:
         self._notes = notes if notes is not None else StateFile(None)
         self._was_held = False

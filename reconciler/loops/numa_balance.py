@@ -40,9 +40,10 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile
@@ -52,8 +53,7 @@ from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, noted_elsewhere, restore_bindings
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -195,7 +195,7 @@ class NumaBalanceLoop(Loop):
     def __init__(self, config: Callable[[], NumaBalanceSections], state: NodeState,
                  sysfs: SysFs, layout: CgroupLayout, audit: AuditLog, *,
                  managed: ManagedCache | None = None, notes: StateFile | None = None,
-                 metrics: Metrics | None = None, mover: Mover | None = None,
+                 metrics: ReconcilerMetrics | None = None, mover: Mover | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._state = state

@@ -24,10 +24,11 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.events import Event
 from hooks.levels import QosLevel
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile, restore_noted
@@ -36,7 +37,6 @@ from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list, sam
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from reconciler.audit import AuditLog
+from common.audit import AuditLog
+from common.state import NodeState
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import MEMINFO, meminfo_values
 from reconciler.host.probe import HostInfo
@@ -37,8 +38,7 @@ from reconciler.loops.offload import (
     share,
     stat_values,
 )
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
+from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -63,7 +63,8 @@ class OffloadLoop(Loop):
     def __init__(self, config: Callable[[], OffloadSections], state: NodeState, sysfs: SysFs,
                  host: HostInfo, audit: AuditLog, *,
                  ladder_engaged: Callable[[], bool] = lambda: False,
-                 managed: ManagedCache | None = None, metrics: Metrics | None = None) -> None:
+                 managed: ManagedCache | None = None,
+                 metrics: ReconcilerMetrics | None = None) -> None:
         self._config = config
         self._state = state
         self._sysfs = sysfs

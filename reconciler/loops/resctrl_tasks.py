@@ -41,18 +41,18 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
+from common.state import NodeState
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
 from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import parse_group_name, place_container, plan_class_groups
-from reconciler.audit import AuditLog
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import task_cgroups
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.reconciler")
 

@@ -14,17 +14,17 @@ from typing import Protocol
 
 import structlog
 
+from common.audit import AuditLog
 from hooks.levels import QosLevel
 from hooks.units import quantity
-from reconciler.audit import AuditLog
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.k8s import KubeActions, NodeOutcome
+from reconciler.kube import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.config import MitigationConfig
 
 log = structlog.get_logger("nri_qos.mitigation")
@@ -108,7 +108,7 @@ class TaintAction:
     """Forbid scheduling: the node taint and the node condition."""
 
     def __init__(self, config: Callable[[], MitigationSections], kube: KubeActions,
-                 node: str, audit: AuditLog, metrics: Metrics | None = None,
+                 node: str, audit: AuditLog, metrics: ReconcilerMetrics | None = None,
                  notes: StateFile | None = None) -> None:
         self._config = config
         self._metrics = metrics
@@ -123,10 +123,8 @@ class TaintAction:
     async def engage(self, cause: Cause, dry_run: bool) -> Result:
         rung = self._config().mitigation.taint
         what = f"taint {rung.key}:{rung.effect}, {rung.condition}=True"
-        if dry_run:
-            return Result(DRY_RUN, f"would {what}")
-        if not self._kube.available:
-            return Result(SKIPPED, "no Kubernetes API access")
+        if (answer := self._without_writes(what, dry_run)) is not None:
+            return answer
         reason = cause.text()
         # A key or condition changed while engaged: the old ones are ours too and must not
         # stay.
@@ -156,14 +154,21 @@ class TaintAction:
         keys = list(dict.fromkeys([*self._notes.entries(TAINT_NOTES), rung.key]))
         kinds = list(dict.fromkeys([*self._notes.entries(CONDITION_NOTES), rung.condition]))
         what = f"remove taint {', '.join(keys)}, {'=False, '.join(kinds)}=False"
-        if dry_run:
-            return Result(DRY_RUN, f"would {what}")
-        if not self._kube.available:
-            return Result(SKIPPED, "no Kubernetes API access")
+        if (answer := self._without_writes(what, dry_run)) is not None:
+            return answer
         reason = cause.text()
         outcomes = [await self._remove(key, reason) for key in keys]
         outcomes += [await self._clear(kind, reason) for kind in kinds]
         return _node_result(outcomes, what)
+
+    def _without_writes(self, what: str, dry_run: bool) -> Result | None:
+        """The answer of an engage or release that writes nothing: a dry run, or no API access;
+        None when the writes go ahead."""
+        if dry_run:
+            return Result(DRY_RUN, f"would {what}")
+        if not self._kube.available:
+            return Result(SKIPPED, "no Kubernetes API access")
+        return None
 
     async def _remove(self, key: str, reason: str) -> NodeOutcome:
         outcome = await self._kube.remove_taint(self._node, key, reason=reason)

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.audit import AuditLog
 from hooks.levels import QosLevel
-from reconciler.audit import AuditLog
 from reconciler.detection.parse import ParseError, parse_counters
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import (
     DONE,
     DRY_RUN,
@@ -95,7 +95,7 @@ class DropCacheAction:
     def __init__(self, config: Callable[[], MitigationSections], sysfs: SysFs, host: HostInfo,
                  pods: PodIndex, audit: AuditLog, *,
                  clock: Callable[[], float] = time.monotonic,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: ReconcilerMetrics | None = None) -> None:
         self._config = config
         self._metrics = metrics
         self._sysfs = sysfs

@@ -26,8 +26,9 @@ from typing import Protocol
 
 import structlog
 
-from reconciler.aio import sleep_until
-from reconciler.audit import AuditLog
+from common.aio import sleep_until
+from common.audit import AuditLog
+from common.state import NodeState
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.service import pressure_level_problem
@@ -35,11 +36,11 @@ from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Read
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.k8s import KubeActions
+from reconciler.kube import KubeActions
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
-from reconciler.metrics import Metrics
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import (
     FAILED,
     TIMEOUT,
@@ -55,7 +56,6 @@ from reconciler.mitigation.actions import (
 from reconciler.mitigation.config import MitigationConfig
 from reconciler.mitigation.drop_cache import DropCacheAction
 from reconciler.mitigation.ladder import Backoff, Ladder, Rung, Step
-from reconciler.state import NodeState
 
 log = structlog.get_logger("nri_qos.mitigation")
 
@@ -163,7 +163,7 @@ class Mitigation:
                  actions: Mapping[str, Action], audit: AuditLog,
                  clock: Callable[[], float] | None = None,
                  close: Callable[[], None] = lambda: None,
-                 metrics: Metrics | None = None,
+                 metrics: ReconcilerMetrics | None = None,
                  taints: Callable[[], list[PlacedTaint]] = list,
                  memcg_events: bool = False) -> None:
         self._config = config
@@ -311,7 +311,7 @@ class Mitigation:
 def build_mitigation(config: Callable[[], LadderSections], board: Board, state: NodeState,
                      sysfs: SysFs, host: HostInfo, audit: AuditLog, *, kube: KubeActions,
                      node: str, squeeze: GuardSqueeze, evictor: Evictor | None,
-                     managed: ManagedCache, metrics: Metrics | None = None,
+                     managed: ManagedCache, metrics: ReconcilerMetrics | None = None,
                      notes: StateFile | None = None) -> Mitigation:
     """The ladder with its four actions for this host. ``kube`` without API access: the taint
     rung is audited as skipped; ``evictor`` None: no eviction manager (audited "no

@@ -10,9 +10,10 @@ import dataclasses
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
 from reconciler.detection.signals import Board, Level
@@ -20,7 +21,6 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze
-from reconciler.state import NodeState
 from tests.real.conftest import CGROUP, MIB, Node, read_int
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)

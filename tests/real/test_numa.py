@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
 from reconciler.detection.signals import Board, Level
@@ -27,7 +28,6 @@ from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_binding import NumaBindingLoop
-from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, numa_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)

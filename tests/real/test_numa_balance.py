@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.numa_balance import Mover, NumaBalanceLoop
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, restore_bindings
-from reconciler.state import NodeState
 from tests.real.conftest import MIB, Node, numa_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)

@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from nri_plugin.features import evaluate, kubernetes_feature
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.offload_loop import OffloadLoop
-from reconciler.metrics import Metrics
-from reconciler.state import NodeState
+from reconciler.metrics import ReconcilerMetrics
 from tests.real.conftest import MIB, Node, memory_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
@@ -50,14 +50,14 @@ def config(**offload: Any) -> Config:
 
 
 def loop_for(cfg: Config, state: NodeState, sysfs: SysFs | None = None
-             ) -> tuple[OffloadLoop, MemoryAuditSink, Metrics]:
+             ) -> tuple[OffloadLoop, MemoryAuditSink, ReconcilerMetrics]:
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = sysfs if sysfs is not None else SysFs("/", audit)
     host = probe_host(sysfs)
     assert host.cgroup.v2
     assert host.memcg.reclaim
-    metrics = Metrics()
+    metrics = ReconcilerMetrics()
     return OffloadLoop(lambda: cfg, state, sysfs, host, audit, metrics=metrics), sink, metrics
 
 

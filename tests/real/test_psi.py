@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import NodePsi, psi_path
 from reconciler.detection.signals import NODE, Board, Level, Reading

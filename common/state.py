@@ -1,15 +1,15 @@
-"""The node's pods and containers as the reconciler sees them.
+"""The node's pods and containers as the NRI plugin and the reconciler see them.
 
 Two sources, merged here and nowhere else:
 
 * **NRI** (authoritative for what runs): the NRI stub feeds every pod and container lifecycle
   event in, and Synchronize replaces the whole NRI view after each (re)connection.
 * **The Kubernetes pod watch** (optional): :meth:`NodeState.apply_meta` takes a
-  :class:`~reconciler.podmeta.PodMeta` per pod. It adds what NRI does not know (priority, owner
+  :class:`~common.podmeta.PodMeta` per pod. It adds what NRI does not know (priority, owner
   kind, memory requests) and overrides the annotations and labels NRI saw at creation: the API
   server holds the current ones, so an annotation changed after creation reaches the policies.
   The exception are annotations kubelet itself stamps on the pods it runs
-  (:data:`~reconciler.podmeta.KUBELET_STAMPED`): the runtime's copy is kubelet's, the API's is
+  (:data:`~common.podmeta.KUBELET_STAMPED`): the runtime's copy is kubelet's, the API's is
   the pod author's.
 
 A pod's QoS level is decided here and nowhere else, from the merged view: the CreateContainer
@@ -37,13 +37,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from common.audit import AuditLog
+from common.metrics import Metrics
+from common.podmeta import KUBELET_STAMPED, PodMeta
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.qos_level import LevelDecision, QosConfig, Refusal, resolve_level
 from hooks.untrusted import bounded
-from reconciler.audit import AuditLog
-from reconciler.metrics import Metrics
-from reconciler.podmeta import KUBELET_STAMPED, PodMeta
 
 Callback = Callable[[], None]
 RefusalCallback = Callable[[PodInfo, Refusal], None]

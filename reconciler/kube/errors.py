@@ -1,0 +1,44 @@
+"""What a failed request means: the HTTP statuses the code acts on, which failures are worth a
+retry, and how a failure is described in a log line or an audit record."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import urllib3
+from kubernetes.client.exceptions import ApiException
+
+HTTP_NOT_FOUND = 404
+HTTP_CONFLICT = 409
+HTTP_GONE = 410
+HTTP_TOO_MANY_REQUESTS = 429
+
+TRANSPORT = (urllib3.exceptions.HTTPError, OSError)
+"""The request did not get an answer (connection refused or dropped, timeout)."""
+TRANSIENT = (ApiException, *TRANSPORT, ValueError)
+"""Errors a list or watch attempt, or a read-modify-write of the node, may end with; everything
+else is a bug and propagates."""
+
+
+def status_body(exc: ApiException) -> dict[str, Any] | None:
+    """The Status object the API sent with an error; None when the body is not one."""
+    try:
+        body = json.loads(exc.body or "")
+    except (ValueError, TypeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def status_message(exc: ApiException, body: Mapping[str, Any] | None) -> str:
+    """The ``message`` of the Status the API sent (``body``), else the HTTP reason."""
+    if body is not None and isinstance(body.get("message"), str):
+        return str(body["message"])
+    return str(exc.reason or exc.status)
+
+
+def describe(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        return f"HTTP {exc.status}: {status_message(exc, status_body(exc))}"
+    return f"{type(exc).__name__}: {exc}"

@@ -2,7 +2,7 @@
 
 * External (the default): connect to the NRI socket, and reconnect with capped exponential
   backoff whenever the runtime goes away, going through registration and synchronization again.
-  :meth:`~nri_plugin.stub.PluginStub.serve` returns only once the old socket is closed, so a
+  :meth:`~nri_plugin.session.stub.PluginStub.serve` returns only once the old socket is closed, so a
   reconnect never leaves two registrations alive.
 * Pre-launched: the runtime started this process from its plugin directory and passed one end of
   a socketpair as ``NRI_PLUGIN_SOCKET``; there is no reconnecting, the process ends with the
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from nri_plugin.stub import PluginStub
+from nri_plugin.session.stub import PluginStub
 from reconciler.aio import Backoff, sleep_until
 
 ENV_SOCKET = "NRI_PLUGIN_SOCKET"

@@ -4,7 +4,7 @@
 default registry: tests and two agents in one process stay apart) and defines each series once,
 with its unit in the name and a fixed, small label set. The composition root creates one
 :class:`Metrics` and hands it to what records into it; the HTTP endpoint
-(:mod:`nri_plugin.metrics_server`) only renders :attr:`Metrics.registry`.
+(:mod:`nri_plugin.report.metrics_server`) only renders :attr:`Metrics.registry`.
 
 Two ways in:
 

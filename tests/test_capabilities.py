@@ -17,9 +17,9 @@ from hooks.resctrl_groups import plan_class_groups
 from hooks.settings import HookStage, OciHookSpec
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capabilities.resctrl import ResctrlCapability
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import detect_version
 from reconciler.host.resctrlfs import ResctrlFs
@@ -325,8 +325,8 @@ def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
     from hooks.oom_score import OomLevel
     from nri_plugin.capabilities import build_capabilities
-    from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
+    from nri_plugin.session.capability import ContainerEvent
     from reconciler.audit import AuditLog, MemoryAuditSink
 
     cfg = Config()
@@ -351,8 +351,8 @@ def test_reconfigure_reaches_oci_hooks() -> None:
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
     from hooks.oci_hooks import OciHook, OciLevelHooks
     from nri_plugin.capabilities.oci_hooks import OciHooksCapability
-    from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
+    from nri_plugin.session.capability import ContainerEvent
 
     cfg = Config()
     hook = OciHooksCapability(cfg.oci_hooks)

@@ -8,7 +8,7 @@ import pytest
 
 from hooks.model import MAX_LABEL_CHARS, ReadKeys
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.convert import (
+from nri_plugin.wire.convert import (
     MAX_CONTAINER_BYTES,
     MAX_POD_BYTES,
     MessageError,
@@ -17,7 +17,7 @@ from nri_plugin.convert import (
     pod_info,
     to_update,
 )
-from nri_plugin.runtime_support import ClosField
+from nri_plugin.wire.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
 

@@ -21,11 +21,11 @@ from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import decode_request, decode_response
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
+from nri_plugin.wire.envelope import decode_request, decode_response
+from nri_plugin.wire.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrlfs import ResctrlFs

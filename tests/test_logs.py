@@ -15,8 +15,8 @@ import pytest
 import structlog
 
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.log_context import bound_fields, current_fields, merge_fields
-from nri_plugin.logs import (
+from nri_plugin.obs.log_context import bound_fields, current_fields, merge_fields
+from nri_plugin.obs.logs import (
     LoggingConfig,
     LoggingSetup,
     configure_logging,

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from nri_plugin.cli import build_parser
+from nri_plugin.cli.nri_qos import build_parser
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.metrics import Metrics
 from tests.paths import REPO

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from nri_plugin.config.schema import Config
-from nri_plugin.features import evaluate, kubernetes_feature
+from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import PAGE_SIZE, Outcome, SysFs

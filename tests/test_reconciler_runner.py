@@ -19,7 +19,7 @@ from hooks.levels import LEVEL_NAMES
 from nri_plugin.agent import build_agent, probe
 from nri_plugin.config.schema import Config, StatusConfig
 from nri_plugin.config.store import ConfigStore
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.session.stub import PluginIdentity
 from reconciler.aio import Backoff, sleep_until
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.pods import PodIndex

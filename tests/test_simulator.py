@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 
 from hooks.events import Event
-from nri_plugin.capability import Capability
+from nri_plugin.cli.simulate import main_simulate, simulate
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import RpcError
-from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
-from nri_plugin.runtime_support import RuntimeSupport
-from nri_plugin.scenario import RuntimeSpec, load_scenario
-from nri_plugin.simulate import main_simulate, simulate
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
+from nri_plugin.session.capability import Capability
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec, load_scenario
+from nri_plugin.sim.simulator import RuntimeSimulator
+from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.wire.runtime_support import RuntimeSupport
+from nri_plugin.wire.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink

@@ -18,15 +18,15 @@ import pytest
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import RpcError
-from nri_plugin.logs import LoggingConfig, LoggingSetup
-from nri_plugin.nri_api import PLUGIN_SERVICE
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
+from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE
+from nri_plugin.wire.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink

@@ -13,16 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nri_plugin.envelope import (
+from nri_plugin.wire.envelope import (
     RpcError,
     decode_request,
     decode_response,
     encode_request,
     encode_response,
 )
-from nri_plugin.mux import MuxDecoder, encode_message
-from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
-from nri_plugin.ttrpc import (
+from nri_plugin.wire.mux import MuxDecoder, encode_message
+from nri_plugin.wire.transport import ConnectionClosed, Handler, TtrpcPeer
+from nri_plugin.wire.ttrpc import (
     MAX_DATA_LENGTH,
     Frame,
     FrameDecoder,

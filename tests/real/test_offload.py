@@ -20,7 +20,7 @@ import pytest
 
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from nri_plugin.features import evaluate, kubernetes_feature
+from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs

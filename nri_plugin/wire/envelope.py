@@ -1,6 +1,6 @@
 """The ttrpc envelope: ``ttrpc.Request`` / ``ttrpc.Response`` around an NRI message.
 
-Encoding and decoding only; the frames themselves are :mod:`nri_plugin.ttrpc`'s business.
+Encoding and decoding only; the frames themselves are :mod:`nri_plugin.wire.ttrpc`'s business.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.wire.ttrpc import StatusCode
 from protos import ttrpc_envelope_pb2 as envelope
 
 

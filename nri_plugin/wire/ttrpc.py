@@ -12,7 +12,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
-from nri_plugin.errors import MessageTooLarge, StreamIdsExhausted
+from nri_plugin.wire.errors import MessageTooLarge, StreamIdsExhausted
 
 HEADER_SIZE = 10
 MAX_DATA_LENGTH = 4 << 20

@@ -15,7 +15,7 @@ from types import MappingProxyType
 from hooks.model import MAX_ANNOTATION_CHARS, ContainerInfo, PodInfo, ReadKeys
 from hooks.settings import ContainerSettings, HookStage
 from hooks.untrusted import bounded
-from nri_plugin.runtime_support import ClosField
+from nri_plugin.wire.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
 INT64_MAX = (1 << 63) - 1

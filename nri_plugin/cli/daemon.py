@@ -19,9 +19,9 @@ from nri_plugin.agent import Connection, build_agent, load_store, probe, run_age
 from nri_plugin.allocator import return_large_blocks
 from nri_plugin.config.schema import Config
 from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
-from nri_plugin.logs import LoggingSetup
-from nri_plugin.status import another_agent_answers
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.report.status import another_agent_answers
+from nri_plugin.session.stub import PluginIdentity
 from reconciler.aio import Backoff
 
 log = structlog.get_logger("nri_qos.daemon")

@@ -4,10 +4,10 @@
 daemon decides when to (re)connect. For each event the stub converts the runtime's messages into
 plain views, asks the node state for the pod's view and level (the one place that decides them,
 for the reconciler too), keeps the node state current, and runs the capabilities subscribed to
-the event (:mod:`nri_plugin.chain`): inline when they only compute, in a worker thread under the
-handler deadline otherwise. Their parts become the CreateContainer answer
-(:mod:`nri_plugin.adjustment`); :class:`~nri_plugin.failure.FailurePolicy` decides what a failure
-turns into.
+the event (:mod:`nri_plugin.session.chain`): inline when they only compute, in a worker thread
+under the handler deadline otherwise. Their parts become the CreateContainer answer
+(:mod:`nri_plugin.session.adjustment`); :class:`~nri_plugin.session.failure.FailurePolicy`
+decides what a failure turns into.
 
 The runtime is not trusted to behave: every step of the handshake has a deadline (the runtime's
 own registration timeout), a Configure that does not decode ends the session, no event is served
@@ -34,25 +34,25 @@ from google.protobuf.message import DecodeError, Message
 from hooks.events import POD_EVENTS, Event, mask_of
 from hooks.model import ContainerInfo, PodInfo, ReadKeys, RuntimeInfo
 from hooks.untrusted import bounded
-from nri_plugin import adjustment
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
-from nri_plugin.chain import Call, ChainOutcome, bind, run_inline, run_threaded
 from nri_plugin.config.schema import Config, PluginConfig
-from nri_plugin.convert import MAX_NAME_CHARS, MessageError, container_info, pod_info
-from nri_plugin.envelope import RpcError
-from nri_plugin.failure import FailurePolicy
-from nri_plugin.log_context import bound_fields
-from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.nri_api import (
+from nri_plugin.obs.log_context import bound_fields
+from nri_plugin.session import adjustment
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.session.chain import Call, ChainOutcome, bind, run_inline, run_threaded
+from nri_plugin.session.failure import FailurePolicy
+from nri_plugin.wire.convert import MAX_NAME_CHARS, MessageError, container_info, pod_info
+from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.nri_api import (
     DEFAULT_REGISTRATION_TIMEOUT_MS,
     DEFAULT_REQUEST_TIMEOUT_MS,
     PLUGIN_SERVICE,
     RUNTIME_SERVICE,
 )
-from nri_plugin.rejections import Rejection, RejectionCounts
-from nri_plugin.runtime_support import UNCONFIGURED, RuntimeSupport
-from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.wire.rejections import Rejection, RejectionCounts
+from nri_plugin.wire.runtime_support import UNCONFIGURED, RuntimeSupport
+from nri_plugin.wire.transport import ConnectionClosed, Handler, TtrpcPeer
+from nri_plugin.wire.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.aio import wait_for_event

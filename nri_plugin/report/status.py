@@ -32,9 +32,9 @@ import structlog
 from hooks.events import Event
 from hooks.untrusted import bounded
 from nri_plugin.config.schema import Config
-from nri_plugin.features import Feature, evaluate, kubernetes_feature
-from nri_plugin.local_server import Clients
-from nri_plugin.stub import PluginStub
+from nri_plugin.report.features import Feature, evaluate, kubernetes_feature
+from nri_plugin.report.local_server import Clients
+from nri_plugin.session.stub import PluginStub
 from nri_plugin.version import agent_version
 from reconciler.detection.signals import Board
 from reconciler.eviction.manager import EvictionManager

@@ -18,8 +18,8 @@ from nri_plugin.agent import probe
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config, in_force
 from nri_plugin.config.store import load_config
-from nri_plugin.features import evaluate, kubernetes_feature
-from nri_plugin.logs import LoggingSetup
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.probe import HostInfo, TriggerSupport
 from reconciler.k8s import build_api_client

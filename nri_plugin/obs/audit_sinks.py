@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from nri_plugin.log_context import current_fields
+from nri_plugin.obs.log_context import current_fields
 from reconciler.audit import AUDIT_LOGGER, level_of
 
 
@@ -107,7 +107,7 @@ class LogAuditSink:
     """The production sink: one line on the audit logger and, if configured, one in the file.
 
     The log stream and the file can be swapped while records flow (a reloaded configuration);
-    :func:`nri_plugin.logs.configure_logging` does the wiring. A failing audit file never fails
+    :func:`nri_plugin.obs.logs.configure_logging` does the wiring. A failing audit file never fails
     the caller: the error goes to ``errors`` (the operational log) once per failure streak.
     """
 

@@ -1,9 +1,9 @@
 """Running the capabilities of one event, in order, inline or in a worker thread under a deadline.
 
 :func:`run_inline` calls every capability right here (they only compute, see
-:class:`~nri_plugin.capability.Capability`); :func:`run_threaded` runs them in a worker thread and
-collects, at the deadline, what finished: a capability stuck in the kernel cannot make the answer
-late, it only goes without its part.
+:class:`~nri_plugin.session.capability.Capability`); :func:`run_threaded` runs them in a worker
+thread and collects, at the deadline, what finished: a capability stuck in the kernel cannot
+make the answer late, it only goes without its part.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from nri_plugin.local_server import Clients
+from nri_plugin.report.local_server import Clients
 
 log = structlog.get_logger("nri_qos.metrics")
 

@@ -34,7 +34,7 @@ from typing import TextIO
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import load_config
-from nri_plugin.logs import LoggingSetup
+from nri_plugin.obs.logs import LoggingSetup
 from reconciler.audit import AuditLog
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS
 from reconciler.host.probe import probe_host

@@ -3,7 +3,7 @@
 :func:`decide` is pure: it merges the parts (first owner wins, conflicts reported), and sorts each
 field the policies asked for into one of three routes:
 
-* the **adjustment**, when the runtime applies the field (:mod:`nri_plugin.runtime_support`);
+* the **adjustment**, when the runtime applies the field (:mod:`nri_plugin.wire.runtime_support`);
 * the **reconciler**, when the runtime would drop it but a background loop applies it to the
   running container (oom_score_adj and memcg values by the drift loop, the resctrl group by the
   task-id loop): left out of the answer, the value still reaches the container right after it
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hooks.settings import EMPTY_SETTINGS, Conflict, ContainerSettings, merge
-from nri_plugin.convert import fill_adjustment
-from nri_plugin.runtime_support import ClosField, RuntimeSupport
+from nri_plugin.wire.convert import fill_adjustment
+from nri_plugin.wire.runtime_support import ClosField, RuntimeSupport
 from protos import nri_api_pb2 as api
 
 FIELD_NAMES = ("rdt_class", "memory_limit", "memory_reservation", "oom_score_adj", "unified",
@@ -34,7 +34,7 @@ _COLLECTIONS = frozenset({"unified", "annotations", "hooks"})
 _RUNTIME_FIELD = {"memory_limit": "memory", "memory_reservation": "memory",
                   "oom_score_adj": "oom_score_adj", "unified": "unified",
                   "annotations": "annotations", "hooks": "hooks"}
-"""Settings field -> the adjustment field of :data:`~nri_plugin.runtime_support.APPLIED_FIELDS`
+"""Settings field -> the adjustment field of :data:`~nri_plugin.wire.runtime_support.APPLIED_FIELDS`
 that carries it (the resctrl class goes by :meth:`RuntimeSupport.clos_field`)."""
 
 

@@ -4,15 +4,15 @@ NRI runs two ttrpc sessions over one unix socket. Each mux frame is an 8-byte
 big-endian header (connection id u32, payload length u32) followed by the next
 piece of that logical connection's byte stream. Mux frame boundaries have no
 relation to ttrpc frame boundaries, so every logical connection gets its own
-:class:`~nri_plugin.ttrpc.FrameDecoder`.
+:class:`~nri_plugin.wire.ttrpc.FrameDecoder`.
 """
 
 from __future__ import annotations
 
 import struct
 
-from nri_plugin.errors import MessageTooLarge, ProtocolError
-from nri_plugin.ttrpc import HEADER_SIZE, MAX_DATA_LENGTH, Frame, FrameDecoder
+from nri_plugin.wire.errors import MessageTooLarge, ProtocolError
+from nri_plugin.wire.ttrpc import HEADER_SIZE, MAX_DATA_LENGTH, Frame, FrameDecoder
 
 MUX_HEADER_SIZE = 8
 PLUGIN_SERVICE_CONN = 1
@@ -198,7 +198,8 @@ class Demultiplexer:
     """Socket bytes in, ``(conn_id, ttrpc Frame)`` pairs out, in arrival order.
 
     It holds at most a partial mux header and one partial ttrpc frame per logical connection
-    (oversized ttrpc frames are skipped, not held: see :class:`~nri_plugin.ttrpc.FrameDecoder`).
+    (oversized ttrpc frames are skipped, not held: see
+    :class:`~nri_plugin.wire.ttrpc.FrameDecoder`).
     """
 
     def __init__(self) -> None:

@@ -1,5 +1,5 @@
-"""The ``nri-qos`` command: run the agent, simulate a runtime, probe the host, ask the running
-agent for its status, check or print the configuration."""
+"""The ``nri-qos`` command's parser and dispatch: run the agent, simulate a runtime, probe the
+host, ask the running agent for its status, check or print the configuration, reset the node."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from nri_plugin.config.loader import ConfigError, Layered
-from nri_plugin.config.render import render_toml, toml_value
+from nri_plugin.config.render import render_toml
 from nri_plugin.config.schema import Config
-from nri_plugin.config.store import DEFAULT_CONFIG_PATH, load_layered
-from nri_plugin.logs import LEVELS
+from nri_plugin.config.store import DEFAULT_CONFIG_PATH
+from nri_plugin.obs.logs import LEVELS
 from nri_plugin.version import agent_version
 
 
@@ -95,49 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_config(path: str | None) -> int:
-    try:
-        layered = load_layered(path)
-    except ConfigError as exc:
-        lines = exc.lines()
-        for line in lines:
-            print(line, file=sys.stderr)
-        print(f"{path or DEFAULT_CONFIG_PATH}: invalid configuration ({len(lines)} "
-              f"error{'s' if len(lines) != 1 else ''})", file=sys.stderr)
-        return 1
-    if not layered.files:
-        print(f"no file at {DEFAULT_CONFIG_PATH} nor in {DEFAULT_CONFIG_PATH}.d: the embedded "
-              "defaults apply", file=sys.stderr)
-    # Comments, so that the whole output stays a configuration file.
-    for line in origin_lines(layered):
-        sys.stdout.write(f"# {line}\n")
-    sys.stdout.write(render_toml(layered.config, commented=False))
-    return 0
-
-
-def origin_lines(layered: Layered) -> list[str]:
-    """``key = value  (file)`` for every value a file set to other than its default (none when
-    the files only repeat defaults)."""
-    defaults = Config()
-    found = [f"{'.'.join(key)} = {toml_value(_at(layered.data, key))}  ({source})"
-             for key, source in layered.origins.items()
-             if _at(layered.config, key) != _at(defaults, key)]
-    if not found:
-        return []
-    return ["values set by the files, where they differ from the defaults:",
-            *(f"  {line}" for line in found)]
-
-
-def _at(obj: Any, key: tuple[str, ...]) -> Any:
-    """The value at ``key`` in a config object or a parsed document; None where there is none
-    (a table key the defaults do not have)."""
-    for part in key:
-        obj = obj.get(part) if isinstance(obj, Mapping) else getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """The command; a reader that goes away early (``nri-qos status | head -1``) ends it
     quietly, with the status of a process killed by SIGPIPE, as other Unix tools end."""
@@ -158,28 +113,30 @@ def _dispatch(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
-        from nri_plugin.daemon import main_run
+        from nri_plugin.cli.daemon import main_run
 
         return main_run(args.config, args.nri_socket, args.log_level,
                         allow_second_agent=args.allow_second_agent,
                         metrics_address=args.metrics_address)
     if args.command == "simulate":
-        from nri_plugin.simulate import main_simulate
+        from nri_plugin.cli.simulate import main_simulate
 
         return main_simulate(args.scenario, args.config, args.log_level, args.runtime,
                              args.nri_version, cgroup=args.cgroup, as_json=args.json)
     if args.command == "probe":
-        from nri_plugin.probe_command import main_probe
+        from nri_plugin.cli.probe import main_probe
 
         return main_probe(args.config, as_json=args.json)
     if args.command == "status":
-        from nri_plugin.status_command import main_status
+        from nri_plugin.cli.status import main_status
 
         return main_status(args.config, args.status_socket, as_json=args.json)
     if args.command == "check-config":
+        from nri_plugin.cli.check_config import check_config
+
         return check_config(args.path)
     if args.command == "reset":
-        from nri_plugin.reset_command import main_reset
+        from nri_plugin.cli.reset import main_reset
 
         return main_reset(args.config, dry_run=args.dry_run)
     if args.command == "default-config":

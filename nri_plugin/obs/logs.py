@@ -3,7 +3,7 @@
 :class:`LoggingSetup` configures structlog (and routes the standard library's ``logging`` through
 the same renderer): JSON lines when the stream is not a terminal or ``format = "json"``, a console
 renderer otherwise; ISO-8601 UTC timestamps; level filtering; the event's context
-(:mod:`nri_plugin.log_context`) merged into every line so it is bound once::
+(:mod:`nri_plugin.obs.log_context`) merged into every line so it is bound once::
 
     with event_context("CreateContainer", pod=pod, container=container):
         log.info("...")          # carries nri_event, pod_namespace, pod_name, pod_uid, container
@@ -31,8 +31,8 @@ from structlog.typing import Processor
 
 from hooks.config_fields import setting
 from hooks.model import ContainerInfo, PodInfo
-from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
-from nri_plugin.log_context import bound_fields, merge_fields
+from nri_plugin.obs.audit_sinks import AuditFile, LogAuditSink, json_text
+from nri_plugin.obs.log_context import bound_fields, merge_fields
 from reconciler.audit import AuditLog
 
 LEVELS: Mapping[str, int] = {

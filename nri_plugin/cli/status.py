@@ -2,7 +2,7 @@
 
 The socket is ``--status-socket``, else ``[status] socket`` of the configuration (``--config``
 or the default file with its drop-ins). The agent writes one JSON document
-(:mod:`nri_plugin.status`) and closes; this command prints it for a person, or as it is with
+(:mod:`nri_plugin.report.status`) and closes; this command prints it for a person, or as it is with
 ``--json``. Exit status: 0 when the agent answered, 1 when no agent answers (or the answer is
 unusable), 2 for an invalid configuration; with ``--json`` the failures are JSON too
 (``{"running": false, "error": ...}``).

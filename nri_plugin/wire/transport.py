@@ -1,8 +1,8 @@
 """The one asyncio layer of the protocol: a ttrpc server and a ttrpc client over NRI's mux.
 
 One :class:`TtrpcPeer` owns one socket. A single reader task feeds the sans-IO
-:class:`~nri_plugin.mux.Demultiplexer`. Every message goes out in one write of the transport,
-already split by :func:`~nri_plugin.mux.encode_message`, so two messages never interleave. The
+:class:`~nri_plugin.wire.mux.Demultiplexer`. Every message goes out in one write of the transport,
+already split by :func:`~nri_plugin.wire.mux.encode_message`, so two messages never interleave. The
 peer serves ttrpc requests on one logical connection and makes calls on the other, so the same
 class is the plugin (serves conn 1, calls conn 2) and the simulated runtime (serves conn 2,
 calls conn 1).
@@ -18,7 +18,7 @@ that stream RESOURCE_EXHAUSTED, as the Go server does), and stops reading while 
 its answers unread or too many handlers wait (backpressure, not a queue). Waits end: the rest of
 a frame that has begun must come within :attr:`TtrpcPeer.stall_timeout_s`, and a peer that does
 not take its answers within it is dropped. Every refusal is counted and logged once per kind
-(:mod:`nri_plugin.rejections`).
+(:mod:`nri_plugin.wire.rejections`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 import structlog
 
 from hooks.untrusted import bounded
-from nri_plugin.envelope import (
+from nri_plugin.wire.envelope import (
     EnvelopeError,
     RpcError,
     decode_request,
@@ -39,10 +39,10 @@ from nri_plugin.envelope import (
     encode_request,
     encode_response,
 )
-from nri_plugin.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
-from nri_plugin.mux import Demultiplexer, encode_message
-from nri_plugin.rejections import ConnectionRejections, Rejection, RejectionCounts
-from nri_plugin.ttrpc import (
+from nri_plugin.wire.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
+from nri_plugin.wire.mux import Demultiplexer, encode_message
+from nri_plugin.wire.rejections import ConnectionRejections, Rejection, RejectionCounts
+from nri_plugin.wire.ttrpc import (
     ClientStreams,
     Frame,
     MessageType,

@@ -5,7 +5,7 @@ connects must register; it is then configured (with the checks a real runtime ma
 bits the impersonated NRI version does not know is rejected) and synchronized, possibly in
 ``more`` chunks. Events are delivered the way the impersonated version delivers them: dedicated
 RPCs from NRI 0.12, ``StateChange`` before (and after an UNIMPLEMENTED answer). Answers are
-recorded so they can be printed or checked (``nri-qos simulate``, :mod:`nri_plugin.simulate`).
+recorded so they can be printed or checked (``nri-qos simulate``, :mod:`nri_plugin.cli.simulate`).
 """
 
 from __future__ import annotations
@@ -23,18 +23,18 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from hooks.events import POD_EVENTS, Event
-from nri_plugin.envelope import RpcError
-from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.nri_api import (
+from nri_plugin.sim.scenario import ContainerSpec, PodSpec, RuntimeSpec, Scenario, pairs
+from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.nri_api import (
     DEFAULT_REGISTRATION_TIMEOUT_MS,
     DEFAULT_REQUEST_TIMEOUT_MS,
     PLUGIN_SERVICE,
     RUNTIME_SERVICE,
 )
-from nri_plugin.runtime_support import runtime_nri_version, valid_events
-from nri_plugin.scenario import ContainerSpec, PodSpec, RuntimeSpec, Scenario, pairs
-from nri_plugin.transport import CallTimedOut, ConnectionClosed, Handler, TtrpcPeer
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.wire.runtime_support import runtime_nri_version, valid_events
+from nri_plugin.wire.transport import CallTimedOut, ConnectionClosed, Handler, TtrpcPeer
+from nri_plugin.wire.ttrpc import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 

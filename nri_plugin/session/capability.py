@@ -3,8 +3,9 @@
 A :class:`Capability` (resctrl, memory QoS, oom score, OCI hooks, the node-state feed) declares
 the events it needs (the plugin's subscription mask is derived from the capabilities actually
 enabled) and overrides the matching methods. Capabilities are synchronous: the stub runs them in
-a worker thread under the handler deadline (:mod:`nri_plugin.chain`), so one that blocks on a
-slow kernel file cannot hold up the event loop, and a deadline can still answer with what is done.
+a worker thread under the handler deadline (:mod:`nri_plugin.session.chain`), so one that
+blocks on a slow kernel file cannot hold up the event loop, and a deadline can still answer
+with what is done.
 
 The thread hop costs a few hundred microseconds on a small node, a large share of a
 CreateContainer answer. A capability whose handler for an event only computes (in-memory work and

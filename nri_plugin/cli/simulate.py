@@ -23,18 +23,18 @@ from typing import TextIO
 
 from google.protobuf.json_format import MessageToDict
 
-from nri_plugin import adjustment
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
 from nri_plugin.connection import run_external
-from nri_plugin.envelope import RpcError
-from nri_plugin.logs import LoggingSetup
-from nri_plugin.runtime_support import RuntimeSupport, parse_version, runtime_nri_version
-from nri_plugin.scenario import RuntimeSpec, Scenario, load_scenario
-from nri_plugin.simulator import Answer, RuntimeSimulator, initial_state, play
-from nri_plugin.stub import PluginIdentity
-from nri_plugin.transport import ConnectionClosed
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.session import adjustment
+from nri_plugin.session.stub import PluginIdentity
+from nri_plugin.sim.scenario import RuntimeSpec, Scenario, load_scenario
+from nri_plugin.sim.simulator import Answer, RuntimeSimulator, initial_state, play
+from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.runtime_support import RuntimeSupport, parse_version, runtime_nri_version
+from nri_plugin.wire.transport import ConnectionClosed
 from protos import nri_api_pb2 as api
 from reconciler.aio import Backoff
 from reconciler.host.cgroups import CgroupLayout

@@ -92,7 +92,7 @@ async def run_external(stub: PluginStub, stop: asyncio.Event, *, socket_path: st
         reason = await serve_until_stopped(stub, reader, writer, stop)
         if stop.is_set():
             break
-        if stub.synchronized.is_set():
+        if stub.handshake.synchronized.is_set():
             backoff.reset()
         delay = backoff.next()
         log.warning("runtime_disconnected", reason=reason, retry_in_s=delay)

@@ -409,7 +409,7 @@ async def test_a_configure_that_does_not_decode_ends_the_session(
         assert served.code == StatusCode.FAILED_PRECONDITION
     assert "Configure payload does not decode" in await setup.ended()
     assert named(log_lines(), "configured") == []
-    assert not setup.stub.configured
+    assert not setup.stub.handshake.configured
 
 
 async def test_events_before_configure_are_refused(session: Start) -> None:

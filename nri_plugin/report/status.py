@@ -91,7 +91,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
         if cfg.kubernetes.enabled:
             features["kubernetes"] = Feature(
                 False, "not used: the reconciler, which holds the API client, does not run")
-    runtime = stub.runtime
+    runtime = stub.terms.runtime
     loops = {
         name: {"ago_s": round(now - record.started, 3),
                "duration_ms": round(record.duration_s * 1000, 3),
@@ -110,7 +110,7 @@ def status_document(src: StatusSources) -> dict[str, Any]:
         "runtime": None if stub.connection_state == "disconnected" or not runtime.name else {
             "name": bounded(runtime.name), "version": bounded(runtime.version),
             "nri_version": stub.nri_version_text,
-            "request_timeout_ms": stub.request_timeout_ms,
+            "request_timeout_ms": stub.terms.request_timeout_ms,
             "event_mask": f"{stub.event_mask:#x}",
             "events": [e.name.lower() for e in Event if stub.event_mask & e.bit],
         },

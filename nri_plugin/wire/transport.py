@@ -31,19 +31,12 @@ from typing import Any
 import structlog
 
 from hooks.untrusted import bounded
-from nri_plugin.wire.envelope import (
-    EnvelopeError,
-    RpcError,
-    decode_request,
-    decode_response,
-    encode_request,
-    encode_response,
-)
+from nri_plugin.wire.calls import PendingCalls
+from nri_plugin.wire.envelope import EnvelopeError, RpcError, decode_request, encode_response
 from nri_plugin.wire.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
 from nri_plugin.wire.mux import Demultiplexer, encode_message
 from nri_plugin.wire.rejections import ConnectionRejections, Rejection, RejectionCounts
 from nri_plugin.wire.ttrpc import (
-    ClientStreams,
     Frame,
     MessageType,
     ServerStreams,
@@ -128,8 +121,7 @@ class TtrpcPeer:
         self._services = frozenset(service for service, _ in self._handlers)
         self._demux = Demultiplexer()
         self._server_streams = ServerStreams()
-        self._client_streams = ClientStreams()
-        self._pending: dict[int, asyncio.Future[bytes]] = {}
+        self._calls = PendingCalls(self.rejections)
         # Handlers that have to wait run as tasks of this group, which lives as long as run().
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -142,7 +134,7 @@ class TtrpcPeer:
 
     @property
     def pending_calls(self) -> int:
-        return len(self._pending)
+        return len(self._calls)
 
     @property
     def unsent_bytes(self) -> int:
@@ -164,21 +156,7 @@ class TtrpcPeer:
         finally:
             self._group = None
             self.rejections.summarize()
-            await self._wait_closed()
-
-    async def _wait_closed(self) -> None:
-        """Let what was written go out, then the socket closes; a peer that does not take it
-        within the stall timeout gets it dropped (else the socket, and what it holds, would stay
-        until the peer reads)."""
-        try:
-            async with asyncio.timeout(self.stall_timeout_s):
-                await self._writer.wait_closed()
-        except TimeoutError:
-            self._transport.abort()
-            with contextlib.suppress(OSError):
-                await self._writer.wait_closed()
-        except OSError:
-            pass
+            await _wait_closed(self._writer, self.stall_timeout_s)
 
     async def _read_until_end(self) -> str:
         """Feed the demultiplexer until the connection ends; why it ended."""
@@ -186,7 +164,8 @@ class TtrpcPeer:
         try:
             # The bytes read are handed straight on, never kept in a local across the next
             # wait: a large request's memory goes as soon as it is handled.
-            while self._dispatch(await self._read(), loop):
+            while self._dispatch(await _read(self._reader, self._frame_deadline,
+                                             self.stall_timeout_s), loop):
                 if self._closed:
                     return self.end_reason
                 if self._behind():
@@ -209,18 +188,6 @@ class TtrpcPeer:
         except OSError as exc:
             return f"socket error: {exc}"
 
-    async def _read(self) -> bytes:
-        deadline = self._frame_deadline
-        if deadline is None:
-            return await self._reader.read(READ_SIZE)
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await self._reader.read(READ_SIZE)
-        except TimeoutError:
-            raise _Stalled(
-                f"the rest of a frame did not come within {self.stall_timeout_s:g} s"
-            ) from None
-
     def _dispatch(self, data: bytes, loop: asyncio.AbstractEventLoop) -> bool:
         """Handle the frames ``data`` completes; False at EOF."""
         if not data:
@@ -235,7 +202,7 @@ class TtrpcPeer:
             if conn_id == self._serve_conn:
                 self._on_serve_frame(frame)
             elif conn_id == self._call_conn:
-                self._on_call_frame(frame)
+                self._calls.on_frame(frame)
         if demux.dropped_frames != self._dropped_seen:
             self.rejections(Rejection.UNKNOWN_CONNECTION, "mux frame for a connection other "
                             "than 1 and 2", demux.dropped_frames - self._dropped_seen)
@@ -296,7 +263,10 @@ class TtrpcPeer:
             return
         handler = self._handlers.get((request.service, request.method))
         if handler is None:
-            self._unimplemented(stream_id, request)
+            # The status text is the Go server's.
+            kind, message = _unimplemented(request, self._services)
+            self.rejections(kind, message, stream_id=stream_id)
+            self._answer(stream_id, b"", StatusCode.UNIMPLEMENTED, message)
             return
         try:
             result = handler(request)
@@ -309,46 +279,6 @@ class TtrpcPeer:
             self._answer(stream_id, result, StatusCode.OK, "")
         else:
             self._spawn(self._answer_when_done(stream_id, request.method, result))
-
-    def _unimplemented(self, stream_id: int, request: envelope.Request) -> None:
-        # The status text is the Go server's; the names are the peer's own, so bounded.
-        if request.service in self._services:
-            kind, message = Rejection.UNKNOWN_METHOD, f"method {bounded(request.method)}"
-        else:
-            kind, message = Rejection.UNKNOWN_SERVICE, f"service {bounded(request.service)}"
-        self.rejections(kind, message, stream_id=stream_id)
-        self._answer(stream_id, b"", StatusCode.UNIMPLEMENTED, message)
-
-    def _on_call_frame(self, frame: Frame) -> None:
-        stream_id = frame.stream_id
-        future = self._pending.pop(stream_id, None)
-        self._client_streams.close(stream_id)
-        if future is None or future.done():
-            self.rejections(Rejection.STRAY_RESPONSE, f"frame of type {frame.type} on stream "
-                            f"{stream_id}, which has no call waiting", stream_id=stream_id)
-            return
-        if frame.oversized:
-            message = oversized_message(frame.oversized)
-            self.rejections(Rejection.OVERSIZED_FRAME, message, stream_id=stream_id)
-            future.set_exception(RpcError(StatusCode.RESOURCE_EXHAUSTED, message))
-            return
-        if frame.type != MessageType.RESPONSE:
-            self.rejections(Rejection.UNKNOWN_FRAME_TYPE, f"frame of type {frame.type} where "
-                            "responses are expected", stream_id=stream_id)
-            future.set_exception(
-                RpcError(StatusCode.INTERNAL, f"unexpected frame type {frame.type} for a call")
-            )
-            return
-        try:
-            reply = decode_response(frame.data)
-        except EnvelopeError as exc:
-            self.rejections(Rejection.BAD_ENVELOPE, str(exc), stream_id=stream_id)
-            future.set_exception(RpcError(StatusCode.INTERNAL, str(exc)))
-            return
-        if reply.ok:
-            future.set_result(reply.payload)
-        else:
-            future.set_exception(RpcError(reply.code, reply.message))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         if self._group is None:
@@ -370,25 +300,7 @@ class TtrpcPeer:
             self._answer(stream_id, payload, StatusCode.OK, "")
 
     def _answer(self, stream_id: int, payload: bytes, code: int, message: str) -> None:
-        try:
-            frame = encode_frame(
-                stream_id, MessageType.RESPONSE, encode_response(payload, code, message)
-            )
-        except MessageTooLarge as exc:
-            frame = encode_frame(
-                stream_id,
-                MessageType.RESPONSE,
-                encode_response(b"", StatusCode.RESOURCE_EXHAUSTED, str(exc)),
-            )
-        except Exception:
-            # An answer that cannot be encoded (e.g. a status text that is not valid UTF-8)
-            # still gets an answer: silence would cost the runtime its whole request timeout.
-            log.exception("answer_unencodable", stream_id=stream_id)
-            frame = encode_frame(
-                stream_id,
-                MessageType.RESPONSE,
-                encode_response(b"", StatusCode.INTERNAL, "answer could not be encoded"),
-            )
+        frame = _response_frame(stream_id, payload, code, message)
         # Answers are small and the runtime reads them as they come: no waiting for the
         # buffer to drain (a gone connection drops the answer; the reader ends the peer).
         with contextlib.suppress(ConnectionClosed):
@@ -408,20 +320,11 @@ class TtrpcPeer:
         if self._closed:
             raise ConnectionClosed(self.end_reason or "connection closed")
         try:
-            stream_id = self._client_streams.open()
+            stream_id, frame, future = self._calls.open(service, method, payload, timeout_s)
         except StreamIdsExhausted as exc:
             raise ConnectionClosed(str(exc)) from exc
-        try:
-            frame = encode_frame(
-                stream_id,
-                MessageType.REQUEST,
-                encode_request(service, method, payload, int(timeout_s * 1e9)),
-            )
         except MessageTooLarge as exc:
-            self._client_streams.close(stream_id)
             raise RpcError(StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._pending[stream_id] = future
         try:
             async with asyncio.timeout(timeout_s):
                 await self._write(self._call_conn, frame)
@@ -431,8 +334,7 @@ class TtrpcPeer:
                 StatusCode.DEADLINE_EXCEEDED, f"{method}: no answer within {timeout_s:g} s"
             ) from exc
         finally:
-            if self._pending.pop(stream_id, None) is not None:
-                self._client_streams.close(stream_id)
+            self._calls.forget(stream_id)
 
     # -- writing and closing ---------------------------------------------------------------
 
@@ -470,13 +372,71 @@ class TtrpcPeer:
         self.close(reason)
         if not self.end_reason:
             self.end_reason = reason
-        error = ConnectionClosed(self.end_reason)
-        for future in self._pending.values():
-            if not future.done():
-                future.set_exception(error)
-        self._pending.clear()
+        self._calls.fail_all(ConnectionClosed(self.end_reason))
         for task in self._tasks:
             task.cancel()
+
+
+async def _read(reader: asyncio.StreamReader, deadline: float | None,
+                stall_timeout_s: float) -> bytes:
+    """The next bytes ``reader`` has; when a frame has begun, they must come by ``deadline``
+    (loop time)."""
+    if deadline is None:
+        return await reader.read(READ_SIZE)
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await reader.read(READ_SIZE)
+    except TimeoutError:
+        raise _Stalled(
+            f"the rest of a frame did not come within {stall_timeout_s:g} s"
+        ) from None
+
+
+def _unimplemented(request: envelope.Request, services: frozenset[str]) -> tuple[Rejection, str]:
+    """What a request no handler serves is refused as, and the status text saying so."""
+    # The names are the peer's own, so bounded.
+    if request.service in services:
+        return Rejection.UNKNOWN_METHOD, f"method {bounded(request.method)}"
+    return Rejection.UNKNOWN_SERVICE, f"service {bounded(request.service)}"
+
+
+def _response_frame(stream_id: int, payload: bytes, code: int, message: str) -> bytes:
+    """The response frame answering ``stream_id``; one that cannot be encoded as asked becomes
+    an error status."""
+    try:
+        return encode_frame(
+            stream_id, MessageType.RESPONSE, encode_response(payload, code, message)
+        )
+    except MessageTooLarge as exc:
+        return encode_frame(
+            stream_id,
+            MessageType.RESPONSE,
+            encode_response(b"", StatusCode.RESOURCE_EXHAUSTED, str(exc)),
+        )
+    except Exception:
+        # An answer that cannot be encoded (e.g. a status text that is not valid UTF-8)
+        # still gets an answer: silence would cost the runtime its whole request timeout.
+        log.exception("answer_unencodable", stream_id=stream_id)
+        return encode_frame(
+            stream_id,
+            MessageType.RESPONSE,
+            encode_response(b"", StatusCode.INTERNAL, "answer could not be encoded"),
+        )
+
+
+async def _wait_closed(writer: asyncio.StreamWriter, timeout_s: float) -> None:
+    """Let what was written go out, then the socket closes; a peer that does not take it within
+    ``timeout_s`` gets it dropped (else the socket, and what it holds, would stay until the peer
+    reads)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await writer.wait_closed()
+    except TimeoutError:
+        writer.transport.abort()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    except OSError:
+        pass
 
 
 def _failure(exc: BaseException, method: str) -> tuple[int, str]:

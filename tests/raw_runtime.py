@@ -38,7 +38,8 @@ from nri_plugin.wire.mux import (
     encode_message,
 )
 from nri_plugin.wire.nri_api import PLUGIN_SERVICE
-from nri_plugin.wire.ttrpc import Frame, MessageType, StatusCode, encode_frame
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import Frame, MessageType, encode_frame
 from protos import nri_api_pb2 as api
 from reconciler.audit import MemoryAuditSink
 from reconciler.state import NodeState

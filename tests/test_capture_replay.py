@@ -28,7 +28,8 @@ from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.wire.envelope import decode_request, decode_response
 from nri_plugin.wire.mux import GO_BUFFER_SIZE, MuxDecoder
-from nri_plugin.wire.ttrpc import FrameDecoder, MessageType, StatusCode
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import FrameDecoder, MessageType
 from protos import nri_api_pb2 as api
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.state import NodeState

@@ -11,12 +11,12 @@ from hooks.settings import ContainerSettings, HookStage, OciHookSpec
 from nri_plugin.wire.convert import (
     MAX_CONTAINER_BYTES,
     MAX_POD_BYTES,
-    MessageError,
     container_info,
     fill_adjustment,
     pod_info,
     to_update,
 )
+from nri_plugin.wire.errors import MessageError
 from nri_plugin.wire.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 

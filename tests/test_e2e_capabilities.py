@@ -25,7 +25,7 @@ from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.sim.scenario import RuntimeSpec
 from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
 from nri_plugin.wire.envelope import decode_request, decode_response
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrlfs import ResctrlFs

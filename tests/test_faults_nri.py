@@ -30,9 +30,10 @@ from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.sim.scenario import RuntimeSpec
 from nri_plugin.sim.simulator import RuntimeSimulator
 from nri_plugin.wire.envelope import decode_request, encode_response
+from nri_plugin.wire.errors import ConnectionClosed
 from nri_plugin.wire.mux import RUNTIME_SERVICE_CONN, encode_message
-from nri_plugin.wire.transport import ConnectionClosed
-from nri_plugin.wire.ttrpc import MessageType, StatusCode, encode_frame
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import MessageType, encode_frame
 from protos import nri_api_pb2 as api
 from reconciler.aio import Backoff
 from reconciler.audit import AuditLog, MemoryAuditSink

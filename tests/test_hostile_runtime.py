@@ -30,8 +30,9 @@ from nri_plugin.config.schema import Config
 from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
 from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.wire.mux import MAX_MUX_PAYLOAD, PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.status import StatusCode
 from nri_plugin.wire.transport import MAX_UNSENT_BYTES, READ_SIZE, TtrpcPeer
-from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, StatusCode, encode_frame
+from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, encode_frame
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink

@@ -23,11 +23,11 @@ from nri_plugin.session.capability import Capability
 from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.sim.scenario import RuntimeSpec, load_scenario
 from nri_plugin.sim.simulator import RuntimeSimulator
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.errors import CallTimedOut, ConnectionClosed, RpcError
 from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from nri_plugin.wire.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
 from nri_plugin.wire.runtime_support import RuntimeSupport
-from nri_plugin.wire.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
+from nri_plugin.wire.transport import TtrpcPeer
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink

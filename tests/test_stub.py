@@ -24,9 +24,9 @@ from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.sim.scenario import RuntimeSpec
 from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.errors import RpcError
 from nri_plugin.wire.nri_api import PLUGIN_SERVICE
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink

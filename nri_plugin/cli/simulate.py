@@ -32,9 +32,8 @@ from nri_plugin.session import adjustment
 from nri_plugin.session.stub import PluginIdentity
 from nri_plugin.sim.scenario import RuntimeSpec, Scenario, load_scenario
 from nri_plugin.sim.simulator import Answer, RuntimeSimulator, initial_state, play
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.errors import ConnectionClosed, RpcError
 from nri_plugin.wire.runtime_support import RuntimeSupport, parse_version, runtime_nri_version
-from nri_plugin.wire.transport import ConnectionClosed
 from protos import nri_api_pb2 as api
 from reconciler.aio import Backoff
 from reconciler.host.cgroups import CgroupLayout

@@ -9,8 +9,8 @@ error status instead, which fails the pod or container operation on the runtime 
 from __future__ import annotations
 
 from nri_plugin.session.chain import ChainOutcome
-from nri_plugin.wire.envelope import RpcError
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.errors import RpcError
+from nri_plugin.wire.status import StatusCode
 from reconciler.audit import AuditLog
 
 CREATE_CONTAINER = "create_container"

@@ -14,10 +14,10 @@ from collections.abc import Callable
 import structlog
 
 from hooks.untrusted import bounded
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.errors import ConnectionClosed, RpcError
 from nri_plugin.wire.nri_api import RUNTIME_SERVICE
 from nri_plugin.wire.rejections import Rejection
-from nri_plugin.wire.transport import ConnectionClosed, TtrpcPeer
+from nri_plugin.wire.transport import TtrpcPeer
 from protos import nri_api_pb2 as api
 from reconciler.aio import wait_for_event
 

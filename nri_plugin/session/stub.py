@@ -37,15 +37,14 @@ from nri_plugin.session.handler_context import guarded, in_handler
 from nri_plugin.session.handshake import Handshake
 from nri_plugin.session.synchronize import Synchronizer
 from nri_plugin.session.terms import SessionTerms, registration_timeout_ms
-from nri_plugin.wire.convert import MessageError
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.errors import ConnectionClosed, MessageError, RpcError
 from nri_plugin.wire.messages import parse_message
 from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from nri_plugin.wire.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
 from nri_plugin.wire.rejections import Rejection, RejectionCounts
 from nri_plugin.wire.runtime_support import RuntimeSupport
-from nri_plugin.wire.transport import ConnectionClosed, Handler, TtrpcPeer
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.transport import Handler, TtrpcPeer
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog

@@ -24,11 +24,11 @@ from nri_plugin.session.chain import bind, run_threaded
 from nri_plugin.session.event_log import METRIC_RESULT, EventLog
 from nri_plugin.session.failure import FailurePolicy
 from nri_plugin.session.terms import MIN_DEADLINE_MS, SessionTerms
-from nri_plugin.wire.convert import MessageError, container_info, pod_info
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.convert import container_info, pod_info
+from nri_plugin.wire.errors import MessageError, RpcError
 from nri_plugin.wire.messages import parse_message
 from nri_plugin.wire.rejections import Rejection
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from reconciler.audit import AuditLog
 from reconciler.metrics import Metrics

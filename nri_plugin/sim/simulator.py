@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 
 from hooks.events import POD_EVENTS, Event
 from nri_plugin.sim.scenario import ContainerSpec, PodSpec, RuntimeSpec, Scenario, pairs
-from nri_plugin.wire.envelope import RpcError
+from nri_plugin.wire.errors import CallTimedOut, ConnectionClosed, RpcError
 from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
 from nri_plugin.wire.nri_api import (
     DEFAULT_REGISTRATION_TIMEOUT_MS,
@@ -33,8 +33,8 @@ from nri_plugin.wire.nri_api import (
     RUNTIME_SERVICE,
 )
 from nri_plugin.wire.runtime_support import runtime_nri_version, valid_events
-from nri_plugin.wire.transport import CallTimedOut, ConnectionClosed, Handler, TtrpcPeer
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.transport import Handler, TtrpcPeer
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 

@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import asyncio
 
-from nri_plugin.wire.envelope import (
-    EnvelopeError,
-    RpcError,
-    decode_response,
-    encode_request,
-)
+from nri_plugin.wire.envelope import decode_response, encode_request
+from nri_plugin.wire.errors import EnvelopeError, RpcError
 from nri_plugin.wire.rejections import ConnectionRejections, Rejection
-from nri_plugin.wire.ttrpc import (
-    ClientStreams,
-    Frame,
-    MessageType,
-    StatusCode,
-    encode_frame,
-    oversized_message,
-)
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import ClientStreams, Frame, MessageType, encode_frame, oversized_message
 
 
 class PendingCalls:
@@ -38,8 +28,8 @@ class PendingCalls:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def open(self, service: str, method: str, payload: bytes,
-             timeout_s: float) -> tuple[int, bytes, asyncio.Future[bytes]]:
+    def start(self, service: str, method: str, payload: bytes,
+              timeout_s: float) -> tuple[int, bytes, asyncio.Future[bytes]]:
         """A new call's stream id, request frame, and the future its answer will resolve.
 
         Raises :class:`~nri_plugin.wire.errors.StreamIdsExhausted` when the stream ids ran out

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from hooks.model import MAX_ANNOTATION_CHARS, ContainerInfo, PodInfo, ReadKeys
 from hooks.settings import ContainerSettings, HookStage
 from hooks.untrusted import bounded
+from nri_plugin.wire.errors import MessageError
 from nri_plugin.wire.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
@@ -36,11 +37,6 @@ this bounds the pods to about 100 MiB."""
 MAX_CONTAINER_BYTES = 4 << 10
 """Memory the strings of one container may take in the node state (ids, name, cgroups path): a
 real container keeps about 500 bytes. A container over it is refused."""
-
-
-class MessageError(ValueError):
-    """A runtime message lacks what the plugin needs to act on it, or carries what no real pod
-    or container has."""
 
 
 def _text(value: str, what: str, limit: int) -> str:

@@ -9,21 +9,9 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from nri_plugin.wire.ttrpc import StatusCode
+from nri_plugin.wire.errors import EnvelopeError, RpcError
+from nri_plugin.wire.status import StatusCode
 from protos import ttrpc_envelope_pb2 as envelope
-
-
-class RpcError(Exception):
-    """A call ended with a non-OK status, or a handler wants to answer with one."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{_code_name(code)}: {message}")
-        self.code = code
-        self.message = message
-
-
-class EnvelopeError(ValueError):
-    """Bytes that do not decode as a ttrpc envelope."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +63,3 @@ def decode_response(data: bytes) -> Reply:
         raise EnvelopeError(f"ttrpc response does not decode: {exc}") from exc
     status = response.status
     return Reply(status.code, status.message, response.payload)
-
-
-def _code_name(code: int) -> str:
-    try:
-        return StatusCode(code).name
-    except ValueError:
-        return f"code {code}"

@@ -1,6 +1,8 @@
-"""Exceptions shared across the plugin's layers."""
+"""Every error of the wire layer: framing, envelopes, statuses, calls, connections, messages."""
 
 from __future__ import annotations
+
+from nri_plugin.wire.status import StatusCode
 
 
 class ProtocolError(Exception):
@@ -28,3 +30,37 @@ class MessageTooLarge(ValueError):
 
 class StreamIdsExhausted(RuntimeError):
     """A ttrpc client used up its 32-bit stream id space; the connection must be replaced."""
+
+
+class RpcError(Exception):
+    """A call ended with a non-OK status, or a handler wants to answer with one."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{_code_name(code)}: {message}")
+        self.code = code
+        self.message = message
+
+
+class EnvelopeError(ValueError):
+    """Bytes that do not decode as a ttrpc envelope."""
+
+
+class CallTimedOut(RpcError):
+    """No answer came within the call's timeout (a local verdict, unlike an error status the
+    peer sent, even one with the same code)."""
+
+
+class ConnectionClosed(Exception):
+    """The connection is gone; pending and later calls fail with this."""
+
+
+class MessageError(ValueError):
+    """A runtime message lacks what the plugin needs to act on it, or carries what no real pod
+    or container has."""
+
+
+def _code_name(code: int) -> str:
+    try:
+        return StatusCode(code).name
+    except ValueError:
+        return f"code {code}"

@@ -32,18 +32,20 @@ import structlog
 
 from hooks.untrusted import bounded
 from nri_plugin.wire.calls import PendingCalls
-from nri_plugin.wire.envelope import EnvelopeError, RpcError, decode_request, encode_response
-from nri_plugin.wire.errors import MessageTooLarge, ProtocolError, StreamIdsExhausted
+from nri_plugin.wire.envelope import decode_request, encode_response
+from nri_plugin.wire.errors import (
+    CallTimedOut,
+    ConnectionClosed,
+    EnvelopeError,
+    MessageTooLarge,
+    ProtocolError,
+    RpcError,
+    StreamIdsExhausted,
+)
 from nri_plugin.wire.mux import Demultiplexer, encode_message
 from nri_plugin.wire.rejections import ConnectionRejections, Rejection, RejectionCounts
-from nri_plugin.wire.ttrpc import (
-    Frame,
-    MessageType,
-    ServerStreams,
-    StatusCode,
-    encode_frame,
-    oversized_message,
-)
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import Frame, MessageType, ServerStreams, encode_frame, oversized_message
 from protos import ttrpc_envelope_pb2 as envelope
 
 Handler = Callable[[envelope.Request], "bytes | Awaitable[bytes]"]
@@ -68,15 +70,6 @@ STATUS_TEXT_CHARS = 1024
 """Characters of an exception's text sent back in an error status."""
 
 log = structlog.get_logger("nri_qos.transport")
-
-
-class CallTimedOut(RpcError):
-    """No answer came within the call's timeout (a local verdict, unlike an error status the
-    peer sent, even one with the same code)."""
-
-
-class ConnectionClosed(Exception):
-    """The connection is gone; pending and later calls fail with this."""
 
 
 class TtrpcPeer:
@@ -320,7 +313,7 @@ class TtrpcPeer:
         if self._closed:
             raise ConnectionClosed(self.end_reason or "connection closed")
         try:
-            stream_id, frame, future = self._calls.open(service, method, payload, timeout_s)
+            stream_id, frame, future = self._calls.start(service, method, payload, timeout_s)
         except StreamIdsExhausted as exc:
             raise ConnectionClosed(str(exc)) from exc
         except MessageTooLarge as exc:

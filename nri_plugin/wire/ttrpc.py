@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from nri_plugin.wire.errors import MessageTooLarge, StreamIdsExhausted
+from nri_plugin.wire.status import StatusCode
 
 HEADER_SIZE = 10
 MAX_DATA_LENGTH = 4 << 20
@@ -26,28 +27,6 @@ class MessageType(IntEnum):
     REQUEST = 1
     RESPONSE = 2
     DATA = 3
-
-
-class StatusCode(IntEnum):
-    """gRPC status codes, carried in ``ttrpc.Response.status.code``."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
 
 
 @dataclass(frozen=True, slots=True)

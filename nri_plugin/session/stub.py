@@ -269,7 +269,7 @@ class PluginStub:
         log.info("configured", runtime=bounded(req.runtime_name),
                  runtime_version=bounded(req.runtime_version),
                  nri_version=bounded(req.NRI_version) or None, events=hex(self.event_mask),
-                 request_timeout_ms=self.terms.request_timeout_ms,
+                 request_timeout_ms=terms.request_timeout_ms,
                  registration_timeout_ms=handshake.registration_timeout_ms,
                  deadline_ms=self.deadline_ms())
         self._log_routes(support)

@@ -92,8 +92,8 @@ from bench.kubelet_node import (
     v2_memory,
 )
 from hooks.events import Event
-from nri_plugin.scenario import ContainerSpec, PodSpec
-from nri_plugin.simulator import (
+from nri_plugin.sim.scenario import ContainerSpec, PodSpec
+from nri_plugin.sim.simulator import (
     PluginConnection,
     RuntimeSimulator,
     container_message,

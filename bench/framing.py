@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
-from nri_plugin.mux import Demultiplexer, encode_message
-from nri_plugin.ttrpc import MAX_DATA_LENGTH, FrameDecoder, MessageType, encode_frame
+from nri_plugin.wire.mux import Demultiplexer, encode_message
+from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, FrameDecoder, MessageType, encode_frame
 
 READ_SIZE = 65536
 """Bytes per simulated socket read."""

@@ -47,15 +47,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nri_plugin.envelope import encode_request, encode_response  # noqa: E402
-from nri_plugin.mux import (  # noqa: E402
+from nri_plugin.wire.envelope import encode_request, encode_response  # noqa: E402
+from nri_plugin.wire.mux import (  # noqa: E402
     MAX_MUX_PAYLOAD,
     PLUGIN_SERVICE_CONN,
     RUNTIME_SERVICE_CONN,
     encode_message,
 )
-from nri_plugin.nri_api import PLUGIN_SERVICE  # noqa: E402
-from nri_plugin.ttrpc import MAX_DATA_LENGTH, MessageType, StatusCode, encode_frame  # noqa: E402
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE  # noqa: E402
+from nri_plugin.wire.status import StatusCode  # noqa: E402
+from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, encode_frame  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
 from tests.raw_runtime import (  # noqa: E402
     ANSWER_S,

@@ -46,8 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from hooks.events import Event  # noqa: E402
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator  # noqa: E402
-from nri_plugin.status_command import NoAgent, fetch  # noqa: E402
+from nri_plugin.cli.status import NoAgent, fetch  # noqa: E402
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
 from tests.fakesys import GIB, FakeHost, FakePod, nri_messages  # noqa: E402
 from tests.raw_runtime import RawRuntime, configure_request, reset_peak, status_kib  # noqa: E402

@@ -39,22 +39,22 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nri_plugin.envelope import (  # noqa: E402
+from nri_plugin.sim.simulator import RuntimeSimulator  # noqa: E402
+from nri_plugin.wire.envelope import (  # noqa: E402
     decode_request,
     decode_response,
     encode_request,
     encode_response,
 )
-from nri_plugin.mux import (  # noqa: E402
+from nri_plugin.wire.mux import (  # noqa: E402
     PLUGIN_SERVICE_CONN,
     RUNTIME_SERVICE_CONN,
     Demultiplexer,
     MuxDecoder,
     encode_message,
 )
-from nri_plugin.nri_api import PLUGIN_SERVICE  # noqa: E402
-from nri_plugin.simulator import RuntimeSimulator  # noqa: E402
-from nri_plugin.ttrpc import Frame, FrameDecoder, MessageType, encode_frame  # noqa: E402
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE  # noqa: E402
+from nri_plugin.wire.ttrpc import Frame, FrameDecoder, MessageType, encode_frame  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
 
 RECORDING = Path(os.environ.get(
@@ -134,7 +134,7 @@ def fake_resctrl(root: Path) -> None:
 
 def serve_plugin(socket_path: str, config_path: str, log_level: str) -> None:
     """Child process: the real daemon, its capabilities as the config file says."""
-    from nri_plugin import daemon
+    from nri_plugin.cli import daemon
 
     async def run() -> int:
         stop = asyncio.Event()

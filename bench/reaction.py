@@ -46,8 +46,8 @@ from common.audit import AuditLog
 from nri_plugin.agent import build_agent, probe
 from nri_plugin.config.schema import ENFORCE, Config
 from nri_plugin.config.store import ConfigStore
-from nri_plugin.logs import LoggingSetup
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.session.stub import PluginIdentity
 from tests.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.fakesys import GIB, FakeHost
 from tests.polling import eventually

@@ -6,7 +6,7 @@ default registry: tests and two agents in one process stay apart): the compositi
 one and hands :attr:`Metrics.registry` to :class:`PluginMetrics` and to the reconciler's
 :class:`~reconciler.metrics.ReconcilerMetrics`, which define their series in it. Each series is
 defined once, with its unit in the name and a fixed, small label set; the HTTP endpoint
-(:mod:`nri_plugin.metrics_server`) only renders the registry.
+(:mod:`nri_plugin.report.metrics_server`) only renders the registry.
 
 Two ways in:
 

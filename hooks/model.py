@@ -1,7 +1,7 @@
 """What the policies see: plain, immutable views of a pod, a container and the runtime.
 
-The NRI path builds these from protobuf messages (:mod:`nri_plugin.convert`), the reconciler from
-its node state; policies never see protobuf or the filesystem.
+The NRI path builds these from protobuf messages (:mod:`nri_plugin.wire.convert`), the
+reconciler from its node state; policies never see protobuf or the filesystem.
 """
 
 from __future__ import annotations

@@ -29,14 +29,14 @@ from common.metrics import Metrics, PluginMetrics
 from common.state import NodeState, report_refusals
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
-from nri_plugin.capability import Capability
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import OBSERVE, Config
 from nri_plugin.config.store import ConfigStore
-from nri_plugin.logs import LoggingSetup
-from nri_plugin.metrics_server import MetricsEndpoint
-from nri_plugin.status import StatusServer, StatusSources, ladder_sections, status_document
-from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.report.metrics_server import MetricsEndpoint
+from nri_plugin.report.status import StatusServer, StatusSources, ladder_sections, status_document
+from nri_plugin.session.capability import Capability
+from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.version import agent_version
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board, Level

@@ -2,7 +2,7 @@
 
 * External (the default): connect to the NRI socket, and reconnect with capped exponential
   backoff whenever the runtime goes away, going through registration and synchronization again.
-  :meth:`~nri_plugin.stub.PluginStub.serve` returns only once the old socket is closed, so a
+  :meth:`~nri_plugin.session.stub.PluginStub.serve` returns only once the old socket is closed, so a
   reconnect never leaves two registrations alive.
 * Pre-launched: the runtime started this process from its plugin directory and passed one end of
   a socketpair as ``NRI_PLUGIN_SOCKET``; there is no reconnecting, the process ends with the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import structlog
 
 from common.aio import Backoff, sleep_until
-from nri_plugin.stub import PluginStub
+from nri_plugin.session.stub import PluginStub
 
 ENV_SOCKET = "NRI_PLUGIN_SOCKET"
 ENV_NAME = "NRI_PLUGIN_NAME"
@@ -92,7 +92,7 @@ async def run_external(stub: PluginStub, stop: asyncio.Event, *, socket_path: st
         reason = await serve_until_stopped(stub, reader, writer, stop)
         if stop.is_set():
             break
-        if stub.synchronized.is_set():
+        if stub.handshake.synchronized.is_set():
             backoff.reset()
         delay = backoff.next()
         log.warning("runtime_disconnected", reason=reason, retry_in_s=delay)

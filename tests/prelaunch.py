@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 from hooks.events import Event
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.sim.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 
 

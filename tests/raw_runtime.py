@@ -2,7 +2,7 @@
 
 :class:`RawRuntime` writes whatever bytes it is told to, well-formed or not, and reads the
 agent's frames with the sans-IO decoders: it plays runtimes that misbehave, where
-:class:`~nri_plugin.simulator.RuntimeSimulator` plays one that behaves. :func:`running_agent`
+:class:`~nri_plugin.sim.simulator.RuntimeSimulator` plays one that behaves. :func:`running_agent`
 starts ``nri-qos run`` as a child process connected to a socket this process listens on, as a
 runtime's would be. The tests and ``bench/hostile_runtime.py`` use both.
 """
@@ -25,17 +25,23 @@ from typing import IO, Any
 from common.audit import MemoryAuditSink
 from common.state import NodeState
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import (
+from nri_plugin.session.stub import PluginStub
+from nri_plugin.wire.envelope import (
     Reply,
     decode_request,
     decode_response,
     encode_request,
     encode_response,
 )
-from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN, Demultiplexer, encode_message
-from nri_plugin.nri_api import PLUGIN_SERVICE
-from nri_plugin.stub import PluginStub
-from nri_plugin.ttrpc import Frame, MessageType, StatusCode, encode_frame
+from nri_plugin.wire.mux import (
+    PLUGIN_SERVICE_CONN,
+    RUNTIME_SERVICE_CONN,
+    Demultiplexer,
+    encode_message,
+)
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import Frame, MessageType, encode_frame
 from protos import nri_api_pb2 as api
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.adjustment import FIELD_NAMES, decide, encode, route, routes, set_fields
-from nri_plugin.runtime_support import RuntimeSupport
+from nri_plugin.session.adjustment import FIELD_NAMES, decide, encode, route, routes, set_fields
+from nri_plugin.wire.runtime_support import RuntimeSupport
 from protos import nri_api_pb2 as api
 
 RECONCILED = frozenset({"oom_score_adj", "unified", "memory_limit", "memory_reservation",

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from common.audit import CATALOGUE, RESERVED_FIELDS, AuditLog, MemoryAuditSink
-from nri_plugin.audit_sinks import AuditFile, LogAuditSink, json_text
-from nri_plugin.log_context import bound_fields
+from nri_plugin.obs.audit_sinks import AuditFile, LogAuditSink, json_text
+from nri_plugin.obs.log_context import bound_fields
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("nri_plugin", "hooks", "reconciler", "common")

@@ -18,9 +18,9 @@ from hooks.resctrl_groups import plan_class_groups
 from hooks.settings import HookStage, OciHookSpec
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capabilities.resctrl import ResctrlCapability
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
 from reconciler.host.cgroups import detect_version
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
@@ -329,8 +329,8 @@ def test_reconfigure_applies_a_reloaded_config_to_built_capabilities() -> None:
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
     from hooks.oom_score import OomLevel
     from nri_plugin.capabilities import build_capabilities
-    from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
+    from nri_plugin.session.capability import ContainerEvent
 
     cfg = Config()
     (oom,) = [h for h in build_capabilities(cfg, resctrl=None, audit=AuditLog(MemoryAuditSink()),
@@ -354,8 +354,8 @@ def test_reconfigure_reaches_oci_hooks() -> None:
     from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
     from hooks.oci_hooks import OciHook, OciLevelHooks
     from nri_plugin.capabilities.oci_hooks import OciHooksCapability
-    from nri_plugin.capability import ContainerEvent
     from nri_plugin.config.schema import Config
+    from nri_plugin.session.capability import ContainerEvent
 
     cfg = Config()
     capability = OciHooksCapability(cfg.oci_hooks)

@@ -25,12 +25,13 @@ from common.state import NodeState
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import decode_request, decode_response
-from nri_plugin.mux import GO_BUFFER_SIZE, MuxDecoder
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.ttrpc import FrameDecoder, MessageType, StatusCode
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.wire.envelope import decode_request, decode_response
+from nri_plugin.wire.mux import GO_BUFFER_SIZE, MuxDecoder
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import FrameDecoder, MessageType
 from protos import nri_api_pb2 as api
 from tests.paths import CAPTURES, RECORDINGS
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import nri_plugin.daemon
-import nri_plugin.simulate
+import nri_plugin.cli.daemon
+import nri_plugin.cli.simulate
 from nri_plugin.cli import main
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.render import render_toml
@@ -74,7 +74,7 @@ def test_run_hands_its_arguments_to_the_daemon(monkeypatch: pytest.MonkeyPatch) 
         calls.append((config, socket, level, str(allow_second_agent), metrics_address))
         return 7
 
-    monkeypatch.setattr(nri_plugin.daemon, "main_run", fake_run)
+    monkeypatch.setattr(nri_plugin.cli.daemon, "main_run", fake_run)
     assert main(["run"]) == 7
     assert main(["run", "--config", "/c.toml", "--nri-socket", "/s.sock", "--log-level",
                  "debug", "--allow-second-agent", "--metrics-address", "10.0.0.7"]) == 7
@@ -94,7 +94,7 @@ def test_simulate_hands_its_arguments_to_the_simulator(monkeypatch: pytest.Monke
         calls.append((scenario, config, level, runtime, nri_version, cgroup, str(as_json)))
         return 0
 
-    monkeypatch.setattr(nri_plugin.simulate, "main_simulate", fake_simulate)
+    monkeypatch.setattr(nri_plugin.cli.simulate, "main_simulate", fake_simulate)
     assert main(["simulate"]) == 0
     assert main(["simulate", "s.toml", "--config", "c.toml", "--log-level", "warning",
                  "--runtime", "containerd/v1.7.20", "--nri-version", "v0.6.1",

@@ -8,15 +8,15 @@ import pytest
 
 from hooks.model import MAX_LABEL_CHARS, ReadKeys
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.convert import (
+from nri_plugin.wire.convert import (
     MAX_CONTAINER_BYTES,
     MAX_POD_BYTES,
-    MessageError,
     container_info,
     fill_adjustment,
     pod_info,
 )
-from nri_plugin.runtime_support import ClosField
+from nri_plugin.wire.errors import MessageError
+from nri_plugin.wire.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
 

@@ -16,13 +16,13 @@ import pytest
 
 from common.aio import Backoff
 from hooks.events import Event
-from nri_plugin import daemon
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
-from nri_plugin.capability import Capability
+from nri_plugin.cli import daemon
 from nri_plugin.connection import run_external
-from nri_plugin.logs import LoggingSetup
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.session.capability import Capability
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.simulator import RuntimeSimulator
 
 REPO = Path(__file__).resolve().parents[1]
 

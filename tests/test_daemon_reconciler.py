@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hooks.events import Event
-from nri_plugin import daemon
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.cli import daemon
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 from tests.fakesys import FakeHost, nri_messages, read_ids
 

@@ -28,7 +28,7 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from nri_plugin.cli import build_parser
+from nri_plugin.cli.nri_qos import build_parser
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import DEFAULT_CONFIG_PATH, load_layered
 from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET
@@ -449,7 +449,10 @@ async def test_wrapper_runs_under_the_runtimes_empty_environment(tmp_path: Path)
 
 def test_image_copies_every_package_it_installs() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    top_level = {name.split(".")[0] for name in pyproject["tool"]["setuptools"]["packages"]}
+    # The packages setuptools finds: every included top-level name that is a directory here.
+    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    top_level = {name.rstrip("*") for name in patterns if (REPO / name.rstrip("*")).is_dir()}
+    assert {"nri_plugin", "reconciler", "hooks", "protos"} <= top_level
     containerfile = (DEPLOY / "Containerfile").read_text()
     copies = [line.split()[1:] for line in containerfile.splitlines()
               if line.startswith("COPY ") and "--from=" not in line]
@@ -504,13 +507,16 @@ def test_only_the_kube_package_imports_the_client() -> None:
 
 def test_every_package_of_the_tree_is_installed() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    listed = set(pyproject["tool"]["setuptools"]["packages"])
-    found = {
-        ".".join(init.parent.relative_to(REPO).parts)
-        for top in ("nri_plugin", "hooks", "reconciler", "common", "protos")
-        for init in (REPO / top).rglob("__init__.py")
-    }
-    assert found == listed
+    # setuptools finds every directory with an __init__.py under an included name; the data
+    # directories (the scenarios) are no namespace packages.
+    find = pyproject["tool"]["setuptools"]["packages"]["find"]
+    assert find["namespaces"] is False
+    assert {"nri_plugin*", "hooks*", "reconciler*", "common*", "protos*"} <= set(find["include"])
+    assert {"tests*", "bench*"} <= set(find["exclude"])
+    for top in ("nri_plugin", "hooks", "reconciler", "common", "protos"):
+        packages = {path.parent for path in (REPO / top).rglob("*.py")}
+        assert all((package / "__init__.py").is_file() for package in packages)
     # Files the code opens at run time travel with the package.
     data = pyproject["tool"]["setuptools"]["package-data"]
-    assert "scenarios/*.toml" in data["nri_plugin"]
+    assert "scenarios/*.toml" in data["nri_plugin.sim"]
+    assert (REPO / "nri_plugin" / "sim" / "scenarios" / "default.toml").is_file()

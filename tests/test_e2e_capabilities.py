@@ -23,11 +23,11 @@ from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import decode_request, decode_response
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
+from nri_plugin.wire.envelope import decode_request, decode_response
+from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs

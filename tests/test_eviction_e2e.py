@@ -21,8 +21,8 @@ from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.session.stub import PluginIdentity
+from nri_plugin.sim.simulator import RuntimeSimulator
 from reconciler.detection.signals import Board, Level, Reading, pod_scope
 from reconciler.host.memstat import anon_bytes
 from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig

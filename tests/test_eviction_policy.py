@@ -498,7 +498,7 @@ async def test_rss_overuse_proposes_offline_pods_over_their_threshold(board: Boa
 def test_probe_reports_the_eviction_manager() -> None:
     from typing import cast
 
-    from nri_plugin.features import FEATURES
+    from nri_plugin.report.features import FEATURES
     from reconciler.host.probe import HostInfo
 
     check = FEATURES["reconciler.eviction"]

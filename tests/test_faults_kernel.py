@@ -29,8 +29,8 @@ from hooks.levels import LEVEL_NAMES
 from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities.resctrl import ResctrlCapability
-from nri_plugin.capability import ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import ContainerEvent, PodEvent
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs, read_info

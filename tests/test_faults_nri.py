@@ -25,17 +25,18 @@ from common.state import NodeState
 from hooks.events import Event
 from hooks.settings import ContainerSettings
 from nri_plugin.agent import Agent, build_agent, probe
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
-from nri_plugin.envelope import decode_request, encode_response
-from nri_plugin.mux import RUNTIME_SERVICE_CONN, encode_message
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.transport import ConnectionClosed
-from nri_plugin.ttrpc import MessageType, StatusCode, encode_frame
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import RuntimeSimulator
+from nri_plugin.wire.envelope import decode_request, encode_response
+from nri_plugin.wire.errors import ConnectionClosed
+from nri_plugin.wire.mux import RUNTIME_SERVICE_CONN, encode_message
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import MessageType, encode_frame
 from protos import nri_api_pb2 as api
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.loops.base import Loop

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.mux import (
+from nri_plugin.wire.mux import (
     PLUGIN_SERVICE_CONN,
     RUNTIME_SERVICE_CONN,
     Demultiplexer,
     MuxDecoder,
     encode_message,
 )
-from nri_plugin.ttrpc import HEADER_SIZE, MessageType, ServerStreams, encode_frame
+from nri_plugin.wire.ttrpc import HEADER_SIZE, MessageType, ServerStreams, encode_frame
 from tests.paths import CAPTURES, RECORDINGS, load_reference_decoder
 
 DIRECTIONS = ("r2p", "p2r")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.hook_command import run
+from nri_plugin.cli.hook import run
 from reconciler.host.sysfs import SysFs
 from tests.paths import REPO
 from tests.resctrl_trees import intel_tree
@@ -43,7 +43,7 @@ def tree(tmp_path: Path) -> Path:
 
 def hook(args: list[str], stdin: bytes) -> subprocess.CompletedProcess[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "nri_plugin.hook_command", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "nri_plugin.cli.hook", *args], input=stdin,
                           capture_output=True, env=env, cwd=REPO, timeout=30, check=False)
 
 

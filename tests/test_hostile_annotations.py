@@ -34,9 +34,9 @@ from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.config.schema import Config
-from nri_plugin.logs import LoggingConfig, LoggingSetup
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
 from protos import nri_api_pb2 as api
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop

@@ -8,7 +8,7 @@ same errors with the same key paths:
 
 * the loader (:func:`load_file`);
 * ``nri-qos check-config PATH``: exit status 1, one stderr line per error, nothing on stdout;
-* the daemon (:func:`nri_plugin.daemon.serve`): refuses to start, exit status 2, the errors in
+* the daemon (:func:`nri_plugin.cli.daemon.serve`): refuses to start, exit status 2, the errors in
   its ``config_invalid`` log line;
 * a reload of a running configuration (:class:`ConfigStore`): refused, one ``config_rejected``
   audit record with the errors, the previous configuration still in force.
@@ -38,8 +38,7 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from hooks.config_fields import meta_of
 from hooks.events import Event
-from nri_plugin import daemon
-from nri_plugin.cli import main
+from nri_plugin.cli import daemon, main
 from nri_plugin.config.hook_paths import MAX_SYMLINKS, check_hook_path
 from nri_plugin.config.loader import (
     MAX_ERROR_CHARS,
@@ -50,7 +49,7 @@ from nri_plugin.config.loader import (
 )
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
-from nri_plugin.simulator import RuntimeSimulator
+from nri_plugin.sim.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 
 OTHER_UID = 1000

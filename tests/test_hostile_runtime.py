@@ -27,13 +27,14 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.model import MAX_ANNOTATION_CHARS
-from nri_plugin import daemon
+from nri_plugin.cli import daemon
 from nri_plugin.config.schema import Config
-from nri_plugin.logs import LoggingConfig, LoggingSetup
-from nri_plugin.mux import MAX_MUX_PAYLOAD, PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.transport import MAX_UNSENT_BYTES, READ_SIZE, TtrpcPeer
-from nri_plugin.ttrpc import MAX_DATA_LENGTH, MessageType, StatusCode, encode_frame
+from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.wire.mux import MAX_MUX_PAYLOAD, PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.transport import MAX_UNSENT_BYTES, READ_SIZE, TtrpcPeer
+from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, encode_frame
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from tests.raw_runtime import (
@@ -409,7 +410,7 @@ async def test_a_configure_that_does_not_decode_ends_the_session(
         assert served.code == StatusCode.FAILED_PRECONDITION
     assert "Configure payload does not decode" in await setup.ended()
     assert named(log_lines(), "configured") == []
-    assert not setup.stub.configured
+    assert not setup.stub.handshake.configured
 
 
 async def test_events_before_configure_are_refused(session: Start) -> None:

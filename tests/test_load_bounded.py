@@ -31,9 +31,9 @@ from nri_plugin.agent import Agent, build_agent, probe, run_agent
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
 from protos import nri_api_pb2 as api
 from tests.fakesys import GIB, FakeHost, nri_messages
 

@@ -16,9 +16,12 @@ from typing import Any
 import pytest
 import structlog
 
-from nri_plugin.chain import run_threaded
-from nri_plugin.log_context import bound_fields, current_fields, merge_fields
-from nri_plugin.logs import LoggingConfig, LoggingSetup
+from nri_plugin.obs.log_context import bound_fields, current_fields, merge_fields
+from nri_plugin.obs.logs import (
+    LoggingConfig,
+    LoggingSetup,
+)
+from nri_plugin.session.chain import run_threaded
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 EVENT_FIELDS = {"nri_event": "create_container", "pod_namespace": "shop", "pod_name": "web-0",

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
-import nri_plugin.metrics_server
+import nri_plugin.report.metrics_server
 from common.aio import Backoff
 from common.audit import AuditLog, MemoryAuditSink
 from common.metrics import Metrics, PluginMetrics
@@ -31,12 +31,12 @@ from hooks.events import Event
 from nri_plugin.agent import build_agent, load_store, probe, run_agent
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import run_external
-from nri_plugin.logs import LoggingSetup
-from nri_plugin.metrics_server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, MetricsEndpoint
-from nri_plugin.nri_api import PLUGIN_SERVICE
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.report.metrics_server import MAX_CONNECTIONS, REQUEST_TIMEOUT_S, MetricsEndpoint
+from nri_plugin.session.stub import PluginIdentity
+from nri_plugin.sim.simulator import RuntimeSimulator
 from nri_plugin.version import agent_version
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs, read_info
@@ -584,7 +584,7 @@ async def test_connections_over_the_cap_are_closed_unanswered(
 async def test_a_slow_client_is_cut_off_after_the_request_timeout(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Each byte in time for any per-read timeout, the whole request far too slow.
-    monkeypatch.setattr(nri_plugin.metrics_server, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(nri_plugin.report.metrics_server, "REQUEST_TIMEOUT_S", 0.5)
     async with Serving(Metrics()) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         started = asyncio.get_running_loop().time()

@@ -17,7 +17,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.metrics import Metrics, PluginMetrics
-from nri_plugin.cli import build_parser
+from nri_plugin.cli.nri_qos import build_parser
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.metrics import ReconcilerMetrics
 from tests.paths import REPO

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nri_plugin.errors import MessageTooLarge, ProtocolError
-from nri_plugin.mux import (
+from nri_plugin.wire.errors import MessageTooLarge, ProtocolError
+from nri_plugin.wire.mux import (
     GO_BUFFER_SIZE,
     MAX_MUX_PAYLOAD,
     MUX_HEADER_SIZE,
@@ -20,7 +20,7 @@ from nri_plugin.mux import (
     encode_message,
     split_sizes,
 )
-from nri_plugin.ttrpc import (
+from nri_plugin.wire.ttrpc import (
     HEADER_SIZE,
     MAX_DATA_LENGTH,
     MAX_STREAM_ID,

@@ -16,7 +16,7 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from nri_plugin.config.schema import Config
-from nri_plugin.features import evaluate, kubernetes_feature
+from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE

@@ -15,8 +15,8 @@ from hooks.levels import LEVEL_NAMES
 from hooks.resctrl_groups import place_container
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.config.schema import Config
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
 from reconciler.host.cgroups import layout_for
 from reconciler.host.resctrlfs import ResctrlFs, read_info

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nri_plugin.probe_command import main_probe
+from nri_plugin.cli.probe import main_probe
 from reconciler.host.numa import read_meminfo, read_nodes
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs

@@ -15,9 +15,9 @@ from hooks.memory_qos import MemoryLevel
 from hooks.oci_hooks import OciHook, OciHooksConfig, OciLevelHooks
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capabilities.memory_qos import MemoryQosCapability
+from nri_plugin.cli.probe import report
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
-from nri_plugin.probe_command import report
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
 from tests.fake_apiserver import write_kubeconfig

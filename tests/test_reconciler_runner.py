@@ -22,7 +22,7 @@ from hooks.levels import LEVEL_NAMES
 from nri_plugin.agent import build_agent, probe
 from nri_plugin.config.schema import Config, StatusConfig
 from nri_plugin.config.store import ConfigStore
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.session.stub import PluginIdentity
 from reconciler.detection.pods import PodIndex
 from reconciler.host.cgroups import CgroupRef, parse_cgroups_path
 from reconciler.host.probe import HostInfo, probe_host

@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import json
 
-from nri_plugin.logs import LoggingConfig, LoggingSetup
-from nri_plugin.rejections import ConnectionRejections, Rejection, RejectionCounts
+from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
+from nri_plugin.wire.rejections import ConnectionRejections, Rejection, RejectionCounts
 
 
 def test_first_of_a_kind_is_logged_the_rest_counted_and_totals_span_connections() -> None:

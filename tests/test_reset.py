@@ -13,9 +13,10 @@ import pytest
 import yaml
 
 from common.audit import AuditLog, MemoryAuditSink
-from nri_plugin.cli import build_parser, main
+from nri_plugin.cli import main
+from nri_plugin.cli.nri_qos import build_parser
+from nri_plugin.cli.reset import main_reset, reset
 from nri_plugin.config.schema import Config
-from nri_plugin.reset_command import main_reset, reset
 from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nri_plugin.runtime_support import (
+from nri_plugin.wire.runtime_support import (
     APPLIED_FIELDS,
     BASE_FIELDS,
     LEGACY_VALID_EVENTS,

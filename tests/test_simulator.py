@@ -14,21 +14,22 @@ from pathlib import Path
 
 import pytest
 
+import nri_plugin.session.stub
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.events import Event
-from nri_plugin.capability import Capability
+from nri_plugin.cli.simulate import main_simulate, simulate
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import RpcError
-from nri_plugin.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
-from nri_plugin.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
-from nri_plugin.runtime_support import RuntimeSupport
-from nri_plugin.scenario import RuntimeSpec, load_scenario
-from nri_plugin.simulate import main_simulate, simulate
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.transport import CallTimedOut, ConnectionClosed, TtrpcPeer
+from nri_plugin.session.capability import Capability
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec, load_scenario
+from nri_plugin.sim.simulator import RuntimeSimulator
+from nri_plugin.wire.errors import CallTimedOut, ConnectionClosed, RpcError
+from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE, RUNTIME_SERVICE
+from nri_plugin.wire.runtime_support import RuntimeSupport
+from nri_plugin.wire.transport import TtrpcPeer
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from tests.paths import REPO
@@ -163,24 +164,25 @@ def test_main_simulate_rejects_bad_scenario(tmp_path: Path,
     assert "runtime.request_timeout_ms" in capsys.readouterr().err
 
 
-class GreedyStub(PluginStub):
-    def subscription_mask(self, caps: RuntimeSupport) -> int:
-        return 0x7FF | Event.UPDATE_POD_SANDBOX.bit
-
-
 @pytest.fixture
 async def executor() -> AsyncIterator[ThreadPoolExecutor]:
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield pool
 
 
+def greedy_mask(followed: object, capabilities: object, support: RuntimeSupport) -> int:
+    """A plugin subscribing to an event containerd 1.7.27 does not know."""
+    return 0x7FF | Event.UPDATE_POD_SANDBOX.bit
+
+
 async def test_runtime_rejects_unknown_mask_bits_like_containerd(
-    tmp_path: Path, executor: ThreadPoolExecutor,
+    tmp_path: Path, executor: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(nri_plugin.session.stub, "subscription_mask", greedy_mask)
     simulator = RuntimeSimulator(tmp_path / "nri.sock", RuntimeSpec(version="1.7.27",
                                                                     nri_version=""))
     await simulator.start()
-    stub = GreedyStub(identity=PluginIdentity("greedy", "20"), config=Config, capabilities=[],
+    stub = PluginStub(identity=PluginIdentity("greedy", "20"), config=Config, capabilities=[],
                       audit=AuditLog(MemoryAuditSink()), executor=executor,
                       state=NodeState())
     reader, writer = await asyncio.open_unix_connection(simulator.socket_path)

@@ -19,12 +19,11 @@ from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
 from hooks.events import Event
-from nri_plugin import daemon
-from nri_plugin.cli import main
+from nri_plugin.cli import daemon, main
+from nri_plugin.cli.status import main_status, print_status
 from nri_plugin.config.schema import Config
-from nri_plugin.simulator import RuntimeSimulator
-from nri_plugin.status import StatusServer, ladder_sections
-from nri_plugin.status_command import main_status, print_status
+from nri_plugin.report.status import StatusServer, ladder_sections
+from nri_plugin.sim.simulator import RuntimeSimulator
 from reconciler.detection.signals import NODE as NODE_SCOPE
 from reconciler.detection.signals import Board, Level, Reading
 from reconciler.kube import KubeActions, KubernetesConfig, build_api_client

@@ -23,21 +23,22 @@ FILE_CALLS = {"open", "read_text", "write_text", "read_bytes", "write_bytes", "l
 OWN_FILES = {
     ("nri_plugin/config/loader.py", "open"): "reads the configuration file",
     ("nri_plugin/config/loader.py", "listdir"): "lists the configuration's drop-in files",
-    ("nri_plugin/cli.py", "open"): "points standard output at /dev/null once its reader left",
+    ("nri_plugin/cli/nri_qos.py", "open"): "points standard output at /dev/null once its reader "
+                                           "left",
     ("nri_plugin/config/store.py", "stat"): "notices a changed configuration file",
     ("nri_plugin/config/store.py", "exists"): "falls back to the embedded defaults",
-    ("nri_plugin/simulator.py", "unlink"): "removes the simulated runtime's own socket",
+    ("nri_plugin/sim/simulator.py", "unlink"): "removes the simulated runtime's own socket",
     ("reconciler/eviction/remote.py", "listdir"): "lists the eviction plugins' socket directory",
     ("reconciler/eviction/remote.py", "lstat"): "checks who owns an eviction plugin's socket",
     ("nri_plugin/config/hook_paths.py", "lstat"): "checks an OCI hook executable and every "
                                                    "directory and link on its path",
-    ("nri_plugin/audit_sinks.py", "open"): "writes the audit file",
-    ("nri_plugin/audit_sinks.py", "exists"): "rotates the audit file",
-    ("nri_plugin/status.py", "stat"): "removes only its own status socket",
-    ("nri_plugin/status.py", "lstat"): "finds a status socket left behind",
-    ("nri_plugin/status.py", "unlink"): "replaces a stale status socket, removes its own",
-    ("nri_plugin/reset_command.py", "lstat"): "finds the status socket an agent left behind",
-    ("nri_plugin/reset_command.py", "unlink"): "removes the status socket an agent left behind",
+    ("nri_plugin/obs/audit_sinks.py", "open"): "writes the audit file",
+    ("nri_plugin/obs/audit_sinks.py", "exists"): "rotates the audit file",
+    ("nri_plugin/report/status.py", "stat"): "removes only its own status socket",
+    ("nri_plugin/report/status.py", "lstat"): "finds a status socket left behind",
+    ("nri_plugin/report/status.py", "unlink"): "replaces a stale status socket, removes its own",
+    ("nri_plugin/cli/reset.py", "lstat"): "finds the status socket an agent left behind",
+    ("nri_plugin/cli/reset.py", "unlink"): "removes the status socket an agent left behind",
 }
 
 

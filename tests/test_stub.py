@@ -8,7 +8,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,15 +21,15 @@ from common.state import NodeState
 from hooks.events import Event
 from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
-from nri_plugin.envelope import RpcError
-from nri_plugin.logs import LoggingConfig, LoggingSetup
-from nri_plugin.nri_api import PLUGIN_SERVICE
-from nri_plugin.scenario import RuntimeSpec
-from nri_plugin.simulator import PluginConnection, RuntimeSimulator
-from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.ttrpc import StatusCode
+from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
+from nri_plugin.session.stub import PluginIdentity, PluginStub
+from nri_plugin.sim.scenario import RuntimeSpec
+from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator
+from nri_plugin.wire.errors import RpcError
+from nri_plugin.wire.nri_api import PLUGIN_SERVICE
+from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 
@@ -398,7 +398,7 @@ async def test_update_containers_from_outside_a_handler(make) -> None:
     assert [u.container_id for u in setup.conn.updates] == ["c1"]
 
 
-async def test_update_containers_refused_inside_a_handler(make, executor) -> None:
+async def test_update_containers_refused_inside_a_handler(make, executor, monkeypatch) -> None:
     errors: list[Exception] = []
 
     class Eager(Recorder):
@@ -407,17 +407,21 @@ async def test_update_containers_refused_inside_a_handler(make, executor) -> Non
     capability = Eager("eager", (Event.RUN_POD_SANDBOX,))
     setup = await make([capability])
     # Call from the handler's own task context, as a handler would.
-    original = setup.stub._finish_later
+    original = setup.stub.events.handle
 
-    async def event_then_update(*args: Any) -> bytes:
+    async def update_then_finish(handled: Awaitable[bytes]) -> bytes:
         try:
             await setup.stub.update_containers([])
         except RuntimeError as exc:
             errors.append(exc)
-        answer: bytes = await original(*args)
-        return answer
+        return await handled
 
-    setup.stub._finish_later = event_then_update  # type: ignore[method-assign]
+    def event_then_update(*args: Any) -> bytes | Awaitable[bytes]:
+        handled = original(*args)
+        assert not isinstance(handled, bytes)
+        return update_then_finish(handled)
+
+    monkeypatch.setattr(setup.stub.events, "handle", event_then_update)
     await setup.simulator.send(setup.conn, Event.RUN_POD_SANDBOX, pod())
     assert len(errors) == 1
     assert "must not be awaited" in str(errors[0])
@@ -548,7 +552,7 @@ def test_failed_create_container_answers_an_empty_payload(executor: ThreadPoolEx
 
     async def handle() -> object:
         configure(stub)
-        return stub._handlers[(PLUGIN_SERVICE, "CreateContainer")](request)
+        return stub.handlers[(PLUGIN_SERVICE, "CreateContainer")](request)
 
     # Filled in part before building the answer failed, cleared, and then not sent at all.
     assert asyncio.run(handle()) == b""
@@ -573,10 +577,10 @@ async def test_absurd_request_timeouts_mean_the_default(make, timeout_ms: int) -
     setup = await make(runtime=RuntimeSpec(request_timeout_ms=2000))
     request = api.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.0",
                                    request_timeout=timeout_ms, registration_timeout=timeout_ms)
-    setup.stub._configure(envelope_request("Configure", request))
-    assert setup.stub.request_timeout_ms == 2000
+    setup.stub.handlers[(PLUGIN_SERVICE, "Configure")](envelope_request("Configure", request))
+    assert setup.stub.terms.request_timeout_ms == 2000
     assert setup.stub.deadline_ms() == 1500
-    assert setup.stub.registration_timeout_ms == 5000
+    assert setup.stub.handshake.registration_timeout_ms == 5000
 
 
 def configure(stub: PluginStub) -> None:
@@ -585,7 +589,7 @@ def configure(stub: PluginStub) -> None:
         service=PLUGIN_SERVICE, method="Configure",
         payload=api.ConfigureRequest(runtime_name="containerd", runtime_version="v2.1.0",
                                      NRI_version="v0.12.0").SerializeToString())
-    stub._handlers[(PLUGIN_SERVICE, "Configure")](configure_request)
+    stub.handlers[(PLUGIN_SERVICE, "Configure")](configure_request)
 
 
 def envelope_request(method: str, message: Any) -> Any:
@@ -615,12 +619,13 @@ async def test_split_synchronize_chunks_share_one_budget(executor: ThreadPoolExe
     first = api.SynchronizeRequest(pods=[pod("uid-1")], more=True)
     last = api.SynchronizeRequest(pods=[pod("uid-2")], more=False)
     configure(stub)
-    await stub._synchronize(envelope_request("Synchronize", first))
+    synchronize = stub.handlers[(PLUGIN_SERVICE, "Synchronize")]
+    await synchronize(envelope_request("Synchronize", first))  # type: ignore[misc]
     now[0] = 1.45  # 1450 ms of the 1500 ms deadline gone
     started = time.monotonic()
     try:
         answer = api.SynchronizeResponse.FromString(
-            await stub._synchronize(envelope_request("Synchronize", last)))
+            await synchronize(envelope_request("Synchronize", last)))  # type: ignore[misc]
     finally:
         release.set()
     assert answer.more is False

@@ -13,23 +13,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nri_plugin.envelope import (
-    RpcError,
+from nri_plugin.wire.envelope import (
     decode_request,
     decode_response,
     encode_request,
     encode_response,
 )
-from nri_plugin.mux import MuxDecoder, encode_message
-from nri_plugin.transport import ConnectionClosed, Handler, TtrpcPeer
-from nri_plugin.ttrpc import (
-    MAX_DATA_LENGTH,
-    Frame,
-    FrameDecoder,
-    MessageType,
-    StatusCode,
-    encode_frame,
-)
+from nri_plugin.wire.errors import ConnectionClosed, RpcError
+from nri_plugin.wire.mux import MuxDecoder, encode_message
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.transport import Handler, TtrpcPeer
+from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, Frame, FrameDecoder, MessageType, encode_frame
 from protos import ttrpc_envelope_pb2 as envelope
 
 T = TypeVar("T")

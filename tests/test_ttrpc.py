@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nri_plugin.errors import MessageTooLarge, StreamIdsExhausted
-from nri_plugin.ttrpc import (
+from nri_plugin.wire.errors import MessageTooLarge, StreamIdsExhausted
+from nri_plugin.wire.status import StatusCode
+from nri_plugin.wire.ttrpc import (
     HEADER_SIZE,
     MAX_DATA_LENGTH,
     MAX_STREAM_ID,
@@ -19,7 +20,6 @@ from nri_plugin.ttrpc import (
     FrameDecoder,
     MessageType,
     ServerStreams,
-    StatusCode,
     encode_frame,
 )
 

@@ -18,7 +18,7 @@ from common.state import NodeState
 from nri_plugin.agent import build_agent
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
-from nri_plugin.stub import PluginIdentity
+from nri_plugin.session.stub import PluginIdentity
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level
 from reconciler.host import statefile

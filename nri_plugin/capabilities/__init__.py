@@ -4,9 +4,9 @@ Each wraps its pure policy from :mod:`hooks` and turns the policy's problems int
 (``adjustment_skipped``); with ``plugin.strict`` it then raises
 :class:`hooks.errors.InvalidInput`, which the stub answers with an error. Only enabled
 capabilities are built, so the subscription mask holds only the events they need. A reload
-reaches the built capabilities through :meth:`~nri_plugin.capability.Capability.reconfigure`;
-switching a capability on or off takes effect at the next connection, where the subscription is
-negotiated again.
+reaches the built capabilities through
+:meth:`~nri_plugin.session.capability.Capability.reconfigure`; switching a capability on or
+off takes effect at the next connection, where the subscription is negotiated again.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from nri_plugin.capabilities.memory_qos import MemoryQosCapability
 from nri_plugin.capabilities.oci_hooks import OciHooksCapability
 from nri_plugin.capabilities.oom_score import OomScoreCapability
 from nri_plugin.capabilities.resctrl import ResctrlCapability
-from nri_plugin.capability import Capability
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability
 from reconciler.host.resctrlfs import ResctrlFs
 
 

@@ -8,8 +8,8 @@ from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
 from hooks.oci_hooks import OciHooksConfig, level_hooks
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
-from nri_plugin.capability import Capability, ContainerEvent
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability, ContainerEvent
 
 
 class OciHooksCapability(Capability):

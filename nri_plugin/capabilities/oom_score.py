@@ -7,8 +7,8 @@ from hooks.events import Event
 from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings
 from nri_plugin.capabilities.reporting import Reporting
-from nri_plugin.capability import Capability, ContainerEvent
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability, ContainerEvent
 
 
 class OomScoreCapability(Reporting, Capability):

@@ -20,8 +20,8 @@ from hooks.resctrl_groups import (
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings, HookStage, OciHookSpec
 from hooks.untrusted import bounded
 from nri_plugin.capabilities.reporting import Reporting
-from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
 from reconciler.host.resctrlfs import ResctrlFs
 
 HOOK_PROGRAM = "nri-qos-hook"

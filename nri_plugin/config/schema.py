@@ -1,7 +1,7 @@
 """The node configuration: every section composed into :class:`Config`.
 
 Each section is declared beside the policy or loop that reads it (``hooks/`` for the creation-time
-policies, ``reconciler/`` for the background half, :mod:`nri_plugin.logs` for logging); this
+policies, ``reconciler/`` for the background half, :mod:`nri_plugin.obs.logs` for logging); this
 module adds the sections of the NRI connection itself and assembles the root, the one object the
 daemon loads, reloads and hands down, section by section.
 """
@@ -26,7 +26,7 @@ from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION
 from hooks.resctrl_config import ResctrlConfig
 from hooks.settings import HookStage
 from nri_plugin.config.hook_paths import check_hook_path
-from nri_plugin.logs import LoggingConfig
+from nri_plugin.obs.logs import LoggingConfig
 from reconciler.detection.config import DetectionConfig
 from reconciler.eviction.choice import READ_ANNOTATIONS as EVICTION_ANNOTATIONS
 from reconciler.eviction.config import EvictionConfig

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.scenario import load_scenario
-from nri_plugin.simulate import simulate
+from nri_plugin.cli.simulate import simulate
+from nri_plugin.sim.scenario import load_scenario
 from tests.real.conftest import CGROUP, MIB, Node
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)

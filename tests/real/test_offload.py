@@ -22,7 +22,7 @@ from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
-from nri_plugin.features import evaluate, kubernetes_feature
+from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.offload_loop import OffloadLoop

@@ -1,0 +1,103 @@
+"""``nri-qos run``: the long-running agent process.
+
+Loads the configuration, sets up logging, probes the host once, assembles the agent
+(:mod:`nri_plugin.agent`) and runs it until the stop event (SIGTERM or SIGINT); SIGHUP reloads the
+configuration.
+How the runtime is reached is :mod:`nri_plugin.connection`'s business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import signal
+
+import structlog
+
+from common.aio import Backoff
+from nri_plugin.agent import Connection, build_agent, load_store, probe, run_agent
+from nri_plugin.allocator import return_large_blocks
+from nri_plugin.config.schema import Config
+from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
+from nri_plugin.obs.logs import LoggingSetup
+from nri_plugin.report.status import another_agent_answers
+from nri_plugin.session.stub import PluginIdentity
+
+log = structlog.get_logger("nri_qos.daemon")
+
+
+def identity_for(cfg: Config, prelaunched: Prelaunched | None) -> PluginIdentity:
+    if prelaunched is None:
+        return PluginIdentity(cfg.plugin.name, cfg.plugin.index)
+    # The runtime goes by the file name anyway; use it so logs on both sides agree.
+    return PluginIdentity(prelaunched.name or cfg.plugin.name,
+                          prelaunched.index or cfg.plugin.index)
+
+
+def connection_for(cfg: Config, socket_path: str | None,
+                   prelaunched: Prelaunched | None) -> Connection:
+    if prelaunched is not None:
+        return functools.partial(run_prelaunched, fd=prelaunched.fd)
+    backoff = Backoff(cfg.plugin.reconnect_initial_ms / 1000, cfg.plugin.reconnect_max_ms / 1000)
+    return functools.partial(run_external, socket_path=socket_path or cfg.plugin.socket,
+                             backoff=backoff)
+
+
+async def serve(config_path: str | None, socket_path: str | None, log_level: str | None, *,
+                stop: asyncio.Event, prelaunched: Prelaunched | None,
+                allow_second_agent: bool = False, metrics_address: str | None = None) -> int:
+    """Load the config, then run the agent until ``stop`` is set; the exit status (1 without
+    starting when another agent answers on the status socket, unless ``allow_second_agent``)."""
+    # A runtime's large messages must not leave their memory behind (see nri_plugin.allocator).
+    return_large_blocks()
+    logging_setup = LoggingSetup(level=log_level)
+    audit = logging_setup.audit
+    try:
+        store = load_store(config_path, logging_setup)
+        if store is None:
+            return 2
+        cfg = store.current
+        if (cfg.status.enabled and not allow_second_agent
+                and await another_agent_answers(cfg.status.socket)):
+            # Two agents would both register with the runtime and adjust every container.
+            log.error("agent_already_running", status_socket=cfg.status.socket,
+                      hint="another nri-qos agent answers on this node's status socket (see "
+                           "`nri-qos status`); stop it first, or pass --allow-second-agent to "
+                           "start anyway")
+            return 1
+        host, sysfs = probe(cfg, audit)
+        agent = build_agent(store, audit, host, sysfs, identity_for(cfg, prelaunched),
+                            run_background=True, metrics_address=metrics_address)
+        log.info("mode", mode="pre-launched" if prelaunched else "external")
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, store.request_reload)
+        try:
+            return await run_agent(agent, connection_for(cfg, socket_path, prelaunched), stop)
+        finally:
+            loop.remove_signal_handler(signal.SIGHUP)
+    finally:
+        logging_setup.close()
+
+
+def main_run(config_path: str | None, socket_path: str | None, log_level: str | None, *,
+             allow_second_agent: bool = False, metrics_address: str | None = None) -> int:
+    """``nri-qos run``: serve until SIGTERM/SIGINT; SIGHUP reloads the config."""
+    try:
+        prelaunched = take_prelaunched_env(os.environ)
+    except ValueError as exc:
+        structlog.get_logger("nri_qos").error("prelaunched_env_invalid", error=str(exc))
+        return 2
+    return asyncio.run(_main(config_path, socket_path, log_level, prelaunched,
+                             allow_second_agent, metrics_address))
+
+
+async def _main(config_path: str | None, socket_path: str | None, log_level: str | None,
+                prelaunched: Prelaunched | None, allow_second_agent: bool,
+                metrics_address: str | None) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    return await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched,
+                       allow_second_agent=allow_second_agent, metrics_address=metrics_address)

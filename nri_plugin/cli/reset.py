@@ -1,0 +1,207 @@
+"""``nri-qos reset``: take off this node everything the agent placed, as the uninstall step.
+
+What the agent changed is read from its state file (``[reconciler] state_dir``) and from the
+configuration, so an effect of an earlier run is found whatever the configuration says now:
+
+* the memory guard's cap and squeeze on the BestEffort tier: the files' earlier values;
+* ``memory.wmark_ratio`` the tune rung lowered on reclaimed pods: the earlier values;
+* ``cpuset.mems`` the NUMA binding set on reclaimed containers: the earlier values;
+* the mitigation taint (every key noted, and the configured one), its node condition and the
+  in-tree eviction plugins' conditions (taken off the node's status), when the Kubernetes API
+  is reachable;
+* resctrl control groups carrying the agent's prefix (removing a group hands its tasks back to
+  the default group);
+* the status socket file.
+
+Every step is idempotent: a second reset finds nothing to do. ``--dry-run`` prints the steps and
+changes nothing. The agent must not be running (it would place its effects again): a reset that
+finds it answering on its status socket stops with exit status 1. Writes to the host are audited
+as the agent's are; each step prints one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import socket
+import stat
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from common.audit import AuditLog
+from nri_plugin.config.loader import ConfigError
+from nri_plugin.config.schema import Config
+from nri_plugin.config.store import load_config
+from nri_plugin.obs.logs import LoggingSetup
+from reconciler.eviction.builtin import IN_TREE_CONDITIONS
+from reconciler.host.probe import probe_host
+from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.statefile import StateFile, state_file
+from reconciler.host.sysfs import SysFs
+from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
+from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
+from reconciler.loops.memory_guard import restore_tier
+from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings
+from reconciler.mitigation.actions import (
+    CONDITION_NOTES,
+    TAINT_NOTES,
+    WMARK_NOTES,
+    restore_wmark,
+)
+
+REASON = "nri-qos reset"
+CONNECT_TIMEOUT_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One thing to undo: what it is, and the function that undoes it (returns what it did)."""
+
+    what: str
+    undo: Callable[[], str]
+
+
+def agent_answers(path: str) -> bool:
+    """Whether something accepts connections on the agent's status socket."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        sock.connect(path)
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
+
+
+def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) -> list[Step]:
+    steps = []
+    guard = notes.entries(GUARD_NOTES)
+    if guard:
+        steps.append(Step(
+            "memory guard: restore " + ", ".join(f"{p} to {v}" for p, v in sorted(guard.items())),
+            lambda: f"restored {len(restore_tier(sysfs, notes, REASON))} file(s)"))
+    wmark = notes.entries(WMARK_NOTES)
+    if wmark:
+        steps.append(Step(f"tune: restore memory.wmark_ratio of {len(wmark)} pod(s)",
+                          lambda: f"restored {restore_wmark(sysfs, notes, REASON)} file(s)"))
+    balanced = notes.entries(NUMA_BALANCE_NOTES)
+    if balanced:
+        steps.append(Step(
+            f"NUMA balance: restore cpuset.mems of {len(balanced)} container(s)",
+            lambda: "restored "
+                    f"{restore_bindings(sysfs, notes, REASON, NUMA_BALANCE_NOTES)} file(s)"))
+    numa = notes.entries(NUMA_NOTES)
+    if numa:
+        steps.append(Step(f"NUMA binding: restore cpuset.mems of {len(numa)} container(s)",
+                          lambda: f"restored {restore_bindings(sysfs, notes, REASON)} file(s)"))
+    host = probe_host(sysfs, cgroup_version=cfg.memory.cgroup_version,
+                      cgroup_driver=cfg.reconciler.cgroup_driver,
+                      resctrl_mount=cfg.resctrl.root, amd_mb_max=cfg.resctrl.amd_mb_max)
+    if host.resctrl is not None:
+        fs = ResctrlFs(sysfs, cfg.resctrl.root, host.resctrl, prefix=cfg.resctrl.group_prefix,
+                       audit=audit)
+        def remove_group(group: str) -> str:
+            return "removed" if fs.remove_group(group, REASON) else "already gone"
+
+        steps += [Step(f"resctrl: remove group {group}", functools.partial(remove_group, group))
+                  for group in fs.our_groups()]
+    status = cfg.status.socket
+    try:
+        is_socket = stat.S_ISSOCK(os.lstat(status).st_mode)
+    except OSError:
+        is_socket = False
+    if is_socket:
+        steps.append(Step(f"status: remove socket {status}", lambda: _unlink(status)))
+    return steps
+
+
+def _unlink(path: str) -> str:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return "already gone"
+    return "removed"
+
+
+def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[Step], str]:
+    """The taint and condition steps, and a note when the API is out of reach."""
+    api = build_api_client(cfg.kubernetes)
+    if api is None:
+        return [], "no Kubernetes API access: the node's taint and condition are left as they are"
+    kube = KubeActions(api, cfg.kubernetes, audit)
+    node = node_name(cfg.kubernetes)
+    rung = cfg.mitigation.taint
+    keys = list(dict.fromkeys([*notes.entries(TAINT_NOTES), rung.key]))
+    kinds = list(dict.fromkeys([*notes.entries(CONDITION_NOTES), rung.condition,
+                                *IN_TREE_CONDITIONS]))
+
+    def remove(key: str) -> str:
+        outcome = asyncio.run(kube.remove_taint(node, key, reason=REASON))
+        if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            notes.forget(TAINT_NOTES, key)
+        return {NodeOutcome.CHANGED: "removed", NodeOutcome.UNCHANGED: "not there"}.get(
+            outcome, f"failed ({outcome.value})")
+
+    def clear(kind: str) -> str:
+        outcome = asyncio.run(kube.remove_node_condition(node, kind))
+        if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
+            notes.forget(CONDITION_NOTES, kind)
+        return {NodeOutcome.CHANGED: "removed", NodeOutcome.UNCHANGED: "not there"}.get(
+            outcome, f"failed ({outcome.value})")
+
+    steps = [Step(f"node {node}: remove taint {key}", functools.partial(remove, key))
+             for key in keys]
+    steps += [Step(f"node {node}: remove condition {kind}", functools.partial(clear, kind))
+              for kind in kinds]
+    return steps, ""
+
+
+def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
+          kubernetes: bool = True) -> int:
+    """Runs (or with ``dry_run`` prints) every step; 1 when one failed, else 0.
+    ``kubernetes``: reach the API for the node's taint and condition."""
+    sysfs = SysFs(cfg.reconciler.root, audit, retries=cfg.reconciler.write_retries)
+    notes = state_file(cfg.reconciler.state_dir)
+    steps = _host_steps(cfg, sysfs, notes, audit)
+    remark = ""
+    if kubernetes and cfg.kubernetes.enabled:
+        node_steps, remark = _node_steps(cfg, notes, audit)
+        steps += node_steps
+    if remark:
+        out.write(f"note: {remark}\n")
+    if not steps:
+        out.write("nothing to undo\n")
+        return 0
+    failed = False
+    for step in steps:
+        if dry_run:
+            out.write(f"would {step.what}\n")
+            continue
+        result = step.undo()
+        failed |= result.startswith("failed")
+        out.write(f"{step.what}: {result}\n")
+    return 1 if failed else 0
+
+
+def main_reset(config_path: str | None, *, dry_run: bool, out: TextIO = sys.stdout,
+               err: TextIO = sys.stderr) -> int:
+    logging_setup = LoggingSetup(level="warning")
+    try:
+        try:
+            cfg, _ = load_config(config_path)
+        except ConfigError as exc:
+            for error in exc.errors:
+                err.write(f"{exc.source or config_path}: {error}\n")
+            return 2
+        logging_setup.apply(cfg.logging)
+        if agent_answers(cfg.status.socket):
+            err.write(f"nri-qos reset: an agent answers on {cfg.status.socket}; stop it first "
+                      "(it would place what the reset takes away again)\n")
+            return 1
+        return reset(cfg, logging_setup.audit, dry_run=dry_run, out=out)
+    finally:
+        logging_setup.close()

@@ -1,0 +1,2 @@
+"""What the agent reports about itself: the status document and socket, the metrics endpoint,
+the features a host supports."""

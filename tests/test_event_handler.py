@@ -1,0 +1,158 @@
+"""The event handler on its own: decoded requests in, answers, node state, audit records and
+metrics out, with no socket and no session (what Configure settled comes as SessionTerms)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.metrics import PluginMetrics
+from common.state import NodeState
+from hooks.events import Event
+from hooks.model import RuntimeInfo
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import Capability, ContainerEvent
+from nri_plugin.session.event_handler import STATE_EVENTS, EventHandler
+from nri_plugin.session.terms import SessionTerms
+from nri_plugin.wire.errors import RpcError
+from nri_plugin.wire.rejections import Rejection
+from nri_plugin.wire.runtime_support import RuntimeSupport
+from nri_plugin.wire.status import StatusCode
+from protos import nri_api_pb2 as api
+
+CONTAINERD = SessionTerms(
+    support=RuntimeSupport.detect("v0.12.0", "containerd", "v2.1.0"),
+    runtime=RuntimeInfo(name="containerd", version="v2.1.0", nri_version=(0, 12, 0)),
+    request_timeout_ms=2000,
+)
+
+
+class Limits(Capability):
+    """Answers CreateContainer with a memory limit; remembers the runtime it was shown."""
+
+    name = "limits"
+    events = frozenset({Event.CREATE_CONTAINER})
+
+    def __init__(self, settings: ContainerSettings = EMPTY_SETTINGS, *, inline: bool = True,
+                 block: threading.Event | None = None) -> None:
+        self.settings = settings
+        self.inline_events = self.events if inline else frozenset()
+        self.block = block
+        self.seen: list[RuntimeInfo] = []
+
+    def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        self.seen.append(event.runtime)
+        if self.block is not None:
+            self.block.wait(10)
+        return self.settings
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool
+
+
+class World:
+    def __init__(self, executor: ThreadPoolExecutor, capabilities: Sequence[Capability],
+                 config: Config | None = None) -> None:
+        self.sink = MemoryAuditSink()
+        self.state = NodeState()
+        self.metrics = PluginMetrics()
+        cfg = config or Config()
+        self.handler = EventHandler(config=lambda: cfg, capabilities=capabilities,
+                                    audit=AuditLog(self.sink), executor=executor,
+                                    state=self.state, metrics=self.metrics)
+
+    def requests(self, event: str, result: str) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "nri_qos_nri_requests_total", {"event": event, "result": result})
+        return value or 0.0
+
+
+def sandbox(uid: str = "uid-1") -> api.PodSandbox:
+    return api.PodSandbox(id=f"sb-{uid}", uid=uid, name=f"pod-{uid}", namespace="ns")
+
+
+def ctr(cid: str = "c1", uid: str = "uid-1") -> api.Container:
+    return api.Container(id=cid, pod_sandbox_id=f"sb-{uid}", name=f"name-{cid}")
+
+
+async def test_inline_capabilities_answer_at_once_with_the_terms_runtime(executor) -> None:
+    limits = Limits(ContainerSettings(memory_limit=1 << 30))
+    world = World(executor, [limits])
+    answer = world.handler.handle(Event.CREATE_CONTAINER, sandbox(), ctr(), CONTAINERD)
+    assert isinstance(answer, bytes)
+    adjustment = api.CreateContainerResponse.FromString(answer).adjust
+    assert adjustment.linux.resources.memory.limit.value == 1 << 30
+    assert limits.seen == [CONTAINERD.runtime]
+    # The record of what was applied, the event line and its count come after the answer.
+    assert world.sink.named("adjustment_applied") == []
+    await asyncio.sleep(0)
+    (applied,) = world.sink.named("adjustment_applied")
+    assert applied["container"] == "name-c1"
+    assert world.requests("create_container", "ok") == 1
+
+
+async def test_a_capability_that_may_block_gets_the_deadline_the_terms_allow(executor) -> None:
+    release = threading.Event()
+    world = World(executor, [Limits(inline=False, block=release)])
+    # 200 ms of request timeout, less the default margin: the floor of 10 ms remains.
+    terms = SessionTerms(support=CONTAINERD.support, runtime=CONTAINERD.runtime,
+                         request_timeout_ms=200)
+    try:
+        pending = world.handler.handle(Event.CREATE_CONTAINER, sandbox(), ctr(), terms)
+        assert not isinstance(pending, bytes)
+        answer = await asyncio.wait_for(pending, 5)
+    finally:
+        release.set()
+    assert answer == b""
+    (skipped,) = world.sink.named("adjustment_skipped")
+    assert "deadline of 10 ms" in skipped["reason"]
+    await asyncio.sleep(0)
+    assert world.requests("create_container", "fail-open") == 1
+
+
+async def test_followed_events_keep_the_node_state_without_any_capability(executor) -> None:
+    world = World(executor, [])
+    assert world.handler.followed == STATE_EVENTS
+    assert world.handler.handle(Event.RUN_POD_SANDBOX, sandbox(), None, CONTAINERD) == b""
+    assert world.state.pod_identity(uid="uid-1") == ("uid-1", "ns", "pod-uid-1")
+    assert world.handler.handle(Event.REMOVE_POD_SANDBOX, sandbox(), None, CONTAINERD) == b""
+    assert world.state.pod_identity(uid="uid-1") is None
+
+
+async def test_an_unusable_pod_is_audited_and_answered_empty(executor) -> None:
+    world = World(executor, [Limits(ContainerSettings(memory_limit=1 << 30))])
+    nameless = api.PodSandbox(uid="uid-1", name="pod", namespace="ns")  # no sandbox id
+    assert world.handler.handle(Event.CREATE_CONTAINER, nameless, ctr(), CONTAINERD) == b""
+    (skipped,) = world.sink.named("adjustment_skipped")
+    assert "no id" in skipped["reason"]
+
+
+def test_a_payload_that_does_not_decode_is_refused_once(executor) -> None:
+    world = World(executor, [])
+    refused: list[tuple[Rejection, str]] = []
+    message = world.handler.decode("create_container", api.CreateContainerRequest, b"\xff",
+                                   lambda kind, detail: refused.append((kind, detail)))
+    assert message is None
+    assert refused == [(Rejection.BAD_PAYLOAD, "CreateContainerRequest payload does not decode")]
+    assert world.requests("create_container", "fail-open") == 1
+
+
+def test_a_payload_that_does_not_decode_is_an_error_when_strict(executor) -> None:
+    cfg = Config()
+    world = World(executor, [], dataclasses.replace(cfg, plugin=dataclasses.replace(cfg.plugin,
+                                                                                   strict=True)))
+    with pytest.raises(RpcError) as error:
+        world.handler.decode("create_container", api.CreateContainerRequest, b"\xff",
+                             lambda kind, detail: None)
+    assert error.value.code == StatusCode.INVALID_ARGUMENT
+    assert world.requests("create_container", "error") == 1

@@ -57,7 +57,7 @@ from nri_plugin.mux import (  # noqa: E402
 from nri_plugin.nri_api import PLUGIN_SERVICE  # noqa: E402
 from nri_plugin.ttrpc import MAX_DATA_LENGTH, MessageType, StatusCode, encode_frame  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
-from tests.raw_runtime import (  # noqa: E402
+from tests.support.raw_runtime import (  # noqa: E402
     ANSWER_S,
     Agent,
     MiB,

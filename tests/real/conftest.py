@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.realroot import WORKER, Worker, end
+from tests.support.realroot import WORKER, Worker, end
 
 CGROUP = Path("/sys/fs/cgroup")
 MIB = 1 << 20
@@ -65,8 +65,8 @@ class Node:
         return process
 
     def worker(self, cgroup: Path, pushed: Path) -> Worker:
-        """A pressure worker (:mod:`tests.pressure_worker`) in ``cgroup`` that pushes the limit
-        of ``pushed`` (its ``memory.events`` counts the hits)."""
+        """A pressure worker (:mod:`tests.support.pressure_worker`) in ``cgroup`` that pushes the
+        limit of ``pushed`` (its ``memory.events`` counts the hits)."""
         return Worker(self.spawn(cgroup, [sys.executable, "-I", str(WORKER),
                                           str(pushed / "memory.events")],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))

@@ -6,8 +6,8 @@
   every pod's ``memory.stat``, asks the plugins, filters, ranks and rate-limits. p50/p99 over the
   rounds.
 * ``grpc``: one plugin process (``tests/support/eviction_plugin.py``) on a unix socket; wall time
-  of each call (ThresholdMet, GetEvictPods with 110 pods, GetTopEvictionPods) from the manager's client,
-  p50/p99.
+  of each call (ThresholdMet, GetEvictPods with 110 pods, GetTopEvictionPods) from the manager's
+  client, p50/p99.
 
     python bench/eviction_round.py [--rounds 200] [--calls 300]
 """

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import MappingProxyType
 
 import pytest
 
@@ -24,9 +23,9 @@ from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import detect_version
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
+from tests.support.builders import UID, pod
 from tests.support.resctrl_trees import intel_tree
 
-UID = "3f1c2a9e-0b7d-4a51-9c1e-5d2f6a7b8c90"
 POD_GROUP = f"nriqos-pod-{UID}"
 RECORDED = '{"LLC":{"schemata":{"range":[20,80]}},"MB":{"schemata":{"percent":20}}}'
 RUNTIME = RuntimeInfo(name="containerd", version="2.4.0", nri_version=(0, 12, 2), cgroup_v2=True)
@@ -60,13 +59,8 @@ class World:
         return hook
 
 
-def pod(annotations: dict[str, str] | None = None, uid: str = UID) -> PodInfo:
-    return PodInfo(id="sb1", uid=uid, name="p", namespace="ns",
-                   annotations=MappingProxyType(annotations or {}))
-
-
 def ctr(limit: int | None = 512 * MI) -> ContainerInfo:
-    return ContainerInfo(id="c1", pod_sandbox_id="sb1", name="app", memory_limit=limit,
+    return ContainerInfo(id="c1", pod_sandbox_id="sb", name="app", memory_limit=limit,
                          memory_request=128 * MI, oom_score_adj=-997)
 
 
@@ -322,7 +316,7 @@ def test_reconfigure_applies_a_reloaded_config_to_built_hooks() -> None:
     import dataclasses
 
     from hooks.config_fields import frozen_map
-    from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
+    from hooks.model import ContainerInfo, RuntimeInfo
     from hooks.oom_score import OomLevel
     from nri_plugin.capabilities import build_capabilities
     from nri_plugin.capability import ContainerEvent
@@ -348,7 +342,7 @@ def test_reconfigure_reaches_oci_hooks() -> None:
     import dataclasses
 
     from hooks.config_fields import frozen_map
-    from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
+    from hooks.model import ContainerInfo, RuntimeInfo
     from hooks.oci_hooks import OciHook, OciLevelHooks
     from nri_plugin.capabilities.oci_hooks import OciHooksCapability
     from nri_plugin.capability import ContainerEvent

@@ -23,9 +23,9 @@ from reconciler.loops.common import ManagedCache
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.podmeta import PodMeta
 from reconciler.state import NodeState
+from tests.support.builders import LEVEL
 from tests.support.fakesys import FakeHost, read_ids
 
-LEVEL = "qos.nri-qos.io/level"
 UID = "0d0d0d0d-1111-2222-3333-444444444444"
 
 

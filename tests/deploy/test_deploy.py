@@ -14,83 +14,41 @@ import configparser
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import tomllib
-from functools import cache
 from pathlib import Path, PurePosixPath
-from typing import Any
 
 import pytest
 import yaml
-from kubernetes.client import ApiClient
 
 from nri_plugin.cli import build_parser
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import DEFAULT_CONFIG_PATH, load_layered
 from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET
 from reconciler import k8s
+from tests.support.manifests import (
+    BASE,
+    CANARY,
+    COMPONENTS,
+    DEPLOY,
+    WRAPPER,
+    Doc,
+    assert_parses_into_models,
+    base_docs,
+    built,
+    container_of,
+    one,
+)
 from tests.support.paths import REPO
 from tests.support.prelaunch import create_one_container_then_go
-
-DEPLOY = REPO / "deploy"
-BASE = DEPLOY / "kustomize" / "base"
-CANARY = DEPLOY / "kustomize" / "overlays" / "canary"
-COMPONENTS = DEPLOY / "kustomize" / "components"
-WRAPPER = DEPLOY / "preinstalled" / "10-nri-qos"
-
-Doc = dict[str, Any]
-
-
-def _yaml_docs(text: str) -> list[Doc]:
-    return [d for d in yaml.safe_load_all(text) if d is not None]
-
-
-def _one(docs: list[Doc], kind: str) -> Doc:
-    (found,) = [d for d in docs if d["kind"] == kind]
-    return found
-
-
-def base_docs() -> list[Doc]:
-    """The base's resources as written, and the ConfigMap its generator makes (unhashed)."""
-    kustomization = yaml.safe_load((BASE / "kustomization.yaml").read_text())
-    docs = [d for name in kustomization["resources"] for d in _yaml_docs((BASE / name).read_text())]
-    (generator,) = kustomization["configMapGenerator"]
-    data = {name: (BASE / name).read_text() for name in generator["files"]}
-    docs.append({"apiVersion": "v1", "kind": "ConfigMap",
-                 "metadata": {"name": generator["name"], "namespace": kustomization["namespace"]},
-                 "data": data})
-    return docs
-
-
-@cache
-def kustomize() -> list[str] | None:
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        probe = subprocess.run(["kubectl", "kustomize", "--help"], capture_output=True,
-                               check=False)
-        if probe.returncode == 0:
-            return ["kubectl", "kustomize"]
-    return None
-
-
-def built(directory: Path) -> list[Doc]:
-    command = kustomize()
-    if command is None:
-        pytest.skip("neither kustomize nor kubectl is installed")
-    result = subprocess.run([*command, str(directory)], capture_output=True, text=True,
-                            check=False, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return _yaml_docs(result.stdout)
 
 
 @pytest.fixture(scope="module")
 def daemonset() -> Doc:
-    return _one(base_docs(), "DaemonSet")
+    return one(base_docs(), "DaemonSet")
 
 
 def config_of(configmap: Doc) -> Config:
@@ -108,12 +66,7 @@ def config_of(configmap: Doc) -> Config:
 
 @pytest.fixture(scope="module")
 def shipped_config() -> Config:
-    return config_of(_one(base_docs(), "ConfigMap"))
-
-
-def _container(daemonset: Doc) -> Doc:
-    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
-    return dict(container)
+    return config_of(one(base_docs(), "ConfigMap"))
 
 
 def _host_path_of(daemonset: Doc, container_path: str) -> str | None:
@@ -122,7 +75,7 @@ def _host_path_of(daemonset: Doc, container_path: str) -> str | None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     best: tuple[int, str] | None = None
     target = PurePosixPath(container_path)
-    for mount in _container(daemonset)["volumeMounts"]:
+    for mount in container_of(daemonset)["volumeMounts"]:
         mount_path = PurePosixPath(mount["mountPath"])
         host = volumes[mount["name"]].get("hostPath")
         if host is None or not target.is_relative_to(mount_path):
@@ -132,16 +85,6 @@ def _host_path_of(daemonset: Doc, container_path: str) -> str | None:
         if best is None or depth > best[0]:
             best = (depth, mapped)
     return None if best is None else best[1]
-
-
-def assert_parses_into_models(docs: list[Doc]) -> None:
-    """Each object becomes its client model (required fields, types), and back to the same
-    object: a field the model does not know (a misspelling) would be lost on the way."""
-    with ApiClient() as client:
-        for doc in docs:
-            model = client.deserialize(json.dumps(doc), f"V1{doc['kind']}", "application/json")
-            assert client.sanitize_for_serialization(model) == json.loads(json.dumps(doc)), (
-                f"{doc['kind']} {doc['metadata']['name']}: fields the model does not know")
 
 
 def test_base_lists_its_resources() -> None:
@@ -154,7 +97,7 @@ def test_base_manifests_parse_into_client_models() -> None:
 
 
 def test_a_misspelled_field_is_caught() -> None:
-    daemonset = json.loads(json.dumps(_one(base_docs(), "DaemonSet")))
+    daemonset = json.loads(json.dumps(one(base_docs(), "DaemonSet")))
     daemonset["spec"]["template"]["spec"]["priorityClass"] = "system-node-critical"
     with pytest.raises(AssertionError, match="fields the model does not know"):
         assert_parses_into_models([daemonset])
@@ -164,8 +107,8 @@ def test_a_misspelled_field_is_caught() -> None:
 def test_kustomize_builds_into_client_models(directory: Path) -> None:
     docs = built(directory)
     assert_parses_into_models(docs)
-    configmap = _one(docs, "ConfigMap")
-    daemonset = _one(docs, "DaemonSet")
+    configmap = one(docs, "ConfigMap")
+    daemonset = one(docs, "DaemonSet")
     # The generated name carries the content's hash and the DaemonSet follows it.
     assert re.fullmatch(r"nri-qos-config-[a-z0-9]{10}", configmap["metadata"]["name"])
     volumes = {v["name"]: v for v in daemonset["spec"]["template"]["spec"]["volumes"]}
@@ -179,18 +122,18 @@ def test_kustomize_builds_into_client_models(directory: Path) -> None:
 
 def test_canary_overlay_selects_canary_nodes_and_observes() -> None:
     docs = built(CANARY)
-    pod = _one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", "nri-qos.io/canary": "true"}
     # The image comes from the base's one images: entry.
-    assert _container(_one(docs, "DaemonSet"))["image"] == "registry.example.com/nri-qos:0.1.0"
-    configmap = _one(docs, "ConfigMap")
+    assert container_of(one(docs, "DaemonSet"))["image"] == "registry.example.com/nri-qos:0.1.0"
+    configmap = one(docs, "ConfigMap")
     assert set(configmap["data"]) == {"00-daemonset.toml"}
     assert config_of(configmap).agent.mode == "observe"
 
 
 def test_the_image_is_named_once() -> None:
     (image,) = yaml.safe_load((BASE / "kustomization.yaml").read_text())["images"]
-    assert image["name"] == _container(_one(base_docs(), "DaemonSet"))["image"] == "nri-qos"
+    assert image["name"] == container_of(one(base_docs(), "DaemonSet"))["image"] == "nri-qos"
     for kustomization in (DEPLOY / "kustomize").rglob("kustomization.yaml"):
         if kustomization.parent != BASE:
             assert "images" not in yaml.safe_load(kustomization.read_text()), kustomization
@@ -209,31 +152,31 @@ def _with_component(tmp_path: Path, component: str) -> list[Doc]:
 def test_no_resctrl_component_is_a_drop_in(tmp_path: Path) -> None:
     docs = _with_component(tmp_path, "no-resctrl")
     assert_parses_into_models(docs)
-    configmap = _one(docs, "ConfigMap")
+    configmap = one(docs, "ConfigMap")
     assert set(configmap["data"]) == {"00-daemonset.toml", "20-no-resctrl.toml"}
     config = config_of(configmap)
     assert config.resctrl.enabled is False
     assert config.reconciler.root == "/host"  # the base's file still applies
-    assert _one(docs, "DaemonSet")["spec"] == _one(built(BASE), "DaemonSet")["spec"] | {
-        "template": _one(docs, "DaemonSet")["spec"]["template"]}
+    assert one(docs, "DaemonSet")["spec"] == one(built(BASE), "DaemonSet")["spec"] | {
+        "template": one(docs, "DaemonSet")["spec"]["template"]}
 
 
 def test_enforce_component_switches_the_mode_and_rolls_the_daemonset(tmp_path: Path) -> None:
     docs = _with_component(tmp_path, "enforce")
-    configmap = _one(docs, "ConfigMap")
+    configmap = one(docs, "ConfigMap")
     assert set(configmap["data"]) == {"00-daemonset.toml", "90-enforce.toml"}
     assert config_of(configmap).agent.mode == "enforce"
     # Another name (hash): the DaemonSet's pods are replaced node by node.
-    base_name = _one(built(BASE), "ConfigMap")["metadata"]["name"]
+    base_name = one(built(BASE), "ConfigMap")["metadata"]["name"]
     assert configmap["metadata"]["name"] != base_name
-    volumes = {v["name"]: v for v in _one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in one(docs, "DaemonSet")["spec"]["template"]["spec"]["volumes"]}
     assert volumes["config"]["configMap"]["name"] == configmap["metadata"]["name"]
 
 
 def test_privileged_component_makes_the_agent_privileged(tmp_path: Path) -> None:
     docs = _with_component(tmp_path, "privileged")
     assert_parses_into_models(docs)
-    assert _container(_one(docs, "DaemonSet"))["securityContext"] == {"privileged": True}
+    assert container_of(one(docs, "DaemonSet"))["securityContext"] == {"privileged": True}
 
 
 def test_drop_ins_of_overlays_and_components_repeat_nothing_of_the_base() -> None:
@@ -280,7 +223,7 @@ def test_host_paths_are_only_what_the_agent_uses(daemonset: Doc) -> None:
     assert set(host_paths) == {"/var/run/nri", "/sys/fs", "/sys/devices/system/node",
                                "/proc", "/var/lib/nri-qos/eviction-plugins", "/run/nri-qos",
                                "/var/lib/nri-qos/state"}
-    mounts = {m["name"]: m for m in _container(daemonset)["volumeMounts"]}
+    mounts = {m["name"]: m for m in container_of(daemonset)["volumeMounts"]}
     # Only read: the NUMA topology and the configuration.
     assert mounts[host_paths["/sys/devices/system/node"]].get("readOnly") is True
     assert mounts["config"].get("readOnly") is True
@@ -309,7 +252,7 @@ def test_eviction_plugin_sockets_are_shared_with_the_host(
 
 def test_daemonset_runs_the_agent(daemonset: Doc, shipped_config: Config) -> None:
     pod = daemonset["spec"]["template"]["spec"]
-    container = _container(daemonset)
+    container = container_of(daemonset)
     assert pod["hostPID"] is True
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["nodeSelector"]["kubernetes.io/os"] == "linux"
@@ -342,7 +285,7 @@ def test_daemonset_runs_the_agent(daemonset: Doc, shipped_config: Config) -> Non
 
 
 def test_probes_ask_the_metrics_endpoint(daemonset: Doc, shipped_config: Config) -> None:
-    container = _container(daemonset)
+    container = container_of(daemonset)
     metrics = shipped_config.metrics
     assert metrics.enabled is True
     # The kubelet probes the pod's IP: the endpoint listens there, given on the command line
@@ -359,11 +302,11 @@ def test_probes_ask_the_metrics_endpoint(daemonset: Doc, shipped_config: Config)
 
 def test_rbac_binds_the_daemonset_account(daemonset: Doc) -> None:
     docs = base_docs()
-    account = _one(docs, "ServiceAccount")["metadata"]
-    binding = _one(docs, "ClusterRoleBinding")
+    account = one(docs, "ServiceAccount")["metadata"]
+    binding = one(docs, "ClusterRoleBinding")
     assert daemonset["spec"]["template"]["spec"]["serviceAccountName"] == account["name"]
     assert daemonset["metadata"]["namespace"] == account["namespace"]
-    assert binding["roleRef"]["name"] == _one(docs, "ClusterRole")["metadata"]["name"]
+    assert binding["roleRef"]["name"] == one(docs, "ClusterRole")["metadata"]["name"]
     (subject,) = binding["subjects"]
     assert subject == {
         "kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]
@@ -474,7 +417,7 @@ def test_image_runs_the_agent_with_the_daemonset_config(daemonset: Doc) -> None:
     assert entrypoint == ["nri-qos"]
     args = build_parser().parse_args(cmd)
     assert args.command == "run"
-    assert [*entrypoint, *cmd] == _container(daemonset)["command"]
+    assert [*entrypoint, *cmd] == container_of(daemonset)["command"]
 
 
 def test_image_smoke_commands_pass() -> None:

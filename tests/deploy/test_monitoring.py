@@ -19,13 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from nri_plugin.cli import build_parser
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.metrics import Metrics
-from tests.deploy.test_deploy import (
+from tests.support.manifests import (
     BASE,
     COMPONENTS,
-    _container,
-    _one,
     assert_parses_into_models,
     built,
+    container_of,
+    one,
 )
 from tests.support.paths import REPO
 
@@ -149,12 +149,12 @@ def with_components(tmp_path: Path, *components: str) -> list[dict[str, Any]]:
 
 def test_the_prometheus_operator_component_scrapes_the_agents(tmp_path: Path) -> None:
     docs = with_components(tmp_path, "prometheus-operator")
-    monitor = _one(docs, "PodMonitor")
-    rule = _one(docs, "PrometheusRule")
-    daemonset = _one(docs, "DaemonSet")
+    monitor = one(docs, "PodMonitor")
+    rule = one(docs, "PrometheusRule")
+    daemonset = one(docs, "DaemonSet")
     pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    ports = {p["name"] for p in _container(daemonset)["ports"]}
+    ports = {p["name"] for p in container_of(daemonset)["ports"]}
     assert {e["port"] for e in monitor["spec"]["podMetricsEndpoints"]} <= ports
     # The series' own namespace and pod labels (a workload pod's) are kept.
     assert all(e["honorLabels"] for e in monitor["spec"]["podMetricsEndpoints"])
@@ -167,20 +167,20 @@ def test_the_prometheus_operator_component_scrapes_the_agents(tmp_path: Path) ->
 
 def test_the_network_policy_lets_only_the_metrics_port_in(tmp_path: Path) -> None:
     docs = with_components(tmp_path, "network-policy")
-    policy = _one(docs, "NetworkPolicy")
+    policy = one(docs, "NetworkPolicy")
     assert_parses_into_models([policy])
-    daemonset = _one(docs, "DaemonSet")
+    daemonset = one(docs, "DaemonSet")
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= daemonset["spec"]["template"][
         "metadata"]["labels"].items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
     assert [p["port"] for p in rule["ports"]] == [
-        p["containerPort"] for p in _container(daemonset)["ports"]]
+        p["containerPort"] for p in container_of(daemonset)["ports"]]
 
 
 def test_the_metrics_endpoint_listens_on_the_pod_ip() -> None:
-    daemonset = _one(built(BASE), "DaemonSet")
-    container = _container(daemonset)
+    daemonset = one(built(BASE), "DaemonSet")
+    container = container_of(daemonset)
     args = build_parser().parse_args([*container["command"][1:], *container["args"]])
     assert args.metrics_address == "$(POD_IP)"
     (pod_ip,) = [e for e in container["env"] if e["name"] == "POD_IP"]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import socket
-import struct
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,13 +24,18 @@ from hooks.settings import EMPTY_SETTINGS, ContainerSettings
 from nri_plugin.capability import Capability, ContainerEvent, PodEvent
 from nri_plugin.config.schema import Config
 from nri_plugin.envelope import decode_request, decode_response
-from nri_plugin.mux import GO_BUFFER_SIZE, MuxDecoder
 from nri_plugin.stub import PluginIdentity, PluginStub
-from nri_plugin.ttrpc import FrameDecoder, MessageType, StatusCode
+from nri_plugin.ttrpc import MessageType, StatusCode
 from protos import nri_api_pb2 as api
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.state import NodeState
 from tests.support.paths import CAPTURES, RECORDINGS
+from tests.support.recordings import (
+    check_split_rule,
+    ends_on_a_message_boundary,
+    recorded_reads,
+    runtime_messages,
+)
 
 pytestmark = pytest.mark.skipif(not RECORDINGS, reason=f"no recordings in {CAPTURES}")
 
@@ -92,52 +95,6 @@ class Seen(Capability):
         self.synced_pods.extend(pods)
 
 
-def recorded_reads(path: Path) -> list[bytes]:
-    with path.open() as lines:
-        return [bytes.fromhex(r["hex"]) for r in map(json.loads, lines) if r["dir"] == "r2p"]
-
-
-def runtime_messages(reads: list[bytes]) -> list[tuple[int, int, int, bytes]]:
-    mux = MuxDecoder()
-    decoders = {1: FrameDecoder(), 2: FrameDecoder()}
-    out = []
-    for chunk in reads:
-        for conn, payload in mux.feed(chunk):
-            out += [(conn, f.stream_id, f.type, f.data) for f in decoders[conn].feed(payload)]
-    return out
-
-
-def check_split_rule(written: bytes) -> list[tuple[int, int, int, int, bytes]]:
-    """Walk the plugin's mux frames; each message must be [min(S, 4096)] + [rest], unmixed."""
-    messages = []
-    pos = 0
-    pending: dict[int, bytearray] = {}
-    while pos < len(written):
-        assert len(written) - pos >= 8, "truncated mux header"
-        conn, length = struct.unpack_from(">II", written, pos)
-        payload = written[pos + 8:pos + 8 + length]
-        assert len(payload) == length, "truncated mux frame"
-        pos += 8 + length
-        if conn in pending:
-            buf = pending.pop(conn)
-            (data_len,) = struct.unpack_from(">I", buf)
-            assert length == 10 + data_len - len(buf), "second frame must hold exactly the rest"
-            buf += payload
-        else:
-            assert length >= 10, "a message must start with its whole header"
-            (data_len,) = struct.unpack_from(">I", payload)
-            size = 10 + data_len
-            assert length == min(size, GO_BUFFER_SIZE), f"first frame {length} for message {size}"
-            buf = bytearray(payload)
-            if size > GO_BUFFER_SIZE:
-                pending[conn] = buf
-                continue
-        data_len, stream_id, msg_type, flags = struct.unpack_from(">IIBB", buf)
-        messages.append((conn, stream_id, msg_type, flags, bytes(buf[10:])))
-    assert not pending, "a message was left incomplete"
-    return messages
-
-
 @pytest.mark.parametrize("recording", RECORDINGS, ids=[p.name for p in RECORDINGS])
 async def test_replay_recording(recording: Path) -> None:
     reads = recorded_reads(recording)
@@ -181,7 +138,7 @@ async def test_replay_recording(recording: Path) -> None:
                 written.extend(chunk)
 
         def answers() -> list[tuple[int, int, int, int, bytes]]:
-            return check_split_rule(bytes(written)) if _complete(written) else []
+            return check_split_rule(bytes(written)) if ends_on_a_message_boundary(written) else []
 
         # The runtime answers RegisterPlugin, so it has to arrive first.
         await read_until(lambda: any(m[0] == 2 for m in answers()))
@@ -222,21 +179,3 @@ async def test_replay_recording(recording: Path) -> None:
         assert not any(key.startswith("io.kubernetes.cri.") for key in pod.annotations)
     assert not sink.named("event_failed")
     assert not sink.named("adjustment_skipped")
-
-
-def _complete(written: bytearray) -> bool:
-    """True when ``written`` ends on a message boundary (no half-written message)."""
-    pos = 0
-    open_rest: dict[int, int] = {}
-    while pos + 8 <= len(written):
-        conn, length = struct.unpack_from(">II", written, pos)
-        if pos + 8 + length > len(written):
-            return False
-        if conn in open_rest:
-            del open_rest[conn]
-        else:
-            (data_len,) = struct.unpack_from(">I", written, pos + 8)
-            if 10 + data_len > length:
-                open_rest[conn] = 10 + data_len - length
-        pos += 8 + length
-    return pos == len(written) and not open_rest

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 
 from hooks.events import Event
-from nri_plugin import daemon
 from nri_plugin.scenario import RuntimeSpec
 from nri_plugin.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
+from tests.support.builders import LEVEL
 from tests.support.fakesys import FakeHost, nri_messages, read_ids
-
-LEVEL = "qos.nri-qos.io/level"
+from tests.support.serving import serving_daemon
 
 
 def config_for(root: Path, mode: str = "enforce") -> str:
@@ -66,12 +65,8 @@ async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> N
 
     pod_a, containers_a = nri_messages(existing)
     simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
-    await simulator.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "warning",
-                                            stop=stop, prelaunched=None))
-    try:
-        connection = await simulator.wait_ready()
+    async with serving_daemon(config, simulator) as run:
+        connection = run.connection
         group_tasks = resctrl / "nriqos-reclaimed_cores" / "tasks"
         # The class group exists from startup; the pod known from Synchronize has its threads
         # moved in and its processes' oom_score_adj repaired by drift.
@@ -95,11 +90,7 @@ async def test_run_wires_state_tracking_into_the_reconciler(tmp_path: Path) -> N
                              containers_b[0])
         wanted_b = set(created.containers[0].tids)
         await until(lambda: wanted_b <= ids(group_tasks), "created pod's tasks")
-    finally:
-        stop.set()
-        status = await task
-        await simulator.stop()
-    assert status == 0
+    assert run.status == 0
 
 
 async def test_old_containerd_gets_oom_score_adj_from_the_reconciler_after_start(
@@ -115,12 +106,8 @@ async def test_old_containerd_gets_oom_score_adj_from_the_reconciler_after_start
     config.write_text(config_for(root).replace("drift_interval_s = 0.1", "drift_interval_s = 600"))
     simulator = RuntimeSimulator(tmp_path / "nri.sock", RuntimeSpec(
         version="v1.7.20", nri_version="", request_timeout_ms=0, registration_timeout_ms=0))
-    await simulator.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "info",
-                                            stop=stop, prelaunched=None))
-    try:
-        connection = await simulator.wait_ready()
+    async with serving_daemon(config, simulator, "info") as run:
+        connection = run.connection
         pod_msg, containers = nri_messages(pod)
         await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_msg)
         response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_msg,
@@ -133,11 +120,7 @@ async def test_old_containerd_gets_oom_score_adj_from_the_reconciler_after_start
         await simulator.send(connection, Event.START_CONTAINER, pod_msg, containers[0])
         # The drift period is 10 minutes: only the StartContainer wake-up can do it in time.
         await until(lambda: oom.read_text().strip() == "1000", "oom_score_adj after start")
-    finally:
-        stop.set()
-        status = await task
-        await simulator.stop()
-    assert status == 0
+    assert run.status == 0
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines()
                if line.startswith("{")]
     routes = next(r for r in records if r.get("event") == "runtime_fields")
@@ -170,12 +153,8 @@ async def test_observe_mode_answers_at_creation_and_writes_nothing_else(
     oom_before = oom.read_text()
     pod_a, containers_a = nri_messages(existing)
     simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
-    await simulator.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "info",
-                                            stop=stop, prelaunched=None))
-    try:
-        connection = await simulator.wait_ready()
+    async with serving_daemon(config, simulator, "info") as run:
+        connection = run.connection
         pod_b, containers_b = nri_messages(created)
         await simulator.send(connection, Event.RUN_POD_SANDBOX, pod_b)
         response = await simulator.send(connection, Event.CREATE_CONTAINER, pod_b,
@@ -185,11 +164,7 @@ async def test_observe_mode_answers_at_creation_and_writes_nothing_else(
         assert response.adjust.linux.oom_score_adj.value == 1000
         # Several reconciler cycles (0.1 s each) decide the same writes again.
         await asyncio.sleep(1.0)
-    finally:
-        stop.set()
-        status = await task
-        await simulator.stop()
-    assert status == 0
+    assert run.status == 0
     group = resctrl / "nriqos-reclaimed_cores"
     assert group.is_dir()
     assert ids(group / "tasks") == set()

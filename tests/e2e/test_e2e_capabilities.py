@@ -31,13 +31,13 @@ from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.state import NodeState
-from tests.e2e.test_capture_replay import (
-    _complete,
+from tests.support.paths import RECORDINGS
+from tests.support.recordings import (
     check_split_rule,
+    ends_on_a_message_boundary,
     recorded_reads,
     runtime_messages,
 )
-from tests.support.paths import RECORDINGS
 from tests.support.resctrl_trees import intel_tree
 
 MI = 1 << 20
@@ -280,7 +280,7 @@ besteffort = "reclaimed_cores"
         written = bytearray()
 
         def answers() -> list[tuple[int, int, int, int, bytes]]:
-            return check_split_rule(bytes(written)) if _complete(written) else []
+            return check_split_rule(bytes(written)) if ends_on_a_message_boundary(written) else []
 
         async def read_until(count_conn: int, count: int) -> None:
             while sum(m[0] == count_conn for m in answers()) < count:

@@ -25,11 +25,11 @@ from reconciler.aio import Backoff
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.detection.signals import Board, Level, Reading, pod_scope
 from reconciler.host.memstat import anon_bytes
+from tests.support.builders import LEVEL
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.support.fakesys import FakeHost, FakePod, nri_messages
 
 GIB = 1 << 30
-LEVEL = "qos.nri-qos.io/level"
 FACTOR = 1.05
 OFFLINE_UID = "0f0f0f0f-1111-2222-3333-444444444444"
 ONLINE_UID = "0e0e0e0e-1111-2222-3333-444444444444"

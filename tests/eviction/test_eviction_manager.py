@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,14 +22,6 @@ from reconciler.eviction.api import (
 )
 from tests.support.eviction_env import GIB, NODE, forced, make_env
 from tests.support.fake_apiserver import FakeApiServer, make_pod
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.add_node(NODE)
-        yield server
-
 
 # ---- dry-run ------------------------------------------------------------------------------------
 

@@ -388,11 +388,6 @@ async def test_plugin_processes_good_hung_crashing_and_garbage(
         f"/api/v1/namespaces/batch/pods/{name}/eviction" for name in ("big", "online", "small"))
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.add_node("node-a")
-        yield server
 
 
 def test_evict_pods_answer_size_limit() -> None:

@@ -11,7 +11,7 @@ fake API server on loopback, which refuses connections while it is down and keep
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,6 @@ from reconciler.podmeta import PodMeta
 from tests.support.eviction_env import NODE, forced, make_env
 from tests.support.fake_apiserver import (
     FakeApiServer,
-    api_client,
     client_config,
     make_pod,
 )
@@ -40,21 +39,8 @@ BOUND_S = 10.0
 
 
 @pytest.fixture
-def fake() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.add_node(NODE)
-        yield server
-
-
-@pytest.fixture
 def cfg(tmp_path: Path, fake: FakeApiServer) -> KubernetesConfig:
     return client_config(tmp_path, fake, request_timeout_s=2.0, retry_max_s=0.05)
-
-
-@pytest.fixture
-def api(cfg: KubernetesConfig) -> Iterator[Any]:
-    with api_client(cfg) as client:
-        yield client
 
 
 async def watch_until(api: Any, cfg: KubernetesConfig, names: set[str],

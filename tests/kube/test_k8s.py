@@ -30,7 +30,6 @@ from reconciler.k8s import (
 from reconciler.podmeta import PodMeta
 from tests.support.fake_apiserver import (
     FakeApiServer,
-    api_client,
     client_config,
     make_pod,
     write_kubeconfig,
@@ -49,12 +48,6 @@ def fake() -> Iterator[FakeApiServer]:
 @pytest.fixture
 def cfg(tmp_path: Path, fake: FakeApiServer) -> KubernetesConfig:
     return client_config(tmp_path, fake, request_timeout_s=5.0, retry_max_s=0.2)
-
-
-@pytest.fixture
-def api(cfg: KubernetesConfig) -> Iterator[Any]:
-    with api_client(cfg) as client:
-        yield client
 
 
 @dataclass

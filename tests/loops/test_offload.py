@@ -41,10 +41,10 @@ from reconciler.loops.offload import (
 )
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
+from tests.support.builders import LEVEL
 from tests.support.fakesys import MIB, FakeHost, FakePod
 from tests.support.processes import children_of
 
-LEVEL = "qos.nri-qos.io/level"
 GIB = 1024 * MIB
 CFG = OffloadConfig(enabled=True)
 INACTIVE = 1000 * MIB

@@ -46,7 +46,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
 from reconciler.podmeta import CONFIG_SOURCE_ANNOTATION, PodMeta
 from reconciler.state import NodeState, report_refusals
-from tests.support.eviction_env import LEVEL, NODE, forced, make_env
+from tests.support.eviction_env import LEVEL, forced, make_env
 from tests.support.fake_apiserver import FakeApiServer
 from tests.support.fakesys import FakeHost
 from tests.support.qos_claims import SPELLINGS
@@ -626,33 +626,26 @@ def test_the_rss_factor_annotation_against_the_corpus(tmp_path: Path) -> None:
     assert [f for n_, f in r.sink.records if n_ == "annotation_ignored"] == []
 
 
-@pytest.fixture
-def fake_api() -> Iterator[FakeApiServer]:
-    with FakeApiServer() as server:
-        server.add_node(NODE)
-        yield server
-
-
 @pytest.mark.parametrize("value", ["file", "http", "FILE", "file\x00", " file", "../file",
                                    "A" * (1 << 20), ""])
 async def test_a_pod_cannot_make_itself_static_through_the_api(
-        tmp_path: Path, fake_api: FakeApiServer, value: str) -> None:
+        tmp_path: Path, fake: FakeApiServer, value: str) -> None:
     """kubelet stamps kubernetes.io/config.source on its own copy (the runtime's): the API's
     copy is the pod author's, and a pod writing "file" there must stay evictable."""
-    env = make_env(tmp_path, fake_api)
-    env.add_pod("claims", fake=fake_api,
+    env = make_env(tmp_path, fake)
+    env.add_pod("claims", fake=fake,
                 annotations={LEVEL: "reclaimed_cores", CONFIG_SOURCE_ANNOTATION: value})
     forced(env, "claims")
     assert await env.round() == [("batch/claims", "evicted")]
     assert env.sink.named("eviction_filtered") == []
 
 
-async def test_a_static_pod_stays_static(tmp_path: Path, fake_api: FakeApiServer) -> None:
+async def test_a_static_pod_stays_static(tmp_path: Path, fake: FakeApiServer) -> None:
     """What kubelet stamped on the runtime's copy counts, whatever the API's copy says."""
-    env = make_env(tmp_path, fake_api)
-    env.add_pod("etcd", fake=fake_api, nri_annotations={CONFIG_SOURCE_ANNOTATION: "file"},
+    env = make_env(tmp_path, fake)
+    env.add_pod("etcd", fake=fake, nri_annotations={CONFIG_SOURCE_ANNOTATION: "file"},
                 annotations={LEVEL: "reclaimed_cores", CONFIG_SOURCE_ANNOTATION: "api"})
-    env.add_pod("mirror", fake=fake_api,
+    env.add_pod("mirror", fake=fake,
                 annotations={LEVEL: "reclaimed_cores", "kubernetes.io/config.mirror": "h"})
     forced(env, "etcd", "mirror")
     assert await env.round() == []

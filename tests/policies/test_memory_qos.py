@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from types import MappingProxyType
 
 import pytest
 
@@ -17,15 +16,11 @@ from hooks.memory_qos import (
     parse_volcano,
 )
 from hooks.model import ContainerInfo, PodInfo
+from tests.support.builders import pod
 
 MI = 1 << 20
 GI = 1 << 30
 CFG = MemoryConfig()
-
-
-def pod(annotations: dict[str, str] | None = None) -> PodInfo:
-    return PodInfo(id="sb", uid="u1", name="p", namespace="ns",
-                   annotations=MappingProxyType(annotations or {}))
 
 
 def ctr(limit: int | None = 512 * MI, request: int | None = 256 * MI) -> ContainerInfo:

@@ -9,14 +9,10 @@ import pytest
 
 from hooks.model import ContainerInfo, PodInfo
 from hooks.oom_score import OomConfig, oom_score
+from tests.support.builders import pod
 
 CFG = OomConfig()
 ANN = CFG.annotation
-
-
-def pod(annotations: dict[str, str] | None = None) -> PodInfo:
-    return PodInfo(id="sb", uid="u1", name="p", namespace="ns",
-                   annotations=MappingProxyType(annotations or {}))
 
 
 def ctr(kubelet: int | None = None) -> ContainerInfo:

@@ -3,34 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 
 import pytest
 
 from hooks.config_fields import frozen_map
 from hooks.model import PodInfo
 from hooks.qos_level import LevelDecision, QosConfig, kubernetes_qos_class, resolve_level
+from tests.support.builders import UID, pod
 
-UID = "0f6a3c1e-2b7d-4e59-9a61-5d0c8b1f2e34"
 SD_UID = UID.replace("-", "_")
 
 OURS = "qos.nri-qos.io/level"
 KATALYST = "katalyst.kubewharf.io/qos_level"
 KOORD = "koordinator.sh/qosClass"
 VOLCANO = "volcano.sh/qos-level"
-
-
-def pod(
-    annotations: Mapping[str, str] | None = None,
-    labels: Mapping[str, str] | None = None,
-    cgroup_parent: str = "",
-    namespace: str = "ns",
-) -> PodInfo:
-    return PodInfo(
-        id="sandbox-1", uid=UID, name="p", namespace=namespace,
-        labels=frozen_map(labels or {}), annotations=frozen_map(annotations or {}),
-        cgroup_parent=cgroup_parent,
-    )
 
 
 CFG = QosConfig()

@@ -30,6 +30,7 @@ from hooks.resctrl_groups import (
     pod_group_name,
     valid_group_name,
 )
+from tests.support.builders import pod
 
 INTEL = ResctrlInfo(num_closids=16, cbm_mask=0x7FF, min_cbm_bits=1, l3_ids=(0, 1), mb_ids=(0, 1),
                     mb_gran=10, mb_min=10, monitoring=True)
@@ -37,11 +38,6 @@ AMD = ResctrlInfo(num_closids=16, cbm_mask=0xFFFF, min_cbm_bits=1, l3_ids=(0, 1,
                   mb_ids=(0, 1, 2, 3), mb_gran=1, mb_min=0, mb_delay_linear=False,
                   mb_absolute=True, mb_max=2048)
 CFG = ResctrlConfig()
-
-
-def pod(annotations: dict[str, str], uid: str = "3f1c2a9e-0b7d-4a51-9c1e-5d2f6a7b8c90") -> PodInfo:
-    return PodInfo(id="sb", uid=uid, name="p", namespace="ns",
-                   annotations=MappingProxyType(annotations))
 
 
 # --- translation -----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import PAGE_SIZE, SysFs
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.state import NodeState
-from tests.real.conftest import MIB, Node, numa_stat
+from tests.support.guest_node import MIB, Node, numa_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 

@@ -22,7 +22,7 @@ from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.pressure import PsiWatch
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from tests.real.conftest import MIB, Node
+from tests.support.guest_node import MIB, Node
 from tests.support.polling import eventually
 from tests.support.realroot import Worker
 

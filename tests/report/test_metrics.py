@@ -41,7 +41,7 @@ from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
 from reconciler.metrics import Metrics
-from tests.e2e.test_daemon_reconciler import LEVEL
+from tests.support.builders import LEVEL
 from tests.support.fakesys import GIB, FakeHost, nri_messages, write
 from tests.support.resctrl_trees import intel_tree
 

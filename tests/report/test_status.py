@@ -18,7 +18,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from hooks.events import Event
-from nri_plugin import daemon
 from nri_plugin.cli import main
 from nri_plugin.config.schema import Config
 from nri_plugin.simulator import RuntimeSimulator
@@ -30,11 +29,12 @@ from reconciler.detection.signals import Board, Level, Reading
 from reconciler.k8s import KubeActions, KubernetesConfig, build_api_client
 from reconciler.mitigation.actions import TaintAction
 from reconciler.mitigation.service import Mitigation
-from tests.e2e.test_daemon_reconciler import LEVEL
+from tests.support.builders import LEVEL
 from tests.support.eviction_env import NODE, forced, make_env
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.fakesys import FakeHost, nri_messages
 from tests.support.polling import eventually
+from tests.support.serving import serving_daemon
 
 UID_A = "0a0a0a0a-1111-2222-3333-444444444444"
 UID_B = "0b0b0b0b-1111-2222-3333-444444444444"
@@ -79,12 +79,8 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         f'[kubernetes]\nenabled = false\n[status]\nsocket = "{sock}"\n')
     pod_a, containers_a = nri_messages(existing)
     simulator = RuntimeSimulator(tmp_path / "nri.sock", pods=[pod_a], containers=containers_a)
-    await simulator.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "warning",
-                                            stop=stop, prelaunched=None))
-    try:
-        conn = await simulator.wait_ready()
+    async with serving_daemon(config, simulator) as run:
+        conn = run.connection
         pod_b, containers_b = nri_messages(created)
         await simulator.send(conn, Event.RUN_POD_SANDBOX, pod_b)
         await simulator.send(conn, Event.CREATE_CONTAINER, pod_b, containers_b[0])
@@ -151,11 +147,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         assert "mitigation ladder level none (level none: " in text
         assert "last evictions    none" in text
         assert "taints            none" in text
-    finally:
-        stop.set()
-        exit_status = await task
-        await simulator.stop()
-    assert exit_status == 0
+    assert run.status == 0
     # The agent took its socket away with it: the next question finds no agent.
     assert not sock.exists()
     code, out, err = await status(sock)
@@ -326,18 +318,8 @@ async def test_without_the_reconciler_its_features_say_so(tmp_path: Path, short_
     config = tmp_path / "config.toml"
     config.write_text(f'[reconciler]\nenabled = false\n[resctrl]\nenabled = false\n'
                       f'[status]\nsocket = "{sock}"\n')
-    simulator = RuntimeSimulator(tmp_path / "nri.sock")
-    await simulator.start()
-    stop = asyncio.Event()
-    task = asyncio.create_task(daemon.serve(str(config), str(tmp_path / "nri.sock"), "warning",
-                                            stop=stop, prelaunched=None))
-    try:
-        await simulator.wait_ready()
+    async with serving_daemon(config, RuntimeSimulator(tmp_path / "nri.sock")):
         doc = await document(sock)
-    finally:
-        stop.set()
-        await task
-        await simulator.stop()
     assert doc["reconciler"] == {"running": False, "loops": {}}
     features = doc["features"]
     assert features["reconciler.drift"] == {"runs": False, "detail": "reconciler.enabled is false"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import AsyncIterator, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -79,3 +80,12 @@ def fake() -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
         server.add_node(NODE)
         yield server
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    """The worker threads the plugin runs its hooks in. Shut down without waiting: a test may
+    leave a hook hanging on purpose."""
+    pool = ThreadPoolExecutor(max_workers=4)
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)

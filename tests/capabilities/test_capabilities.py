@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.cgroups import detect_version
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
-from tests.support.builders import UID, pod
+from tests.support.builders import UID, hook_executable, pod
 from tests.support.resctrl_trees import intel_tree
 
 POD_GROUP = f"nriqos-pod-{UID}"
@@ -97,10 +96,7 @@ def test_memory_hook_off_when_nothing_to_do(tmp_path: Path) -> None:
 
 
 def test_oci_hooks_hook_only_with_configured_hooks(tmp_path: Path) -> None:
-    tool = tmp_path / "tool"
-    tool.write_text("#!/bin/sh\n")
-    tool.chmod(0o755)
-    os.chown(tool, 0, 0)
+    tool = hook_executable(tmp_path / "tool")
     w = World(tmp_path, f'[[oci_hooks.levels.reclaimed_cores.prestart]]\npath = "{tool}"\n')
     hooks = w.hooks()
     assert hooks[-1].name == "oci_hooks"
@@ -201,10 +197,7 @@ def test_pod_group_lifecycle(world: World) -> None:
 
 
 def test_monitor_hook_injected_for_pod_groups(tmp_path: Path) -> None:
-    tool = tmp_path / "nri-qos-hook"
-    tool.write_text("#!/bin/sh\n")
-    tool.chmod(0o755)
-    os.chown(tool, 0, 0)
+    tool = hook_executable(tmp_path / "nri-qos-hook")
     w = World(tmp_path, f'[resctrl.monitor_hook]\nenabled = true\npath = "{tool}"\n'
                         "strict = true\ntimeout_s = 3\n")
     w.setup()

@@ -4,9 +4,8 @@ replay of the recorded containerd traffic of ``batch/cap-pod``."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.sysfs import SysFs
 from reconciler.state import NodeState
+from tests.support.builders import hook_executable
 from tests.support.paths import RECORDINGS
 from tests.support.recordings import (
     check_split_rule,
@@ -46,12 +46,8 @@ OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=
 
 @pytest.fixture
 def tool(tmp_path: Path) -> Path:
-    path = tmp_path / "bin" / "nri-qos-hook"
-    path.parent.mkdir()
-    path.write_text("#!/bin/sh\nexit 0\n")
-    path.chmod(0o755)
-    os.chown(path, 0, 0)
-    return path
+    (tmp_path / "bin").mkdir()
+    return hook_executable(tmp_path / "bin" / "nri-qos-hook")
 
 
 def node_config(root: Path, tool: Path, extra: str = "") -> Config:
@@ -102,13 +98,6 @@ def make_plugin(tmp_path: Path, tool: Path, extra: str = "") -> Plugin:
                           reason="config", warn=warnings.append)
     assert warnings == []
     return Plugin(config, fs, sink, audit)
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=4)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Session:

@@ -15,7 +15,7 @@ import asyncio
 import functools
 import gc
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,13 +208,6 @@ def sync_lists(mark: str, first: int, pods: int,
             ctr.linux.cgroups_path = f"/kubepods/burstable/pod{uid}/{uid}-{c}"
             containers.append(ctr)
     return pod_msgs, containers
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
 
 
 async def synchronized(socket_path: Path, stub: PluginStub,

@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -166,12 +165,6 @@ def test_main_simulate_rejects_bad_scenario(tmp_path: Path,
 class GreedyStub(PluginStub):
     def subscription_mask(self, caps: RuntimeSupport) -> int:
         return 0x7FF | Event.UPDATE_POD_SANDBOX.bit
-
-
-@pytest.fixture
-async def executor() -> AsyncIterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield pool
 
 
 async def test_runtime_rejects_unknown_mask_bits_like_containerd(

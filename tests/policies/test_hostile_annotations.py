@@ -77,12 +77,6 @@ KEYS = ["qos.nri-qos.io/level", KATALYST_ANNOTATION, KOORDINATOR_KEY, VOLCANO_AN
         "qos.nri-qos.io/oom-score-adj"]
 
 
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield pool
-
-
 async def test_no_record_grows_with_a_hostile_annotation(tmp_path: Path,
                                                           executor: ThreadPoolExecutor) -> None:
     stream = io.StringIO()

@@ -12,15 +12,12 @@ from hooks.oci_hooks import OciHooksConfig, any_hooks, level_hooks
 from hooks.settings import HookStage, OciHookSpec
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
+from tests.support.builders import hook_executable
 
 
 @pytest.fixture
 def tool(tmp_path: Path) -> Path:
-    path = tmp_path / "hook.sh"
-    path.write_text("#!/bin/sh\nexit 0\n")
-    path.chmod(0o755)
-    os.chown(path, 0, 0)
-    return path
+    return hook_executable(tmp_path / "hook.sh")
 
 
 def load(text: str) -> Config:

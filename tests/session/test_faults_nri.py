@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,13 +89,6 @@ class Quick(Capability):
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
         return ContainerSettings(annotations={"quick": "yes"})
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=4)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
 
 
 Start = Callable[..., Any]

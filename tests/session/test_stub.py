@@ -8,7 +8,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -109,13 +109,6 @@ class Setup:
     def conn(self) -> PluginConnection:
         assert self.connection is not None
         return self.connection
-
-
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=4)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture

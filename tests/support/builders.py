@@ -1,9 +1,11 @@
-"""Builders of what the policies are handed: a pod as ``hooks.model`` describes it, and the
-annotation a pod claims its QoS level with."""
+"""Builders of what the policies are handed: a pod as ``hooks.model`` describes it, the
+annotation a pod claims its QoS level with, and an OCI hook executable the agent accepts."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
 from hooks.config_fields import frozen_map
 from hooks.model import PodInfo
@@ -27,3 +29,12 @@ def claiming_pod(uid: str, tier: str, level: str) -> PodInfo:
     """A pod of namespace ``test`` under kubelet's cgroup of ``tier``, claiming ``level``."""
     return PodInfo(id=f"sb-{uid}", uid=uid, name=level, namespace="test",
                    cgroup_parent=f"/kubepods/{tier}/pod{uid}", annotations={LEVEL: level})
+
+
+def hook_executable(path: Path) -> Path:
+    """A script at ``path`` that exits 0, owned by root and writable by root only: what the
+    configuration's checks of an OCI hook executable accept."""
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    os.chown(path, 0, 0)
+    return path

@@ -60,13 +60,6 @@ LOG_LINE_LIMIT = 4096
 READ_KEYS = sorted(Config().read_keys().annotations)
 
 
-@pytest.fixture
-def executor() -> Iterator[ThreadPoolExecutor]:
-    pool = ThreadPoolExecutor(max_workers=2)
-    yield pool
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
 Start = Callable[..., Awaitable[Session]]
 
 

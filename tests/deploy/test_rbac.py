@@ -29,7 +29,8 @@ from reconciler.k8s import (
     node_name,
 )
 from reconciler.podmeta import OwnerRef, PodMeta
-from tests.support.fake_apiserver import FakeApiServer, Recorded, make_pod, write_kubeconfig
+from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+from tests.support.fake_apiserver_http import Recorded
 from tests.support.paths import REPO
 
 RBAC = REPO / "deploy" / "kustomize" / "base" / "rbac.yaml"

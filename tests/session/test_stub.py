@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import io
 import json
 import threading
@@ -32,6 +31,7 @@ from protos import ttrpc_envelope_pb2 as envelope
 from reconciler.audit import AuditLog, MemoryAuditSink
 from reconciler.metrics import Metrics
 from reconciler.state import NodeState
+from tests.support.raw_runtime import plugin_config
 
 OLD_RUNTIME = RuntimeSpec(version="v1.7.27", nri_version="", request_timeout_ms=2000)
 ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,
@@ -76,11 +76,6 @@ class Recorder(Capability):
 
     def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
         self.synced.append(([p.uid for p in pods], [c.id for c in containers]))
-
-
-def config(**plugin: Any) -> Config:
-    cfg = Config()
-    return dataclasses.replace(cfg, plugin=dataclasses.replace(cfg.plugin, **plugin))
 
 
 def pod(uid: str = "uid-1", **annotations: str) -> api.PodSandbox:
@@ -260,7 +255,7 @@ async def test_slow_hook_answers_partial_adjustment_before_deadline(make) -> Non
     block = threading.Event()
     fast = Recorder("fast", settings=ContainerSettings(annotations={"fast": "yes"}))
     slow = Recorder("slow", settings=ContainerSettings(annotations={"slow": "yes"}), block=block)
-    setup = await make([fast, slow], cfg=config(deadline_ms=200))
+    setup = await make([fast, slow], cfg=plugin_config(deadline_ms=200))
     started = time.monotonic()
     response = await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     elapsed = time.monotonic() - started
@@ -277,7 +272,7 @@ async def test_slow_hook_answers_partial_adjustment_before_deadline(make) -> Non
 async def test_slow_hook_in_strict_mode_answers_error(make) -> None:
     block = threading.Event()
     slow = Recorder("slow", block=block)
-    setup = await make([slow], cfg=config(deadline_ms=100, strict=True))
+    setup = await make([slow], cfg=plugin_config(deadline_ms=100, strict=True))
     with pytest.raises(RpcError) as error:
         await setup.simulator.send(setup.conn, Event.CREATE_CONTAINER, pod(), container())
     block.set()
@@ -287,7 +282,8 @@ async def test_slow_hook_in_strict_mode_answers_error(make) -> None:
 
 
 async def test_deadline_stays_below_runtime_timeout(make) -> None:
-    setup = await make(runtime=RuntimeSpec(request_timeout_ms=600), cfg=config(deadline_ms=1500))
+    setup = await make(runtime=RuntimeSpec(request_timeout_ms=600),
+                       cfg=plugin_config(deadline_ms=1500))
     assert setup.stub.deadline_ms() == 600 - Config().plugin.deadline_margin_ms
 
 
@@ -300,7 +296,7 @@ async def test_failing_hook_fails_open_or_strict(make) -> None:
     assert dict(response.adjust.annotations) == {"ok": "1"}
     assert "resctrl gone" in setup.sink.named("adjustment_skipped")[0]["reason"]
 
-    strict = await make([bad, ok], cfg=config(strict=True))
+    strict = await make([bad, ok], cfg=plugin_config(strict=True))
     with pytest.raises(RpcError) as error:
         await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), container())
     assert error.value.code == StatusCode.UNKNOWN
@@ -317,7 +313,7 @@ async def test_invalid_input_fails_open_or_strict(make) -> None:
     assert "invalid input" in setup.sink.named("adjustment_skipped")[0]["reason"]
     assert hook.calls == []
 
-    strict = await make([hook], cfg=config(strict=True))
+    strict = await make([hook], cfg=plugin_config(strict=True))
     with pytest.raises(RpcError) as error:
         await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), nameless)
     assert error.value.code == StatusCode.INVALID_ARGUMENT
@@ -427,7 +423,7 @@ async def test_failing_synchronize_stays_connected_even_when_strict(make) -> Non
                         containers: Sequence[ContainerInfo]) -> None:
             raise RuntimeError("cannot read state")
 
-    setup = await make([BrokenSync("broken")], cfg=config(strict=True), pods=[pod()])
+    setup = await make([BrokenSync("broken")], cfg=plugin_config(strict=True), pods=[pod()])
     assert setup.conn.alive
     failed = setup.sink.named("event_failed")
     assert failed[0]["nri_event"] == "synchronize"
@@ -456,7 +452,7 @@ async def test_strict_inline_failure_is_logged_and_counted_once(make) -> None:
     LoggingSetup(LoggingConfig(format="json"), level="info", stream=stream)
     metrics = Metrics()
     bad = Recorder("bad", error=OSError("resctrl gone"), inline=True)
-    setup = await make([bad], cfg=config(strict=True), metrics=metrics)
+    setup = await make([bad], cfg=plugin_config(strict=True), metrics=metrics)
     stream.seek(0)
     stream.truncate()
     with pytest.raises(RpcError) as error:
@@ -553,7 +549,7 @@ async def test_failure_outside_the_hooks_fails_open_or_strict(make) -> None:
     setup = await make([huge])
     await assert_fails_open(setup, "ValueError")
 
-    strict = await make([huge], cfg=config(strict=True))
+    strict = await make([huge], cfg=plugin_config(strict=True))
     with pytest.raises(RpcError) as error:
         await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), container())
     assert error.value.code == StatusCode.UNKNOWN
@@ -656,7 +652,7 @@ async def test_metrics_count_every_answer_by_result(make) -> None:
     await asyncio.sleep(0)
     assert requests(metrics, "create_container", "fail-open") == 3
 
-    strict = await make([bad, ok], cfg=config(strict=True), metrics=metrics)
+    strict = await make([bad, ok], cfg=plugin_config(strict=True), metrics=metrics)
     with pytest.raises(RpcError):
         await strict.simulator.send(strict.conn, Event.CREATE_CONTAINER, pod(), container())
     with pytest.raises(RpcError):

@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import socket
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from reconciler.k8s import KubernetesConfig, build_api_client
-from tests.support.fake_apiserver_http import Handler, Recorded, Server
+from tests.support.fake_apiserver_http import Handler, Recorded
 
 
 @dataclass
@@ -154,7 +157,7 @@ class FakeApiServer:
         self._state = _State()
         self._closing = False
         self._handler = type("Handler", (Handler,), {"api": self})
-        self._server = Server(("127.0.0.1", 0), self._handler)
+        self._server = _Server(("127.0.0.1", 0), self._handler)
         self._thread = self._serving_thread()
         self._up = False
 
@@ -200,7 +203,7 @@ class FakeApiServer:
         address = self._server.server_address[:2]
         with self._lock:
             self._closing = False
-        self._server = Server((str(address[0]), int(address[1])), self._handler)
+        self._server = _Server((str(address[0]), int(address[1])), self._handler)
         self._thread = self._serving_thread()
         self._thread.start()
         self._up = True
@@ -411,3 +414,36 @@ class FakeApiServer:
                     self._state.failures.remove(failure)
                 return failure.status
         return None
+
+
+class _Server(ThreadingHTTPServer):
+    """Keeps its connections, so that closing the fake also ends idle keep-alive handlers, and
+    keeps handler errors (a client that went away) off stderr: tests check state, not logs."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        self.errors: list[str] = []
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        self.errors.append(f"{client_address}: {sys.exc_info()[1]!r}")
+
+    def close_connections(self) -> None:
+        with self._connections_lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)

@@ -4,17 +4,14 @@ injected. The handler works on the server's state under the server's lock."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import socket
-import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -24,6 +21,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Recorded:
+    """A request as the fake received it, and the status it answered."""
+
     method: str
     path: str
     query: dict[str, str]
@@ -38,39 +37,6 @@ def status_body(code: int, reason: str, message: str, **extra: Any) -> dict[str,
         "status": "Success" if code < 400 else "Failure",
         "message": message, "reason": reason, "code": code, **extra,
     }
-
-
-class Server(ThreadingHTTPServer):
-    """Keeps its connections, so that closing the fake also ends idle keep-alive handlers, and
-    keeps handler errors (a client that went away) off stderr: tests check state, not logs."""
-
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(address, handler)
-        self._connections: set[socket.socket] = set()
-        self._connections_lock = threading.Lock()
-        self.errors: list[str] = []
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._connections_lock:
-            self._connections.add(request)
-        super().process_request(request, client_address)
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._connections_lock:
-            self._connections.discard(request)
-        super().shutdown_request(request)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        self.errors.append(f"{client_address}: {sys.exc_info()[1]!r}")
-
-    def close_connections(self) -> None:
-        with self._connections_lock:
-            connections = list(self._connections)
-        for connection in connections:
-            with contextlib.suppress(OSError):
-                connection.shutdown(socket.SHUT_RDWR)
 
 
 def pods_on(pods: Iterator[dict[str, Any]], node: str | None) -> list[dict[str, Any]]:

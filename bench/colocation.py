@@ -100,7 +100,7 @@ from nri_plugin.sim.simulator import (
     pod_message,
 )
 from protos import nri_api_pb2 as api
-from tests.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = Path(__file__).with_name("colocation_workloads.py")

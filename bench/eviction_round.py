@@ -5,9 +5,9 @@
   over its RSS threshold and the system pressure is hard-met, in dry-run (no API): each round reads
   every pod's ``memory.stat``, asks the plugins, filters, ranks and rate-limits. p50/p99 over the
   rounds.
-* ``grpc``: one plugin process (``tests/eviction_plugin.py``) on a unix socket; wall time of each
-  call (ThresholdMet, GetEvictPods with 110 pods, GetTopEvictionPods) from the manager's client,
-  p50/p99.
+* ``grpc``: one plugin process (``tests/support/eviction_plugin.py``) on a unix socket; wall time
+  of each call (ThresholdMet, GetEvictPods with 110 pods, GetTopEvictionPods) from the manager's
+  client, p50/p99.
 
     python bench/eviction_round.py [--rounds 200] [--calls 300]
 """
@@ -37,7 +37,7 @@ from reconciler.eviction.remote import RemotePlugin
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, KubernetesConfig
-from tests.fakesys import GIB, FakeHost
+from tests.support.fakesys import GIB, FakeHost
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ async def bench_rounds(pods: int, rounds: int, tmp: Path) -> str:
 async def bench_grpc(calls: int, tmp: Path) -> list[str]:
     socket_path = tmp / "bench.sock"
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.eviction_plugin", str(socket_path), "normal",
+        sys.executable, "-m", "tests.support.eviction_plugin", str(socket_path), "normal",
         "--met", "hard", "--evict", "x", cwd=REPO, stdout=asyncio.subprocess.PIPE)
     assert child.stdout is not None
     await child.stdout.readline()

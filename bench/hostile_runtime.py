@@ -58,7 +58,7 @@ from nri_plugin.wire.nri_api import PLUGIN_SERVICE  # noqa: E402
 from nri_plugin.wire.status import StatusCode  # noqa: E402
 from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, encode_frame  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
-from tests.raw_runtime import (  # noqa: E402
+from tests.support.raw_runtime import (  # noqa: E402
     ANSWER_S,
     Agent,
     MiB,

@@ -49,8 +49,8 @@ from hooks.events import Event  # noqa: E402
 from nri_plugin.cli.status import NoAgent, fetch  # noqa: E402
 from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
-from tests.fakesys import GIB, FakeHost, FakePod, nri_messages  # noqa: E402
-from tests.raw_runtime import RawRuntime, configure_request, reset_peak, status_kib  # noqa: E402
+from tests.support.fakesys import GIB, FakeHost, FakePod, nri_messages  # noqa: E402
+from tests.support.raw_runtime import RawRuntime, configure_request, reset_peak, status_kib  # noqa: E402
 
 LEVEL = "qos.nri-qos.io/level"
 POD_GROUP = {"node.koordinator.sh/resctrl":

@@ -2,7 +2,7 @@
 its watermark, with the balance on and off, and how long each step takes.
 
 Runs in a guest of two NUMA nodes on cgroup v2 (root; the kubelet-like layout of
-:mod:`tests.real.conftest` on the guest's /sys/fs/cgroup)::
+:mod:`tests.support.guest_node` on the guest's /sys/fs/cgroup)::
 
     python -m tests.vm --numa 2 --mem-mib 2048 --disk -- python bench/numa_balance.py
 
@@ -44,7 +44,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_balance import NumaBalanceLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
-from tests.real.conftest import MIB, Node
+from tests.support.guest_node import MIB, Node
 
 UID = "4e4e4e4e-0000-4000-8000-0000000000e1"
 CID = "e" * 64

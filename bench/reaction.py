@@ -13,8 +13,8 @@ drop-cache write), taken from the audit trail on the same clock (CLOCK_MONOTONIC
 * **fake tree, free memory**: ``/proc/meminfo`` MemFree falls far below the watermark at the
   onset; the periodic detectors (``detection.interval_s``).
 * **real kernel** (root and the cgroup v1 memory controller): the agent's cgroup root is a child
-  memcg limited to 256 MiB (:mod:`tests.realroot`); a reclaimed pod in it streams a file larger
-  than the limit through the page cache; the onset is the first charge that hits the limit
+  memcg limited to 256 MiB (:mod:`tests.support.realroot`); a reclaimed pod in it streams a file
+  larger than the limit through the page cache; the onset is the first charge that hits the limit
   (failcnt moves). ``--paths`` adds the same with ``memory.pressure_level`` switched off (what a
   host without it gets: the PSI path), with dirty page cache so that reclaim stalls.
 
@@ -48,10 +48,10 @@ from nri_plugin.config.schema import ENFORCE, Config
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.obs.logs import LoggingSetup
 from nri_plugin.session.stub import PluginIdentity
-from tests.fake_apiserver import FakeApiServer, write_kubeconfig
-from tests.fakesys import GIB, FakeHost
-from tests.polling import eventually
-from tests.realroot import MIB, RealRoot, Worker, data_file, unavailable, unavailable_any
+from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
+from tests.support.fakesys import GIB, FakeHost
+from tests.support.polling import eventually
+from tests.support.realroot import MIB, RealRoot, Worker, data_file, unavailable, unavailable_any
 
 NODE = "bench-node"
 SETTLE_S = 0.4

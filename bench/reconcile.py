@@ -48,7 +48,7 @@ from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
-from tests.fakesys import GIB, FakeHost
+from tests.support.fakesys import GIB, FakeHost
 
 CONTAINERS = 3
 THREADS = 4

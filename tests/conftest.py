@@ -1,17 +1,21 @@
 """Guards every test runs under: no task may outlive its test; a failure is always reported.
 
-Also the real-kernel tier's hooks (:mod:`tests.vm.tier`): ``vm`` tests go to guests.
+Also the real-kernel tier's hooks (:mod:`tests.vm.tier`): ``vm`` tests go to guests; and the
+fixtures tests of several folders share.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
+from tests.support.eviction_env import NODE
+from tests.support.fake_apiserver import FakeApiServer
 from tests.vm import tier
 
 
@@ -68,3 +72,20 @@ def pytest_runtest_makereport(
     if call.excinfo is not None:
         gc.collect()
     return (yield)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeApiServer]:
+    """A fake API server on loopback that knows this node (``NODE``)."""
+    with FakeApiServer() as server:
+        server.add_node(NODE)
+        yield server
+
+
+@pytest.fixture
+def executor() -> Iterator[ThreadPoolExecutor]:
+    """The worker threads the plugin runs its hooks in. Shut down without waiting: a test may
+    leave a hook hanging on purpose."""
+    pool = ThreadPoolExecutor(max_workers=4)
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)

@@ -17,7 +17,8 @@ import pytest
 
 from nri_plugin.cli.simulate import simulate
 from nri_plugin.sim.scenario import load_scenario
-from tests.real.conftest import CGROUP, MIB, Node
+from tests.support.builders import LEVEL
+from tests.support.guest_node import CGROUP, MIB, Node
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
@@ -36,7 +37,6 @@ policy = "ratios"
 high_ratio = 95
 """
 VOLCANO = "volcano.sh/colocation-config"
-LEVEL = "qos.nri-qos.io/level"
 # name -> (tier, level annotation or "", extra annotation, limit MiB, request MiB)
 PODS = {
     "shared": ("burstable", "shared_cores", "", 512, 256),

@@ -15,7 +15,7 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
-from hooks.model import ContainerInfo, PodInfo
+from hooks.model import ContainerInfo
 from nri_plugin.config.schema import Config
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level
@@ -24,18 +24,13 @@ from reconciler.host.sysfs import SysFs
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
-from tests.real.conftest import MIB, Node, memory_stat
+from tests.support.builders import claiming_pod
+from tests.support.guest_node import MIB, Node, memory_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
-LEVEL = "qos.nri-qos.io/level"
 OFFLINE = "d0d0d0d0-0000-4000-8000-000000000001"
 ONLINE = "d0d0d0d0-0000-4000-8000-000000000002"
-
-
-def pod_info(uid: str, tier: str, level: str) -> PodInfo:
-    return PodInfo(id=f"sb-{uid}", uid=uid, name=level, namespace="test",
-                   cgroup_parent=f"/kubepods/{tier}/pod{uid}", annotations={LEVEL: level})
 
 
 def cached_pod(node: Node, uid: str, tier: str, cid: str, mib: int,
@@ -73,8 +68,8 @@ def test_memory_reclaim_frees_the_offline_pods_cache_only(node: Node, tmp_path: 
     assert online_before >= 90 * MIB
     state = NodeState()
     state.replace_all(
-        [pod_info(OFFLINE, "besteffort", "reclaimed_cores"),
-         pod_info(ONLINE, "burstable", "shared_cores")],
+        [claiming_pod(OFFLINE, "besteffort", "reclaimed_cores"),
+         claiming_pod(ONLINE, "burstable", "shared_cores")],
         [ContainerInfo(id="o" * 64, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
                        cgroups_path=offline_path),
          ContainerInfo(id="n" * 64, pod_sandbox_id=f"sb-{ONLINE}", name="c",
@@ -106,7 +101,7 @@ def test_a_reclaim_longer_than_its_timeout_is_killed(node: Node, tmp_path: Path)
     worker.ask(f"write {tmp_path / 'big.bin'} 1536")
     worker.ask(f"write {data} 64")
     state = NodeState()
-    state.replace_all([pod_info(OFFLINE, "besteffort", "reclaimed_cores")],
+    state.replace_all([claiming_pod(OFFLINE, "besteffort", "reclaimed_cores")],
                       [ContainerInfo(id="o" * 64, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
                                      cgroups_path=cgroups_path)])
     base = Config()

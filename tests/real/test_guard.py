@@ -21,7 +21,7 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze
-from tests.real.conftest import CGROUP, MIB, Node, read_int
+from tests.support.guest_node import CGROUP, MIB, Node, read_int
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
 

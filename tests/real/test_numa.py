@@ -28,7 +28,7 @@ from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_binding import NumaBindingLoop
-from tests.real.conftest import MIB, Node, numa_stat
+from tests.support.guest_node import MIB, Node, numa_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 

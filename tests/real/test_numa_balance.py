@@ -28,7 +28,7 @@ from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.numa_balance import Mover, NumaBalanceLoop
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, restore_bindings
-from tests.real.conftest import MIB, Node, numa_stat
+from tests.support.guest_node import MIB, Node, numa_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 

@@ -20,27 +20,22 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
-from hooks.model import ContainerInfo, PodInfo
+from hooks.model import ContainerInfo
 from nri_plugin.config.schema import Config
 from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.metrics import ReconcilerMetrics
-from tests.real.conftest import MIB, Node, memory_stat
+from tests.support.builders import claiming_pod
+from tests.support.guest_node import MIB, Node, memory_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
-LEVEL = "qos.nri-qos.io/level"
 OFFLINE = "0ff10ad0-0000-4000-8000-000000000001"
 ONLINE = "0ff10ad0-0000-4000-8000-000000000002"
 OFFLINE_ID = "f" * 64
 ONLINE_ID = "e" * 64
-
-
-def pod_info(uid: str, tier: str, level: str) -> PodInfo:
-    return PodInfo(id=f"sb-{uid}", uid=uid, name=level, namespace="test",
-                   cgroup_parent=f"/kubepods/{tier}/pod{uid}", annotations={LEVEL: level})
 
 
 def config(**offload: Any) -> Config:
@@ -71,8 +66,8 @@ def test_the_offline_pods_cold_cache_goes_step_by_step_the_online_pods_stays(
         worker.kill()  # the cache is cold: nobody reads it again
     state = NodeState()
     state.replace_all(
-        [pod_info(OFFLINE, "besteffort", "reclaimed_cores"),
-         pod_info(ONLINE, "burstable", "shared_cores")],
+        [claiming_pod(OFFLINE, "besteffort", "reclaimed_cores"),
+         claiming_pod(ONLINE, "burstable", "shared_cores")],
         [ContainerInfo(id=OFFLINE_ID, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
                        cgroups_path=offline_path),
          ContainerInfo(id=ONLINE_ID, pod_sandbox_id=f"sb-{ONLINE}", name="c",
@@ -131,7 +126,7 @@ def test_a_cgroup_removed_as_its_step_starts_is_forgotten(node: Node, tmp_path: 
     worker = node.worker(cgroup, cgroup)
     worker.ask(f"write {tmp_path / 'cold.bin'} 64")
     state = NodeState()
-    state.replace_all([pod_info(OFFLINE, "besteffort", "reclaimed_cores")],
+    state.replace_all([claiming_pod(OFFLINE, "besteffort", "reclaimed_cores")],
                       [ContainerInfo(id=OFFLINE_ID, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
                                      cgroups_path=cgroups_path)])
     removing = RemovedAsItStarts(node, cgroup, AuditLog(MemoryAuditSink()))
@@ -169,7 +164,7 @@ def test_a_cgroup_removed_while_its_step_reclaims(node: Node, tmp_path: Path) ->
     worker = node.worker(cgroup, cgroup)
     worker.ask(f"write {tmp_path / 'big.bin'} 1536")
     state = NodeState()
-    state.replace_all([pod_info(OFFLINE, "besteffort", "reclaimed_cores")],
+    state.replace_all([claiming_pod(OFFLINE, "besteffort", "reclaimed_cores")],
                       [ContainerInfo(id=OFFLINE_ID, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
                                      cgroups_path=cgroups_path)])
     cfg = config(initial_percent=100.0, max_step_percent=100.0, max_step_bytes=4 << 30,
@@ -217,7 +212,7 @@ def test_a_step_longer_than_its_deadline_is_killed(node: Node, tmp_path: Path) -
     worker.ask(f"write {tmp_path / 'big.bin'} 1536")
     worker.ask(f"write {data} 64")
     state = NodeState()
-    state.replace_all([pod_info(OFFLINE, "besteffort", "reclaimed_cores")],
+    state.replace_all([claiming_pod(OFFLINE, "besteffort", "reclaimed_cores")],
                       [ContainerInfo(id=OFFLINE_ID, pod_sandbox_id=f"sb-{OFFLINE}", name="c",
                                      cgroups_path=cgroups_path)])
     cfg = config(initial_percent=100.0, max_step_percent=100.0, max_step_bytes=4 << 30,

@@ -22,9 +22,9 @@ from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.pressure import PsiWatch
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from tests.polling import eventually
-from tests.real.conftest import MIB, Node
-from tests.realroot import Worker
+from tests.support.guest_node import MIB, Node
+from tests.support.polling import eventually
+from tests.support.realroot import Worker
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 

@@ -16,7 +16,7 @@ import pytest
 from reconciler.host.numa import parse_zoneinfo_low
 from reconciler.host.sysfs import SysFs, read_file_bytes
 from reconciler.host.values import PAGE_SIZE
-from tests.real.conftest import CGROUP, Node
+from tests.support.guest_node import CGROUP, Node
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 

@@ -1,0 +1,1 @@
+"""The building blocks of the benchmarks in ``bench/``."""

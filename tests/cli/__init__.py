@@ -1,0 +1,1 @@
+"""The command line: ``nri-qos`` commands and the OCI hook binary."""

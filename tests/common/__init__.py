@@ -1,0 +1,1 @@
+"""The node state and pod metadata shared by the plugin and the reconciler."""

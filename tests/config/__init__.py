@@ -1,0 +1,1 @@
+"""The configuration: schema, loading, drop-ins, reload, modes, hostile files."""

@@ -1,0 +1,1 @@
+"""The deployment manifests checked against the code."""

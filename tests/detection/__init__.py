@@ -1,0 +1,1 @@
+"""Pressure detection: signals, detectors, smoothing, the detection service."""

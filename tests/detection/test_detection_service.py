@@ -1,0 +1,473 @@
+"""Detection end to end on fake trees: files read, samples smoothed, readings published, unknowns
+audited once, pods coming and going, the PSI poll, the whole service starting and stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from nri_plugin.config.schema import Config
+from reconciler.detection.detectors import RECLAIMED_TIER
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.service import Detection, DetectorsLoop, NodePsi, PressureLevels
+from reconciler.detection.signals import (
+    NODE,
+    Board,
+    Level,
+    Reading,
+    numa_scope,
+    pod_scope,
+    tier_scope,
+)
+from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.sysfs import SysFs
+from tests.support.fakesys import GIB, MIB, PAGE, FakeHost
+from tests.support.polling import BOUND_S, eventually
+
+LEVEL = "qos.nri-qos.io/level"
+
+
+class Setup:
+    def __init__(self, root: Path, version: int = 1, **detection: Any) -> None:
+        self.host = FakeHost(root, version=version,
+                             driver="systemd" if version == 2 else "cgroupfs")
+        self.host.set_numa([(40 * GIB, 64 * GIB, 1000), (40 * GIB, 64 * GIB, 1000)])
+        self.vmstat(0)
+        self.pressure(0, 0)
+        cfg = Config()
+        self.cfg = dataclasses.replace(cfg, detection=dataclasses.replace(cfg.detection,
+                                                                          **detection))
+        self.sink = MemoryAuditSink()
+        self.sysfs = SysFs(root, AuditLog(self.sink))
+        self.state = NodeState()
+        self.board = Board()
+        self.publisher = Publisher(self.board, AuditLog(self.sink), lambda: self.cfg.detection)
+
+    def vmstat(self, steal: int) -> None:
+        (self.host.root / "proc/vmstat").write_text(
+            f"nr_free_pages 5\npgsteal_kswapd {steal}\npgscan_kswapd {steal * 2}\n")
+
+    def pressure(self, some: int, full: int) -> None:
+        """Replaced at once, as the kernel's file changes: a reader never sees half of it."""
+        path = self.host.root / "proc/pressure/memory"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".new")
+        tmp.write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={some}\n"
+                       f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full}\n")
+        os.replace(tmp, path)
+
+    def pod(self, name: str, level: str, *, request: int, anon: int, tier: str = "besteffort",
+            annotations: dict[str, str] | None = None) -> Path:
+        uid = f"{name}-0000-4000-8000-000000000000"
+        self.host.add_pod(uid, tier=tier, name=name, memory_request=request,
+                          annotations={LEVEL: level, **(annotations or {})})
+        d = self.host.cg("memory", self.host.pod_rel(tier, uid))
+        v2 = self.host.version == 2
+        (d / "memory.stat").write_text(f"anon {anon}\nfile {GIB}\n" if v2 else
+                                       f"cache 0\nrss 0\ntotal_cache {GIB}\ntotal_rss {anon}\n")
+        self.state.replace_all(*self.host.nri())
+        return d
+
+    def host_info(self) -> HostInfo:
+        return probe_host(self.sysfs)
+
+    def loop(self) -> DetectorsLoop:
+        return DetectorsLoop(lambda: self.cfg, self.publisher, self.state, self.sysfs,
+                             self.host_info())
+
+    def reading(self, detector: str, scope: str) -> Reading | None:
+        return next((r for r in self.board.current() if r.key == (detector, scope)), None)
+
+    def level(self, detector: str, scope: str) -> Level | None:
+        found = self.reading(detector, scope)
+        return None if found is None else found.level
+
+
+def uid(name: str) -> str:
+    return f"{name}-0000-4000-8000-000000000000"
+
+
+def test_free_memory_levels_need_two_samples(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    loop = s.loop()
+    loop.cycle(0.0)
+    assert s.level("system_free", NODE) is Level.NONE
+    assert s.level("numa_free", numa_scope(0)) is Level.NONE
+    # node 1 falls under its 1 GiB floor (its zones' low watermark is only 4 MB)
+    s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (GIB - MIB, 64 * GIB, 1000)])
+    loop.cycle(1.0)
+    assert s.level("numa_free", numa_scope(1)) is Level.NONE  # one sample does not act
+    loop.cycle(2.0)
+    assert s.level("numa_free", numa_scope(1)) is Level.MEDIUM
+    assert s.level("system_free", NODE) is Level.NONE  # 41 GB free against 2 x 1 GiB
+
+
+class CountingSysFs(SysFs):
+    """A SysFs that counts the files it reads and the directories it lists."""
+
+    def __init__(self, root: Path, audit: AuditLog) -> None:
+        super().__init__(root, audit)
+        self.reads: Counter[str] = Counter()
+        self.listed: Counter[str] = Counter()
+
+    def read(self, path: str) -> str | None:
+        self.reads[path] += 1
+        return super().read(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        self.listed[path] += 1
+        return super().list_dir(path)
+
+
+@pytest.mark.parametrize("disabled", [(), ("system_free",), ("numa_free",)])
+def test_free_memory_files_are_read_once_per_cycle(tmp_path: Path,
+                                                   disabled: tuple[str, ...]) -> None:
+    s = Setup(tmp_path, disabled=disabled)
+    counting = CountingSysFs(tmp_path, AuditLog(s.sink))
+    loop = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())
+    for t in range(2):
+        loop.cycle(float(t))
+    # node 1 falls under its 1 GiB floor: numa_free sees it, system_free does not
+    s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (GIB - MIB, 64 * GIB, 1000)])
+    counting.reads.clear()
+    counting.listed.clear()
+    for t in range(2, 4):
+        loop.cycle(float(t))
+    assert counting.reads["/proc/zoneinfo"] == 2
+    assert counting.reads["/proc/sys/vm/watermark_scale_factor"] == 2
+    assert counting.listed["/sys/devices/system/node"] == 2
+    expected = {("system_free", NODE): Level.NONE, ("numa_free", numa_scope(0)): Level.NONE,
+                ("numa_free", numa_scope(1)): Level.MEDIUM}
+    assert {key: s.level(*key) for key in expected} == {
+        key: None if key[0] in disabled else level for key, level in expected.items()}
+
+
+def test_without_zoneinfo_both_free_memory_detectors_are_unknown(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    (s.host.root / "proc/zoneinfo").unlink()
+    loop = s.loop()
+    for t in range(2):
+        loop.cycle(float(t))
+    reasons = {(r["detector"], r["scope"]): r["reason"] for r in s.sink.named("detector_unknown")}
+    assert reasons == {
+        ("system_free", NODE): "/proc/meminfo or /proc/zoneinfo is missing",
+        ("numa_free", numa_scope(0)): "/proc/zoneinfo is missing",
+        ("numa_free", numa_scope(1)): "/proc/zoneinfo is missing",
+    }
+    assert len(s.sink.named("detector_unknown")) == 3  # audited once each
+    assert s.level("system_free", NODE) is Level.UNKNOWN
+    assert s.level("numa_free", numa_scope(1)) is Level.UNKNOWN
+
+
+def test_kswapd_rate_from_the_counters(tmp_path: Path) -> None:
+    s = Setup(tmp_path, kswapd_window_s=2.0)
+    loop = s.loop()
+    for i in range(4):
+        s.vmstat(i * 5000)  # 5000 pages/s
+        loop.cycle(float(i))
+    reading = s.reading("kswapd", NODE)
+    assert reading is not None
+    assert reading.value == 5000
+    assert reading.level is Level.LOW
+    s.vmstat(3)  # the counter went back (a reset): no spike, the history starts again
+    loop.cycle(4.0)
+    assert s.reading("kswapd", NODE).value == 5000  # type: ignore[union-attr]
+
+
+def test_rss_overuse_per_pod_with_annotations(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    s.pod("over", "reclaimed_cores", request=100 * MIB, anon=105 * MIB)  # exactly 1.05 x
+    s.pod("under", "shared_cores", request=100 * MIB, anon=104 * MIB, tier="burstable")
+    s.pod("strict", "shared_cores", request=100 * MIB, anon=101 * MIB, tier="burstable",
+          annotations={"nri-qos.io/rss-overuse-factor": "1.01"})
+    s.pod("loose", "reclaimed_cores", request=100 * MIB, anon=106 * MIB,
+          annotations={"nri-qos.io/rss-overuse-factor": "2.0"})
+    s.pod("online", "dedicated_cores", request=100 * MIB, anon=500 * MIB, tier="guaranteed")
+    s.pod("norequest", "reclaimed_cores", request=0, anon=500 * MIB)
+    loop = s.loop()
+    with capture_logs() as logs:
+        loop.cycle(0.0)
+        loop.cycle(1.0)
+    levels = {r.pod_uid: r.level for r in s.board.current() if r.detector == "rss_overuse"}
+    assert levels == {uid("over"): Level.HIGH, uid("under"): Level.LOW,
+                      uid("strict"): Level.HIGH, uid("loose"): Level.HIGH}
+    ignored = [e for e in logs if e["event"] == "rss_overuse_annotation_ignored"]
+    assert len(ignored) == 1
+    assert "not stricter" in ignored[0]["reason"]
+    strict = s.reading("rss_overuse", pod_scope(uid("strict")))
+    assert strict is not None
+    assert strict.threshold == pytest.approx(101 * MIB)
+    # a pod that goes away takes its reading with it
+    s.host.pods = [p for p in s.host.pods if p.info.name != "over"]
+    s.state.replace_all(*s.host.nri())
+    loop.cycle(2.0)
+    assert s.reading("rss_overuse", pod_scope(uid("over"))) is None
+
+
+def test_fulfillment_of_the_reclaimed_tier(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    s.pod("a", "reclaimed_cores", request=GIB, anon=MIB)
+    s.pod("b", "reclaimed_cores", request=GIB, anon=MIB)
+    s.pod("web", "shared_cores", request=10 * GIB, anon=MIB, tier="burstable")
+    loop = s.loop()
+    loop.cycle(0.0)
+    assert s.reading("fulfillment", RECLAIMED_TIER) is None  # the tier has no cap
+    (s.host.tier_dir("besteffort") / "memory.limit_in_bytes").write_text(f"{GIB}\n")
+    loop.cycle(1.0)
+    reading = s.reading("fulfillment", RECLAIMED_TIER)
+    assert reading is not None
+    assert (reading.value, reading.level) == (0.5, Level.MEDIUM)
+
+
+def test_unknown_is_audited_once_per_cause_and_recovers(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    loop = s.loop()
+    meminfo = s.host.root / "proc/meminfo"
+    good = meminfo.read_text()
+    meminfo.write_text(good[:20])  # truncated in the middle of MemTotal's line: no MemFree
+    for t in range(3):
+        loop.cycle(float(t))
+    assert s.level("system_free", NODE) is Level.UNKNOWN
+    [audited] = s.sink.named("detector_unknown")
+    assert audited == {"detector": "system_free", "scope": NODE,
+                       "reason": "/proc/meminfo lacks MemFree"}
+    meminfo.write_text("MemTotal: lots kB\n")  # another cause: audited again
+    loop.cycle(3.0)
+    assert len(s.sink.named("detector_unknown")) == 2
+    meminfo.write_text(good)
+    loop.cycle(4.0)
+    assert s.level("system_free", NODE) is Level.NONE
+    meminfo.write_text("")  # the same cause again after a recovery: audited again
+    loop.cycle(5.0)
+    assert len(s.sink.named("detector_unknown")) == 3
+
+
+def test_a_missing_file_is_unknown_not_calm(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    (s.host.root / "proc/vmstat").unlink()
+    s.loop().cycle(0.0)
+    reading = s.reading("kswapd", NODE)
+    assert reading is not None
+    assert reading.level is Level.UNKNOWN
+    assert reading.reason == "/proc/vmstat is missing"
+
+
+def test_a_detector_that_raises_spares_the_others(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Setup(tmp_path)
+    loop = s.loop()
+
+    def broken(cfg: Any, now: float) -> None:
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(loop, "_kswapd", broken)
+    loop.cycle(0.0)
+    assert s.level("kswapd", NODE) is Level.UNKNOWN
+    assert "RuntimeError" in s.reading("kswapd", NODE).reason  # type: ignore[union-attr]
+    assert s.level("system_free", NODE) is Level.NONE
+
+
+def test_disabled_detectors_withdraw_their_readings(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    loop = s.loop()
+    loop.cycle(0.0)
+    assert s.reading("system_free", NODE) is not None
+    s.cfg = dataclasses.replace(s.cfg, detection=dataclasses.replace(
+        s.cfg.detection, disabled=("system_free",)))
+    loop.cycle(1.0)
+    assert s.reading("system_free", NODE) is None
+    assert s.reading("numa_free", numa_scope(0)) is not None
+
+
+def test_v2_online_pods_psi(tmp_path: Path) -> None:
+    s = Setup(tmp_path, version=2)
+    web = s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
+    batch = s.pod("batch", "reclaimed_cores", request=GIB, anon=MIB)
+    for d in (web, batch):
+        (d / "memory.pressure").write_text("some avg10=0 avg60=0 avg300=0 total=0\n"
+                                           "full avg10=0 avg60=0 avg300=0 total=0\n")
+    loop = s.loop()
+    for t in range(3):
+        total = t * 400_000  # 40 % of each second stalled
+        for d in (web, batch):
+            (d / "memory.pressure").write_text(f"some avg10=0 avg60=0 avg300=0 total={total}\n"
+                                               "full avg10=0 avg60=0 avg300=0 total=0\n")
+        loop.cycle(float(t))
+    reading = s.reading("psi", pod_scope(uid("web")))
+    assert reading is not None
+    assert reading.level is Level.MEDIUM
+    assert reading.value == 40.0
+    assert reading.pod_uid == uid("web")
+    assert s.reading("psi", pod_scope(uid("batch"))) is None  # reclaimed pods: not online
+
+
+def test_v1_has_no_pod_psi(tmp_path: Path) -> None:
+    s = Setup(tmp_path)
+    s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
+    s.loop().cycle(0.0)
+    assert [r for r in s.board.current() if r.detector == "psi"] == []
+
+
+async def test_node_psi_poll_enters_and_leaves(tmp_path: Path) -> None:
+    s = Setup(tmp_path, psi_poll_interval_ms=20, exit_cooldown_s=0.2)
+    host = dataclasses.replace(s.host_info(), psi=dataclasses.replace(
+        s.host_info().psi, system=dataclasses.replace(s.host_info().psi.system,
+                                                      window_us=2_000_000)))
+    psi = NodePsi(lambda: s.cfg, s.publisher, s.sysfs, host)
+    stop = asyncio.Event()
+    task = asyncio.create_task(psi.run(stop))
+    stalled = asyncio.Event()
+
+    async def stall() -> None:
+        total = 0
+        while not stalled.is_set():
+            total += 20_000  # 20 ms per 10 ms: far above any threshold
+            s.pressure(total, total)
+            await asyncio.sleep(0.01)
+
+    await eventually(lambda: s.level("psi", NODE) is Level.NONE)
+    assert psi.mode == "poll"  # 2 s windows only: too slow, so the counter is polled
+    staller = asyncio.create_task(stall())
+    await eventually(lambda: s.level("psi", NODE) is Level.HIGH)
+    stalled.set()
+    await staller
+    await eventually(lambda: s.level("psi", NODE) is Level.NONE)
+    stop.set()
+    await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_node_psi_falls_back_to_the_poll_when_the_trigger_cannot_be_armed(
+        tmp_path: Path) -> None:
+    s = Setup(tmp_path, psi_poll_interval_ms=20)
+    info = s.host_info()
+    # a plain file accepts the trigger's text, as the probe saw, but cannot be polled
+    assert info.psi.system.window_us == 500_000
+    psi = NodePsi(lambda: s.cfg, s.publisher, s.sysfs, info)
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(psi.run(stop))
+        await eventually(lambda: s.reading("psi", NODE) is not None)
+    assert psi.mode == "poll"
+    assert any(e["event"] == "psi_path" and "arming the trigger failed" in e["reason"]
+               for e in logs)
+    stop.set()
+    await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_node_psi_unreadable_is_unknown_then_off_without_psi(tmp_path: Path) -> None:
+    s = Setup(tmp_path, psi_poll_interval_ms=20)
+    host = dataclasses.replace(s.host_info(), psi=dataclasses.replace(
+        s.host_info().psi, system=dataclasses.replace(s.host_info().psi.system,
+                                                      window_us=None)))
+    (s.host.root / "proc/pressure/memory").write_text("some total=\n")
+    psi = NodePsi(lambda: s.cfg, s.publisher, s.sysfs, host)
+    stop = asyncio.Event()
+    task = asyncio.create_task(psi.run(stop))
+    await eventually(lambda: s.level("psi", NODE) is Level.UNKNOWN)
+    stop.set()
+    await asyncio.wait_for(task, BOUND_S)
+    off = dataclasses.replace(host, psi=dataclasses.replace(host.psi, readable=False))
+    psi_off = NodePsi(lambda: s.cfg, s.publisher, s.sysfs, off)
+    stop2 = asyncio.Event()
+    task2 = asyncio.create_task(psi_off.run(stop2))
+    await asyncio.sleep(0.05)
+    assert psi_off.mode == "off"
+    stop2.set()
+    await asyncio.wait_for(task2, BOUND_S)
+
+
+def memcg_events(s: Setup) -> PressureLevels:
+    """cgroup v1 pressure notifications on the fake tree: the root memcg and kubelet's tier
+    cgroups get ``memory.pressure_level`` and ``cgroup.event_control`` as plain files, so a
+    registration is taken and never signalled (the test signals it)."""
+    for rel in ("", "kubepods", "kubepods/burstable"):
+        d = s.host.cg("memory", rel)
+        (d / "memory.pressure_level").write_text("")
+        (d / "cgroup.event_control").write_text("")
+    info = s.host_info()
+    assert info.memcg.pressure_level
+    return PressureLevels(lambda: s.cfg, s.publisher, s.sysfs, info)
+
+
+async def test_pressure_level_registration_refused_spares_the_other_cgroups(
+        tmp_path: Path) -> None:
+    s = Setup(tmp_path, interval_s=0.02)
+    levels = memcg_events(s)
+    control = s.host.cg("memory", "kubepods") / "cgroup.event_control"
+    control.unlink()
+    control.mkdir()  # the registration's write cannot be made (EISDIR)
+    guaranteed, burstable = tier_scope("kubepods"), tier_scope("burstable")
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(levels.run(stop))
+        try:
+            await eventually(lambda: s.reading("pressure_level", NODE) is not None
+                             and s.reading("pressure_level", burstable) is not None)
+            await asyncio.sleep(0.1)  # a few more periods: the refusal is said once
+            assert s.reading("pressure_level", guaranteed) is None
+            assert set(levels.targets) - set(levels._watches) == {guaranteed}
+            refused = [e for e in logs if e["event"] == "pressure_level_unavailable"]
+            assert len(refused) == 1
+            assert refused[0]["reason"].startswith("IsADirectoryError")
+            # the cgroup takes registrations again: watched from the next period on
+            control.rmdir()
+            control.write_text("")
+            await eventually(lambda: s.reading("pressure_level", guaranteed) is not None)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_pressure_level_watch_of_a_removed_cgroup_ends(tmp_path: Path) -> None:
+    s = Setup(tmp_path, interval_s=0.02)
+    levels = memcg_events(s)
+    burstable = tier_scope("burstable")
+    stop = asyncio.Event()
+    with capture_logs() as logs:
+        task = asyncio.create_task(levels.run(stop))
+        try:
+            await eventually(lambda: s.reading("pressure_level", burstable) is not None)
+            fds = list(levels._watches[burstable].fds.values())
+            shutil.rmtree(s.host.cg("memory", "kubepods/burstable"))
+            for fd in fds:  # as the kernel signals every registration when the cgroup goes
+                os.eventfd_write(fd, 1)
+            await eventually(lambda: s.reading("pressure_level", burstable) is None)
+            await asyncio.sleep(0.1)  # a few more periods: not registered again
+            assert s.reading("pressure_level", burstable) is None
+            assert burstable not in levels._watches
+            assert s.level("pressure_level", NODE) is Level.NONE
+            assert [e["cgroup"] for e in logs
+                    if e["event"] == "pressure_level_watch_ended"] == [
+                "/sys/fs/cgroup/memory/kubepods/burstable"]
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, BOUND_S)
+
+
+async def test_the_service_runs_every_path_and_clears_the_board_at_stop(tmp_path: Path) -> None:
+    s = Setup(tmp_path, interval_s=0.05, psi_poll_interval_ms=20)
+    detection = Detection(lambda: s.cfg, s.board, s.state, s.sysfs, s.host_info(),
+                          AuditLog(s.sink))
+    stop = asyncio.Event()
+    task = asyncio.create_task(detection.run(stop))
+    await eventually(lambda: {"system_free", "numa_free", "psi", "kswapd"} <= {
+        r.detector for r in s.board.current()})
+    stop.set()
+    await asyncio.wait_for(task, BOUND_S)
+    assert s.board.current() == ()
+    # pressure_level is unavailable on a fake tree (no memory.pressure_level in the root memcg)
+    assert not s.host_info().memcg.pressure_level
+
+
+def test_page_size_of_the_fakes_matches_the_kernels() -> None:
+    assert PAGE == 4096

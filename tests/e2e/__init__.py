@@ -1,0 +1,1 @@
+"""The whole agent against the runtime simulator and recorded captures."""

@@ -1,0 +1,1 @@
+"""Eviction: policy, manager, remote plugins, end to end."""

@@ -1,0 +1,1 @@
+"""The host layer: sysfs, cgroups, NUMA, resctrl, and kernel faults."""

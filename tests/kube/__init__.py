@@ -1,0 +1,1 @@
+"""The Kubernetes client: pod watch and actions against a fake API server."""

@@ -1,0 +1,102 @@
+"""An annotation changed through the API server reaches the running container: the real
+kubernetes client watches a server that behaves like the API server, the node state merges the
+change, drift wakes at once and writes the new level's settings into a fake host."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from nri_plugin.config.schema import Config
+from reconciler.host.probe import probe_host
+from reconciler.host.sysfs import SysFs
+from reconciler.kube import KubernetesConfig, PodWatcher, build_api_client
+from reconciler.runner import build_loops, run_reconciler
+from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+from tests.support.fakesys import GIB, FakeHost
+
+UID = "44444444-0000-0000-0000-000000000004"
+LEVEL = "qos.nri-qos.io/level"
+
+
+@dataclasses.dataclass
+class Store:
+    current: Config
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        # Polling: the condition is a file the reconciler writes from its own thread.
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+def set_level(level: str) -> Callable[[dict[str, Any]], None]:
+    def mutate(pod: dict[str, Any]) -> None:
+        pod["metadata"]["annotations"][LEVEL] = level
+
+    return mutate
+
+
+async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: Path) -> None:
+    host = FakeHost(tmp_path / "host", version=2, driver="systemd")
+    host.set_numa([(8 * GIB, 16 * GIB, 100)])
+    pod = host.add_pod(UID, name="web-0", tier="burstable", memory_limit=1 * GIB)
+    (container,) = pod.containers
+    pid = container.pids[0]
+    state = NodeState()
+    state.replace_all(*host.nri())
+
+    base = Config()
+    # Long periods: only the wake-up from the pod watch can explain a prompt write.
+    cfg = dataclasses.replace(
+        base,
+        reconciler=dataclasses.replace(base.reconciler, drift_interval_s=3600.0,
+                                       resctrl_interval_s=3600.0),
+        memory_guard=dataclasses.replace(base.memory_guard, interval_s=3600.0),
+        numa=dataclasses.replace(base.numa, interval_s=3600.0),
+    )
+    sink = MemoryAuditSink()
+    audit = AuditLog(sink)
+    sysfs = SysFs(host.root, audit)
+    stop = asyncio.Event()
+
+    def oom() -> str:
+        return (host.root / f"proc/{pid}/oom_score_adj").read_text().strip()
+
+    def memory_high() -> str:
+        return (host.cg("", container.rel) / "memory.high").read_text().strip()
+
+    with FakeApiServer() as server:
+        server.add_pod(make_pod("web-0", uid=UID, node="node-a",
+                                memory={"c0": ("256Mi", "1Gi")}))
+        kube = KubernetesConfig(kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig",
+                                                                server.url)),
+                                request_timeout_s=5.0, retry_max_s=0.2)
+        api = build_api_client(kube)
+        assert api is not None
+        watcher = PodWatcher(api, kube, "node-a", initial_backoff_s=0.01)
+        loops = build_loops(lambda: cfg, state, sysfs, probe_host(sysfs), None, audit)
+        task = asyncio.create_task(run_reconciler(loops, state, stop, watcher,
+                                                  read_keys=cfg.read_keys,
+                                                  backoff_max=lambda: 60))
+        try:
+            # The API's view arrives: the request (256Mi) now comes from the pod spec.
+            await until(lambda: state.snapshot().containers[0].info.memory_request == 256 << 20)
+            # A burstable shared_cores pod: kubelet's values stand.
+            assert (oom(), memory_high()) == ("0", "max")
+
+            server.modify_pod("default", "web-0", set_level("reclaimed_cores"))
+            await until(lambda: oom() == "1000")
+            await until(lambda: memory_high() == str(int(GIB * 0.95) // 4096 * 4096))
+            reasons = {r["reason"] for r in sink.named("cgroup_write")}
+            assert any("reclaimed_cores" in reason for reason in reasons)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+            api.close()

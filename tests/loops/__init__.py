@@ -1,0 +1,1 @@
+"""The reconciler's loops and their runner."""

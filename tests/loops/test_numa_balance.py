@@ -1,0 +1,437 @@
+"""NUMA balance: the planner (hot and cool nodes, largest first, budgets, rate limit, recovery)
+and the loop on a fake v2 tree with a mover standing in for move_pages(2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from nri_plugin.config.schema import Config
+from reconciler.host.cgroups import layout_for
+from reconciler.host.numa import NumaNode
+from reconciler.host.statefile import StateFile
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.loops.numa_balance import (
+    RESIDUE_BYTES,
+    Candidate,
+    NumaBalanceLoop,
+    Watermark,
+    next_step_at,
+    plan_step,
+)
+from reconciler.loops.numa_binding import (
+    NUMA_BALANCE_NOTES,
+    NUMA_NOTES,
+    NumaBindingLoop,
+    restore_bindings,
+)
+from reconciler.metrics import ReconcilerMetrics
+from tests.support.fakesys import GIB, MIB, FakeHost, FakePod
+
+MARK = Watermark(4 * GIB, 1.0, None)  # every node's watermark: 4 GiB
+OFFLINE = "reclaimed_cores"
+ONLINE = "shared_cores"
+BOTH = frozenset({0, 1})
+
+
+def node(id_: int, free: int) -> NumaNode:
+    return NumaNode(id_, free, 64 * GIB, 0)
+
+
+def plan(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], *,
+         step: int = 64 * MIB, rate: int = 128 * MIB, last: tuple[float, int] | None = None,
+         now: float = 100.0) -> tuple[tuple[str, int, int, int] | None, str]:
+    decision = plan_step(nodes, candidates, MARK, step_bytes=step, rate_bytes_per_s=rate,
+                         last=last, now=now)
+    if decision.step is None:
+        return None, decision.reason
+    s = decision.step
+    return (s.candidate.container, s.hot, s.cool, s.asked_bytes), decision.reason
+
+
+def cand(container: str, on_0: int, *, pod: str | None = None, level: str = OFFLINE,
+         mems: frozenset[int] = BOTH) -> Candidate:
+    return Candidate(pod or container, container, level, {0: on_0, 1: 0}, mems)
+
+
+# -- the planner ---------------------------------------------------------------------------------
+
+def test_hot_is_the_node_furthest_under_and_cool_the_one_with_most_headroom() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 6 * GIB), node(2, 2 * GIB), node(3, 9 * GIB)]
+    c = Candidate("p", "a", OFFLINE, {0: GIB, 2: GIB}, frozenset({0, 1, 2, 3}))
+    step, _ = plan(nodes, [c])
+    assert step == ("a", 2, 3, 64 * MIB)
+
+
+def test_largest_pod_first_then_its_largest_container() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 20 * GIB)]
+    # pod p holds 300 MiB on node 0 in two containers, pod q 250 MiB in one
+    candidates = [cand("p1", 100 * MIB, pod="p"), cand("p2", 200 * MIB, pod="p"),
+                  cand("q1", 250 * MIB, pod="q")]
+    step, _ = plan(nodes, candidates)
+    assert step is not None
+    assert step[0] == "p2"
+
+
+def test_a_step_asks_for_the_budget_or_what_the_container_holds_whichever_is_less() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 20 * GIB)]
+    assert plan(nodes, [cand("a", 64 * MIB + 4096)])[0] == ("a", 0, 1, 64 * MIB)
+    assert plan(nodes, [cand("a", 64 * MIB - 4096)])[0] == ("a", 0, 1, 64 * MIB - 4096)
+
+
+def test_never_more_than_half_what_the_cool_node_has_above_its_watermark() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 10 * MIB)]
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 5 * MIB)
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 128 * MIB)]
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 64 * MIB)
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 126 * MIB)]
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 63 * MIB)
+    # exactly at its watermark: no headroom, nothing moves
+    step, reason = plan([node(0, 3 * GIB), node(1, 4 * GIB)], [cand("a", GIB)])
+    assert step is None
+    assert reason == "no NUMA node has headroom"
+
+
+def test_no_step_once_the_hot_node_is_back_at_its_watermark() -> None:
+    step, reason = plan([node(0, 4 * GIB), node(1, 20 * GIB)], [cand("a", GIB)])
+    assert step is None
+    assert reason == "no NUMA node is under its watermark"
+    assert plan([node(0, 4 * GIB - 4096), node(1, 20 * GIB)], [cand("a", GIB)])[0] == (
+        "a", 0, 1, 64 * MIB)
+
+
+def test_the_rate_limit_spaces_steps_by_the_bytes_they_moved() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 20 * GIB)]
+    last = (100.0, 64 * MIB)
+    assert next_step_at(100.0, 64 * MIB, 128 * MIB) == 100.5
+    step, reason = plan(nodes, [cand("a", GIB)], last=last, now=100.499)
+    assert step is None
+    assert reason == "rate limit: next step in 0.001 s"
+    assert plan_step(nodes, [cand("a", GIB)], MARK, step_bytes=64 * MIB,
+                     rate_bytes_per_s=128 * MIB, last=last, now=100.499).retry_at == 100.5
+    assert plan(nodes, [cand("a", GIB)], last=last, now=100.5)[0] == ("a", 0, 1, 64 * MIB)
+    # a step that moved nothing does not hold the next one back
+    assert plan(nodes, [cand("a", GIB)], last=(100.0, 0), now=100.0)[0] is not None
+
+
+def test_online_pods_are_never_chosen() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 20 * GIB)]
+    step, _ = plan(nodes, [cand("web", 2 * GIB, level=ONLINE), cand("batch", 10 * MIB)])
+    assert step == ("batch", 0, 1, 10 * MIB)
+    for level in (ONLINE, "dedicated_cores", "system_cores"):
+        step, reason = plan(nodes, [cand("x", GIB, level=level)])
+        assert step is None
+        assert reason == "no reclaimed pod holds memory on the nodes under their watermark"
+
+
+def test_a_container_no_longer_allowed_on_the_hot_node_is_left() -> None:
+    nodes = [node(0, 3 * GIB), node(1, 20 * GIB)]
+    step, _ = plan(nodes, [cand("a", GIB, mems=frozenset({1}))])
+    assert step is None
+
+
+# -- the loop on a fake tree -----------------------------------------------------------------------
+
+UID = "11111111-0000-0000-0000-000000000001"
+WEB = "22222222-0000-0000-0000-000000000002"
+LOW = 1000  # pages: the 4 GiB floor is every node's watermark
+
+
+class FakeMover:
+    """Stands in for move_pages(2): moves up to the budget between the container's
+    ``memory.numa_stat`` figures and says how much it moved."""
+
+    def __init__(self, stat: Path, result: Outcome = Outcome.WRITTEN) -> None:
+        self.stat = stat
+        self.result = result
+        self.calls: list[tuple[list[int], int, int, int, float]] = []
+
+    def __call__(self, pids: Sequence[int], hot: int, cool: int, budget: int,
+                 timeout_s: float) -> tuple[Outcome, int, str]:
+        self.calls.append((list(pids), hot, cool, budget, timeout_s))
+        on = read_stat(self.stat)
+        moved = min(budget, on[hot])
+        on[hot] -= moved
+        on[cool] += moved
+        write_stat(self.stat, on)
+        return self.result, moved, "" if self.result is Outcome.WRITTEN else "EACCES: refused"
+
+
+def read_stat(path: Path) -> dict[int, int]:
+    first = path.read_text().splitlines()[0].split()[1:]
+    return {int(f[1:].split("=")[0]): int(f.split("=")[1]) for f in first}
+
+
+def write_stat(path: Path, per_node: dict[int, int]) -> None:
+    nodes = " ".join(f"N{n}={v}" for n, v in sorted(per_node.items()))
+    zero = " ".join(f"N{n}=0" for n in sorted(per_node))
+    path.write_text(f"anon {nodes}\nfile {zero}\n")
+
+
+def setup(tmp_path: Path, *, version: int = 2, dry_run: bool = False,
+          observe: bool = False, step: int = 64 * MIB
+          ) -> tuple[FakeHost, FakePod, FakePod, Config, SysFs, MemoryAuditSink, NodeState]:
+    host = FakeHost(tmp_path, version=version, driver="cgroupfs")
+    offline = host.add_pod(UID, tier="besteffort",
+                           annotations={"qos.nri-qos.io/level": "reclaimed_cores"})
+    online = host.add_pod(WEB, tier="burstable")
+    for pod, held in ((offline, 200 * MIB), (online, 3 * GIB)):
+        write_stat(host.cg("memory", pod.containers[0].rel) / "memory.numa_stat",
+                   {0: held, 1: 0})
+        (host.cg("cpuset", pod.containers[0].rel) / "cpuset.mems").write_text("0\n")
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    state = NodeState()
+    state.replace_all(*host.nri())
+    base = Config()
+    cfg = dataclasses.replace(base, numa_balance=dataclasses.replace(
+        base.numa_balance, dry_run=dry_run, step_bytes=step))
+    sink = MemoryAuditSink()
+    sysfs = SysFs(tmp_path, AuditLog(sink), observe=(lambda: True) if observe else None)
+    return host, offline, online, cfg, sysfs, sink, state
+
+
+def loop_of(cfg: Config, state: NodeState, sysfs: SysFs, sink: MemoryAuditSink,
+            mover: FakeMover | None, notes: StateFile | None = None,
+            metrics: ReconcilerMetrics | None = None, clock: list[float] | None = None
+            ) -> NumaBalanceLoop:
+    times = clock if clock is not None else [0.0]
+    return NumaBalanceLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                           notes=notes, mover=mover, metrics=metrics, clock=lambda: times[0])
+
+
+def mems(host: FakeHost, pod: FakePod) -> str:
+    return (host.cg("cpuset", pod.containers[0].rel) / "cpuset.mems").read_text().strip()
+
+
+def stat_of(host: FakeHost, pod: FakePod) -> Path:
+    return host.cg("memory", pod.containers[0].rel) / "memory.numa_stat"
+
+
+def test_steps_move_the_offline_pod_off_the_hot_node_then_narrow_its_binding(
+        tmp_path: Path) -> None:
+    host, offline, online, cfg, sysfs, sink, state = setup(tmp_path)
+    mover = FakeMover(stat_of(host, offline))
+    notes = StateFile(str(tmp_path / "state.json"))
+    metrics = ReconcilerMetrics()
+    clock = [10.0]
+    loop = loop_of(cfg, state, sysfs, sink, mover, notes, metrics, clock)
+    loop.cycle(0.0)
+    # widened first (the kernel refuses pages onto a node outside the cpuset), then one step
+    assert mover.calls == [([offline.containers[0].pids[0]], 0, 1, 64 * MIB, 5.0)]
+    assert mems(host, offline) == "0-1"
+    [step] = sink.named("numa_balance_step")
+    assert step == {"pod_uid": UID, "container": "c0", "from_node": 0, "to_node": 1,
+                    "asked_bytes": 64 * MIB, "moved_bytes": 64 * MIB, "duration_s": 0.0,
+                    "result": "done", "dry_run": False, "reason": step["reason"]}
+    assert step["reason"].startswith("node 0 1073741824 bytes under its watermark")
+    # 64 MiB at 128 MiB/s: the next step waits half a second, and the next cycle with it
+    assert loop.interval() == 1.0
+    loop.cycle(1.0)
+    assert len(mover.calls) == 1
+    assert loop.interval() == 0.5
+    clock[0] = 10.25
+    assert loop.interval() == 0.25
+    clock[0] = 10.49
+    assert loop.interval() == 0.05  # never less, however short the rate limit's wait
+    clock[0] = 10.5
+    loop.cycle(2.0)
+    clock[0] = 11.0
+    loop.cycle(3.0)
+    assert [c[3] for c in mover.calls] == [64 * MIB, 64 * MIB, 64 * MIB]
+    assert mems(host, offline) == "0-1"
+    clock[0] = 12.0
+    loop.cycle(4.0)  # 8 MiB left: asked and moved, less than a step: the node is taken out
+    assert mover.calls[-1][3] == 8 * MIB
+    assert mems(host, offline) == "1"
+    clock[0] = 13.0
+    loop.cycle(5.0)  # nothing left to move
+    assert len(mover.calls) == 4
+    assert mems(host, online) == "0"
+    assert read_stat(stat_of(host, online)) == {0: 3 * GIB, 1: 0}
+    get = metrics.registry.get_sample_value
+    assert get("nri_qos_numa_balance_steps_total", {"result": "done"}) == 4
+    assert get("nri_qos_numa_balance_moved_bytes_total") == 200 * MIB
+    assert get("nri_qos_numa_balance_step_duration_seconds_count") == 4
+    # undone as nri-qos reset does it
+    path = f"/sys/fs/cgroup/{offline.containers[0].rel}/cpuset.mems"
+    assert notes.entries(NUMA_BALANCE_NOTES) == {path: "0"}
+    assert notes.entries(NUMA_NOTES) == {}
+    assert restore_bindings(sysfs, notes, "reset", NUMA_BALANCE_NOTES) == 1
+    assert mems(host, offline) == "0"
+
+
+def test_stops_when_the_hot_node_recovers(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    mover = FakeMover(stat_of(host, offline))
+    clock = [0.0]
+    loop = loop_of(cfg, state, sysfs, sink, mover, clock=clock)
+    loop.cycle(0.0)
+    host.set_numa([(4 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    clock[0] = 5.0
+    loop.cycle(1.0)
+    assert len(mover.calls) == 1
+
+
+def test_dry_run_audits_the_step_once_and_changes_nothing(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path, dry_run=True)
+    mover = FakeMover(stat_of(host, offline))
+    clock = [0.0]
+    loop = loop_of(cfg, state, sysfs, sink, mover, clock=clock)
+    for at in range(5):
+        clock[0] = float(at)
+        loop.cycle(float(at))
+    assert mover.calls == []
+    assert mems(host, offline) == "0"
+    [step] = sink.named("numa_balance_step")
+    assert (step["result"], step["dry_run"], step["moved_bytes"]) == ("dry_run", True, 0)
+    assert sink.named("cgroup_write") == []
+
+
+def test_observe_mode_holds_the_widening_and_the_move(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path, observe=True)
+    clock = [0.0]
+    loop = loop_of(cfg, state, sysfs, sink, None, clock=clock)  # the real mover
+    for at in range(3):
+        clock[0] = float(at)
+        loop.cycle(float(at))
+    assert mems(host, offline) == "0"
+    [widen, move] = sink.named("write_observed")
+    assert widen["value"] == "0-1"
+    assert move["reason"] == "NUMA balance step"
+    [step] = sink.named("numa_balance_step")
+    assert (step["result"], step["moved_bytes"]) == ("observed", 0)
+
+
+def test_a_refused_move_is_audited_and_the_container_left_for_a_minute(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    mover = FakeMover(stat_of(host, offline), Outcome.FAILED)
+    metrics = ReconcilerMetrics()
+    clock = [100.0]
+    loop = loop_of(cfg, state, sysfs, sink, mover, metrics=metrics, clock=clock)
+    loop.cycle(0.0)
+    [step] = sink.named("numa_balance_step")
+    assert (step["result"], step["reason"]) == ("failed", "EACCES: refused")
+    assert mems(host, offline) == "0-1"
+    assert metrics.registry.get_sample_value(
+        "nri_qos_numa_balance_steps_total", {"result": "failed"}) == 1
+    clock[0] = 159.99
+    loop.cycle(1.0)
+    assert len(mover.calls) == 1
+    clock[0] = 160.0
+    loop.cycle(2.0)
+    assert len(mover.calls) == 2
+
+
+class RefusingSysFs(SysFs):
+    """The kernel refuses every cpuset.mems write (EINVAL: a node the parent does not allow)."""
+
+    def write(self, path: str, value: str, reason: str, *, create: bool = False) -> Outcome:
+        if path.endswith("/cpuset.mems"):
+            return Outcome.FAILED
+        return super().write(path, value, reason, create=create)
+
+
+def test_a_cpuset_the_kernel_will_not_widen_is_a_failed_step(tmp_path: Path) -> None:
+    host, offline, _, cfg, _, sink, state = setup(tmp_path)
+    mover = FakeMover(stat_of(host, offline))
+    clock = [100.0]
+    loop = loop_of(cfg, state, RefusingSysFs(tmp_path, AuditLog(sink)), sink, mover,
+                   clock=clock)
+    loop.cycle(0.0)
+    clock[0] = 110.0
+    loop.cycle(1.0)
+    assert mover.calls == []
+    [step] = sink.named("numa_balance_step")
+    assert (step["result"], step["reason"]) == ("failed", "cpuset.mems not widened to node 1")
+
+
+def test_switched_off_or_on_cgroup_v1_nothing_moves(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    off = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                    enabled=False))
+    mover = FakeMover(stat_of(host, offline))
+    loop_of(off, state, sysfs, sink, mover).cycle(0.0)
+    assert mover.calls == []
+    host1, offline1, _, cfg1, sysfs1, sink1, state1 = setup(tmp_path / "v1", version=1)
+    mover1 = FakeMover(stat_of(host1, offline1))
+    loop_of(cfg1, state1, sysfs1, sink1, mover1).cycle(0.0)
+    assert mover1.calls == []
+
+
+def test_with_balancing_the_binding_only_adds_nodes(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    (host.cg("cpuset", offline.containers[0].rel) / "cpuset.mems").write_text("0-1\n")
+    binding = NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink))
+    binding.cycle(0.0)  # node 0 under its watermark: without balancing this would be "1"
+    assert mems(host, offline) == "0-1"
+    off = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                    enabled=False))
+    NumaBindingLoop(lambda: off, state, sysfs, layout_for(sysfs), AuditLog(sink)).cycle(0.0)
+    assert mems(host, offline) == "1"
+
+
+def test_switched_off_the_balance_writes_back_what_it_changed(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    notes = StateFile(str(tmp_path / "state.json"))
+    loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)), notes)
+    loop.cycle(0.0)
+    assert mems(host, offline) == "0-1"
+    # the binding finds the note and leaves the undo to the balance
+    binding = NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                              notes=notes)
+    binding.cycle(1.0)
+    assert notes.entries(NUMA_NOTES) == {}
+    cfg_off = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                        enabled=False))
+    off = NumaBalanceLoop(lambda: cfg_off, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                          notes=notes)
+    off.cycle(2.0)
+    assert mems(host, offline) == "0"
+    assert notes.entries(NUMA_BALANCE_NOTES) == {}
+
+
+def test_a_file_the_binding_noted_first_stays_the_bindings_to_undo(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    notes = StateFile(str(tmp_path / "state.json"))
+    NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                    notes=notes).cycle(0.0)
+    assert mems(host, offline) == "0-1"
+    path = f"/sys/fs/cgroup/{offline.containers[0].rel}/cpuset.mems"
+    assert notes.entries(NUMA_NOTES) == {path: "0"}
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    (host.cg("cpuset", offline.containers[0].rel) / "cpuset.mems").write_text("0\n")
+    loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)), notes).cycle(1.0)
+    assert mems(host, offline) == "0-1"
+    assert notes.entries(NUMA_BALANCE_NOTES) == {}
+    assert notes.entries(NUMA_NOTES) == {path: "0"}
+
+
+class StuckMover(FakeMover):
+    """move_pages saying it moved what it was asked while ``memory.numa_stat`` does not move:
+    what a guest showed for the last 48 KiB of a pod, step after step."""
+
+    def __call__(self, pids: Sequence[int], hot: int, cool: int, budget: int,
+                 timeout_s: float) -> tuple[Outcome, int, str]:
+        self.calls.append((list(pids), hot, cool, budget, timeout_s))
+        return Outcome.WRITTEN, budget, ""
+
+
+@pytest.mark.parametrize(("left", "narrowed"), [
+    (RESIDUE_BYTES, True),  # at most this much left: the node is taken out
+    (RESIDUE_BYTES + 4096, False),  # a page more: another step
+])
+def test_a_residue_that_does_not_move_ends_the_balance_of_a_container(
+        tmp_path: Path, left: int, narrowed: bool) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    write_stat(stat_of(host, offline), {0: left, 1: 200 * MIB})
+    (host.cg("cpuset", offline.containers[0].rel) / "cpuset.mems").write_text("0-1\n")
+    loop = loop_of(cfg, state, sysfs, sink, StuckMover(stat_of(host, offline)),
+                   StateFile(str(tmp_path / "state.json")))
+    loop.cycle(0.0)
+    assert mems(host, offline) == ("1" if narrowed else "0-1")

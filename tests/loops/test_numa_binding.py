@@ -1,0 +1,135 @@
+"""NUMA binding of reclaimed pods' cpuset.mems."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from nri_plugin.config.schema import Config
+from reconciler.host.cgroups import layout_for
+from reconciler.host.numa import NumaNode
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.numa_binding import NumaBindingLoop, choose_nodes
+from tests.support.fakesys import GIB, FakeHost, FakePod
+
+LOW = 1000  # pages; the 4 GiB floor dominates
+
+
+def setup(tmp_path: Path, version: int, driver: str, *, max_nodes: int = 0
+          ) -> tuple[FakeHost, NumaBindingLoop, MemoryAuditSink, FakePod, FakePod]:
+    host = FakeHost(tmp_path, version=version, driver=driver)
+    offline = host.add_pod("11111111-0000-0000-0000-000000000001", tier="besteffort",
+                           containers=2)
+    online = host.add_pod("22222222-0000-0000-0000-000000000002", tier="burstable")
+    state = NodeState()
+    state.replace_all(*host.nri())
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, numa=dataclasses.replace(cfg.numa, max_nodes=max_nodes))
+    sink = MemoryAuditSink()
+    sysfs = SysFs(tmp_path, AuditLog(sink))
+    loop = NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink))
+    return host, loop, sink, offline, online
+
+
+def mems(host: FakeHost, pod: FakePod, index: int = 0) -> str:
+    return (host.cg("cpuset", pod.containers[index].rel) / "cpuset.mems").read_text().strip()
+
+
+def test_choose_nodes_ranks_by_headroom() -> None:
+    nodes = [NumaNode(0, 5 * GIB, 0, 0), NumaNode(1, 20 * GIB, 0, 0),
+             NumaNode(2, 3 * GIB, 0, 0), NumaNode(3, 10 * GIB, 0, 0)]
+    assert choose_nodes(nodes, 4 * GIB, 1.0, 0) == [0, 1, 3]
+    assert choose_nodes(nodes, 4 * GIB, 1.0, 2) == [1, 3]
+    assert choose_nodes(nodes, 30 * GIB, 1.0, 0) == []
+
+
+def test_choice_is_sticky_while_the_chosen_nodes_have_headroom() -> None:
+    nodes = [NumaNode(0, 10 * GIB, 0, 0), NumaNode(1, 11 * GIB, 0, 0), NumaNode(2, 12 * GIB, 0, 0)]
+    assert choose_nodes(nodes, 4 * GIB, 1.0, 1) == [2]
+    assert choose_nodes(nodes, 4 * GIB, 1.0, 1, keep=frozenset({0})) == [0]
+    # a kept node under its watermark is dropped
+    nodes[0] = NumaNode(0, 3 * GIB, 0, 0)
+    assert choose_nodes(nodes, 4 * GIB, 1.0, 1, keep=frozenset({0})) == [2]
+
+
+def test_v1_binds_reclaimed_pods_and_moves_them_off_a_hot_node(tmp_path: Path) -> None:
+    host, loop, sink, offline, online = setup(tmp_path, 1, "cgroupfs")
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert [mems(host, offline, i) for i in (0, 1)] == ["0", "0"]
+    assert mems(host, online) == ""
+    migrate = host.cg("cpuset", offline.containers[0].rel) / "cpuset.memory_migrate"
+    assert migrate.read_text() == "1"
+    records = sink.named("numa_binding")
+    assert [r["container"] for r in records] == ["c0", "c1"]
+    assert records[0]["pod_uid"] == offline.info.uid
+    assert records[0]["mems"] == "0"
+
+    loop.cycle(10.0)  # idle
+    assert len(sink.named("numa_binding")) == 2
+
+    # node 0 falls under its watermark, node 1 recovers: the pods move
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (30 * GIB, 64 * GIB, LOW)])
+    loop.cycle(20.0)
+    assert [mems(host, offline, i) for i in (0, 1)] == ["1", "1"]
+    assert "nodes under watermark or not chosen: 0" in sink.named("numa_binding")[-1]["reason"]
+
+
+def test_v2_systemd_four_nodes_best_two(tmp_path: Path) -> None:
+    host, loop, sink, offline, _ = setup(tmp_path, 2, "systemd", max_nodes=2)
+    host.set_numa([(10 * GIB, 64 * GIB, LOW), (30 * GIB, 64 * GIB, LOW),
+                   (1 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert mems(host, offline) == "1,3"
+    # v2 migrates by itself: no memory_migrate file is involved
+    assert all(not r["path"].endswith("memory_migrate") for r in sink.named("cgroup_write"))
+
+
+def test_single_node_is_a_no_op(tmp_path: Path) -> None:
+    host, loop, sink, offline, _ = setup(tmp_path, 1, "cgroupfs")
+    host.set_numa([(20 * GIB, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert mems(host, offline) == ""
+    assert sink.records == []
+
+
+@pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
+def test_all_nodes_hot_leaves_bindings_alone(tmp_path: Path, version: int, driver: str) -> None:
+    host, loop, sink, offline, _ = setup(tmp_path, version, driver)
+    host.set_numa([(1 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert mems(host, offline) == ""
+    assert sink.records == []
+
+
+def test_equal_binding_in_another_spelling_is_not_rewritten(tmp_path: Path) -> None:
+    host, loop, sink, offline, _ = setup(tmp_path, 2, "systemd")
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    for c in offline.containers:
+        (host.cg("", c.rel) / "cpuset.mems").write_text("0-1\n")
+    loop.cycle(0.0)
+    assert sink.records == []
+
+
+@pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd")])
+def test_one_unbindable_container_does_not_stop_the_others(tmp_path: Path, version: int,
+                                                           driver: str) -> None:
+    host, loop, sink, offline, _ = setup(tmp_path, version, driver)
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    broken, healthy = offline.containers
+    # A cpuset.mems that cannot be read or written as a file.
+    mems_file = host.cg("cpuset", broken.rel) / "cpuset.mems"
+    mems_file.unlink()
+    mems_file.mkdir()
+    with capture_logs() as logs:
+        loop.cycle(0.0)
+    failed = [e for e in logs if e["event"] == "numa_binding_failed"]
+    assert [(e["container"], e["pod_uid"]) for e in failed] == [("c0", offline.info.uid)]
+    assert "Is a directory" in failed[0]["error"]
+    assert mems(host, offline, 1) == "0"
+    assert [r["container"] for r in sink.named("numa_binding")] == [healthy.info.name]

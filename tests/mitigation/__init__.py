@@ -1,0 +1,1 @@
+"""Mitigation: the ladder and its actions."""

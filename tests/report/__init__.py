@@ -1,0 +1,1 @@
+"""What the agent reports: the status document and the metrics."""

@@ -1,0 +1,1 @@
+"""The NRI session: registration, Configure, Synchronize, events and their answers, reconnection."""

@@ -1,0 +1,1 @@
+"""The structure the source and the tests promise."""

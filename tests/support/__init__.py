@@ -1,0 +1,1 @@
+"""What the tests share: builders, fakes of the host and the API server, helper processes."""

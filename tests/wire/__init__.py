@@ -1,0 +1,2 @@
+"""The wire: ttrpc framing, the multiplexer, the transport, message conversion, rejections and
+the generated protocol."""

@@ -38,7 +38,6 @@ import random
 import struct
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -47,11 +46,24 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from nri_plugin.wire.envelope import encode_request, encode_response  # noqa: E402
+from bench.hostile_outcomes import Outcome, Result  # noqa: E402
+from bench.hostile_refusals import (  # noqa: E402
+    Hang,
+    Send,
+    bad_envelope,
+    even_stream,
+    reused_stream,
+    stray_response,
+    unknown_connection,
+    unknown_frame_type,
+    unknown_method,
+    unknown_service,
+)
+from bench.rss_watch import RssWatch  # noqa: E402
+from nri_plugin.wire.envelope import encode_request  # noqa: E402
 from nri_plugin.wire.mux import (  # noqa: E402
     MAX_MUX_PAYLOAD,
     PLUGIN_SERVICE_CONN,
-    RUNTIME_SERVICE_CONN,
     encode_message,
 )
 from nri_plugin.wire.nri_api import PLUGIN_SERVICE  # noqa: E402
@@ -67,7 +79,6 @@ from tests.support.raw_runtime import (  # noqa: E402
     container_message,
     mux_frame,
     pod_message,
-    reset_peak,
     running_agent,
     status_kib,
 )
@@ -86,63 +97,7 @@ LOG_LINE_TARGET = 4096
 RSS_TARGET_MB = 100.0
 
 
-# -- measuring the agent ------------------------------------------------------------------------
-
-
-class RssWatch:
-    """The agent's RSS: before a case, and its peak during the case."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> int:
-        before = status_kib(self.pid, "VmRSS")
-        # The kernel's high-water mark from here is this case's peak (sampling alone can miss a
-        # short one).
-        reset_peak(self.pid)
-        self._peak = before
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return before
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.002):
-            self._peak = max(self._peak, status_kib(self.pid, "VmRSS"))
-
-    def stop(self) -> int:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        return max(self._peak, status_kib(self.pid, "VmHWM"))
-
-
 # -- the cases ----------------------------------------------------------------------------------
-
-
-Send = Callable[[RawRuntime], Awaitable[str]]
-"""Sends something the agent refuses on a connection that stays usable; what came back."""
-
-
-@dataclass
-class Outcome:
-    kept: bool
-    """The case leaves the connection usable (the agent must answer on it)."""
-    note: str = ""
-
-
-@dataclass
-class Result:
-    name: str
-    alive: bool = False
-    hang: bool = False
-    growth_mb: float = 0.0
-    retained_mb: float = 0.0
-    note: str = ""
-    error: str = ""
 
 
 @dataclass
@@ -382,61 +337,6 @@ class Bench:
         await conn.flush()
         conn.close()
         return Outcome(kept=False, note="half a frame, then the runtime hung up")
-
-
-class Hang(Exception):
-    """A bounded wait ran out."""
-
-
-async def even_stream(conn: RawRuntime) -> str:
-    conn.write(conn.request_bytes("CreateContainer", b"", 2))
-    return await answered(conn, 2, "even stream id")
-
-
-async def reused_stream(conn: RawRuntime) -> str:
-    # The handshake used 1 and 3.
-    conn.write(conn.request_bytes("CreateContainer", b"", 3))
-    return await answered(conn, 3, "reused stream id")
-
-
-async def unknown_service(conn: RawRuntime) -> str:
-    stream_id = conn.stream()
-    conn.write(conn.request_bytes("CreateContainer", b"", stream_id, service="no.Such"))
-    return await answered(conn, stream_id, "unknown service")
-
-
-async def unknown_method(conn: RawRuntime) -> str:
-    stream_id = conn.stream()
-    conn.write(conn.request_bytes("NoSuchMethod", b"", stream_id))
-    return await answered(conn, stream_id, "unknown method")
-
-
-async def bad_envelope(conn: RawRuntime) -> str:
-    stream_id = conn.stream()
-    conn.write(encode_message(PLUGIN_SERVICE_CONN, encode_frame(
-        stream_id, MessageType.REQUEST, b"\xff\xff\xff")))
-    return await answered(conn, stream_id, "bad envelope")
-
-
-async def unknown_frame_type(conn: RawRuntime) -> str:
-    conn.write(encode_message(PLUGIN_SERVICE_CONN, encode_frame(conn.stream(), 0x7E, b"?")))
-    return "frame of type 0x7e ignored"
-
-
-async def unknown_connection(conn: RawRuntime) -> str:
-    conn.write(mux_frame(9, b"hello"))
-    return "mux frame for connection 9 skipped"
-
-
-async def stray_response(conn: RawRuntime) -> str:
-    conn.write(encode_message(RUNTIME_SERVICE_CONN, encode_frame(
-        99, MessageType.RESPONSE, encode_response(b"stray"))))
-    return "response for a call never made dropped"
-
-
-async def answered(conn: RawRuntime, stream_id: int, what: str) -> str:
-    reply = await conn.answer(stream_id)
-    return f"{what}: {StatusCode(reply.code).name}"
 
 
 # -- running it all -----------------------------------------------------------------------------

@@ -24,15 +24,10 @@ from bench.baselines import (
     quantile,
     static_limits,
 )
-from bench.colocation import (
-    WORKLOADS,
-    Repetition,
-    apply_adjustment,
-    final_line,
-    percentile,
-    read_latencies,
-    read_progress,
-)
+from bench.colocation import WORKLOADS
+from bench.colocation_agent import apply_adjustment
+from bench.colocation_plan import Repetition
+from bench.colocation_report import final_line, percentile, read_latencies, read_progress
 from bench.kubelet_node import (
     CGROUP,
     GIB,

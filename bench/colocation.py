@@ -48,11 +48,9 @@ by the next run. ``docs/effectiveness.md`` has a documented run.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -64,20 +62,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.baselines import AGENT_MODES, MODES, block_order, memory_high, modes_for, static_limits
+from bench import kubelet_node
+from bench.baselines import AGENT_MODES, block_order, memory_high, static_limits
 from bench.colocation_agent import READY_TIMEOUT_S, Agent, apply_adjustment
-from bench.colocation_plan import OFFLINE, ONLINE, PodPlan, Repetition, Settings
+from bench.colocation_cli import list_scenarios, parser, settings_from
+from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repetition, Settings
 from bench.colocation_report import (
     as_json,
     final_line,
     fmt,
     from_json,
+    merge_progress,
     percentile,
     plot,
     print_intervals,
+    print_service_table,
     print_table,
     read_latencies,
     read_progress,
+    read_service,
+    read_work,
+    rep_p99,
     summarize_actions,
     timeline,
 )
@@ -163,33 +168,54 @@ async def read_line(process: subprocess.Popen[str]) -> str:
     return await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), READY_TIMEOUT_S)
 
 
+def start_load(socket: Path, settings: Settings, out: Path) -> subprocess.Popen[str]:
+    """The online service's clients: the open-loop load generator, outside the node (as from
+    another machine)."""
+    return subprocess.Popen(
+        [sys.executable, "-I", str(WORKLOADS), "load", "--socket", str(socket), "--rps",
+         str(settings.online_rps), "--timeout-ms", str(settings.service_timeout_ms), "--out",
+         str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def stop_load(process: subprocess.Popen[str]) -> None:
+    """Stop the load generator: ``stop`` on its stdin; it writes its records and exits once the
+    requests still out are answered or timed out."""
+    if process.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            process.communicate("stop\n", timeout=30)
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
 async def repetition(mode: str, index: int, settings: Settings, data: Path,
                      work: Path) -> Repetition:
     problems: list[str] = []
     adjustments: list[str] = []
+    plans = OFFLINE_PODS[:settings.offline_pods]
     async with contextlib.AsyncExitStack() as stack:
         node = KubeletNode("coloc", settings.node_mib * MIB, settings.reserved_mib * MIB, CPUS)
         stack.callback(node.close)
         online = node.add_pod(ONLINE.tier, ONLINE.uid, ONLINE.container_id,
                               memory_limit=ONLINE.memory_limit,
                               cpu_request_milli=ONLINE.cpu_request_milli)
-        offline = node.add_pod(OFFLINE.tier, OFFLINE.uid, OFFLINE.container_id,
-                               memory_limit=OFFLINE.memory_limit,
-                               cpu_request_milli=OFFLINE.cpu_request_milli)
+        offlines = [node.add_pod(p.tier, p.uid, p.container_id, memory_limit=p.memory_limit,
+                                 cpu_request_milli=p.cpu_request_milli) for p in plans]
         agent = None
         if mode in AGENT_MODES:
             agent = await stack.enter_async_context(
                 Agent(node, work, Path(settings.agent_source or REPO),
-                      creation_only=mode == "agent-creation"))
+                      creation_only=mode == "agent-creation", plans=(ONLINE, *plans)))
         elif mode == "static":
-            burstable = sum(p.memory_request or 0 for p in (ONLINE, OFFLINE)
+            burstable = sum(p.memory_request or 0 for p in (ONLINE, *plans)
                             if p.tier == "burstable")
             for rel, limit in static_limits(node.allocatable_bytes, burstable, 0).items():
                 node.set_limit(rel, limit)
-        online_out, offline_out = work / "online.bin", work / "offline.txt"
+        online_out, service_out = work / "online.bin", work / "service.bin"
+        offline_outs = [work / f"offline-{i}.txt" for i in range(len(plans))]
 
         async def start(plan: PodPlan, container: Container,
-                        argv: list[str]) -> subprocess.Popen[str]:
+                        argv: list[str]) -> tuple[subprocess.Popen[str], int]:
             adjust = api.ContainerAdjustment()
             if agent is not None:
                 adjust = await agent.create(plan, container)
@@ -203,54 +229,85 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                                  oom_score_adj=oom)
             if agent is not None:
                 await agent.started(plan, container, process.pid)
-            return process
+            return process, oom
 
-        online_process = await start(ONLINE, online, [
+        online_process, online_oom = await start(ONLINE, online, [
             "online", "--files", str(data / "online"), "--anon-mib",
             str(settings.online_anon_mib), "--out", str(online_out)])
         if (await read_line(online_process)).strip() != "ready":
             raise RuntimeError("the online workload did not start")
+        watched = [("online", online_process)]
+        load_process = None
+        if settings.online_rps > 0:
+            # The service: a second process of the online container.
+            service = node.spawn(online.rel, [
+                sys.executable, "-I", str(WORKLOADS), "serve", "--files", str(data / "online"),
+                "--anon-mib", str(settings.online_anon_mib), "--socket",
+                str(work / "kv.sock")], oom_score_adj=online_oom)
+            if (await read_line(service)).strip() != "ready":
+                raise RuntimeError("the online service did not start")
+            watched.append(("online service", service))
+            load_process = start_load(work / "kv.sock", settings, service_out)
+            stack.callback(stop_load, load_process)
+            if (await read_line(load_process)).strip() != "ready":
+                raise RuntimeError("the load generator did not start")
         await asyncio.sleep(SETTLE_S)
-        before = snapshot(node, online, offline)
+        before = snapshot(node, online, offlines[0])
         t0_ns, t0_unix = time.monotonic_ns(), time.time()
-        offline_process = await start(OFFLINE, offline, [
-            "offline", "--input", str(data / "input.bin"), "--output",
-            str(work / "output.bin"), "--anon-mib", str(settings.offline_anon_mib),
-            "--grow-mib-s", str(settings.offline_grow_mib_s), "--task-s",
-            str(settings.offline_task_s), "--write-every",
-            str(settings.offline_write_every), "--out", str(offline_out)])
+        for i, (plan, offline) in enumerate(zip(plans, offlines, strict=True)):
+            process, _ = await start(plan, offline, [
+                "offline", "--input", str(data / input_name(i)), "--output",
+                str(work / f"output-{i}.bin"), "--anon-mib", str(settings.offline_anon_mib),
+                "--grow-mib-s", str(settings.offline_grow_mib_s), "--task-s",
+                str(settings.offline_task_s), "--write-every",
+                str(settings.offline_write_every), "--work-rounds",
+                str(settings.offline_work_rounds), "--out", str(offline_outs[i])])
+            watched.append((f"offline {plan.name}", process))
         deadline = time.monotonic() + settings.duration_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
-            for name, process in (("online", online_process), ("offline", offline_process)):
+            for name, process in watched:
                 if process.poll() is not None:
                     problems.append(f"{name} workload ended early (status {process.returncode})")
             if problems:
                 break
-        after = snapshot(node, online, offline)
+        after = snapshot(node, online, offlines[0])
         t1_ns, t1_unix = time.monotonic_ns(), time.time()
-        await asyncio.gather(asyncio.to_thread(node.stop, offline_process),
-                             asyncio.to_thread(node.stop, online_process))
+        if load_process is not None:
+            await asyncio.to_thread(stop_load, load_process)
+        await asyncio.gather(*(asyncio.to_thread(node.stop, p) for _, p in reversed(watched)))
         samples = read_latencies(online_out)
+        service_ms, missed = read_service(service_out, t0_ns, t1_ns,
+                                          settings.service_timeout_ms)
+        work_done = [read_work(out, t1_ns) for out in offline_outs]
         records = agent.records() if agent is not None else []
         return Repetition(
             mode=mode, index=index,
             latencies_ms=[d / 1e6 for s, d in samples if t0_ns <= s < t1_ns],
             alone_ms=[d / 1e6 for s, d in samples if s < t0_ns],
-            progress=read_progress(offline_out, t0_ns, t1_ns),
+            progress=merge_progress([read_progress(out, t0_ns, t1_ns) for out in offline_outs]),
             indicators=indicator_deltas(before, after, (t1_ns - t0_ns) / 1e9),
             actions=summarize_actions(records, t0_unix, t1_unix),
             events=timeline(records, t0_unix, t1_unix),
-            adjustments=adjustments, problems=problems)
+            adjustments=adjustments, problems=problems,
+            service_ms=service_ms, service_missed=missed,
+            work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done))
 
 
 # -- data -----------------------------------------------------------------------------------------
 
 
+def input_name(pod: int) -> str:
+    """The data set of offline pod ``pod`` (each pod streams its own)."""
+    return "input.bin" if pod == 0 else f"input-{pod}.bin"
+
+
 def prepare_data(data: Path, settings: Settings) -> None:
-    """The online file set and the offline input, written from inside a node (its page cache
-    charged there, never to the machine) and dropped from the cache; kept when already there."""
-    wanted = {data / "input.bin": settings.offline_input_mib}
+    """The online file set and the offline pods' data sets (``offline_input_mib`` shared among
+    them), written from inside a node (its page cache charged there, never to the machine) and
+    dropped from the cache; kept when already there."""
+    wanted = {data / input_name(i): max(settings.offline_input_mib // settings.offline_pods, 1)
+              for i in range(settings.offline_pods)}
     files = 8
     for i in range(files):
         wanted[data / "online" / f"part{i}.bin"] = max(settings.online_files_mib // files, 1)
@@ -274,8 +331,6 @@ def prepare_data(data: Path, settings: Settings) -> None:
     finally:
         node.close()
 
-
-# -- results --------------------------------------------------------------------------------------
 
 # -- driving --------------------------------------------------------------------------------------
 
@@ -310,9 +365,14 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
             if index:
                 reps.append(rep)
             lat = sorted(rep.latencies_ms)
+            service = (f"service p99 {fmt(rep_p99(rep), 2)} ms ({rep.service_missed} missed); "
+                       if rep.service_ms or rep.service_missed else "")
             print(f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
-                  f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); offline "
-                  f"{rep.offline_mb:.0f} MiB; agent: {rep.actions or '-'}", flush=True)
+                  f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); {service}"
+                  f"offline {rep.offline_mb:.0f} MiB, {rep.work_mib:.0f} MiB checksummed in "
+                  f"{rep.work_cpu_s:.1f} CPU s; agent: {rep.actions or '-'}", flush=True)
+            for problem in rep.problems:
+                print(f"  {problem}", flush=True)
         finally:
             if not keep:
                 shutil.rmtree(work, ignore_errors=True)
@@ -345,45 +405,16 @@ def run_dir() -> Iterator[Path]:
         yield Path(tmp)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=90.0,
-                        help="seconds of each repetition's window (the offline job's run)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of each mode")
-    parser.add_argument("--quick", action="store_true",
-                        help="a short run: 20 s windows, one counted block after the warm-up")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated, of " + ", ".join(MODES) + " (kubelet-memoryqos "
-                             "only where the memory controller is cgroup v2); default: all")
-    parser.add_argument("--seed", type=int, help="of the blocks' order (default: drawn, and "
-                                                 "printed)")
-    parser.add_argument("--idle-s", type=float, default=5.0,
-                        help="idle time after the caches are dropped, before each repetition")
-    parser.add_argument("--node-mib", type=int, default=3072)
-    parser.add_argument("--reserved-mib", type=int, default=256,
-                        help="the node's memory kept from kubepods (system reserved)")
-    parser.add_argument("--online-files-mib", type=int, default=256)
-    parser.add_argument("--online-anon-mib", type=int, default=64)
-    parser.add_argument("--offline-anon-mib", type=int, default=2048)
-    parser.add_argument("--offline-grow-mib-s", type=float, default=1024.0)
-    parser.add_argument("--offline-task-s", type=float, default=6.0,
-                        help="each task of the offline job grows its buffer, then frees it")
-    parser.add_argument("--offline-input-mib", type=int, default=1024,
-                        help="the offline job's data set, read over and over (its epochs)")
-    parser.add_argument("--offline-write-every", type=int, default=8,
-                        help="the offline job writes 1 MiB per this many MiB read")
-    parser.add_argument("--agent-from", default="",
-                        help="run the agent from this source tree (python -m nri_plugin there), "
-                             "to compare versions; default: this one")
-    parser.add_argument("--data-dir", help="where the data files are kept (reused when there); "
-                                           "default: this run's directory under /var/tmp")
-    parser.add_argument("--keep", help="keep each repetition's work directory (agent log, "
-                                       "audit trail, raw samples) under this directory")
-    parser.add_argument("--plot", help="draw the latency CDFs and offline progress into this PNG")
-    parser.add_argument("--json", help="write the raw results here")
-    parser.add_argument("--from-json", help="print (and --plot) earlier raw results; no run")
-    args = parser.parse_args()
+def machine_mib() -> int:
+    """The machine's memory (MemTotal), MiB."""
+    return int(Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]) // 1024
 
+
+def main() -> int:
+    args = parser(__doc__.split("\n\n")[0]).parse_args()
+    if args.list_scenarios:
+        print(list_scenarios())
+        return 0
     if args.from_json:
         reps, settings, machine = from_json(Path(args.from_json).read_text())
     else:
@@ -392,32 +423,36 @@ def main() -> int:
             print(f"colocation: cannot run here ({problem})")
             print("online p99 ms: -; offline MiB: -")
             return 1
-        settings = Settings(
-            duration_s=20.0 if args.quick else args.duration, reps=1 if args.quick else args.reps,
-            node_mib=args.node_mib, reserved_mib=args.reserved_mib,
-            online_files_mib=args.online_files_mib, online_anon_mib=args.online_anon_mib,
-            offline_anon_mib=args.offline_anon_mib, offline_grow_mib_s=args.offline_grow_mib_s,
-            offline_task_s=args.offline_task_s,
-            offline_input_mib=args.offline_input_mib,
-            offline_write_every=args.offline_write_every,
-            modes=modes_for([m.strip() for m in args.modes.split(",") if m.strip()],
-                            v2_memory()),
-            seed=args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31),
-            idle_s=2.0 if args.quick else args.idle_s,
-            agent_source=str(Path(args.agent_from).resolve()) if args.agent_from else "")
+        try:
+            settings, sizing = settings_from(args, machine_mib(), v2_memory())
+        except ValueError as exc:
+            print(f"colocation: {exc}")
+            print("online p99 ms: -; offline MiB: -")
+            return 2
+        if SCENARIOS[settings.scenario].whole_machine:
+            # The node is this whole machine (a guest of the scenario's size): what keeps a
+            # node from putting the machine at risk has nothing left to protect.
+            kubelet_node.MAX_NODE_BYTES = max(kubelet_node.MAX_NODE_BYTES,
+                                              settings.node_mib * MIB)
         for gone in sweep("coloc") + sweep("colocdata"):
             print(f"removed a cgroup left by an earlier run: {gone}")
         version = "v2" if v2_memory() else "v1"
         machine = machine_facts(version)
         print(f"machine: kernel {machine['kernel']}, {machine['cpus']} CPUs, "
               f"{machine['memory']}; memory cgroup {version}")
+        print(f"scenario {settings.scenario}: {SCENARIOS[settings.scenario].summary}")
         print(f"node: {settings.node_mib} MiB (kubepods {settings.node_mib - settings.reserved_mib}"
               f" MiB); online: {settings.online_anon_mib} MiB anonymous + "
-              f"{settings.online_files_mib} MiB of files; offline: tasks of "
+              f"{settings.online_files_mib} MiB of files"
+              + (f", and a key-value service of as much anonymous memory at "
+                 f"{settings.online_rps:g} requests/s" if settings.online_rps > 0 else "")
+              + f"; offline: {settings.offline_pods} pod(s), tasks of "
               f"{settings.offline_task_s:g} s, each growing a {settings.offline_anon_mib} MiB "
               f"buffer at {settings.offline_grow_mib_s:g} MiB/s; streams "
               f"{settings.offline_input_mib} MiB, writes 1 MiB per "
-              f"{settings.offline_write_every} MiB read")
+              f"{settings.offline_write_every} MiB read, SHA-256 x "
+              f"{settings.offline_work_rounds} per MiB")
+        print(sizing)
         with run_dir() as scratch:
             data = Path(args.data_dir) if args.data_dir else scratch / "data"
             data.mkdir(parents=True, exist_ok=True)
@@ -432,6 +467,7 @@ def main() -> int:
     if args.json and not args.from_json:
         Path(args.json).write_text(as_json(reps, settings, machine))
     print_table(reps, settings)
+    print_service_table(reps, settings)
     if args.plot:
         plot(reps, Path(args.plot),
              f"{settings.node_mib} MiB node on Linux {machine['kernel']}, cgroup "

@@ -37,8 +37,10 @@ class Agent:
     synchronized and settled; left, all is gone."""
 
     def __init__(self, node: KubeletNode, work: Path, source: Path, *,
-                 creation_only: bool = False) -> None:
+                 creation_only: bool = False,
+                 plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE)) -> None:
         self.node = node
+        self.plans = plans
         self.creation_only = creation_only
         self.source = source
         self.work = work
@@ -67,7 +69,7 @@ class Agent:
         async with contextlib.AsyncExitStack() as stack:
             server = stack.enter_context(FakeApiServer())
             server.add_node(NODE_NAME)
-            for plan in (ONLINE, OFFLINE):
+            for plan in self.plans:
                 memory = {"main": (_quantity(plan.memory_request), _quantity(plan.memory_limit))}
                 server.add_pod(make_pod(plan.name, namespace=plan.namespace, node=NODE_NAME,
                                         uid=plan.uid, memory=memory))

@@ -33,12 +33,69 @@ def read_progress(path: Path, t0_ns: int, t1_ns: int) -> list[tuple[float, float
         return points
     for line in path.read_text().splitlines():
         fields = line.split()
-        if len(fields) != 4:
+        if len(fields) < 4:
             continue
         at, read, written = int(fields[0]), int(fields[1]), int(fields[2])
         if at <= t1_ns:
             points.append(((at - t0_ns) / 1e9, (read + written) / MIB))
     return points
+
+
+def read_work(path: Path, t1_ns: int) -> tuple[float, float]:
+    """The offline job's work by ``t1_ns``: MiB checksummed and CPU seconds spent on it."""
+    work = (0.0, 0.0)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6 and int(fields[0]) <= t1_ns:
+                work = (int(fields[4]) / MIB, int(fields[5]) / 1e9)
+    return work
+
+
+def merge_progress(series: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Several pods' progress as one: at each time any of them reported, the sum of what each
+    had done by then."""
+    if len(series) == 1:
+        return list(series[0])
+    times = sorted({t for points in series for t, _ in points})
+    merged = []
+    for t in times:
+        total = 0.0
+        for points in series:
+            at = bisect.bisect_right([p[0] for p in points], t) - 1
+            total += points[at][1] if at >= 0 else 0.0
+        merged.append((t, total))
+    return merged
+
+
+def read_service(path: Path, t0_ns: int, t1_ns: int,
+                 timeout_ms: float) -> tuple[list[float], int]:
+    """The service's requests due in the window: the latencies (ms, from the due time) of those
+    answered within the timeout, and how many were not (missed)."""
+    values = array.array("q")
+    if path.exists():
+        data = path.read_bytes()
+        values.frombytes(data[: len(data) // 16 * 16])
+    answered, missed = [], 0
+    for due, latency in zip(values[0::2], values[1::2], strict=True):
+        if not t0_ns <= due < t1_ns:
+            continue
+        if latency < 0 or latency > timeout_ms * 1e6:
+            missed += 1
+        else:
+            answered.append(latency / 1e6)
+    return answered, missed
+
+
+def tail_percentile(answered_ms: Sequence[float], missed: int, q: float) -> float:
+    """The q-quantile (nearest rank) of the latencies of all requests due, a missed request
+    counting as infinitely late: a tail that reaches the misses is infinite, never hidden."""
+    n = len(answered_ms) + missed
+    if not n:
+        return math.nan
+    rank = max(math.ceil(q * n), 1) - 1
+    ordered = sorted(answered_ms)
+    return ordered[rank] if rank < len(ordered) else math.inf
 
 
 def summarize_actions(records: Sequence[tuple[float, str, dict[str, Any]]], start: float,
@@ -98,6 +155,8 @@ def mean(values: Sequence[float | None]) -> float | None:
 def fmt(value: float | None, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
+    if math.isinf(value):
+        return "inf"
     return f"{value:,.{digits}f}"
 
 
@@ -165,8 +224,62 @@ def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
         print(f"applied from the agent's CreateContainer answers: {'; '.join(applied)}")
 
 
+SERVICE_COLUMNS = ("mode", "rep", "requests", "p50", "p99", "p99.9", "missed", "offline MiB",
+                   "work MiB", "work CPU s", "MiB/CPU s")
+
+
+def served(reps: Sequence[Repetition]) -> bool:
+    return any(r.service_ms or r.service_missed for r in reps)
+
+
+def service_rows(reps: Sequence[Repetition]) -> list[list[str]]:
+    rows = []
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        for r in [*mine, None]:
+            group = mine if r is None else [r]
+            answered = [v for g in group for v in g.service_ms]
+            missed = sum(g.service_missed for g in group)
+            work = mean([g.work_mib for g in group]) or 0.0
+            cpu = mean([g.work_cpu_s for g in group]) or 0.0
+            rows.append([
+                mode, "all" if r is None else str(r.index), str(len(answered) + missed),
+                *(fmt(tail_percentile(answered, missed, q), 2) for q in (0.5, 0.99, 0.999)),
+                str(missed), fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
+                fmt(cpu, 1), fmt(work / cpu if cpu else None, 0)])
+    return rows
+
+
+def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
+    rows = service_rows(reps)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(SERVICE_COLUMNS)]
+    service = (f"online key-value service at {settings.online_rps:g} requests/s, open loop "
+               f"(ms from each request's due time; missed: no answer within "
+               f"{settings.service_timeout_ms:g} ms, infinitely late in the percentiles)"
+               if served(reps) else "no online service in this run")
+    print(f"{service}; offline work: MiB checksummed (SHA-256 x {settings.offline_work_rounds}) "
+          f"and the CPU seconds it took, mean per repetition")
+    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                    enumerate(zip(SERVICE_COLUMNS, widths, strict=True))))
+    for row in rows:
+        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
+                        enumerate(zip(row, widths, strict=True))))
+
+
 def rep_p99(rep: Repetition) -> float:
+    """A repetition's online p99: the service's when it ran, else the probe's."""
+    if rep.service_ms or rep.service_missed:
+        return tail_percentile(rep.service_ms, rep.service_missed, 0.99)
     return percentile(sorted(rep.latencies_ms), 0.99)
+
+
+def mode_p99(reps: Sequence[Repetition], mode: str) -> float:
+    """A mode's pooled online p99: the service's when it ran, else the probe's."""
+    mine = [r for r in reps if r.mode == mode]
+    if served(mine):
+        return tail_percentile([v for r in mine for v in r.service_ms],
+                               sum(r.service_missed for r in mine), 0.99)
+    return percentile(sorted(v for r in mine for v in r.latencies_ms), 0.99)
 
 
 def intervals(reps: Sequence[Repetition], seed: int) -> dict[str, dict[str, tuple[float, float]]]:
@@ -192,11 +305,12 @@ def print_intervals(reps: Sequence[Repetition], seed: int) -> None:
 
 def final_line(reps: Sequence[Repetition]) -> str:
     """``online p99 ms: unmanaged=… static=… …; offline MiB: unmanaged=… …`` over the modes
-    that ran, in the order of MODES (pooled p99; mean offline MiB per repetition)."""
+    that ran, in the order of MODES (pooled p99: the online service's when it ran, else the
+    probe's; mean offline MiB per repetition)."""
     ran = [m for m in MODES if any(r.mode == m for r in reps)]
 
     def p99(mode: str) -> float:
-        return percentile(sorted(v for r in reps if r.mode == mode for v in r.latencies_ms), 0.99)
+        return mode_p99(reps, mode)
 
     def mib(mode: str) -> float:
         return mean([r.offline_mb for r in reps if r.mode == mode]) or 0.0
@@ -271,8 +385,29 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
 
 
 
+def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
+    """Per mode, pooled: the probe's and the service's p50/p99/p99.9 (ms), the service's
+    requests and misses, the offline MiB, work MiB and work CPU seconds (mean per repetition)."""
+    found: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        probe = sorted(v for r in mine for v in r.latencies_ms)
+        answered = [v for r in mine for v in r.service_ms]
+        missed = sum(r.service_missed for r in mine)
+        found[mode] = {
+            "probe_ms": {f"p{100 * q:g}": percentile(probe, q) for q in (0.5, 0.99, 0.999)},
+            "service_ms": {f"p{100 * q:g}": tail_percentile(answered, missed, q)
+                           for q in (0.5, 0.99, 0.999)},
+            "service_requests": len(answered) + missed, "service_missed": missed,
+            "offline_mib": mean([r.offline_mb for r in mine]),
+            "work_mib": mean([r.work_mib for r in mine]),
+            "work_cpu_s": mean([r.work_cpu_s for r in mine])}
+    return found
+
+
 def as_json(reps: Sequence[Repetition], settings: Settings, machine: dict[str, str]) -> str:
     return json.dumps({"settings": dataclasses.asdict(settings), "machine": machine,
+                       "summary": summary(reps),
                        "repetitions": [dataclasses.asdict(r) for r in reps]})
 
 

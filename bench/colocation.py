@@ -1,14 +1,23 @@
 """Colocation: does nri-qos keep an online workload's latency beside a memory-hungry offline job?
 
 On this machine's real kernel, a private node (:mod:`bench.kubelet_node`: a child cgroup of the
-memory hierarchy with a limit, laid out as kubelet lays out its cgroups) runs two pods:
+memory hierarchy with a limit, laid out as kubelet lays out its cgroups; in a ``whole_machine``
+scenario, a guest's whole memory) runs the pods of a scenario (:mod:`bench.colocation_plan`,
+``--scenario``, ``--list-scenarios``):
 
-* **online**, a Burstable pod (memory request 512 MiB, limit 1 GiB, CPU request 1): fixed work
-  per iteration touching its own anonymous memory and reading a file set through the page cache
-  (:mod:`bench.colocation_workloads`); every iteration's latency is recorded;
-* **offline**, a BestEffort pod (no limit), started once the online one is warm: it grows
-  anonymous memory and streams a file larger than the node through the page cache, writing
-  an output as it goes; its progress (bytes read and written) is recorded over time.
+* **online**, a Burstable pod (memory request 512 MiB, limit 1 GiB, CPU request 1) of two
+  processes (:mod:`bench.colocation_workloads`): a probe, fixed work per iteration touching its
+  own anonymous memory and reading a file set through the page cache, every iteration's latency
+  recorded; and a key-value service on a unix socket whose requests touch its own anonymous
+  memory and read the same files, driven from outside the node by an open-loop load generator
+  (``--online-rps``: latency from each request's due time, so queueing shows; a request not
+  answered within ``--service-timeout-ms`` is counted as missed);
+* **offline**, one or two BestEffort pods (no limit), started once the online one is warm: each
+  runs tasks that grow anonymous memory while it streams its data set through the page cache,
+  checksums every MiB (its CPU work) and writes an output; its progress (MiB read and written,
+  MiB checksummed, CPU seconds spent) is recorded over time. The data set
+  (``--offline-input-mib``) defaults to a size that fits beside the offline job's anonymous
+  peak in what the node leaves it unmanaged, and does not once its tier is squeezed (printed).
 
 Each repetition runs the scenario on a fresh node in one of the modes of
 :mod:`bench.baselines`: ``unmanaged`` (kubelet's defaults), ``static`` (kubelet's QOSReserved
@@ -25,16 +34,21 @@ Method: a warm-up block of every mode (not counted), then ``--reps`` blocks of e
 each block in an order drawn from ``--seed`` (printed); before each repetition the caches are
 dropped and the machine left idle (``--idle-s``); each repetition writes its output into a
 fresh directory. The window is the offline job's run: from its start for ``--duration``
-seconds. Printed: one table (online iteration latency p50/p99/p99.9 over the window; the
+seconds. Printed: a table (online probe iteration latency p50/p99/p99.9 over the window; the
 kernel's reclaim indicators for the online container: major faults, refaults of evicted file
 pages, its stall on memory, io and cpu from PSI; how often ``kubepods`` hit its limit; offline
-progress in MiB; what the agent did, from its audit records), each mode's bootstrap 95 %
+progress in MiB; what the agent did, from its audit records), a second table (the service's
+p50/p99/p99.9 and misses, the offline MiB, MiB checksummed and CPU seconds), each mode's
+bootstrap 95 %
 intervals of the per-repetition p99 (median) and of the offline MiB (mean), and last the line
 ``online p99 ms: unmanaged=… static=… kubelet-memoryqos=… agent-creation=… agent=…; offline MiB:
-unmanaged=… …`` (pooled p99; mean MiB per repetition; modes not run left out). ``--plot`` draws
+unmanaged=… …`` (pooled p99, the service's when it ran; mean MiB per repetition; modes not run
+left out). ``--plot`` draws
 the latency CDFs and the offline progress over time (matplotlib, the ``bench`` extra).
 
-    python bench/colocation.py [--duration 90] [--reps 3] [--quick] [--modes M,M] [--seed N]
+    python bench/colocation.py [--scenario NAME] [--duration 90] [--reps 3] [--quick]
+                               [--modes M,M] [--seed N] [--online-rps 200]
+                               [--offline-input-mib N] [--offline-work-rounds 1]
                                [--idle-s 5] [--plot PNG] [--json PATH] [--keep DIR]
                                [--data-dir DIR] [--agent-from SOURCE_TREE]
     python bench/colocation.py --from-json PATH [--plot PNG]     # the table (and plot) again
@@ -429,7 +443,7 @@ def main() -> int:
             print(f"colocation: {exc}")
             print("online p99 ms: -; offline MiB: -")
             return 2
-        if SCENARIOS[settings.scenario].whole_machine:
+        if SCENARIOS[settings.scenario].whole_machine and settings.node_mib <= machine_mib():
             # The node is this whole machine (a guest of the scenario's size): what keeps a
             # node from putting the machine at risk has nothing left to protect.
             kubelet_node.MAX_NODE_BYTES = max(kubelet_node.MAX_NODE_BYTES,

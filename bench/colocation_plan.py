@@ -2,8 +2,10 @@
 repetition's record (:mod:`bench.colocation`).
 
 Scenarios are data: each names a node size and the workloads' shape, and feeds the same script
-(``--scenario NAME``; ``--list-scenarios``). Only ``main`` was ever looked at while the agent's
-defaults were chosen; the others are held out.
+(``--scenario NAME``; ``--list-scenarios``). Only ``main`` (a 3 GiB node memcg, on any machine)
+was ever looked at while the agent's defaults were chosen; the others are held out, and each is a
+node that is a whole machine (a guest of that size), so that global reclaim, kswapd and the
+memory guard's own computation are those of a real node.
 """
 
 from __future__ import annotations
@@ -62,15 +64,18 @@ SCENARIOS = {s.name: s for s in (
              4096, whole_machine=True),
     Scenario("node-8g", "main's workloads on a node that is a whole 8 GiB machine (a guest)",
              8192, whole_machine=True),
+    # The held-out workloads, each on a whole 4 GiB machine.
     Scenario("streaming", "the offline job streams a data set larger than its room in the node "
-             "and never grows anonymous memory", 3072, offline_anon_mib=0, input_share=1.5),
+             "and never grows anonymous memory", 4096, True, offline_anon_mib=0,
+             input_share=1.5),
     Scenario("growing-anon", "the offline job grows anonymous memory steadily (32 MiB/s, never "
-             "freed) while it streams", 3072, offline_anon_mib=2560, offline_grow_mib_s=32.0,
-             offline_task_s=1e9),
+             "freed) while it streams", 4096, True, offline_anon_mib=3072,
+             offline_grow_mib_s=32.0, offline_task_s=1e9),
     Scenario("two-offline", "two offline pods, each of 6 s tasks growing a 1 GiB buffer",
-             3072, offline_pods=2, offline_anon_mib=1024),
+             4096, True, offline_pods=2, offline_anon_mib=1024),
     Scenario("anon-online", "the online pod's working set is mostly anonymous (384 MiB per "
-             "process, 32 MiB of files)", 3072, online_anon_mib=384, online_files_mib=32),
+             "process, 32 MiB of files)", 4096, True, online_anon_mib=384,
+             online_files_mib=32),
 )}
 
 

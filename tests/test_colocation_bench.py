@@ -380,7 +380,7 @@ def test_every_scenario_makes_settings() -> None:
         assert settings.node_mib == (machine if scenario.whole_machine else scenario.node_mib)
         assert settings.offline_input_mib >= 64
         assert f"offline data set {settings.offline_input_mib} MiB" in how
-    streaming, how = settings_from(args_for("--scenario", "streaming"), 23 * 1024, v2=False)
+    streaming, how = settings_from(args_for("--scenario", "streaming"), 3900, v2=False)
     assert streaming.offline_anon_mib == 0
     assert "does not fit even unmanaged" in how
     given, how = settings_from(args_for("--offline-input-mib", "500", "--online-rps", "0"),

@@ -398,7 +398,7 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
 def machine_facts(version: str) -> dict[str, str]:
     meminfo = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()
     return {"kernel": os.uname().release, "cpus": str(CPUS),
-            "memory": f"{int(meminfo[1]) // 1024 // 1024} GiB", "cgroup": version}
+            "memory": f"{int(meminfo[1]) // 1024} MiB", "cgroup": version}
 
 
 RUN_DIRS = Path("/var/tmp")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import json
 import math
 import os
 import subprocess
@@ -39,7 +40,9 @@ from bench.colocation_plan import (
     online_held_mib,
 )
 from bench.colocation_report import (
+    as_json,
     final_line,
+    from_json,
     merge_progress,
     percentile,
     read_latencies,
@@ -47,6 +50,7 @@ from bench.colocation_report import (
     read_service,
     read_work,
     rep_p99,
+    service_rows,
     tail_percentile,
 )
 from bench.colocation_workloads import MISS, arrival_ns, count_misses
@@ -428,3 +432,21 @@ def test_the_service_answers_an_open_loop_load(tmp_path: Path) -> None:
     # one due time every 10 ms, whatever the answers did
     assert {b - a for a, b in itertools.pairwise(due)} <= {10_000_000}
     assert all(v == MISS or v > 0 for v in records[1::2])
+
+
+def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
+    served = rep("agent", [1.0] * 10, 10.0)
+    served.service_ms, served.service_missed = [2.0] * 9, 1
+    served.work_mib, served.work_cpu_s = 8.0, 0.5
+    settings, _ = settings_from(args_for("--quick", "--seed", "3"), 23 * 1024, v2=False)
+    text = as_json([served], settings, {"kernel": "k"})
+    found = json.loads(text)["summary"]["agent"]
+    assert found["service_ms"]["p50"] == 2.0
+    assert found["service_ms"]["p99.9"] == math.inf
+    assert (found["service_requests"], found["service_missed"]) == (10, 1)
+    assert (found["work_mib"], found["work_cpu_s"]) == (8.0, 0.5)
+    reps, again, machine = from_json(text)
+    assert reps == [served]
+    assert again == settings
+    assert machine == {"kernel": "k"}
+    assert service_rows(reps)[0][2:7] == ["10", "2.00", "inf", "inf", "1"]

@@ -8,6 +8,8 @@ not the benchmark's imports::
     python colocation_workloads.py offline --input FILE --output FILE --output-mib 512 \\
                                            --anon-mib 2048 --grow-mib-s 1024 --task-s 6 \\
                                            --write-every 8 --out FILE
+    python colocation_workloads.py serve   --files DIR --anon-mib 64 --reads 4 --socket PATH
+    python colocation_workloads.py load    --socket PATH --rps 200 --timeout-ms 1000 --out FILE
     python colocation_workloads.py write   --path FILE --mib N
 
 * **online**: fixed work per iteration: write one byte into every page of its own anonymous
@@ -22,20 +24,39 @@ not the benchmark's imports::
   set (a sort or shuffle buffer) by ``--grow-mib-s`` up to ``--anon-mib`` while it streams,
   and frees it when it ends. Four times a second it appends ``<monotonic ns> <bytes read>
   <bytes written> <anonymous bytes>`` to ``--out``.
+  Each MiB read is checksummed ``--work-rounds`` times (SHA-256: the job's CPU work per MiB);
+  the progress line also carries ``<bytes checksummed> <CPU ns spent checksumming>``.
+* **serve**: a key-value server on a unix socket: values live in its own anonymous memory
+  (``--anon-mib``, in slots of ``--value-kib``) and in a file set read through the page cache.
+  A request is a key (8 bytes, little-endian); serving it writes one byte into every page of
+  the key's slot and reads ``--reads`` blocks of ``--value-kib`` from the files at offsets the
+  key chooses; the answer is the key. One connection at a time, requests answered in order.
+* **load**: an open-loop load generator for ``serve``: request ``i`` is due at ``start + i /
+  --rps`` and is sent then whatever came back before (a slow server queues requests, it does
+  not slow the arrivals); each request's latency is measured from its due time to its answer.
+  A request not answered within ``--timeout-ms`` (or not at all: the server gone) is a miss.
+  At the end it appends ``(due ns, latency ns)`` pairs (signed 64-bit; latency -1 for a miss)
+  to ``--out``.
 * **write**: write a file of ``--mib`` MiB, flush it to disk and drop it from the page cache
-  (data for the other two).
+  (data for the others).
 
-``online`` prints ``ready`` once its files are cached; both run until a line ``stop`` (or the end
-of input) arrives on stdin, then print ``done`` and exit.
+``online`` and ``serve`` print ``ready`` once their files are cached, ``load`` once it is
+connected; all but ``write`` run until a line ``stop`` (or the end of input) arrives on stdin,
+then print ``done`` and exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import collections
+import contextlib
+import hashlib
 import mmap
 import os
 import random
+import socket
+import struct
 import sys
 import threading
 import time
@@ -121,7 +142,7 @@ def offline(args: argparse.Namespace) -> None:
                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     chunk = b"\x01" * (MIB // mmap.PAGESIZE)
     block = b"\x5a" * MIB
-    grown = read = written = 0
+    grown = read = written = checked = work_ns = 0
     stop = stopper()
     task = time.monotonic()
     reported = 0.0
@@ -135,20 +156,168 @@ def offline(args: argparse.Namespace) -> None:
             while grown < min(limit, int((now - task) * args.grow_mib_s) * MIB):
                 anon[grown:grown + MIB:mmap.PAGESIZE] = chunk
                 grown += MIB
-            got = len(os.read(source, MIB))
+            data = os.read(source, MIB)
+            got = len(data)
             if not got:
                 os.lseek(source, 0, os.SEEK_SET)
                 continue
             read += got
+            began = time.thread_time_ns()
+            for _ in range(args.work_rounds):
+                hashlib.sha256(data).digest()
+            work_ns += time.thread_time_ns() - began
+            checked += got
             if read // MIB % args.write_every == 0:
                 if os.lseek(sink, 0, os.SEEK_CUR) >= args.output_mib * MIB:
                     os.lseek(sink, 0, os.SEEK_SET)
                 written += os.write(sink, block)
             if now - reported >= PROGRESS_S:
-                out.write(f"{time.monotonic_ns()} {read} {written} {grown}\n")
+                out.write(f"{time.monotonic_ns()} {read} {written} {grown} {checked} {work_ns}\n")
                 out.flush()
                 reported = now
-        out.write(f"{time.monotonic_ns()} {read} {written} {grown}\n")
+        out.write(f"{time.monotonic_ns()} {read} {written} {grown} {checked} {work_ns}\n")
+    say("done")
+
+
+KEY = struct.Struct("<Q")
+MISS = -1
+
+
+def arrival_ns(start_ns: int, rps: float, i: int) -> int:
+    """When request ``i`` of an open-loop load at ``rps`` is due."""
+    return start_ns + round(i * 1e9 / rps)
+
+
+def count_misses(latencies_ns: list[int], timeout_ns: int) -> int:
+    """Requests not answered (``MISS``) or answered after ``timeout_ns``."""
+    return sum(1 for v in latencies_ns if v == MISS or v > timeout_ns)
+
+
+def block_offsets(key: int, reads: int, blocks: int) -> list[int]:
+    """The blocks of the file set a key's request reads (a cheap hash: same key, same blocks)."""
+    return [((key + 1) * 0x9E3779B97F4A7C15 + r * 0xBF58476D1CE4E5B9) % (1 << 64) % blocks
+            for r in range(reads)]
+
+
+def serve(args: argparse.Namespace) -> None:
+    value = args.value_kib * 1024
+    slots = max(args.anon_mib * MIB // value, 1)
+    anon = mmap.mmap(-1, slots * value, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    anon[::mmap.PAGESIZE] = b"\x01" * (slots * value // mmap.PAGESIZE)
+    ones = b"\x02" * max(value // mmap.PAGESIZE, 1)
+    fds = []
+    for path in sorted(p for p in Path(args.files).iterdir() if p.is_file()):
+        fd = os.open(path, os.O_RDONLY)
+        while os.read(fd, MIB):
+            pass
+        fds.append((fd, max(os.fstat(fd).st_size // value, 1)))
+    blocks = sum(n for _, n in fds)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(args.socket)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(args.socket)
+    server.listen(4)
+    server.settimeout(0.2)
+    stop = stopper()
+    say("ready")
+    while not stop.is_set():
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(0.2)
+        pending = b""
+        with conn:
+            while not stop.is_set():
+                try:
+                    got = conn.recv(65536)
+                except TimeoutError:
+                    continue
+                if not got:
+                    break
+                pending += got
+                whole = len(pending) // KEY.size * KEY.size
+                answers = []
+                for (key,) in KEY.iter_unpack(pending[:whole]):
+                    slot = key % slots * value
+                    anon[slot:slot + value:mmap.PAGESIZE] = ones
+                    for block in block_offsets(key, args.reads, blocks):
+                        for fd, n in fds:
+                            if block < n:
+                                os.pread(fd, value, block * value)
+                                break
+                            block -= n
+                    answers.append(KEY.pack(key))
+                pending = pending[whole:]
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"".join(answers))
+    server.close()
+    say("done")
+
+
+def load(args: argparse.Namespace) -> None:
+    timeout_ns = int(args.timeout_ms * 1e6)
+    stop = stopper()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(args.socket)
+    lock = threading.Lock()
+    due: collections.deque[int] = collections.deque()  # sent, not answered, in order
+    done: list[tuple[int, int]] = []
+
+    def receive() -> None:
+        buffer = b""
+        while True:
+            try:
+                got = conn.recv(65536)
+            except OSError:
+                return
+            if not got:
+                return
+            now = time.monotonic_ns()
+            buffer += got
+            with lock:
+                for _ in range(len(buffer) // KEY.size):
+                    at = due.popleft()
+                    done.append((at, now - at))
+            buffer = buffer[len(buffer) // KEY.size * KEY.size:]
+
+    reader = threading.Thread(target=receive, daemon=True)
+    reader.start()
+    start = time.monotonic_ns() + 20_000_000
+    i = 0
+    gone = False
+    say("ready")
+    while not stop.is_set():
+        at = arrival_ns(start, args.rps, i)
+        wait = at - time.monotonic_ns()
+        if wait > 0:
+            stop.wait(wait / 1e9)
+            if stop.is_set():
+                break
+        if gone:
+            done.append((at, MISS))  # the server is gone: due, never answered
+        else:
+            with lock:
+                due.append(at)
+            try:
+                conn.sendall(KEY.pack(i))
+            except OSError:
+                gone = True
+        i += 1
+    # the last answers, up to the timeout; what is still out is missed
+    deadline = time.monotonic_ns() + timeout_ns
+    while time.monotonic_ns() < deadline and reader.is_alive():
+        with lock:
+            if not due:
+                break
+        time.sleep(0.01)
+    conn.close()
+    with lock:
+        done.extend((at, MISS) for at in due)
+        done.sort()
+        out = array.array("q", [v for pair in done for v in pair])
+    with open(args.out, "ab") as f:
+        out.tofile(f)
     say("done")
 
 
@@ -180,12 +349,25 @@ def main() -> None:
     off.add_argument("--grow-mib-s", type=float, default=1024.0)
     off.add_argument("--task-s", type=float, default=6.0)
     off.add_argument("--write-every", type=int, default=8)
+    off.add_argument("--work-rounds", type=int, default=1)
     off.add_argument("--out", required=True)
+    sv = commands.add_parser("serve")
+    sv.add_argument("--files", required=True)
+    sv.add_argument("--anon-mib", type=int, default=64)
+    sv.add_argument("--value-kib", type=int, default=16)
+    sv.add_argument("--reads", type=int, default=4)
+    sv.add_argument("--socket", required=True)
+    ld = commands.add_parser("load")
+    ld.add_argument("--socket", required=True)
+    ld.add_argument("--rps", type=float, default=200.0)
+    ld.add_argument("--timeout-ms", type=float, default=1000.0)
+    ld.add_argument("--out", required=True)
     wr = commands.add_parser("write")
     wr.add_argument("--path", required=True)
     wr.add_argument("--mib", type=int, required=True)
     args = parser.parse_args()
-    {"online": online, "offline": offline, "write": write}[args.command](args)
+    {"online": online, "offline": offline, "serve": serve, "load": load,
+     "write": write}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ controller."""
 
 from __future__ import annotations
 
+import array
+import itertools
+import json
+import math
 import os
 import subprocess
 import sys
@@ -23,15 +27,32 @@ from bench.baselines import (
     modes_for,
     static_limits,
 )
-from bench.colocation import (
-    WORKLOADS,
+from bench.colocation import WORKLOADS
+from bench.colocation_agent import apply_adjustment
+from bench.colocation_cli import list_scenarios, node_mib_for, parser, settings_from
+from bench.colocation_plan import (
+    INTERPRETER_MIB,
+    SCENARIOS,
     Repetition,
-    apply_adjustment,
+    anon_peak_mib,
+    default_input_mib,
+    online_held_mib,
+)
+from bench.colocation_report import (
+    as_json,
     final_line,
+    from_json,
+    merge_progress,
     percentile,
     read_latencies,
     read_progress,
+    read_service,
+    read_work,
+    rep_p99,
+    service_rows,
+    tail_percentile,
 )
+from bench.colocation_workloads import MISS, arrival_ns, count_misses
 from bench.kubelet_node import (
     CGROUP,
     GIB,
@@ -281,3 +302,149 @@ def test_bootstrap_interval() -> None:
     assert bootstrap_interval([5.0] * 4, lambda v: sum(v) / len(v), seed=1) == (5.0, 5.0)
     nothing = bootstrap_interval([], lambda v: 0.0, seed=1)
     assert nothing[0] != nothing[0]  # NaN
+
+
+# -- the online service, the offline work, the scenarios ------------------------------------------
+
+def test_open_loop_arrivals_are_fixed_by_the_rate_not_by_the_answers() -> None:
+    assert [arrival_ns(1_000, 200.0, i) for i in range(4)] == [
+        1_000, 5_001_000, 10_001_000, 15_001_000]
+    assert arrival_ns(0, 3.0, 1) == 333_333_333
+    assert count_misses([1, 5, MISS, 2_000_000_000, 1_000_000_000], 1_000_000_000) == 2
+
+
+def test_service_percentiles_count_misses_as_infinitely_late(tmp_path: Path) -> None:
+    assert tail_percentile([1.0, 2.0, 3.0, 4.0], 0, 0.5) == 2.0
+    assert tail_percentile([float(v) for v in range(1, 101)], 0, 0.99) == 99.0
+    # one miss in 100 requests: p99 still answered, p99.9 reaches the miss
+    assert tail_percentile([float(v) for v in range(1, 100)], 1, 0.99) == 99.0
+    assert tail_percentile([float(v) for v in range(1, 100)], 1, 0.999) == math.inf
+    assert tail_percentile([], 3, 0.5) == math.inf
+    assert math.isnan(tail_percentile([], 0, 0.5))
+    # the records: (due ns, latency ns), -1 for no answer; only those due in the window count,
+    # an answer later than the timeout is a miss
+    records = array.array("q", [5, 1_000_000, 10, 2_000_000, 20, MISS, 30, 3_000_000_000,
+                                40, 4_000_000])
+    path = tmp_path / "service.bin"
+    path.write_bytes(records.tobytes())
+    assert read_service(path, 10, 40, 1000.0) == ([2.0], 2)
+    assert read_service(tmp_path / "none.bin", 0, 1, 1000.0) == ([], 0)
+
+
+def test_a_mode_reports_the_service_p99_when_the_service_ran() -> None:
+    probe_only = rep("unmanaged", [1.0] * 100, 10.0)
+    served = rep("agent", [1.0] * 100, 10.0)
+    served.service_ms = [float(v) for v in range(1, 100)]
+    served.service_missed = 1
+    assert rep_p99(probe_only) == 1.0
+    assert rep_p99(served) == 99.0
+    assert final_line([probe_only, served]) == (
+        "online p99 ms: unmanaged=1.00 agent=99.00; offline MiB: unmanaged=10 agent=10")
+    served.service_missed = 5
+    assert final_line([served]).startswith("online p99 ms: agent=inf;")
+
+
+def test_offline_work_and_progress_of_several_pods(tmp_path: Path) -> None:
+    report = tmp_path / "offline.txt"
+    report.write_text(f"100 {MIB} 0 0 {MIB} 2000000\n200 {4 * MIB} {MIB} 0 {4 * MIB} 9000000\n"
+                      f"900 {8 * MIB} {MIB} 0 {8 * MIB} 20000000\n")
+    assert read_work(report, 500) == (4.0, 0.009)
+    assert read_progress(report, 0, 500) == [(0.0, 0.0), (1e-7, 1.0), (2e-7, 5.0)]
+    merged = merge_progress([[(0.0, 0.0), (1.0, 10.0), (3.0, 30.0)],
+                             [(0.0, 0.0), (2.0, 5.0)]])
+    assert merged == [(0.0, 0.0), (1.0, 10.0), (2.0, 15.0), (3.0, 35.0)]
+
+
+def test_the_offline_data_set_fits_unmanaged_and_not_squeezed() -> None:
+    held = online_held_mib(64, 256, service=True)
+    assert held == 64 * 2 + 256 + 2 * INTERPRETER_MIB
+    assert anon_peak_mib(2048, 1024.0, 6.0, 90.0) == 2048
+    assert anon_peak_mib(2560, 32.0, 1e9, 20.0) == 640  # grows for the whole window only
+    size, room = default_input_mib(2816, held, 2048, 1, 0.8)
+    assert room == 2816 - held - 2048 - INTERPRETER_MIB
+    assert size == int(0.8 * room) < room
+    # what kubelet's static cap leaves the offline tier (allocatable - 512 MiB of requests)
+    # holds its anonymous peak, not the data set as well
+    assert size + 2048 > 2816 - 512
+    assert default_input_mib(1024, 900, 512, 2, 0.8)[0] == 128  # never below 64 MiB a pod
+
+
+def args_for(*argv: str) -> Any:
+    return parser("test").parse_args(list(argv))
+
+
+def test_every_scenario_makes_settings() -> None:
+    for name, scenario in SCENARIOS.items():
+        machine = scenario.node_mib * 95 // 100 if scenario.whole_machine else 23 * 1024
+        settings, how = settings_from(args_for("--scenario", name, "--quick"), machine, v2=True)
+        assert settings.scenario == name
+        assert settings.offline_pods == scenario.offline_pods
+        assert settings.node_mib == (machine if scenario.whole_machine else scenario.node_mib)
+        assert settings.offline_input_mib >= 64
+        assert f"offline data set {settings.offline_input_mib} MiB" in how
+    streaming, how = settings_from(args_for("--scenario", "streaming"), 3900, v2=False)
+    assert streaming.offline_anon_mib == 0
+    assert "does not fit even unmanaged" in how
+    given, how = settings_from(args_for("--offline-input-mib", "500", "--online-rps", "0"),
+                               23 * 1024, v2=False)
+    assert (given.offline_input_mib, given.online_rps) == (500, 0.0)
+    assert "kubelet-memoryqos" not in given.modes
+    assert "(given)" in how
+    assert "node-8g" in list_scenarios()
+
+
+def test_a_whole_machine_scenario_needs_a_machine_of_its_size() -> None:
+    assert node_mib_for(SCENARIOS["node-4g"], 3900) == 3900
+    assert node_mib_for(SCENARIOS["main"], 23 * 1024) == 3072
+    with pytest.raises(ValueError, match=r"python -m tests\.vm --mem-mib 8192"):
+        node_mib_for(SCENARIOS["node-8g"], 23 * 1024)
+    with pytest.raises(ValueError, match="about 4096 MiB"):
+        node_mib_for(SCENARIOS["node-4g"], 2048)
+
+
+def test_the_service_answers_an_open_loop_load(tmp_path: Path) -> None:
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "a").write_bytes(b"\x03" * MIB)
+    sock, out = tmp_path / "kv.sock", tmp_path / "service.bin"
+    server = subprocess.Popen([sys.executable, "-I", str(WORKLOADS), "serve", "--files",
+                               str(files), "--anon-mib", "1", "--socket", str(sock)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "ready"
+        load = subprocess.Popen([sys.executable, "-I", str(WORKLOADS), "load", "--socket",
+                                 str(sock), "--rps", "100", "--out", str(out)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert load.stdout is not None
+        assert load.stdout.readline().strip() == "ready"
+        time.sleep(0.5)
+        assert load.communicate("stop\n", timeout=30)[0].strip() == "done"
+    finally:
+        server.communicate("stop\n", timeout=30)
+    records = array.array("q")
+    records.frombytes(out.read_bytes())
+    due = list(records[0::2])
+    assert len(due) >= 2
+    assert due == sorted(due)
+    # one due time every 10 ms, whatever the answers did
+    assert {b - a for a, b in itertools.pairwise(due)} <= {10_000_000}
+    assert all(v == MISS or v > 0 for v in records[1::2])
+
+
+def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
+    served = rep("agent", [1.0] * 10, 10.0)
+    served.service_ms, served.service_missed = [2.0] * 9, 1
+    served.work_mib, served.work_cpu_s = 8.0, 0.5
+    settings, _ = settings_from(args_for("--quick", "--seed", "3"), 23 * 1024, v2=False)
+    text = as_json([served], settings, {"kernel": "k"})
+    found = json.loads(text)["summary"]["agent"]
+    assert found["service_ms"]["p50"] == 2.0
+    assert found["service_ms"]["p99.9"] == math.inf
+    assert (found["service_requests"], found["service_missed"]) == (10, 1)
+    assert (found["work_mib"], found["work_cpu_s"]) == (8.0, 0.5)
+    reps, again, machine = from_json(text)
+    assert reps == [served]
+    assert again == settings
+    assert machine == {"kernel": "k"}
+    assert service_rows(reps)[0][2:7] == ["10", "2.00", "inf", "inf", "1"]

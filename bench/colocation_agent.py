@@ -1,0 +1,191 @@
+"""The agent of the colocation benchmark's agent modes: a real ``nri-qos run`` child process beside
+the runtime simulator and a fake API server, and what a runtime does with its answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from bench.colocation_plan import OFFLINE, ONLINE, PodPlan
+from bench.kubelet_node import MIB, Container, KubeletNode
+from hooks.events import Event
+from nri_plugin.sim.scenario import ContainerSpec, PodSpec
+from nri_plugin.sim.simulator import (
+    PluginConnection,
+    RuntimeSimulator,
+    container_message,
+    pod_message,
+)
+from protos import nri_api_pb2 as api
+from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+
+NODE_NAME = "colocation-node"
+READY_TIMEOUT_S = 120.0
+"""For the agent to be synchronized, and for the online pod to have read its files."""
+
+
+class Agent:
+    """A real ``nri-qos run`` process (in the node's system cgroup, a node daemon) beside the
+    runtime simulator and a fake API server; an async context manager: entered, the agent is
+    synchronized and settled; left, all is gone."""
+
+    def __init__(self, node: KubeletNode, work: Path, source: Path, *,
+                 creation_only: bool = False,
+                 plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE)) -> None:
+        self.node = node
+        self.plans = plans
+        self.creation_only = creation_only
+        self.source = source
+        self.work = work
+        self.audit_file = work / "audit.jsonl"
+        self.log_file = work / "agent.log"
+        self.socket = work / "nri.sock"
+        self.simulator = RuntimeSimulator(self.socket)
+        self.connection: PluginConnection | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    def config(self, root: Path, kubeconfig: Path) -> str:
+        return (
+            "# Everything not set here keeps its default (deploy/config.toml); the agent acts\n"
+            "# (enforce), where a first install only observes.\n"
+            '[agent]\nmode = "enforce"\n'
+            f'[reconciler]\nroot = "{root}"\n'
+            f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
+            f'[logging]\naudit_file = "{self.audit_file}"\n'
+            f'[status]\nsocket = "{self.work / "status.sock"}"\n'
+            # agent-creation: the answers, the guard and drift repair; no detection, no ladder
+            + ('[detection]\nenabled = false\n[mitigation]\nenabled = false\n'
+               if self.creation_only else "")
+        )
+
+    async def __aenter__(self) -> Agent:
+        async with contextlib.AsyncExitStack() as stack:
+            server = stack.enter_context(FakeApiServer())
+            server.add_node(NODE_NAME)
+            for plan in self.plans:
+                memory = {"main": (_quantity(plan.memory_request), _quantity(plan.memory_limit))}
+                server.add_pod(make_pod(plan.name, namespace=plan.namespace, node=NODE_NAME,
+                                        uid=plan.uid, memory=memory))
+            kubeconfig = write_kubeconfig(self.work / "kubeconfig", server.url)
+            config = self.work / "config.toml"
+            config.write_text(self.config(self.node.agent_root(self.work), kubeconfig))
+            await self.simulator.start()
+            stack.push_async_callback(self.simulator.stop)
+            log = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            stack.callback(os.close, log)
+            # A node daemon: in the node's system cgroup, so that a run killed outright does
+            # not leave it behind (the next run's sweep ends what is left in the node).
+            process = await asyncio.create_subprocess_exec(
+                *self.node.inside(self.node.add_system("nri-qos"), [
+                    sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
+                    "--socket", str(self.socket)], None),
+                cwd=self.source, stdout=log, stderr=log)
+            stack.push_async_callback(_terminate, process)
+            self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
+            # Settled: the ladder's release of every rung at start (four records), detection's
+            # first cycle (the memcg event registrations) after that; without the ladder, the
+            # first memory guard cycle.
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while not self._settled():
+                if time.monotonic() > deadline or process.returncode is not None:
+                    raise RuntimeError(f"the agent did not settle; see {self.log_file}")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.5)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    def _settled(self) -> bool:
+        events = [event for _, event, _ in self.records()]
+        if self.creation_only:
+            return "memory_guard_cap" in events
+        return events.count("mitigation_action") >= 4
+
+    async def create(self, plan: PodPlan, container: Container) -> api.ContainerAdjustment:
+        """RunPodSandbox and CreateContainer for a pod; the adjustment to apply."""
+        assert self.connection is not None
+        pod, message = _messages(plan, container, api.CONTAINER_CREATED)
+        await self.simulator.send(self.connection, Event.RUN_POD_SANDBOX, pod)
+        answer = await self.simulator.send(self.connection, Event.CREATE_CONTAINER, pod, message)
+        if isinstance(answer, api.CreateContainerResponse):
+            return answer.adjust
+        return api.ContainerAdjustment()
+
+    async def started(self, plan: PodPlan, container: Container, pid: int) -> None:
+        assert self.connection is not None
+        pod, message = _messages(plan, container, api.CONTAINER_RUNNING)
+        message.pid = pid
+        await self.simulator.send(self.connection, Event.START_CONTAINER, pod, message)
+
+    def records(self) -> list[tuple[float, str, dict[str, Any]]]:
+        """The audit trail so far: (unix time, event, fields)."""
+        if not self.audit_file.exists():
+            return []
+        found = []
+        for line in self.audit_file.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                stamp = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00"))
+                found.append((stamp.timestamp(), record["event"], record))
+        return found
+
+
+async def _terminate(process: asyncio.subprocess.Process) -> None:
+    """Stop the agent as a service manager would: SIGTERM, then SIGKILL after 15 s."""
+    if process.returncode is not None:
+        return
+    process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), 15)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+
+
+def _quantity(value: int | None) -> str | None:
+    return None if value is None else f"{value // MIB}Mi"
+
+
+def _messages(plan: PodPlan, container: Container,
+              state: int) -> tuple[api.PodSandbox, api.Container]:
+    spec = PodSpec(id=f"sandbox-{plan.name}", uid=plan.uid, name=plan.name,
+                   namespace=plan.namespace, cgroup_parent=f"/{container.pod_rel}")
+    ctr = ContainerSpec(id=plan.container_id, pod=spec.id, name="main",
+                        memory_limit=plan.memory_limit or 0)
+    return pod_message(spec), container_message(ctr, spec, state)
+
+
+def apply_adjustment(node: KubeletNode, container: Container, adjust: api.ContainerAdjustment,
+                     oom_score_adj: int) -> tuple[int, list[str]]:
+    """What the runtime does with a CreateContainer answer: the oom_score_adj to start the
+    container with and the memory settings of its cgroup; also what was applied, as text."""
+    applied: list[str] = []
+    linux = adjust.linux
+    if linux.HasField("oom_score_adj"):
+        oom_score_adj = linux.oom_score_adj.value
+        applied.append(f"oom_score_adj={oom_score_adj}")
+    memory = linux.resources.memory
+    if memory.HasField("limit"):
+        node.set_limit(container.rel, memory.limit.value)
+        applied.append(f"memory limit={memory.limit.value}")
+    if memory.HasField("reservation"):
+        name = "memory.low" if node.v2 else "memory.soft_limit_in_bytes"
+        (node.memory / container.rel / name).write_text(str(memory.reservation.value))
+        applied.append(f"{name}={memory.reservation.value}")
+    for key, value in linux.resources.unified.items():
+        if node.v2:
+            (node.memory / container.rel / key).write_text(value)
+            applied.append(f"{key}={value}")
+        else:
+            applied.append(f"{key}={value} (not applied: cgroup v1)")
+    return oom_score_adj, applied
+

@@ -1,0 +1,421 @@
+"""The colocation benchmark's results: reading the workloads' records and the agent's audit trail,
+percentiles, the table, the intervals, the summary line, the plot and the raw JSON."""
+
+from __future__ import annotations
+
+import array
+import bisect
+import dataclasses
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.baselines import AGENT_MODES, MODES, bootstrap_interval
+from bench.colocation_plan import Repetition, Settings
+from bench.kubelet_node import MIB
+
+
+def read_latencies(path: Path) -> list[tuple[int, int]]:
+    """The online workload's (start, duration) pairs, in ns."""
+    values = array.array("q")
+    if path.exists():
+        data = path.read_bytes()
+        values.frombytes(data[: len(data) // 16 * 16])
+    return list(zip(values[0::2], values[1::2], strict=True))
+
+
+def read_progress(path: Path, t0_ns: int, t1_ns: int) -> list[tuple[float, float]]:
+    points: list[tuple[float, float]] = [(0.0, 0.0)]
+    if not path.exists():
+        return points
+    for line in path.read_text().splitlines():
+        fields = line.split()
+        if len(fields) < 4:
+            continue
+        at, read, written = int(fields[0]), int(fields[1]), int(fields[2])
+        if at <= t1_ns:
+            points.append(((at - t0_ns) / 1e9, (read + written) / MIB))
+    return points
+
+
+def read_work(path: Path, t1_ns: int) -> tuple[float, float]:
+    """The offline job's work by ``t1_ns``: MiB checksummed and CPU seconds spent on it."""
+    work = (0.0, 0.0)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if len(fields) == 6 and int(fields[0]) <= t1_ns:
+                work = (int(fields[4]) / MIB, int(fields[5]) / 1e9)
+    return work
+
+
+def merge_progress(series: Sequence[Sequence[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """Several pods' progress as one: at each time any of them reported, the sum of what each
+    had done by then."""
+    if len(series) == 1:
+        return list(series[0])
+    times = sorted({t for points in series for t, _ in points})
+    merged = []
+    for t in times:
+        total = 0.0
+        for points in series:
+            at = bisect.bisect_right([p[0] for p in points], t) - 1
+            total += points[at][1] if at >= 0 else 0.0
+        merged.append((t, total))
+    return merged
+
+
+def read_service(path: Path, t0_ns: int, t1_ns: int,
+                 timeout_ms: float) -> tuple[list[float], int]:
+    """The service's requests due in the window: the latencies (ms, from the due time) of those
+    answered within the timeout, and how many were not (missed)."""
+    values = array.array("q")
+    if path.exists():
+        data = path.read_bytes()
+        values.frombytes(data[: len(data) // 16 * 16])
+    answered, missed = [], 0
+    for due, latency in zip(values[0::2], values[1::2], strict=True):
+        if not t0_ns <= due < t1_ns:
+            continue
+        if latency < 0 or latency > timeout_ms * 1e6:
+            missed += 1
+        else:
+            answered.append(latency / 1e6)
+    return answered, missed
+
+
+def tail_percentile(answered_ms: Sequence[float], missed: int, q: float) -> float:
+    """The q-quantile (nearest rank) of the latencies of all requests due, a missed request
+    counting as infinitely late: a tail that reaches the misses is infinite, never hidden."""
+    n = len(answered_ms) + missed
+    if not n:
+        return math.nan
+    rank = max(math.ceil(q * n), 1) - 1
+    ordered = sorted(answered_ms)
+    return ordered[rank] if rank < len(ordered) else math.inf
+
+
+def summarize_actions(records: Sequence[tuple[float, str, dict[str, Any]]], start: float,
+                      end: float) -> dict[str, int]:
+    """What the agent did in the window, from its audit trail."""
+    counts: Counter[str] = Counter()
+    for at, event, fields in records:
+        if not start <= at <= end:
+            continue
+        if event == "mitigation_action":
+            counts[f"{fields['action']} {fields['step']} {fields['result']}"] += 1
+        elif event == "memory_guard_cap" and fields.get("squeezed"):
+            counts["squeeze limit writes"] += 1
+        elif event == "mitigation_level":
+            counts[f"ladder level {fields['ladder_level']}"] += 1
+        elif event in ("drop_cache_finished", "eviction_dry_run", "eviction_chosen",
+                       "taint_added", "taint_removed"):
+            counts[event] += 1
+    return dict(counts)
+
+
+def timeline(records: Sequence[tuple[float, str, dict[str, Any]]], start: float,
+             end: float) -> list[tuple[float, str]]:
+    """When in the window the agent acted (seconds from its start), for the record and the
+    plot."""
+    found = []
+    for at, event, fields in records:
+        if not start <= at <= end:
+            continue
+        if event == "mitigation_action" and fields["result"] not in ("unchanged", "skipped"):
+            found.append((at - start, f"{fields['action']} {fields['step']}"))
+        elif event == "memory_guard_cap" and fields.get("squeezed"):
+            found.append((at - start, f"squeeze to {fields['cap_bytes'] >> 20} MiB"))
+        elif event == "mitigation_level":
+            found.append((at - start, f"level {fields['ladder_level']}"))
+        elif event == "drop_cache_finished":
+            found.append((at - start, f"drop cache freed {fields['freed_bytes'] >> 20} MiB"))
+    return found
+
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-quantile (0..1) of sorted ``values``, linearly interpolated."""
+    if not values:
+        return math.nan
+    position = q * (len(values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    return f"{value:,.{digits}f}"
+
+
+COLUMNS = ("mode", "rep", "iters", "alone p99", "p50", "p99", "p99.9", "max", "majflt",
+           "refaults", "kubepods hits", "PSI mem", "PSI io", "PSI cpu",
+           "offline MiB", "MiB/s", "agent actions")
+
+
+def table_rows(reps: Sequence[Repetition], duration_s: float) -> list[list[str]]:
+    rows = []
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        for r in [*mine, None]:
+            group = mine if r is None else [r]
+            lat = sorted(v for g in group for v in g.latencies_ms)
+            alone = sorted(v for g in group for v in g.alone_ms)
+            ind = {k: mean([g.indicators.get(k) for g in group]) for k in group[0].indicators}
+            mb = mean([g.offline_mb for g in group]) or 0.0
+            actions: Counter[str] = Counter()
+            for g in group:
+                actions.update(g.actions)
+            rows.append([
+                mode, "all" if r is None else str(r.index), str(len(lat)),
+                fmt(percentile(alone, 0.99), 2), fmt(percentile(lat, 0.5), 2),
+                fmt(percentile(lat, 0.99), 2), fmt(percentile(lat, 0.999), 2),
+                fmt(lat[-1] if lat else None, 1), fmt(ind.get("majfault"), 0),
+                fmt(ind.get("refault"), 0), fmt(ind.get("kubepods_hits"), 0),
+                fmt(ind.get("psi_memory_ms_s"), 1), fmt(ind.get("psi_io_ms_s"), 1),
+                fmt(ind.get("psi_cpu_ms_s"), 1),
+                fmt(mb, 0), fmt(mb / duration_s, 0),
+                actions_text(actions, len(group)) if mode in AGENT_MODES else "-",
+            ])
+    return rows
+
+
+def actions_text(actions: Counter[str], reps: int) -> str:
+    """The agent's actions, per repetition on average when several are pooled."""
+    def n(key: str) -> str:
+        count = sum(v for k, v in actions.items() if k.startswith(key))
+        return f"{count / reps:.1f}".removesuffix(".0")
+
+    return (f"tune {n('tune engage')}+{n('tune release')} rel, squeeze writes "
+            f"{n('squeeze limit writes')}, taint {n('taint engage')}, drop_cache "
+            f"{n('drop_cache engage')}+{n('drop_cache repeat')}, evict (dry-run) "
+            f"{n('evict engage')}+{n('evict repeat')}")
+
+
+def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
+    rows = table_rows(reps, settings.duration_s)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+    print("latency: online iteration (ms); indicators: online container over the window (mean "
+          "per repetition), PSI as ms of 'some' stall per second; kubepods hits: charges that "
+          "hit the node-allocatable limit; offline MiB: read + written in the window (mean per "
+          "repetition)")
+    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                    enumerate(zip(COLUMNS, widths, strict=True))))
+    for row in rows:
+        print("  ".join(v.rjust(w) if 0 < i < len(row) - 1 else v.ljust(w) for i, (v, w) in
+                        enumerate(zip(row, widths, strict=True))))
+    for r in reps:
+        for problem in r.problems:
+            print(f"{r.mode} rep {r.index}: {problem}")
+    applied = sorted({a for r in reps for a in r.adjustments})
+    if applied:
+        print(f"applied from the agent's CreateContainer answers: {'; '.join(applied)}")
+
+
+SERVICE_COLUMNS = ("mode", "rep", "requests", "p50", "p99", "p99.9", "missed", "offline MiB",
+                   "work MiB", "work CPU s", "MiB/CPU s")
+
+
+def served(reps: Sequence[Repetition]) -> bool:
+    return any(r.service_ms or r.service_missed for r in reps)
+
+
+def service_rows(reps: Sequence[Repetition]) -> list[list[str]]:
+    rows = []
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        for r in [*mine, None]:
+            group = mine if r is None else [r]
+            answered = [v for g in group for v in g.service_ms]
+            missed = sum(g.service_missed for g in group)
+            work = mean([g.work_mib for g in group]) or 0.0
+            cpu = mean([g.work_cpu_s for g in group]) or 0.0
+            rows.append([
+                mode, "all" if r is None else str(r.index), str(len(answered) + missed),
+                *(fmt(tail_percentile(answered, missed, q), 2) for q in (0.5, 0.99, 0.999)),
+                str(missed), fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
+                fmt(cpu, 1), fmt(work / cpu if cpu else None, 0)])
+    return rows
+
+
+def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
+    rows = service_rows(reps)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(SERVICE_COLUMNS)]
+    service = (f"online key-value service at {settings.online_rps:g} requests/s, open loop "
+               f"(ms from each request's due time; missed: no answer within "
+               f"{settings.service_timeout_ms:g} ms, infinitely late in the percentiles)"
+               if served(reps) else "no online service in this run")
+    print(f"{service}; offline work: MiB checksummed (SHA-256 x {settings.offline_work_rounds}) "
+          f"and the CPU seconds it took, mean per repetition")
+    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                    enumerate(zip(SERVICE_COLUMNS, widths, strict=True))))
+    for row in rows:
+        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
+                        enumerate(zip(row, widths, strict=True))))
+
+
+def rep_p99(rep: Repetition) -> float:
+    """A repetition's online p99: the service's when it ran, else the probe's."""
+    if rep.service_ms or rep.service_missed:
+        return tail_percentile(rep.service_ms, rep.service_missed, 0.99)
+    return percentile(sorted(rep.latencies_ms), 0.99)
+
+
+def mode_p99(reps: Sequence[Repetition], mode: str) -> float:
+    """A mode's pooled online p99: the service's when it ran, else the probe's."""
+    mine = [r for r in reps if r.mode == mode]
+    if served(mine):
+        return tail_percentile([v for r in mine for v in r.service_ms],
+                               sum(r.service_missed for r in mine), 0.99)
+    return percentile(sorted(v for r in mine for v in r.latencies_ms), 0.99)
+
+
+def intervals(reps: Sequence[Repetition], seed: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per mode, the bootstrap 95 % intervals of the median per-repetition p99 and of the mean
+    offline MiB, over its repetitions."""
+    found = {}
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        found[mode] = {
+            "p99": bootstrap_interval([rep_p99(r) for r in mine],
+                                      lambda v: percentile(sorted(v), 0.5), seed),
+            "offline": bootstrap_interval([r.offline_mb for r in mine],
+                                          lambda v: sum(v) / len(v), seed)}
+    return found
+
+
+def print_intervals(reps: Sequence[Repetition], seed: int) -> None:
+    for mode, found in intervals(reps, seed).items():
+        (p_lo, p_hi), (o_lo, o_hi) = found["p99"], found["offline"]
+        print(f"{mode}: per-repetition p99 95 % interval {fmt(p_lo, 2)}-{fmt(p_hi, 2)} ms; "
+              f"offline {fmt(o_lo, 0)}-{fmt(o_hi, 0)} MiB")
+
+
+def final_line(reps: Sequence[Repetition]) -> str:
+    """``online p99 ms: unmanaged=… static=… …; offline MiB: unmanaged=… …`` over the modes
+    that ran, in the order of MODES (pooled p99: the online service's when it ran, else the
+    probe's; mean offline MiB per repetition)."""
+    ran = [m for m in MODES if any(r.mode == m for r in reps)]
+
+    def p99(mode: str) -> float:
+        return mode_p99(reps, mode)
+
+    def mib(mode: str) -> float:
+        return mean([r.offline_mb for r in reps if r.mode == mode]) or 0.0
+
+    return ("online p99 ms: " + " ".join(f"{m}={fmt(p99(m), 2)}" for m in ran)
+            + "; offline MiB: " + " ".join(f"{m}={mib(m):.0f}" for m in ran))
+
+
+def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
+    """Online latency CDFs and offline progress over time, one colour per mode."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: matplotlib is missing (pip install -e '.[bench]')")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
+
+    colours = {"unmanaged": "tab:red", "static": "tab:orange", "kubelet-memoryqos": "tab:olive",
+               "agent-creation": "tab:cyan", "agent": "tab:blue"}
+    fig, (cdf, progress) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for mode, colour in colours.items():
+        lat = sorted(v for r in reps if r.mode == mode for v in r.latencies_ms)
+        if not lat:
+            continue
+        n = len(lat)
+        # A point per distinct rank, thinned where the curve is flat (the bulk).
+        ranks = sorted({*range(0, n, max(n // 2000, 1)), *range(max(n - 2000, 0), n)})
+        cdf.plot([lat[i] for i in ranks], [(i + 0.5) / n for i in ranks], color=colour,
+                 label=f"{mode} (p99 {percentile(lat, 0.99):.2f} ms)")
+        for r in (r for r in reps if r.mode == mode):
+            xs, ys = zip(*r.progress, strict=True)
+            progress.plot(xs, [y / 1024 for y in ys], color=colour, alpha=0.7,
+                          label=mode if r.index == min(x.index for x in reps
+                                                       if x.mode == mode) else None)
+            # where the agent squeezed the offline tier, on that repetition's line
+            squeezes = [t for t, what in r.events if what.startswith("squeeze")]
+            if squeezes:
+                at = [bisect.bisect_right(xs, t) - 1 for t in squeezes]
+                progress.plot(squeezes, [ys[max(i, 0)] / 1024 for i in at], "v", color=colour,
+                              markersize=6, label="squeeze (limit written)"
+                              if r is next(x for x in reps if x.events) else None)
+    alone = sorted(v for r in reps for v in r.alone_ms)
+    if alone:
+        n = len(alone)
+        cdf.plot(alone, [(i + 0.5) / n for i in range(n)], color="tab:gray", linestyle=":",
+                 label=f"online alone (p99 {percentile(alone, 0.99):.2f} ms)")
+    cdf.set_xscale("log")
+    # logit: the tail (p99, p99.9) gets as much room as the body
+    cdf.set_yscale("logit")
+    cdf.set_ylim(0.01, 0.9999)
+    ticks = [0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 0.9999]
+    cdf.yaxis.set_major_locator(FixedLocator(ticks))
+    cdf.yaxis.set_major_formatter(FixedFormatter([f"p{100 * t:g}" for t in ticks]))
+    cdf.yaxis.set_minor_locator(NullLocator())
+    cdf.set_xlabel("online iteration latency (ms)")
+    cdf.set_ylabel("share of iterations at or below (percentile)")
+    cdf.grid(True, which="both", alpha=0.3)
+    cdf.legend(loc="lower right")
+    cdf.set_title("online latency (CDF)")
+    progress.set_xlabel("seconds since the offline pod started")
+    progress.set_ylabel("offline data processed (GiB read + written)")
+    progress.grid(True, alpha=0.3)
+    progress.legend(loc="upper left")
+    progress.set_title("offline progress (one line per repetition)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+
+def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
+    """Per mode, pooled: the probe's and the service's p50/p99/p99.9 (ms), the service's
+    requests and misses, the offline MiB, work MiB and work CPU seconds (mean per repetition)."""
+    found: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        probe = sorted(v for r in mine for v in r.latencies_ms)
+        answered = [v for r in mine for v in r.service_ms]
+        missed = sum(r.service_missed for r in mine)
+        found[mode] = {
+            "probe_ms": {f"p{100 * q:g}": percentile(probe, q) for q in (0.5, 0.99, 0.999)},
+            "service_ms": {f"p{100 * q:g}": tail_percentile(answered, missed, q)
+                           for q in (0.5, 0.99, 0.999)},
+            "service_requests": len(answered) + missed, "service_missed": missed,
+            "offline_mib": mean([r.offline_mb for r in mine]),
+            "work_mib": mean([r.work_mib for r in mine]),
+            "work_cpu_s": mean([r.work_cpu_s for r in mine])}
+    return found
+
+
+def as_json(reps: Sequence[Repetition], settings: Settings, machine: dict[str, str]) -> str:
+    return json.dumps({"settings": dataclasses.asdict(settings), "machine": machine,
+                       "summary": summary(reps),
+                       "repetitions": [dataclasses.asdict(r) for r in reps]})
+
+
+def from_json(text: str) -> tuple[list[Repetition], Settings, dict[str, str]]:
+    raw = json.loads(text)
+    settings = Settings(**{**raw["settings"], "modes": tuple(raw["settings"]["modes"])})
+    reps = [Repetition(**{**r, "progress": [tuple(p) for p in r["progress"]],
+                          "events": [tuple(e) for e in r["events"]]})
+            for r in raw["repetitions"]]
+    return reps, settings, raw["machine"]
+

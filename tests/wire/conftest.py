@@ -1,7 +1,6 @@
 """Fixtures of the hostile-runtime tests: a stub serving one end of a socket pair, the operational
 log as JSON lines, and traced memory."""
 
-
 from __future__ import annotations
 
 import asyncio

@@ -22,11 +22,7 @@ from reconciler.kube import (
     NodeOutcome,
     PodRef,
 )
-from tests.support.fake_apiserver import (
-    FakeApiServer,
-    client_config,
-    make_pod,
-)
+from tests.support.fake_apiserver import FakeApiServer, client_config, make_pod
 from tests.support.k8s import watching
 
 

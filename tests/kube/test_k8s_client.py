@@ -10,16 +10,8 @@ import pytest
 from kubernetes import client as k8s_client
 from structlog.testing import capture_logs
 
-from reconciler.kube import (
-    KubernetesConfig,
-    build_api_client,
-    node_name,
-)
-from tests.support.fake_apiserver import (
-    FakeApiServer,
-    make_pod,
-    write_kubeconfig,
-)
+from reconciler.kube import KubernetesConfig, build_api_client, node_name
+from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 
 
 # An API server that knows no node, unlike the suite's ``fake``: each module of these tests

@@ -14,17 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from common.podmeta import PodMeta
-from reconciler.kube import (
-    KubernetesConfig,
-    PodWatcher,
-    build_api_client,
-)
-from tests.support.fake_apiserver import (
-    FakeApiServer,
-    client_config,
-    make_pod,
-    write_kubeconfig,
-)
+from reconciler.kube import KubernetesConfig, PodWatcher, build_api_client
+from tests.support.fake_apiserver import FakeApiServer, client_config, make_pod, write_kubeconfig
 from tests.support.k8s import BOUND_S, watching
 
 

@@ -20,10 +20,7 @@ from nri_plugin.report.features import evaluate, kubernetes_feature
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE
-from reconciler.loops.offload import (
-    FAST_GROW,
-    offload_problem,
-)
+from reconciler.loops.offload import FAST_GROW, offload_problem
 from reconciler.loops.offload_loop import OffloadLoop
 from reconciler.metrics import ReconcilerMetrics
 from tests.support.builders import LEVEL

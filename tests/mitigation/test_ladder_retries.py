@@ -8,15 +8,7 @@ import dataclasses
 
 from reconciler.detection.signals import Level
 from reconciler.mitigation.ladder import Backoff, Ladder, Step
-from tests.support.ladder import (
-    COOLDOWN,
-    RUNGS,
-    TAINT,
-    TUNE,
-    Running,
-    config,
-    reading,
-)
+from tests.support.ladder import COOLDOWN, RUNGS, TAINT, TUNE, Running, config, reading
 
 # -- outcomes fed back: retries -------------------------------------------------------------------
 

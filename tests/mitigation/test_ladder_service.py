@@ -15,11 +15,7 @@ from nri_plugin.config.schema import Config
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.mitigation.actions import DONE, DRY_RUN, Cause, EvictAction, Result
 from reconciler.mitigation.service import Mitigation
-from tests.support.ladder import (
-    Running,
-    config,
-    reading,
-)
+from tests.support.ladder import Running, config, reading
 
 
 async def test_the_service_escalates_and_releases_with_audit() -> None:

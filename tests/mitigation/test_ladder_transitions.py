@@ -9,11 +9,7 @@ from nri_plugin.config.schema import Config
 from reconciler.detection.signals import Level
 from reconciler.mitigation.ladder import Ladder, Step
 from reconciler.mitigation.service import rungs_of
-from tests.support.ladder import (
-    COOLDOWN,
-    RUNGS,
-    TUNE,
-)
+from tests.support.ladder import COOLDOWN, RUNGS, TUNE
 
 # -- the ladder, pure -----------------------------------------------------------------------------
 

@@ -19,9 +19,7 @@ from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.sim.scenario import RuntimeSpec
 from nri_plugin.sim.simulator import RuntimeSimulator
 from protos import nri_api_pb2 as api
-from tests.support.stub_runtime import (
-    Setup,
-)
+from tests.support.stub_runtime import Setup
 
 
 @pytest.fixture

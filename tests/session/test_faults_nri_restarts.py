@@ -27,11 +27,7 @@ from reconciler.loops.base import Loop
 from reconciler.runner import build_loops
 from tests.support.fakesys import FakeHost, nri_messages
 from tests.support.nri_faults import Quick
-from tests.support.raw_runtime import (
-    container_message,
-    plugin_config,
-    pod_message,
-)
+from tests.support.raw_runtime import container_message, plugin_config, pod_message
 
 # -- containerd restarts while pods are being created ---------------------------------------------
 

@@ -9,12 +9,7 @@ from hooks.events import Event
 from hooks.settings import ContainerSettings, HookStage, OciHookSpec
 from nri_plugin.sim.scenario import RuntimeSpec
 from protos import nri_api_pb2 as api
-from tests.support.stub_runtime import (
-    OLD_RUNTIME,
-    Recorder,
-    container,
-    pod,
-)
+from tests.support.stub_runtime import OLD_RUNTIME, Recorder, container, pod
 
 ANCIENT_RUNTIME = RuntimeSpec(version="1.7.20-0ubuntu1", nri_version="", request_timeout_ms=0,
                               registration_timeout_ms=0)

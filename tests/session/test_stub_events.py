@@ -28,14 +28,7 @@ from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from tests.support.raw_runtime import plugin_config
-from tests.support.stub_runtime import (
-    OLD_RUNTIME,
-    Recorder,
-    configure,
-    container,
-    pod,
-    requests,
-)
+from tests.support.stub_runtime import OLD_RUNTIME, Recorder, configure, container, pod, requests
 
 ALL_EVENTS = [e for e in Event if e is not Event.VALIDATE_CONTAINER_ADJUSTMENT]
 

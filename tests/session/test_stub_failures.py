@@ -31,14 +31,7 @@ from nri_plugin.wire.status import StatusCode
 from protos import nri_api_pb2 as api
 from protos import ttrpc_envelope_pb2 as envelope
 from tests.support.raw_runtime import plugin_config
-from tests.support.stub_runtime import (
-    Recorder,
-    Setup,
-    configure,
-    container,
-    pod,
-    requests,
-)
+from tests.support.stub_runtime import Recorder, Setup, configure, container, pod, requests
 
 
 async def test_slow_capability_answers_partial_adjustment_before_deadline(make) -> None:

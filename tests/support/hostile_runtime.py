@@ -9,11 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from nri_plugin.cli import daemon
-from tests.support.raw_runtime import (
-    MiB,
-    RawRuntime,
-    Session,
-)
+from tests.support.raw_runtime import MiB, RawRuntime, Session
 
 Start = Callable[..., Awaitable[Session]]
 

@@ -9,10 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.podmeta import PodMeta
-from reconciler.kube import (
-    KubernetesConfig,
-    PodWatcher,
-)
+from reconciler.kube import KubernetesConfig, PodWatcher
 
 # Upper bound for anything to arrive; tests never wait that long unless something is broken.
 BOUND_S = 10.0

@@ -21,11 +21,7 @@ from nri_plugin.config.schema import Config
 from nri_plugin.obs.logs import LoggingConfig, LoggingSetup
 from nri_plugin.session.stub import PluginIdentity, PluginStub
 from tests.support.hostile_runtime import Start
-from tests.support.raw_runtime import (
-    Session,
-    plugin_config,
-    socket_pair,
-)
+from tests.support.raw_runtime import Session, plugin_config, socket_pair
 
 
 @pytest.fixture

@@ -16,12 +16,7 @@ from nri_plugin.wire.status import StatusCode
 from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, encode_frame
 from protos import nri_api_pb2 as api
 from tests.support.hostile_runtime import Start, daemon_connecting, named
-from tests.support.raw_runtime import (
-    BOUND_S,
-    configure_request,
-    mux_frame,
-    pod_message,
-)
+from tests.support.raw_runtime import BOUND_S, configure_request, mux_frame, pod_message
 
 LOG_LINE_LIMIT = 4096
 

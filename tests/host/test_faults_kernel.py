@@ -203,8 +203,8 @@ def test_removing_a_busy_pod_group_at_remove_pod_sandbox_raises_for_the_failure_
 ) -> None:
     # The capability raises; the stub's failure policy answers RemovePodSandbox empty with an
     # audit record (strict: an error status), see
-    # test_stub::test_failing_capability_fails_open_or_strict. The orphaned group is the garbage
-    # collector's (the test above).
+    # test_stub_failures::test_failing_capability_fails_open_or_strict. The orphaned group is the
+    # garbage collector's (the test above).
     root = intel_tree(tmp_path / "resctrl")
     sink = MemoryAuditSink()
     cfg = resctrl_config(root)

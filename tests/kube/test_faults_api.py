@@ -5,7 +5,7 @@ eviction meets an outage, throttling (429 without a disruption budget), a server
 timeout; a taint is asked for while the API is down. The real kubernetes client against the
 fake API server on loopback, which refuses connections while it is down and keeps its state
 (as etcd does) for when it comes back. The watch stream cut in the middle is
-``tests/kube/test_k8s.py::test_reconnect_after_dropped_stream_resumes_without_relist``.
+``tests/kube/test_k8s_watch.py::test_reconnect_after_dropped_stream_resumes_without_relist``.
 """
 
 from __future__ import annotations

@@ -443,4 +443,6 @@ def test_the_peer_survives_any_bytes(items: list[bytes], data: st.DataObject) ->
     peer, peak = asyncio.run(scenario())
     assert peer.closed
     assert peer.end_reason.startswith(("connection closed by peer", "protocol error"))
-    assert peak < len(wire) + (1 << 20)
+    # What it was sent plus its own working buffers (about 1 MiB, which other threads' allocations
+    # of the same process can tip over): far below the 4 MiB a frame header may announce.
+    assert peak < len(wire) + (2 << 20)

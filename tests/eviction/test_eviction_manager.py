@@ -395,7 +395,9 @@ async def test_a_hung_or_failing_plugin_costs_only_its_own_round(
     loop = asyncio.get_running_loop()
     started = loop.time()
     assert await env.round() == []
-    assert loop.time() - started < 1.0
+    # two phases of 0.05 s deadlines, where the hung plugin would take 30 s; the bound leaves
+    # room for a busy machine
+    assert loop.time() - started < 5.0
     failed = env.sink.named("eviction_plugin_failed")
     assert sorted((f["plugin"], f["call"], f["kind"]) for f in failed) == [
         ("rss_overuse", "GetEvictPods", "error"), ("rss_overuse", "ThresholdMet", "error"),

@@ -18,7 +18,7 @@ from hooks.events import Event
 from nri_plugin.config.loader import ConfigError, load_file
 
 STEP_EVENTS = tuple(event.name.lower() for event in Event)
-DEFAULT_SCENARIO = Path(__file__).with_name("scenarios") / "default.toml"
+DEFAULT_SCENARIO = Path(__file__).with_name("default_scenario.toml")
 
 
 def _pairs(value: Any) -> str | None:

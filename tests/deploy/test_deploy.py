@@ -450,8 +450,8 @@ def test_only_the_kube_package_imports_the_client() -> None:
 
 def test_every_package_of_the_tree_is_installed() -> None:
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    # setuptools finds every directory with an __init__.py under an included name; the data
-    # directories (the scenarios) are no namespace packages.
+    # setuptools finds every directory with an __init__.py under an included name (no
+    # namespace packages).
     find = pyproject["tool"]["setuptools"]["packages"]["find"]
     assert find["namespaces"] is False
     assert {"nri_plugin*", "hooks*", "reconciler*", "common*", "protos*"} <= set(find["include"])
@@ -461,5 +461,5 @@ def test_every_package_of_the_tree_is_installed() -> None:
         assert all((package / "__init__.py").is_file() for package in packages)
     # Files the code opens at run time travel with the package.
     data = pyproject["tool"]["setuptools"]["package-data"]
-    assert "scenarios/*.toml" in data["nri_plugin.sim"]
-    assert (REPO / "nri_plugin" / "sim" / "scenarios" / "default.toml").is_file()
+    assert "*.toml" in data["nri_plugin.sim"]
+    assert (REPO / "nri_plugin" / "sim" / "default_scenario.toml").is_file()

@@ -21,13 +21,14 @@ from common.audit import AuditLog
 from common.state import NodeState
 from hooks.model import ReadKeys
 from hooks.resctrl_config import ResctrlConfig
+from reconciler.host.cgroups import BESTEFFORT
 from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
-from reconciler.loops.common import ManagedCache
+from reconciler.loops.common import ManagedCache, requested_outside
 from reconciler.loops.drift import DriftLoop, DriftSections
 from reconciler.loops.memory_guard import (
     GuardSqueeze,
@@ -83,7 +84,9 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
                   managed=managed),
-        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes),
+        MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes,
+                        requests=lambda: requested_outside(managed.get(state.snapshot()),
+                                                           BESTEFFORT)),
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
         NumaBalanceLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
                         metrics=metrics),

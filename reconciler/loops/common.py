@@ -65,3 +65,9 @@ class ManagedCache:
             items = tuple(built)
             self._cached = (snapshot, items, frozenset(bad))
             return items
+
+
+def requested_outside(items: tuple[Managed, ...], tier: str) -> int:
+    """The memory requested by the running containers outside kubelet's ``tier`` cgroup (what
+    kubelet's QOSReserved keeps from it); a container without a known request counts 0."""
+    return sum(m.view.info.memory_request or 0 for m in items if m.ref.tier != tier)

@@ -4,10 +4,12 @@ Per NUMA node ``n``::
 
     floor(n)     = min(watermark_floor_bytes, total(n) x watermark_floor_percent / 100)
     watermark(n) = max(floor(n), low_watermark(n) x scale_factor)
-    cap          = max(minimum_cap_bytes,
+    cap          = max(minimum_cap_bytes, reserved,
                        sum over n of ( reclaimed_used(n) + max(free(n) - watermark(n), 0) ))
+    reserved     = allocatable - memory requests of the pods outside the BestEffort tier
 
-(the squeeze below may go under ``minimum_cap_bytes``, down to its own ``floor_bytes``)
+(the squeeze below may go under ``minimum_cap_bytes`` and ``reserved``, down to its own
+``floor_bytes``)
 
 so the offline tier may keep what it uses and grow into the free memory above each node's
 watermark, never into the reserve kept for online pods. ``reclaimed_used(n)`` comes from the tier
@@ -16,6 +18,16 @@ without that file the tier's whole usage is used, which gives the same sum. The 
 by a share of each node's memory so that a node of a few GiB per NUMA node keeps room for the
 tier, and the cap never falls below ``minimum_cap_bytes``: a cap of zero (an empty tier on a node
 with no headroom) OOM-kills every pod of the tier, new ones at once.
+
+``reserved`` is the cap kubelet itself gives the tier with ``--qos-reserved=memory=100%``
+(``allocatable``: the limit of the ``kubepods`` cgroup, else the machine's ``MemTotal``) and
+applies with ``floor_from_requests``. Free memory alone is a poor measure of what online pods
+need: page cache fills a node's free memory as a matter of course, and a cap that follows it
+held the offline tier below what no online pod had asked for, so it reclaimed its own pages
+all the time, on the CPUs the online pods needed (measured on a cgroup v2 node of 4 GiB:
+the online service's p99 rose from 6.3 ms with kubelet's static cap to 9.2 ms, see
+``docs/effectiveness.md``). Below ``reserved`` the tier goes only when the ladder squeezes it,
+that is when pressure is detected.
 
 When the NUMA nodes' ``MemTotal`` does not add up to ``/proc/meminfo``'s (hot-added or ballooned
 memory, see :mod:`reconciler.host.numa`), per-node free memory is not the machine's: the cap is
@@ -68,7 +80,7 @@ import structlog
 from common.aio import Callbacks
 from common.audit import AuditLog
 from hooks.config_fields import setting
-from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
+from reconciler.host.cgroups import BESTEFFORT, GUARANTEED, CgroupLayout
 from reconciler.host.memstat import anon_bytes
 from reconciler.host.numa import (
     MEMINFO,
@@ -115,6 +127,11 @@ class MemoryGuardConfig:
         1 << 30, "Largest decrease of the cap in one cycle (no OOM cliff).", unit="bytes",
         minimum=1 << 20, maximum=1 << 50,
     )
+    floor_from_requests: bool = setting(
+        True, "The cap never goes below allocatable (the kubepods cgroup's limit, else the "
+        "machine's memory) minus the memory requests of the pods outside the BestEffort tier, "
+        "the cap of kubelet's --qos-reserved=memory=100%: the tier is held below what online "
+        "pods asked for only while the ladder squeezes it.")
     high_ratio: float = setting(
         0.95, "cgroup v2: memory.high = high_ratio x memory.max.", minimum=0.5, maximum=1.0
     )
@@ -152,6 +169,11 @@ def target_cap(nodes: Sequence[NumaNode], reclaimed_used: int, floor_bytes: int,
     """The formula of the module doc (the per-node usage terms sum to the tier's usage)."""
     spare = sum(max(n.headroom(floor_bytes, scale_factor, floor_percent), 0) for n in nodes)
     return reclaimed_used + spare
+
+
+def reserved_cap(allocatable: int, requests: int) -> int:
+    """kubelet's QOSReserved cap of the BestEffort tier: what the other pods did not request."""
+    return max(allocatable - requests, 0)
 
 
 def bounded_cap(target: int, previous: int | None, usage: int, step: int) -> int:
@@ -251,7 +273,11 @@ class MemoryGuardLoop(Loop):
     def __init__(self, config: Callable[[], MemoryGuardSections], sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog,
                  squeeze: GuardSqueeze | None = None, metrics: ReconcilerMetrics | None = None,
-                 notes: StateFile | None = None) -> None:
+                 notes: StateFile | None = None,
+                 requests: Callable[[], int] | None = None) -> None:
+        # The memory requested by the pods outside the BestEffort tier (None: not known, no
+        # floor from requests).
+        self._requests = requests
         self._notes = notes if notes is not None else StateFile(None)
         self._was_held = False
         self._config = config
@@ -322,6 +348,7 @@ class MemoryGuardLoop(Loop):
         view_nodes, floor = self._node_view(nodes, meminfo_values(meminfo), guard)
         target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor,
                             guard.watermark_floor_percent)
+        reserved = self._reserved(meminfo) if guard.floor_from_requests else None
         limit_file = f"{tier}/{'memory.max' if v2 else 'memory.limit_in_bytes'}"
         current_text = sysfs.read(limit_file)
         if current_text is None:
@@ -336,7 +363,7 @@ class MemoryGuardLoop(Loop):
             usage, anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0, squeeze)
         # The minimum bounds the guard's own cap; a squeeze has its own floor (floor_bytes).
         cap = max(bounded_cap(target, previous, usage, guard.max_step_bytes),
-                  guard.minimum_cap_bytes)
+                  guard.minimum_cap_bytes, reserved or 0)
         if tight is not None and not v2:
             # At once, not one step per cycle from the previous cap: only the usage bound (no
             # OOM cliff) still holds.
@@ -344,6 +371,8 @@ class MemoryGuardLoop(Loop):
         cap = cap // page * page
         where = f"{len(nodes)} NUMA node(s)" if view_nodes is nodes else "the machine"
         reason = f"memory guard: reclaimed {reclaimed} B + headroom over {where}"
+        if reserved is not None and cap == reserved:
+            reason = f"memory guard: allocatable - requests of the other pods ({reserved} B)"
         if squeeze is not None:
             reason += f"; squeezed to {tight} B ({squeeze.reason})"
         if v2:
@@ -376,8 +405,27 @@ class MemoryGuardLoop(Loop):
             self._metrics.memory_guard(cap, usage)
         if changed:
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
-                               previous_bytes=previous, target_bytes=target, usage_bytes=usage,
+                               previous_bytes=previous, target_bytes=target,
+                               reserved_bytes=reserved, usage_bytes=usage,
                                squeezed=squeeze is not None, **extra)
+
+    def _reserved(self, meminfo: str | None) -> int | None:
+        """kubelet's QOSReserved cap (:func:`reserved_cap`); None where the requests are not
+        known or neither the kubepods limit nor the machine's memory can be read."""
+        if self._requests is None:
+            return None
+        kubepods = self._layout.tier_dir("memory", GUARANTEED)
+        text = self._sysfs.read(
+            f"{kubepods}/{'memory.max' if self._layout.v2 else 'memory.limit_in_bytes'}")
+        try:
+            allocatable = parse_bytes(text) if text is not None else None
+        except ValueError:
+            allocatable = None
+        if allocatable is None:
+            allocatable = meminfo_values(meminfo).get("MemTotal")
+        if not allocatable:
+            return None
+        return reserved_cap(allocatable, self._requests()) // PAGE_SIZE * PAGE_SIZE
 
     def _noted(self, paths: Sequence[str], limit_text: str) -> bool:
         """Notes each file's value before the guard's first write to it; False (nothing is

@@ -120,13 +120,15 @@ class MitigationConfig:
         "manager reads them.", choices=DETECTORS)
     node_psi: str = setting(
         "auto", "Whether the node's PSI (/proc/pressure/memory) drives the ladder: on, off, or "
-        "auto: only where the memcg pressure events (pressure_level, cgroup v1) do not run. "
-        "The node's file also counts the offline tier's own reclaim at its cap and squeeze, "
-        "which those events tell apart: measured on a cgroup v1 VM, an offline job reclaiming "
-        "at its squeezed limit stalled 70-90 ms/s (node PSI 'some' up to 45 % in 100 ms "
-        "samples) while the online pods were untouched, and with the node's PSI driving, the "
-        "ladder dropped the job's cache and squeezed it again (bench/colocation.py). It is "
-        "still read and reported; online pods' own PSI (cgroup v2) always counts.",
+        "auto: only where neither the memcg pressure events (pressure_level, cgroup v1) nor "
+        "the online pods' own PSI (cgroup v2) run. The node's file also counts the offline "
+        "tier's own reclaim at its cap and squeeze, which those tell apart: measured on a "
+        "cgroup v1 VM, an offline job reclaiming at its squeezed limit stalled 70-90 ms/s "
+        "(node PSI 'some' up to 45 % in 100 ms samples) while the online pods were untouched, "
+        "and with the node's PSI driving, the ladder dropped the job's cache and squeezed it "
+        "again (bench/colocation.py); on a cgroup v2 node of 4 GiB the ladder engaged in every "
+        "repetition while the online pod never stalled on memory. It is still read and "
+        "reported; online pods' own PSI always counts.",
         choices=("auto", "on", "off"))
     cooldown_s: float = setting(
         60.0, "A rung is undone after the level stayed below it this long, so pressure that "

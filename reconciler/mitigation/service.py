@@ -31,7 +31,7 @@ from common.audit import AuditLog
 from common.state import NodeState
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
-from reconciler.detection.service import pressure_level_problem
+from reconciler.detection.service import pod_psi_readable, pressure_level_problem
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile
@@ -84,17 +84,22 @@ class LadderSections(Protocol):
     def memory_guard(self) -> MemoryGuardConfig: ...
 
 
-def node_psi_drives(cfg: LadderSections, memcg_events: bool) -> bool:
+def node_psi_drives(cfg: LadderSections, memcg_events: bool, pod_psi: bool) -> bool:
     """Whether the node's PSI counts for the ladder (``mitigation.node_psi``); ``memcg_events``:
-    the host has memcg pressure notifications. ``auto``: only where those events do not drive
-    the ladder (absent, or switched off for detection or for the ladder)."""
+    the host has memcg pressure notifications (cgroup v1); ``pod_psi``: each online pod's own
+    PSI is readable (cgroup v2). ``auto``: only where neither drives the ladder (absent, or
+    switched off for detection or for the ladder): both tell the online pods' stalls from the
+    offline tier's own reclaim, which the node's file counts too."""
     choice = cfg.mitigation.node_psi
     if choice != "auto":
         return choice == "on"
     detection = cfg.detection
-    events = (memcg_events and detection.enabled and PRESSURE_LEVEL not in detection.disabled
-              and PRESSURE_LEVEL in cfg.mitigation.detectors)
-    return not events
+
+    def driving(detector: str, present: bool) -> bool:
+        return (present and detection.enabled and detector not in detection.disabled
+                and detector in cfg.mitigation.detectors)
+
+    return not (driving(PRESSURE_LEVEL, memcg_events) or driving(PSI, pod_psi))
 
 
 def rungs_of(cfg: LadderSections) -> list[Rung]:
@@ -165,10 +170,12 @@ class Mitigation:
                  close: Callable[[], None] = lambda: None,
                  metrics: ReconcilerMetrics | None = None,
                  taints: Callable[[], list[PlacedTaint]] = list,
-                 memcg_events: bool = False) -> None:
+                 memcg_events: bool = False, pod_psi: bool = False) -> None:
         self._config = config
-        # The host has memcg pressure notifications (for mitigation.node_psi = auto).
+        # The host has memcg pressure notifications, or per-pod PSI (for mitigation.node_psi
+        # = auto).
         self._memcg_events = memcg_events
+        self._pod_psi = pod_psi
         self._metrics = metrics
         # The taints the ladder has on the node now (for status).
         self.taints = taints
@@ -201,7 +208,7 @@ class Mitigation:
         one held there by hysteresis: a repeated step acts on fresh pressure only."""
         cfg = self._config()
         wanted = set(cfg.mitigation.detectors)
-        node_psi = node_psi_drives(cfg, self._memcg_events)
+        node_psi = node_psi_drives(cfg, self._memcg_events, self._pod_psi)
         worst: Reading | None = None
         worst_rank = (Level.NONE, False)
         readings = self._board.current()
@@ -328,4 +335,5 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
         "evict": EvictAction(evictor),
     }
     return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
-                      taints=taint.placed, memcg_events=not pressure_level_problem(host))
+                      taints=taint.placed, memcg_events=not pressure_level_problem(host),
+                      pod_psi=pod_psi_readable(host))

@@ -110,8 +110,14 @@ def test_whether_the_nodes_psi_drives_the_ladder_is_reported(tmp_path: Path) -> 
     assert detail.endswith("; the node's PSI is reported but does not drive the ladder "
                            "(mitigation.node_psi auto: memory.pressure_level tells the offline "
                            "tier's own reclaim apart)")
-    for host in (host_of(tmp_path / "bare", 1, pressure_level=False), host_of(tmp_path / "v2", 2)):
-        assert "drive the ladder" not in features(Config(), host)["detection.psi"][1]
+    v2 = host_of(tmp_path / "v2", 2)
+    assert features(Config(), v2)["detection.psi"][1].endswith(
+        "; the node's PSI is reported but does not drive the ladder (mitigation.node_psi auto: "
+        "the online pods' own PSI tells the offline tier's own reclaim apart)")
+    bare = host_of(tmp_path / "bare", 1, pressure_level=False)
+    assert "drive the ladder" not in features(Config(), bare)["detection.psi"][1]
+    no_psi = dataclasses.replace(v2, psi=dataclasses.replace(v2.psi, readable=False))
+    assert "drive the ladder" not in features(Config(), no_psi)["detection.psi"][1]
 
 
 def test_switches_are_reported(tmp_path: Path) -> None:

@@ -214,6 +214,23 @@ def test_build_loops_without_resctrl(tmp_path: Path) -> None:
     assert names == ["drift", "memory_guard", "numa_binding", "numa_balance", "offload"]
 
 
+def test_the_memory_guard_of_build_loops_keeps_what_the_node_state_requested(
+        tmp_path: Path) -> None:
+    """The guard's floor comes from the node state: a burstable pod's 3 GiB request keeps the
+    BestEffort tier at allocatable (kubepods' memory.max, 10 GiB) minus 3 GiB."""
+    host, state, sysfs, _, sink = make_host(tmp_path)
+    host.set_numa([(GIB, 64 * GIB, 100), (GIB, 64 * GIB, 100)])  # full: the free cap is 1 GiB
+    (host.tier_dir("guaranteed") / "memory.max").write_text(f"{10 * GIB}\n")
+    pod = host.add_pod("66666666-0000-0000-0000-000000000006", tier="burstable")
+    pods, containers = host.nri()
+    state.replace_all(pods, [dataclasses.replace(c, memory_request=3 * GIB) for c in containers])
+    assert pod.containers
+    [guard] = [loop for loop in build_loops(Store(Config()).get, state, sysfs, host_of(sysfs),
+                                            None, AuditLog(sink)) if loop.name == "memory_guard"]
+    guard.cycle(0.0)
+    assert int((host.tier_dir("besteffort") / "memory.max").read_text()) == 7 * GIB
+
+
 def test_the_offloading_loop_is_held_by_the_ladder_handed_to_build_loops(tmp_path: Path) -> None:
     host, state, sysfs, _, sink = make_host(tmp_path)
     (host.tier_dir("guaranteed") / "memory.reclaim").write_text("")

@@ -134,12 +134,13 @@ async def test_the_cause_is_fresh_pressure_rather_than_a_level_held() -> None:
         assert found.detector == "pressure_level"
 
 
-def assessed(cfg: Config, memcg_events: bool, *readings: Reading) -> Level:
+def assessed(cfg: Config, memcg_events: bool, *readings: Reading,
+             pod_psi: bool = False) -> Level:
     board = Board()
     for r in readings:
         board.publish(r.detector, [r])
     return Mitigation(lambda: cfg, board, {}, AuditLog(MemoryAuditSink()),
-                      memcg_events=memcg_events).assess().level
+                      memcg_events=memcg_events, pod_psi=pod_psi).assess().level
 
 
 def with_node_psi(choice: str, **detection: Any) -> Config:
@@ -149,17 +150,19 @@ def with_node_psi(choice: str, **detection: Any) -> Config:
         detection=dataclasses.replace(cfg.detection, **detection))
 
 
-@pytest.mark.parametrize(("choice", "memcg_events", "drives"), [
-    ("auto", True, False), ("auto", False, True), ("on", True, True), ("on", False, True),
-    ("off", True, False), ("off", False, False)])
-def test_node_psi_drives_the_ladder_where_memcg_events_do_not(
-        choice: str, memcg_events: bool, drives: bool) -> None:
+@pytest.mark.parametrize(("choice", "memcg_events", "pod_psi", "drives"), [
+    ("auto", True, False, False), ("auto", False, False, True), ("auto", False, True, False),
+    ("auto", True, True, False), ("on", True, False, True), ("on", False, False, True),
+    ("on", False, True, True), ("off", True, False, False), ("off", False, False, False),
+    ("off", False, True, False)])
+def test_node_psi_drives_the_ladder_where_neither_memcg_events_nor_pod_psi_do(
+        choice: str, memcg_events: bool, pod_psi: bool, drives: bool) -> None:
     node = reading("psi", Level.MEDIUM)
-    assert assessed(with_node_psi(choice), memcg_events, node) is (
+    assert assessed(with_node_psi(choice), memcg_events, node, pod_psi=pod_psi) is (
         Level.MEDIUM if drives else Level.NONE)
     # an online pod's own PSI always counts
     pod = reading("psi", Level.LOW, pod_scope("web"))
-    assert assessed(with_node_psi(choice), memcg_events, pod) is Level.LOW
+    assert assessed(with_node_psi(choice), memcg_events, pod, pod_psi=pod_psi) is Level.LOW
 
 
 def test_node_psi_drives_when_the_memcg_events_are_switched_off() -> None:
@@ -171,6 +174,16 @@ def test_node_psi_drives_when_the_memcg_events_are_switched_off() -> None:
     cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
         cfg.mitigation, detectors=("psi", "system_free")))
     assert assessed(cfg, True, node) is Level.LOW
+
+
+def test_node_psi_drives_when_the_pods_psi_is_switched_off() -> None:
+    """cgroup v2: the pods' PSI keeps the node's out only while it is read and drives."""
+    node = reading("psi", Level.LOW)
+    assert assessed(with_node_psi("auto"), False, node, pod_psi=True) is Level.NONE
+    assert assessed(with_node_psi("auto", enabled=False), False, node,
+                    pod_psi=True) is Level.LOW
+    assert assessed(with_node_psi("auto", disabled=("psi",)), False, node,
+                    pod_psi=True) is Level.LOW
 
 
 async def test_only_the_configured_detectors_drive_the_ladder() -> None:

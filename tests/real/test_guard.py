@@ -1,12 +1,14 @@
 """The memory guard on a real cgroup v2 kernel, the guest being the whole node: its cap on the
 BestEffort tier (``memory.max`` and ``memory.high``) holds against a real writing process, a
 squeeze lowers ``memory.high`` and its end lifts it back, the fulfillment detector reads the
-cap, and no node size gives a cap under the minimum.
+cap, no node size gives a cap under the minimum, and a node full of page cache still leaves the
+tier what the other pods did not request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -27,15 +29,19 @@ pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
 
 UID = "9a9a9a9a-0000-4000-8000-000000000001"
 CID = "b" * 64
+ONLINE_UID = "9a9a9a9a-0000-4000-8000-000000000002"
+ONLINE_CID = "c" * 64
 TIER = CGROUP / "kubepods/besteffort"
 
 
-def guard(cfg: Config, squeeze: GuardSqueeze | None = None
+def guard(cfg: Config, squeeze: GuardSqueeze | None = None, requests: int | None = None
           ) -> tuple[MemoryGuardLoop, MemoryAuditSink]:
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs("/", audit)
-    return MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), audit, squeeze=squeeze), sink
+    asked = None if requests is None else (lambda: requests)
+    return MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), audit, squeeze=squeeze,
+                           requests=asked), sink
 
 
 def test_the_default_guard_on_a_small_node_leaves_the_tier_room(node: Node) -> None:
@@ -110,3 +116,24 @@ def test_fulfillment_reads_the_cap_against_the_tiers_requests(node: Node) -> Non
     [reading] = [r for r in board.current() if r.detector == "fulfillment"]
     assert reading.level > Level.NONE, reading
     assert str(256 * MIB) in reading.reason, reading
+
+
+def test_a_node_full_of_page_cache_leaves_the_tier_what_was_not_requested(
+        node: Node, tmp_path: Path) -> None:
+    """An online pod that requested 600 MiB fills the node's free memory with page cache: the
+    free-memory cap alone is the minimum (512 MiB), the guard's cap is allocatable (kubepods'
+    1800 MiB) minus the request, and an offline pod of 700 MiB of anonymous memory runs."""
+    (CGROUP / "kubepods/memory.max").write_text(str(1800 * MIB))
+    online, _ = node.container("burstable", ONLINE_UID, ONLINE_CID)
+    node.worker(online, CGROUP / "kubepods").ask(f"write {tmp_path / 'cache.bin'} 1400")
+    loop, sink = guard(Config(), requests=600 * MIB)
+    loop.cycle(0.0)
+    [record] = sink.named("memory_guard_cap")
+    assert record["target_bytes"] < 1200 * MIB - 256 * MIB, record  # free memory is gone
+    assert read_int(TIER / "memory.max") == 1200 * MIB, record
+    assert read_int(TIER / "memory.high") == int(1200 * MIB * 0.95) // 4096 * 4096
+    cgroup, _ = node.container("besteffort", UID, CID)
+    holder = node.holder(cgroup, 700)
+    assert holder.poll() is None
+    events = dict(line.split() for line in (cgroup / "memory.events").read_text().splitlines())
+    assert events["oom_kill"] == "0", events

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -91,6 +92,13 @@ def moved(steps: Sequence[dict[str, object]]) -> int:
     return sum(int(str(s["moved_bytes"])) for s in steps)
 
 
+def under(step: dict[str, object]) -> int:
+    """How far under its watermark the step's source node was when it was decided."""
+    found = re.match(r"node \d+ (-?\d+) bytes under its watermark", str(step["reason"]))
+    assert found is not None, step
+    return int(found.group(1))
+
+
 def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node: Node) -> None:
     cgroup, path = node.container("besteffort", UID, CID)
     (cgroup / "cpuset.mems").write_text("0")
@@ -111,11 +119,15 @@ def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node
     # Each step within its budget (a huge page moves whole: 2 MiB of slack, and what the
     # process's neighbours free meanwhile); recovery stops them.
     assert all(0 < int(str(s["moved_bytes"])) <= 67 * MIB for s in steps), seen
-    assert 2 <= len(steps) <= 5, seen
+    # Recovery stops them: every step was taken while node 0 was under its watermark, and the
+    # cycles after the last took none (what else allocates on node 0 meanwhile, the guest's
+    # own processes and page cache, may ask for a step or two more than the first shortfall).
+    assert all(under(s) > 0 for s in steps), seen
+    assert 2 <= len(steps) <= 6, seen
     assert free(0) >= floor - 8 * MIB
     after = numa_stat(cgroup, "anon")
     assert after[1] >= moved(steps) - 8 * MIB, (after, moved(steps))
-    assert after[0] >= 300 * MIB, "moved past the node's recovery"
+    assert after[0] >= 500 * MIB - moved(steps) - 8 * MIB, (after, seen)
     assert (cgroup / "cpuset.mems").read_text().strip() == "0-1"
     print(f"steps={len(steps)} moved_mib={moved(steps) // MIB} elapsed_s={elapsed:.2f} "
           f"durations_s={[s['duration_s'] for s in steps]}")

@@ -140,18 +140,24 @@ def test_a_cgroup_removed_as_its_step_starts_is_forgotten(node: Node, tmp_path: 
     assert len(sink.named("offload_step")) == 1
 
 
-def writing() -> bool:
-    """Whether a child of this process has a memory.reclaim open: a writer in the kernel."""
+def writer() -> int | None:
+    """The child of this process that has a memory.reclaim open (a writer in the kernel)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
                 stat = Path(f"/proc/{entry}/stat").read_text()
                 # pid (comm) state ppid ...: comm may hold spaces, the fields after it do not.
-                if int(stat.rsplit(")", 1)[1].split()[1]) != os.getpid():
-                    continue
-                fds = Path(f"/proc/{entry}/fd")
-                if any(os.readlink(fd).endswith("/memory.reclaim") for fd in fds.iterdir()):
-                    return True
+                if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and reclaiming(
+                        int(entry)):
+                    return int(entry)
+    return None
+
+
+def reclaiming(pid: int) -> bool:
+    """Whether ``pid`` still has a memory.reclaim open: one process's fds, read at once."""
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd).endswith("/memory.reclaim")
+                   for fd in Path(f"/proc/{pid}/fd").iterdir())
     return False
 
 
@@ -175,8 +181,10 @@ def test_a_cgroup_removed_while_its_step_reclaims(node: Node, tmp_path: Path) ->
 
     def remove() -> None:
         deadline = time.monotonic() + 30
-        while not writing() and time.monotonic() < deadline:
+        pid = writer()
+        while pid is None and time.monotonic() < deadline:
             time.sleep(0.001)
+            pid = writer()
         node.kill_processes()
         while time.monotonic() < deadline:
             try:
@@ -184,7 +192,9 @@ def test_a_cgroup_removed_while_its_step_reclaims(node: Node, tmp_path: Path) ->
                 break
             except OSError:
                 time.sleep(0.005)
-        removed_during.append(writing())
+        # Asked of the writer found before, not by scanning /proc again: under TCG a scan takes
+        # long enough for the writer to finish meanwhile.
+        removed_during.append(pid is not None and reclaiming(pid))
 
     remover = threading.Thread(target=remove)
     remover.start()

@@ -267,6 +267,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                 raise RuntimeError("the load generator did not start")
         await asyncio.sleep(SETTLE_S)
         before = snapshot(node, online, offlines[0])
+        agent_cpu = agent.cpu_seconds() if agent is not None else None
         t0_ns, t0_unix = time.monotonic_ns(), time.time()
         for i, (plan, offline) in enumerate(zip(plans, offlines, strict=True)):
             process, _ = await start(plan, offline, [
@@ -286,6 +287,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             if problems:
                 break
         after = snapshot(node, online, offlines[0])
+        if agent is not None and agent_cpu is not None:
+            agent_cpu = agent.cpu_seconds() - agent_cpu
         t1_ns, t1_unix = time.monotonic_ns(), time.time()
         if load_process is not None:
             await asyncio.to_thread(stop_load, load_process)
@@ -305,7 +308,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             events=timeline(records, t0_unix, t1_unix),
             adjustments=adjustments, problems=problems,
             service_ms=service_ms, service_missed=missed,
-            work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done))
+            work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done),
+            agent_cpu_s=agent_cpu)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -384,7 +388,9 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
             print(f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
                   f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); {service}"
                   f"offline {rep.offline_mb:.0f} MiB, {rep.work_mib:.0f} MiB checksummed in "
-                  f"{rep.work_cpu_s:.1f} CPU s; agent: {rep.actions or '-'}", flush=True)
+                  f"{rep.work_cpu_s:.1f} CPU s; agent: {rep.actions or '-'}"
+                  + ("" if rep.agent_cpu_s is None else f", {rep.agent_cpu_s:.1f} CPU s"),
+                  flush=True)
             for problem in rep.problems:
                 print(f"  {problem}", flush=True)
         finally:

@@ -49,6 +49,7 @@ class Agent:
         self.socket = work / "nri.sock"
         self.simulator = RuntimeSimulator(self.socket)
         self.connection: PluginConnection | None = None
+        self.pid: int | None = None
         self._stack = contextlib.AsyncExitStack()
 
     def config(self, root: Path, kubeconfig: Path) -> str:
@@ -88,6 +89,7 @@ class Agent:
                     "--socket", str(self.socket)], None),
                 cwd=self.source, stdout=log, stderr=log)
             stack.push_async_callback(_terminate, process)
+            self.pid = process.pid
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             # Settled: the ladder's release of every rung at start (four records), detection's
             # first cycle (the memcg event registrations) after that; without the ladder, the
@@ -125,6 +127,17 @@ class Agent:
         pod, message = _messages(plan, container, api.CONTAINER_RUNNING)
         message.pid = pid
         await self.simulator.send(self.connection, Event.START_CONTAINER, pod, message)
+
+    def cpu_seconds(self) -> float:
+        """The CPU time the agent has used so far, its reaped children's included (the writers
+        and movers it starts); 0 once it is gone."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return 0.0
+        # pid (comm) state ...: utime, stime, cutime, cstime are fields 14-17
+        fields = stat.rsplit(")", 1)[1].split()
+        return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
     def records(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The audit trail so far: (unix time, event, fields)."""

@@ -148,6 +148,8 @@ class Repetition:
     # The offline pods' work in the window: MiB checksummed, CPU seconds spent on it.
     work_mib: float = 0.0
     work_cpu_s: float = 0.0
+    # The agent's own CPU seconds in the window (None: no agent in this mode).
+    agent_cpu_s: float | None = None
 
     @property
     def offline_mb(self) -> float:

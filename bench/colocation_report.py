@@ -225,7 +225,7 @@ def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
 
 
 SERVICE_COLUMNS = ("mode", "rep", "requests", "p50", "p99", "p99.9", "missed", "offline MiB",
-                   "work MiB", "work CPU s", "MiB/CPU s")
+                   "work MiB", "work CPU s", "MiB/CPU s", "agent CPU s")
 
 
 def served(reps: Sequence[Repetition]) -> bool:
@@ -246,7 +246,8 @@ def service_rows(reps: Sequence[Repetition]) -> list[list[str]]:
                 mode, "all" if r is None else str(r.index), str(len(answered) + missed),
                 *(fmt(tail_percentile(answered, missed, q), 2) for q in (0.5, 0.99, 0.999)),
                 str(missed), fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
-                fmt(cpu, 1), fmt(work / cpu if cpu else None, 0)])
+                fmt(cpu, 1), fmt(work / cpu if cpu else None, 0),
+                fmt(mean([g.agent_cpu_s for g in group if g.agent_cpu_s is not None]), 1)])
     return rows
 
 
@@ -401,7 +402,8 @@ def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
             "service_requests": len(answered) + missed, "service_missed": missed,
             "offline_mib": mean([r.offline_mb for r in mine]),
             "work_mib": mean([r.work_mib for r in mine]),
-            "work_cpu_s": mean([r.work_cpu_s for r in mine])}
+            "work_cpu_s": mean([r.work_cpu_s for r in mine]),
+            "agent_cpu_s": mean([r.agent_cpu_s for r in mine if r.agent_cpu_s is not None])}
     return found
 
 

@@ -23,7 +23,7 @@ from reconciler.detection.config import (
     RSS_OVERUSE,
     SYSTEM_FREE,
 )
-from reconciler.detection.service import pod_psi_readable, pressure_level_problem, psi_path
+from reconciler.detection.service import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
 from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
@@ -193,7 +193,7 @@ def _numa_free(cfg: Config, host: HostInfo) -> Feature:
 def _psi(cfg: Config, host: HostInfo) -> Feature:
     path, reason = psi_path(cfg.detection, host)
     pods = "; each online pod's memory.pressure" if host.cgroup.v2 else ""
-    drives = node_psi_drives(cfg, not pressure_level_problem(host), pod_psi_readable(host))
+    drives = node_psi_drives(cfg, not pressure_level_problem(host), host.pod_psi)
     apart = "the online pods' own PSI tells" if host.cgroup.v2 else "memory.pressure_level tells"
     ladder = "" if drives else (
         "; the node's PSI is reported but does not drive the ladder (mitigation.node_psi "

@@ -296,11 +296,6 @@ def pressure_level_problem(host: HostInfo) -> str:
     return ""
 
 
-def pod_psi_readable(host: HostInfo) -> bool:
-    """Whether each online pod's own memory.pressure is read here (cgroup v2 with PSI on)."""
-    return host.cgroup.v2 and host.psi.readable
-
-
 class NodePsi:
     """The node's memory PSI: a trigger where the kernel accepts a short window, else a poll of
     the cumulative stall counter (never the 10-second average)."""

@@ -89,6 +89,11 @@ class HostInfo:
         (which misses hot-added memory), unless /proc/meminfo is unreadable."""
         return self.meminfo_total_bytes or self.numa_view.nodes_total_bytes
 
+    @property
+    def pod_psi(self) -> bool:
+        """Each cgroup has its own memory.pressure: cgroup v2 with PSI on."""
+        return self.cgroup.v2 and self.psi.readable
+
 
 def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str = "auto",
                resctrl_mount: str | None = None, amd_mb_max: int = 2048,

@@ -31,7 +31,7 @@ from common.audit import AuditLog
 from common.state import NodeState
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.pods import PodIndex
-from reconciler.detection.service import pod_psi_readable, pressure_level_problem
+from reconciler.detection.service import pressure_level_problem
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile
@@ -336,4 +336,4 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
     }
     return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
                       taints=taint.placed, memcg_events=not pressure_level_problem(host),
-                      pod_psi=pod_psi_readable(host))
+                      pod_psi=host.pod_psi)

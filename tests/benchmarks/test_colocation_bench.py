@@ -435,10 +435,11 @@ def test_the_service_answers_an_open_loop_load(tmp_path: Path) -> None:
 def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
     served = rep("agent", [1.0] * 10, 10.0)
     served.service_ms, served.service_missed = [2.0] * 9, 1
-    served.work_mib, served.work_cpu_s = 8.0, 0.5
+    served.work_mib, served.work_cpu_s, served.agent_cpu_s = 8.0, 0.5, 1.25
     settings, _ = settings_from(args_for("--quick", "--seed", "3"), 23 * 1024, v2=False)
     text = as_json([served], settings, {"kernel": "k"})
     found = json.loads(text)["summary"]["agent"]
+    assert found["agent_cpu_s"] == 1.25
     assert found["service_ms"]["p50"] == 2.0
     assert found["service_ms"]["p99.9"] == math.inf
     assert (found["service_requests"], found["service_missed"]) == (10, 1)
@@ -448,3 +449,4 @@ def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
     assert again == settings
     assert machine == {"kernel": "k"}
     assert service_rows(reps)[0][2:7] == ["10", "2.00", "inf", "inf", "1"]
+    assert service_rows(reps)[0][-1] == "1.2"  # the agent's CPU seconds

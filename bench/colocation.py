@@ -84,10 +84,8 @@ from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repe
 from bench.colocation_report import (
     as_json,
     final_line,
-    fmt,
     from_json,
     merge_progress,
-    percentile,
     plot,
     print_intervals,
     print_service_table,
@@ -96,7 +94,7 @@ from bench.colocation_report import (
     read_progress,
     read_service,
     read_work,
-    rep_p99,
+    rep_line,
     summarize_actions,
     timeline,
 )
@@ -267,7 +265,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                 raise RuntimeError("the load generator did not start")
         await asyncio.sleep(SETTLE_S)
         before = snapshot(node, online, offlines[0])
-        agent_cpu = agent.cpu_seconds() if agent is not None else None
+        cpu0 = agent.cpu_seconds() if agent is not None else 0.0
         t0_ns, t0_unix = time.monotonic_ns(), time.time()
         for i, (plan, offline) in enumerate(zip(plans, offlines, strict=True)):
             process, _ = await start(plan, offline, [
@@ -287,8 +285,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             if problems:
                 break
         after = snapshot(node, online, offlines[0])
-        if agent is not None and agent_cpu is not None:
-            agent_cpu = agent.cpu_seconds() - agent_cpu
+        cpu1 = agent.cpu_seconds() if agent is not None else 0.0
         t1_ns, t1_unix = time.monotonic_ns(), time.time()
         if load_process is not None:
             await asyncio.to_thread(stop_load, load_process)
@@ -309,7 +306,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             adjustments=adjustments, problems=problems,
             service_ms=service_ms, service_missed=missed,
             work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done),
-            agent_cpu_s=agent_cpu)
+            agent_cpu_s=cpu1 - cpu0 if agent is not None else None)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -382,15 +379,7 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
             rep = await repetition(mode, index, settings, data, work)
             if index:
                 reps.append(rep)
-            lat = sorted(rep.latencies_ms)
-            service = (f"service p99 {fmt(rep_p99(rep), 2)} ms ({rep.service_missed} missed); "
-                       if rep.service_ms or rep.service_missed else "")
-            print(f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
-                  f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); {service}"
-                  f"offline {rep.offline_mb:.0f} MiB, {rep.work_mib:.0f} MiB checksummed in "
-                  f"{rep.work_cpu_s:.1f} CPU s; agent: {rep.actions or '-'}"
-                  + ("" if rep.agent_cpu_s is None else f", {rep.agent_cpu_s:.1f} CPU s"),
-                  flush=True)
+            print(rep_line(rep), flush=True)
             for problem in rep.problems:
                 print(f"  {problem}", flush=True)
         finally:

@@ -152,6 +152,18 @@ def mean(values: Sequence[float | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
+def rep_line(rep: Repetition) -> str:
+    """A repetition's line as the run prints it."""
+    lat = sorted(rep.latencies_ms)
+    service = (f"service p99 {fmt(rep_p99(rep), 2)} ms ({rep.service_missed} missed); "
+               if rep.service_ms or rep.service_missed else "")
+    cpu = "" if rep.agent_cpu_s is None else f", {rep.agent_cpu_s:.1f} CPU s"
+    return (f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
+            f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); {service}"
+            f"offline {rep.offline_mb:.0f} MiB, {rep.work_mib:.0f} MiB checksummed in "
+            f"{rep.work_cpu_s:.1f} CPU s; agent: {rep.actions or '-'}{cpu}")
+
+
 def fmt(value: float | None, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"

@@ -17,7 +17,7 @@ drop-cache write), taken from the audit trail on the same clock (CLOCK_MONOTONIC
   larger than the limit through the page cache; the onset is the first charge that hits the limit
   (failcnt moves). ``--paths`` adds the same with ``memory.pressure_level`` switched off (what a
   host without it gets: the PSI path), with dirty page cache so that reclaim stalls. On cgroup
-  v2 the node's PSI drives the ladder only with ``mitigation.node_psi = on`` (by default the
+  v2 the node's PSI drives the ladder only with ``mitigation.node_signals = on`` (by default the
   online pods' own PSI does, and no online pod runs here): that series says so in its name.
 
 The last line is ``reaction p50=<ms> ms p99=<ms> ms n=<count>`` for the default configuration on
@@ -103,10 +103,10 @@ class Onset:
     taint_ms: float | None = None  # onset -> the taint on the node (two API requests)
 
 
-def agent_config(root: Path, kubeconfig: Path, *, node_psi: str | None = None,
+def agent_config(root: Path, kubeconfig: Path, *, node_signals: str | None = None,
                  **detection: Any) -> Config:
     """The default configuration, enforcing (a first install only observes: no action to time);
-    ``node_psi``: ``mitigation.node_psi`` when not its default."""
+    ``node_signals``: ``mitigation.node_signals`` when not its default."""
     cfg = Config()
     return dataclasses.replace(
         cfg,
@@ -116,7 +116,7 @@ def agent_config(root: Path, kubeconfig: Path, *, node_psi: str | None = None,
                                        node_name=NODE),
         detection=dataclasses.replace(cfg.detection, **detection),
         mitigation=dataclasses.replace(
-            cfg.mitigation, node_psi=node_psi or cfg.mitigation.node_psi),
+            cfg.mitigation, node_signals=node_signals or cfg.mitigation.node_signals),
     )
 
 
@@ -227,7 +227,7 @@ async def fake_free(directory: Path, kubeconfig: Path) -> Onset:
 # -- the real kernel ------------------------------------------------------------------------------
 
 async def real(directory: Path, kubeconfig: Path, data: Path, *, dirty: bool,
-               seconds: float = 0.6, node_psi: str | None = None, **detection: Any) -> Onset:
+               seconds: float = 0.6, node_signals: str | None = None, **detection: Any) -> Onset:
     """One onset on the real kernel: ``seconds`` of pressure from the moment the limit is hit
     (what is timed is the first action after that moment, not the pressure's length)."""
     root = RealRoot(directory, "bench", 256 * MIB)
@@ -242,7 +242,7 @@ async def real(directory: Path, kubeconfig: Path, data: Path, *, dirty: bool,
             onset = answer["onset"]
             return None if onset is None else onset / 1e9
 
-        return await one_onset(agent_config(root.root, kubeconfig, node_psi=node_psi,
+        return await one_onset(agent_config(root.root, kubeconfig, node_signals=node_signals,
                                             **detection), start)
     finally:
         root.close()
@@ -331,12 +331,12 @@ async def main_async(args: argparse.Namespace) -> int:
             # the node's PSI does not drive there (online pods' own PSI does, and here no online
             # pod runs): the series says it switches it on.
             dirty = bool(unavailable())
-            name = ("real kernel, default configuration but mitigation.node_psi = on" if dirty
+            name = ("real kernel, default configuration but mitigation.node_signals = on" if dirty
                     else "real kernel, default configuration")
             default = await series(name, args.onsets,
                                    lambda d: real(d, kubeconfig, data, dirty=dirty,
                                                   seconds=2.0 if dirty else 0.6,
-                                                  node_psi="on" if dirty else None))
+                                                  node_signals="on" if dirty else None))
             results.append(default)
     if args.json:
         print(json.dumps(results, indent=2))

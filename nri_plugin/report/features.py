@@ -27,7 +27,7 @@ from reconciler.detection.service import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
 from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
-from reconciler.mitigation.service import node_psi_drives
+from reconciler.mitigation.service import node_signals_drive
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,12 +193,28 @@ def _numa_free(cfg: Config, host: HostInfo) -> Feature:
 def _psi(cfg: Config, host: HostInfo) -> Feature:
     path, reason = psi_path(cfg.detection, host)
     pods = "; each online pod's memory.pressure" if host.cgroup.v2 else ""
-    drives = node_psi_drives(cfg, not pressure_level_problem(host), host.pod_psi)
-    apart = "the online pods' own PSI tells" if host.cgroup.v2 else "memory.pressure_level tells"
-    ladder = "" if drives else (
-        "; the node's PSI is reported but does not drive the ladder (mitigation.node_psi "
-        f"{cfg.mitigation.node_psi}: {apart} the offline tier's own reclaim apart)")
-    return Feature(path != "off", f"{reason}{pods}{ladder}")
+    return Feature(path != "off", f"{reason}{pods}{_ladder_note(cfg, host, 'the node')}")
+
+
+def _ladder_note(cfg: Config, host: HostInfo, what: str) -> str:
+    """Why a node-wide reading does not drive the ladder here ("" where it does)."""
+    if node_signals_drive(cfg, not pressure_level_problem(host), host.pod_psi):
+        return ""
+    apart = "the online pods' own PSI tells" if host.pod_psi else "memory.pressure_level tells"
+    return (f"; {what}'s reading is reported but does not drive the ladder "
+            f"(mitigation.node_signals {cfg.mitigation.node_signals}: {apart} what online pods "
+            "feel from the offline tier's own reclaim)")
+
+
+def _node_wide(check: Callable[[Config, HostInfo], Feature], what: str
+               ) -> Callable[[Config, HostInfo], Feature]:
+    def noted(cfg: Config, host: HostInfo) -> Feature:
+        found = check(cfg, host)
+        if not found.runs:
+            return found
+        return Feature(True, found.detail + _ladder_note(cfg, host, what))
+
+    return noted
 
 
 def _pressure_level(cfg: Config, host: HostInfo) -> Feature:
@@ -286,12 +302,14 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.numa_binding": _numa_binding,
     "reconciler.numa_balance": _numa_balance,
     "reconciler.offload": _offload,
-    "detection.system_free": _detector(SYSTEM_FREE, _always(
-        "MemFree of /proc/meminfo vs max(floor, total x watermark_scale_factor, zones' low)")),
-    "detection.numa_free": _detector(NUMA_FREE, _numa_free),
+    "detection.system_free": _detector(SYSTEM_FREE, _node_wide(_always(
+        "MemFree of /proc/meminfo vs max(floor, total x watermark_scale_factor, zones' low)"),
+        "the node")),
+    "detection.numa_free": _detector(NUMA_FREE, _node_wide(_numa_free, "each NUMA node")),
     "detection.psi": _detector(PSI, _psi),
     "detection.pressure_level": _detector(PRESSURE_LEVEL, _pressure_level),
-    "detection.kswapd": _detector(KSWAPD, _always("pgsteal_kswapd rate from /proc/vmstat")),
+    "detection.kswapd": _detector(KSWAPD, _node_wide(
+        _always("pgsteal_kswapd rate from /proc/vmstat"), "kswapd")),
     "detection.rss_overuse": _detector(RSS_OVERUSE, _always(
         "anonymous memory of shared/reclaimed pods vs request x factor")),
     "detection.fulfillment": _detector(FULFILLMENT, _always(

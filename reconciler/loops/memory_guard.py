@@ -36,9 +36,9 @@ low watermarks summed, the floor once per NUMA node), and ``numa_view_inconsiste
 once with both figures.
 
 The cap is written to the BestEffort QoS cgroup: ``memory.limit_in_bytes`` on v1, ``memory.max``
-and ``memory.high = high_ratio x cap`` on v2. A falling cap moves at most ``max_step_bytes`` per
-cycle, from the current limit and from the current usage, so the kernel reclaims gradually
-instead of OOM-killing the tier at once.
+and ``memory.high = max(high_ratio x cap, reserved)`` on v2 (at most the cap). A falling cap
+moves at most ``max_step_bytes`` per cycle, from the current limit and from the current usage,
+so the kernel reclaims gradually instead of OOM-killing the tier at once.
 
 While the mitigation ladder squeezes the tier (:class:`GuardSqueeze`, its "tune memcg" rung),
 the tier is held below the usage it had when the ladder first asked::
@@ -377,6 +377,9 @@ class MemoryGuardLoop(Loop):
             reason += f"; squeezed to {tight} B ({squeeze.reason})"
         if v2:
             high = int(cap * guard.high_ratio) // page * page
+            if reserved is not None:
+                # Not throttled below what kubelet's own cap would leave it either.
+                high = max(high, min(reserved, cap))
             if tight is not None:
                 high = min(high, tight)
             high_file = f"{tier}/memory.high"

@@ -118,17 +118,21 @@ class MitigationConfig:
         "Detectors whose worst level drives the ladder. rss_overuse (one pod's overuse) and "
         "fulfillment (the reclaimed tier's own shortage) are not node pressure: the eviction "
         "manager reads them.", choices=DETECTORS)
-    node_psi: str = setting(
-        "auto", "Whether the node's PSI (/proc/pressure/memory) drives the ladder: on, off, or "
-        "auto: only where neither the memcg pressure events (pressure_level, cgroup v1) nor "
-        "the online pods' own PSI (cgroup v2) run. The node's file also counts the offline "
-        "tier's own reclaim at its cap and squeeze, which those tell apart: measured on a "
-        "cgroup v1 VM, an offline job reclaiming at its squeezed limit stalled 70-90 ms/s "
-        "(node PSI 'some' up to 45 % in 100 ms samples) while the online pods were untouched, "
-        "and with the node's PSI driving, the ladder dropped the job's cache and squeezed it "
-        "again (bench/colocation.py); on a cgroup v2 node of 4 GiB the ladder engaged in every "
-        "repetition while the online pod never stalled on memory. It is still read and "
-        "reported; online pods' own PSI always counts.",
+    node_signals: str = setting(
+        "auto", "Whether the node-wide detectors (the node's PSI, system_free, numa_free, "
+        "kswapd) drive the ladder: on, off, or auto: only where neither the memcg pressure "
+        "events (pressure_level, cgroup v1) nor the online pods' own PSI (cgroup v2) run. "
+        "Those tell what online pods feel; the node-wide ones also count the offline tier's "
+        "own reclaim at its cap and squeeze, and free memory that page cache took, as it does "
+        "on any busy node. Measured on a cgroup v1 VM, an offline job reclaiming at its "
+        "squeezed limit stalled 70-90 ms/s (node PSI 'some' up to 45 % in 100 ms samples) "
+        "while the online pods were untouched, and with the node's PSI driving, the ladder "
+        "dropped the job's cache and squeezed it again; on a cgroup v2 node of 4 GiB, "
+        "numa_free (a NUMA node's free memory under twice its watermark while page cache "
+        "filled it) or the node's PSI engaged the ladder in every repetition while the online "
+        "pod never stalled on memory, and its p99 was worse than with no agent "
+        "(bench/colocation.py). They are still read, reported and given to the eviction "
+        "manager; online pods' own PSI always counts.",
         choices=("auto", "on", "off"))
     cooldown_s: float = setting(
         60.0, "A rung is undone after the level stayed below it this long, so pressure that "

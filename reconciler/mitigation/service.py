@@ -29,7 +29,14 @@ import structlog
 from common.aio import sleep_until
 from common.audit import AuditLog
 from common.state import NodeState
-from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
+from reconciler.detection.config import (
+    KSWAPD,
+    NUMA_FREE,
+    PRESSURE_LEVEL,
+    PSI,
+    SYSTEM_FREE,
+    DetectionConfig,
+)
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.service import pressure_level_problem
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
@@ -84,13 +91,22 @@ class LadderSections(Protocol):
     def memory_guard(self) -> MemoryGuardConfig: ...
 
 
-def node_psi_drives(cfg: LadderSections, memcg_events: bool, pod_psi: bool) -> bool:
-    """Whether the node's PSI counts for the ladder (``mitigation.node_psi``); ``memcg_events``:
-    the host has memcg pressure notifications (cgroup v1); ``pod_psi``: each online pod's own
-    PSI is readable (cgroup v2). ``auto``: only where neither drives the ladder (absent, or
-    switched off for detection or for the ladder): both tell the online pods' stalls from the
-    offline tier's own reclaim, which the node's file counts too."""
-    choice = cfg.mitigation.node_psi
+NODE_WIDE = frozenset({SYSTEM_FREE, NUMA_FREE, KSWAPD})
+"""Detectors whose readings are all node-wide (the PSI detector's are when scoped to the node)."""
+
+
+def node_wide(reading: Reading) -> bool:
+    """A reading of the whole node or of a NUMA node, not of an online pod or a cgroup."""
+    return reading.detector in NODE_WIDE or (reading.detector == PSI and reading.scope == NODE)
+
+
+def node_signals_drive(cfg: LadderSections, memcg_events: bool, pod_psi: bool) -> bool:
+    """Whether node-wide readings count for the ladder (``mitigation.node_signals``);
+    ``memcg_events``: the host has memcg pressure notifications (cgroup v1); ``pod_psi``: each
+    online pod's own PSI is readable (cgroup v2). ``auto``: only where neither drives the ladder
+    (absent, or switched off for detection or for the ladder): both tell the online pods'
+    stalls from the offline tier's own reclaim, which the node-wide readings count too."""
+    choice = cfg.mitigation.node_signals
     if choice != "auto":
         return choice == "on"
     detection = cfg.detection
@@ -172,8 +188,8 @@ class Mitigation:
                  taints: Callable[[], list[PlacedTaint]] = list,
                  memcg_events: bool = False, pod_psi: bool = False) -> None:
         self._config = config
-        # The host has memcg pressure notifications, or per-pod PSI (for mitigation.node_psi
-        # = auto).
+        # The host has memcg pressure notifications, or per-pod PSI (for
+        # mitigation.node_signals = auto).
         self._memcg_events = memcg_events
         self._pod_psi = pod_psi
         self._metrics = metrics
@@ -208,13 +224,12 @@ class Mitigation:
         one held there by hysteresis: a repeated step acts on fresh pressure only."""
         cfg = self._config()
         wanted = set(cfg.mitigation.detectors)
-        node_psi = node_psi_drives(cfg, self._memcg_events, self._pod_psi)
+        node_signals = node_signals_drive(cfg, self._memcg_events, self._pod_psi)
         worst: Reading | None = None
         worst_rank = (Level.NONE, False)
         readings = self._board.current()
         for reading in readings:
-            if reading.detector not in wanted or (
-                    reading.detector == PSI and reading.scope == NODE and not node_psi):
+            if reading.detector not in wanted or (not node_signals and node_wide(reading)):
                 continue
             level = reading.level
             fresh = reading.fresh

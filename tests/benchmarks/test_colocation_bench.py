@@ -48,6 +48,7 @@ from bench.colocation_report import (
     read_progress,
     read_service,
     read_work,
+    rep_line,
     rep_p99,
     service_rows,
     tail_percentile,
@@ -450,3 +451,11 @@ def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
     assert machine == {"kernel": "k"}
     assert service_rows(reps)[0][2:7] == ["10", "2.00", "inf", "inf", "1"]
     assert service_rows(reps)[0][-1] == "1.2"  # the agent's CPU seconds
+
+
+def test_a_repetitions_line_says_the_agents_cpu_only_where_an_agent_ran() -> None:
+    alone = rep("static", [1.0] * 10, 10.0)
+    assert rep_line(alone).endswith("agent: -")
+    managed = rep("agent", [1.0] * 10, 10.0)
+    managed.agent_cpu_s = 2.56
+    assert rep_line(managed).endswith("agent: -, 2.6 CPU s")

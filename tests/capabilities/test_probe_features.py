@@ -57,8 +57,9 @@ def test_every_detector_and_rung_is_reported(tmp_path: Path) -> None:
 def test_a_cgroup_v1_host(tmp_path: Path) -> None:
     found = features(Config(), host_of(tmp_path, 1))
     assert found["detection.pressure_level"][0] is True
-    assert found["detection.numa_free"] == (True, "free memory of 2 NUMA node(s) vs their "
-                                                  "watermarks")
+    runs, detail = found["detection.numa_free"]
+    assert runs
+    assert detail.startswith("free memory of 2 NUMA node(s) vs their watermarks; ")
     assert found["mitigation.drop_cache"][0] is True
     assert "memory.force_empty" in found["mitigation.drop_cache"][1]
     assert "memory limit" in found["mitigation.tune"][1]
@@ -105,19 +106,24 @@ def test_psi_path_follows_the_accepted_trigger_window(tmp_path: Path) -> None:
     assert features(Config(), none)["detection.psi"][0] is False
 
 
-def test_whether_the_nodes_psi_drives_the_ladder_is_reported(tmp_path: Path) -> None:
-    detail = features(Config(), host_of(tmp_path / "v1", 1))["detection.psi"][1]
-    assert detail.endswith("; the node's PSI is reported but does not drive the ladder "
-                           "(mitigation.node_psi auto: memory.pressure_level tells the offline "
-                           "tier's own reclaim apart)")
-    v2 = host_of(tmp_path / "v2", 2)
-    assert features(Config(), v2)["detection.psi"][1].endswith(
-        "; the node's PSI is reported but does not drive the ladder (mitigation.node_psi auto: "
-        "the online pods' own PSI tells the offline tier's own reclaim apart)")
-    bare = host_of(tmp_path / "bare", 1, pressure_level=False)
-    assert "drive the ladder" not in features(Config(), bare)["detection.psi"][1]
-    no_psi = dataclasses.replace(v2, psi=dataclasses.replace(v2.psi, readable=False))
-    assert "drive the ladder" not in features(Config(), no_psi)["detection.psi"][1]
+def test_whether_the_node_wide_detectors_drive_the_ladder_is_reported(tmp_path: Path) -> None:
+    found = features(Config(), host_of(tmp_path / "v1", 1))
+    assert found["detection.psi"][1].endswith(
+        "; the node's reading is reported but does not drive the ladder "
+        "(mitigation.node_signals auto: memory.pressure_level tells what online pods feel from "
+        "the offline tier's own reclaim)")
+    v2 = features(Config(), host_of(tmp_path / "v2", 2))
+    for name, what in (("psi", "the node"), ("system_free", "the node"), ("kswapd", "kswapd")):
+        assert v2[f"detection.{name}"][1].endswith(
+            f"; {what}'s reading is reported but does not drive the ladder "
+            "(mitigation.node_signals auto: the online pods' own PSI tells what online pods "
+            "feel from the offline tier's own reclaim)"), name
+    bare = features(Config(), host_of(tmp_path / "bare", 1, pressure_level=False))
+    assert not any("drive the ladder" in detail for _, detail in bare.values())
+    host = host_of(tmp_path / "nopsi", 2)
+    no_psi = features(Config(), dataclasses.replace(host, psi=dataclasses.replace(
+        host.psi, readable=False)))
+    assert not any("drive the ladder" in detail for _, detail in no_psi.values())
 
 
 def test_switches_are_reported(tmp_path: Path) -> None:

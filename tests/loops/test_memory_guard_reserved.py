@@ -75,6 +75,8 @@ def test_a_full_node_caps_the_tier_at_allocatable_minus_requests(tmp_path: Path,
     loop.cycle(0.0)
     reserved = (5 * GIB - 100) // PAGE * PAGE
     assert int(files(host)[0].read_text()) == reserved
+    if version == 2:  # not throttled below kubelet's cap either
+        assert int((host.tier_dir(BESTEFFORT) / "memory.high").read_text()) == reserved
     [record] = sink.named("memory_guard_cap")
     assert record["target_bytes"] == GIB
     assert record["reserved_bytes"] == reserved
@@ -95,6 +97,22 @@ def test_the_free_memory_cap_wins_from_a_page_above_the_reserved_one(
     [record] = sink.named("memory_guard_cap")
     assert record["target_bytes"] == 5 * GIB + above
     assert record["cap_bytes"] == (5 * GIB if winner == "reserved" else 5 * GIB + above)
+
+
+@pytest.mark.parametrize(("free", "requests", "cap", "high"), [
+    # the free-memory cap (5 GiB) far above the reserved one (1 GiB): high_ratio of it
+    (8 * GIB, 6 * GIB, 5 * GIB, int(5 * GIB * 0.95) // PAGE * PAGE),
+    # a page above the reserved one (5 GiB): memory.high at the reserved cap, not 5 % under it
+    (8 * GIB + PAGE, 2 * GIB, 5 * GIB + PAGE, 5 * GIB),
+])
+def test_v2_memory_high_is_high_ratio_of_the_cap_but_never_under_the_reserved_cap(
+        tmp_path: Path, free: int, requests: int, cap: int, high: int) -> None:
+    host, loop, _ = guard(tmp_path, 2, Requests(requests))
+    full_node(host, 7 * GIB)
+    host.set_numa([(free, 16 * GIB, 0)])
+    loop.cycle(0.0)
+    assert int(files(host)[0].read_text()) == cap
+    assert int((host.tier_dir(BESTEFFORT) / "memory.high").read_text()) == high
 
 
 @pytest.mark.parametrize("version", [1, 2])

@@ -143,10 +143,10 @@ def assessed(cfg: Config, memcg_events: bool, *readings: Reading,
                       memcg_events=memcg_events, pod_psi=pod_psi).assess().level
 
 
-def with_node_psi(choice: str, **detection: Any) -> Config:
+def with_node_signals(choice: str, **detection: Any) -> Config:
     cfg = config()
     return dataclasses.replace(
-        cfg, mitigation=dataclasses.replace(cfg.mitigation, node_psi=choice),
+        cfg, mitigation=dataclasses.replace(cfg.mitigation, node_signals=choice),
         detection=dataclasses.replace(cfg.detection, **detection))
 
 
@@ -155,34 +155,47 @@ def with_node_psi(choice: str, **detection: Any) -> Config:
     ("auto", True, True, False), ("on", True, False, True), ("on", False, False, True),
     ("on", False, True, True), ("off", True, False, False), ("off", False, False, False),
     ("off", False, True, False)])
-def test_node_psi_drives_the_ladder_where_neither_memcg_events_nor_pod_psi_do(
+def test_node_signals_drive_the_ladder_where_neither_memcg_events_nor_pod_psi_do(
         choice: str, memcg_events: bool, pod_psi: bool, drives: bool) -> None:
     node = reading("psi", Level.MEDIUM)
-    assert assessed(with_node_psi(choice), memcg_events, node, pod_psi=pod_psi) is (
+    assert assessed(with_node_signals(choice), memcg_events, node, pod_psi=pod_psi) is (
         Level.MEDIUM if drives else Level.NONE)
     # an online pod's own PSI always counts
     pod = reading("psi", Level.LOW, pod_scope("web"))
-    assert assessed(with_node_psi(choice), memcg_events, pod, pod_psi=pod_psi) is Level.LOW
+    assert assessed(with_node_signals(choice), memcg_events, pod, pod_psi=pod_psi) is Level.LOW
 
 
-def test_node_psi_drives_when_the_memcg_events_are_switched_off() -> None:
+@pytest.mark.parametrize("detector", ["system_free", "numa_free", "kswapd"])
+@pytest.mark.parametrize(("memcg_events", "pod_psi", "drives"), [
+    (False, False, True), (True, False, False), (False, True, False)])
+def test_free_memory_and_kswapd_are_node_signals_too(
+        detector: str, memcg_events: bool, pod_psi: bool, drives: bool) -> None:
+    scope = "numa:1" if detector == "numa_free" else "node"
+    found = reading(detector, Level.MEDIUM, scope)
+    assert assessed(with_node_signals("auto"), memcg_events, found, pod_psi=pod_psi) is (
+        Level.MEDIUM if drives else Level.NONE)
+    assert assessed(with_node_signals("on"), memcg_events, found,
+                    pod_psi=pod_psi) is Level.MEDIUM
+
+
+def test_node_signals_drive_when_the_memcg_events_are_switched_off() -> None:
     node = reading("psi", Level.LOW)
-    assert assessed(with_node_psi("auto", disabled=("pressure_level",)), True,
+    assert assessed(with_node_signals("auto", disabled=("pressure_level",)), True,
                     node) is Level.LOW
-    assert assessed(with_node_psi("auto", enabled=False), True, node) is Level.LOW
-    cfg = with_node_psi("auto")
+    assert assessed(with_node_signals("auto", enabled=False), True, node) is Level.LOW
+    cfg = with_node_signals("auto")
     cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
         cfg.mitigation, detectors=("psi", "system_free")))
     assert assessed(cfg, True, node) is Level.LOW
 
 
-def test_node_psi_drives_when_the_pods_psi_is_switched_off() -> None:
+def test_node_signals_drive_when_the_pods_psi_is_switched_off() -> None:
     """cgroup v2: the pods' PSI keeps the node's out only while it is read and drives."""
     node = reading("psi", Level.LOW)
-    assert assessed(with_node_psi("auto"), False, node, pod_psi=True) is Level.NONE
-    assert assessed(with_node_psi("auto", enabled=False), False, node,
+    assert assessed(with_node_signals("auto"), False, node, pod_psi=True) is Level.NONE
+    assert assessed(with_node_signals("auto", enabled=False), False, node,
                     pod_psi=True) is Level.LOW
-    assert assessed(with_node_psi("auto", disabled=("psi",)), False, node,
+    assert assessed(with_node_signals("auto", disabled=("psi",)), False, node,
                     pod_psi=True) is Level.LOW
 
 

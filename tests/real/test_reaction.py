@@ -28,7 +28,7 @@ def test_the_reaction_benchmark_runs_on_the_psi_trigger_path() -> None:
     lines = done.stdout.splitlines()
     # cgroup v2: the node's PSI drives only when switched on (no online pod runs here)
     [series] = [line for line in lines if line.startswith(
-        "real kernel, default configuration but mitigation.node_psi = on")]
+        "real kernel, default configuration but mitigation.node_signals = on")]
     # Raised by the PSI detector every time it was raised; one onset of the few may go without
     # an action within the benchmark's 6 s on a loaded machine (the guest shares two cores).
     paths = re.search(r"via (\{[^}]*\})", series)

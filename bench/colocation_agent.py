@@ -27,12 +27,13 @@ from protos import nri_api_pb2 as api
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 
 NODE_NAME = "colocation-node"
+AGENT_POD_UID = "0c010c01-0000-4000-8000-00000000a6e7"
 READY_TIMEOUT_S = 120.0
 """For the agent to be synchronized, and for the online pod to have read its files."""
 
 
 class Agent:
-    """A real ``nri-qos run`` process (in the node's system cgroup, a node daemon) beside the
+    """A real ``nri-qos run`` process (in a DaemonSet-like pod of the node) beside the
     runtime simulator and a fake API server; an async context manager: entered, the agent is
     synchronized and settled; left, all is gone."""
 
@@ -81,10 +82,16 @@ class Agent:
             stack.push_async_callback(self.simulator.stop)
             log = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             stack.callback(os.close, log)
-            # A node daemon: in the node's system cgroup, so that a run killed outright does
-            # not leave it behind (the next run's sweep ends what is left in the node).
+            # As deploy/ runs it: a DaemonSet pod of the node (a run killed outright does not
+            # leave it behind: the next run's sweep ends what is left in the node), Burstable
+            # with the manifest's 50m CPU request and 256 MiB limit, so its CPU weight is the
+            # request's, as on a node (in a cgroup of the system's weight its bursts of work
+            # preempted the online pod). Its oom_score_adj is inherited: lowering it needs
+            # CAP_SYS_RESOURCE, which a test machine may lack.
+            pod = self.node.add_pod("burstable", AGENT_POD_UID, "nri-qos",
+                                    memory_limit=256 * MIB, cpu_request_milli=50)
             process = await asyncio.create_subprocess_exec(
-                *self.node.inside(self.node.add_system("nri-qos"), [
+                *self.node.inside(pod.rel, [
                     sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
                     "--socket", str(self.socket)], None),
                 cwd=self.source, stdout=log, stderr=log)

@@ -128,7 +128,6 @@ class KubeletNode:
         self._made: list[Path] = []
         self._processes: list[subprocess.Popen[str]] = []
         self._burstable_shares = 0
-        self._made_system = False
         try:
             self._mkdir("", inner=True)
             self._write(self.memory, self._limit_file, str(memory_bytes))
@@ -224,16 +223,6 @@ class KubeletNode:
         return root
 
     # -- processes -----------------------------------------------------------------------------
-
-    def add_system(self, name: str) -> str:
-        """A cgroup for a node daemon beside ``kubepods`` (in the memory kubelet keeps from
-        pods); its path relative to the node."""
-        if not self._made_system:
-            self._mkdir("system", inner=True)
-            self._made_system = True
-        rel = f"system/{name}"
-        self._mkdir(rel, inner=False)
-        return rel
 
     def inside(self, rel: str, argv: list[str], oom_score_adj: int | None) -> list[str]:
         """``argv`` wrapped so that it starts inside ``rel`` (every hierarchy) with

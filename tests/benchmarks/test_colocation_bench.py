@@ -116,14 +116,14 @@ def test_a_node_is_laid_out_as_kubelet_does_and_removed_with_its_processes(
         assert node.stat(online.rel)["total_rss" if not node.v2 else "anon"] >= 32 * MIB
         if node.psi is not None:
             assert node.stall_us(online.rel, "memory") is not None
-        # a node daemon beside kubepods, keeping the oom_score_adj it inherits
-        daemon = node.add_system("agent")
-        assert daemon == "system/agent"
+        # a node daemon in its pod, keeping the oom_score_adj it inherits
+        daemon = node.add_pod("burstable", "d43m0n00-0000-4000-8000-000000000001", "agent",
+                              memory_limit=256 * MIB, cpu_request_milli=50)
         own = Path("/proc/self/oom_score_adj").read_text().strip()
-        ran = subprocess.run(node.inside(daemon, ["cat", "/proc/self/cgroup",
-                                                  "/proc/self/oom_score_adj"], None),
+        ran = subprocess.run(node.inside(daemon.rel, ["cat", "/proc/self/cgroup",
+                                                      "/proc/self/oom_score_adj"], None),
                              capture_output=True, text=True, check=True)
-        assert f"{node.name}/system/agent\n" in ran.stdout
+        assert f"{node.name}/{daemon.rel}\n" in ran.stdout
         assert ran.stdout.endswith(f"\n{own}\n")
     finally:
         node.close()

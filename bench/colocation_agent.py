@@ -25,6 +25,7 @@ from nri_plugin.sim.simulator import (
 )
 from protos import nri_api_pb2 as api
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
+from tests.support.processes import cpu_seconds
 
 NODE_NAME = "colocation-node"
 AGENT_POD_UID = "0c010c01-0000-4000-8000-00000000a6e7"
@@ -138,13 +139,12 @@ class Agent:
     def cpu_seconds(self) -> float:
         """The CPU time the agent has used so far, its reaped children's included (the writers
         and movers it starts); 0 once it is gone."""
+        if self.pid is None:
+            return 0.0
         try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
+            return cpu_seconds(self.pid, children=True)
         except OSError:
             return 0.0
-        # pid (comm) state ...: utime, stime, cutime, cstime are fields 14-17
-        fields = stat.rsplit(")", 1)[1].split()
-        return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
     def records(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The audit trail so far: (unix time, event, fields)."""

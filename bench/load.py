@@ -50,6 +50,7 @@ from nri_plugin.cli.status import NoAgent, fetch  # noqa: E402
 from nri_plugin.sim.simulator import PluginConnection, RuntimeSimulator  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
 from tests.support.fakesys import GIB, FakeHost, FakePod, nri_messages  # noqa: E402
+from tests.support.processes import cpu_seconds  # noqa: E402
 from tests.support.raw_runtime import RawRuntime, configure_request, reset_peak, status_kib  # noqa: E402
 
 LEVEL = "qos.nri-qos.io/level"
@@ -80,10 +81,6 @@ reconnect_initial_ms = 20
 reconnect_max_ms = 200
 """
 
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def mb(kib: int) -> str:

@@ -56,6 +56,7 @@ from nri_plugin.wire.mux import (  # noqa: E402
 from nri_plugin.wire.nri_api import PLUGIN_SERVICE  # noqa: E402
 from nri_plugin.wire.ttrpc import Frame, FrameDecoder, MessageType, encode_frame  # noqa: E402
 from protos import nri_api_pb2 as api  # noqa: E402
+from tests.support.processes import cpu_seconds  # noqa: E402
 
 RECORDING = Path(os.environ.get(
     "NRI_CAPTURES_DIR", REPO.parent / "shared/nri-captures"
@@ -144,11 +145,6 @@ def serve_plugin(socket_path: str, config_path: str, log_level: str) -> None:
 
     raise SystemExit(asyncio.run(run()))
 
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far (Linux)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(name: str, latencies: list[float], wall: float, plugin_cpu: float) -> str:

@@ -1,4 +1,5 @@
-"""A test's view of processes from /proc: which children a process has, and whether one lives."""
+"""A test's view of processes from /proc: which children a process has, whether one lives, and
+the CPU time it used."""
 
 from __future__ import annotations
 
@@ -27,3 +28,11 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+def cpu_seconds(pid: int, *, children: bool = False) -> float:
+    """User + system CPU time of process ``pid`` so far (with ``children``: its reaped children's
+    too); OSError once it is gone."""
+    # pid (comm) state ...: comm may hold spaces; utime, stime, cutime, cstime are fields 14-17
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(v) for v in fields[11:15 if children else 13]) / os.sysconf("SC_CLK_TCK")

@@ -240,7 +240,7 @@ class DetectorsLoop(Loop):
                        if p.level == QosLevel.RECLAIMED_CORES)
         layout = self._host.cgroup
         tier = layout.tier_dir("memory", BESTEFFORT)
-        limit = self._sysfs.read(f"{tier}/{'memory.max' if layout.v2 else 'memory.limit_in_bytes'}")
+        limit = self._sysfs.read(f"{tier}/{layout.limit_file}")
         sample = d.fulfillment(limit, requests, cfg, now)
         self._publisher.offer(FULFILLMENT, [] if sample is None else [sample])
 

@@ -192,6 +192,11 @@ class CgroupLayout:
         return self.dir(controller, tier_rel(self.driver, tier))
 
     @property
+    def limit_file(self) -> str:
+        """A cgroup's memory limit: ``memory.max`` (v2) or ``memory.limit_in_bytes`` (v1)."""
+        return "memory.max" if self.v2 else "memory.limit_in_bytes"
+
+    @property
     def threads_file(self) -> str:
         """The file listing every thread of a cgroup."""
         return "cgroup.threads" if self.v2 else "tasks"

@@ -349,7 +349,7 @@ class MemoryGuardLoop(Loop):
         target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor,
                             guard.watermark_floor_percent)
         reserved = self._reserved(meminfo) if guard.floor_from_requests else None
-        limit_file = f"{tier}/{'memory.max' if v2 else 'memory.limit_in_bytes'}"
+        limit_file = f"{tier}/{self._layout.limit_file}"
         current_text = sysfs.read(limit_file)
         if current_text is None:
             return
@@ -418,8 +418,7 @@ class MemoryGuardLoop(Loop):
         if self._requests is None:
             return None
         kubepods = self._layout.tier_dir("memory", GUARANTEED)
-        text = self._sysfs.read(
-            f"{kubepods}/{'memory.max' if self._layout.v2 else 'memory.limit_in_bytes'}")
+        text = self._sysfs.read(f"{kubepods}/{self._layout.limit_file}")
         try:
             allocatable = parse_bytes(text) if text is not None else None
         except ValueError:

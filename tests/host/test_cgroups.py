@@ -87,11 +87,13 @@ def test_layout_dirs_per_version() -> None:
     assert v1.dir("memory", "kubepods") == "/sys/fs/cgroup/memory/kubepods"
     assert v1.tier_dir("memory", "besteffort") == "/sys/fs/cgroup/memory/kubepods/besteffort"
     assert v1.threads_file == "tasks"
+    assert v1.limit_file == "memory.limit_in_bytes"
     v2 = CgroupLayout(2, "systemd")
     assert v2.dir("memory", "kubepods.slice") == "/sys/fs/cgroup/kubepods.slice"
     assert v2.tier_dir("cpuset", "besteffort") == \
         "/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice"
     assert v2.threads_file == "cgroup.threads"
+    assert v2.limit_file == "memory.max"
 
 
 @pytest.mark.parametrize(("version", "driver"), [(1, "cgroupfs"), (2, "systemd"),

@@ -10,7 +10,9 @@ unbounded step that nothing can interrupt. This loop moves the pages instead, in
    node with most headroom (cool), and the ``reclaimed_cores`` container holding most on the hot
    node (its pod first: largest pod, then its largest container, by ``memory.numa_stat``);
    a step asks for ``min(step_bytes, the container's bytes on hot, headroom(cool) / 2)``, so the
-   cool node never falls below its own watermark nor becomes the next hot node, and waits for
+   cool node never falls below its own watermark nor becomes the next hot node (none while
+   ``headroom(cool) / 2`` is under ``min_step_bytes``: both nodes are then short, which moving
+   pages between them does not mend), and waits for
    the rate limit: a step that moved ``b`` bytes and ended at ``t`` lets the next start at
    ``t + b / rate_bytes_per_s``;
 2. the container's ``cpuset.mems`` gets the cool node added (widening moves nothing; the
@@ -80,6 +82,11 @@ class NumaBalanceConfig:
     step_bytes: int = setting(
         64 * MIB, "Most memory one step moves.", unit="bytes", minimum=PAGE_SIZE,
         maximum=1 << 40)
+    min_step_bytes: int = setting(
+        16 * MIB, "No step while half the cool node's headroom is under this: both nodes are "
+        "then short of memory, and steps that shrink by half each time only cost a page walk "
+        "(a container's last bytes on the hot node still move, however few).", unit="bytes",
+        minimum=PAGE_SIZE, maximum=1 << 40)
     step_deadline_s: float = setting(
         5.0, "A step still running after this is killed; what it moved stays moved.",
         unit="seconds", minimum=0.1, maximum=600)
@@ -88,6 +95,11 @@ class NumaBalanceConfig:
         unit="bytes", minimum=MIB, maximum=1 << 40)
     dry_run: bool = setting(
         False, "Decide and audit each step, move nothing and change no cpuset.mems.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        if self.min_step_bytes > self.step_bytes:
+            return [("min_step_bytes", "must be <= step_bytes")]
+        return []
 
 
 class NumaBalanceSections(Protocol):
@@ -149,7 +161,7 @@ def next_step_at(last_end: float, last_moved_bytes: int, rate_bytes_per_s: int) 
 
 def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: Watermark, *,
               step_bytes: int, rate_bytes_per_s: int, last: tuple[float, int] | None,
-              now: float) -> Decision:
+              now: float, min_step_bytes: int) -> Decision:
     """The next step: from the node furthest under its watermark to the node with most
     headroom, the largest reclaimed pod's largest container first; ``last`` is the previous
     step's end time and bytes moved (None: none yet)."""
@@ -161,6 +173,9 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: 
     cool = max(room, key=lambda n: (room[n], -n))
     if room[cool] <= 0:
         return Decision(None, "no NUMA node has headroom")
+    # Half the cool node's headroom at most: pages moved there must not make it the next hot
+    # node (allocations elsewhere keep taking from it) and send them back.
+    budget = min(step_bytes, room[cool] // 2)
     offline = [c for c in candidates if c.level == QosLevel.RECLAIMED_CORES]
     for _, hot in hot_nodes:
         holding = [c for c in offline if c.per_node.get(hot, 0) > 0 and hot in c.mems]
@@ -175,9 +190,10 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: 
             start = next_step_at(last[0], last[1], rate_bytes_per_s)
             if now < start:
                 return Decision(None, f"rate limit: next step in {start - now:.3f} s", start)
-        # Half the cool node's headroom at most: pages moved there must not make it the next
-        # hot node (allocations elsewhere keep taking from it) and send them back.
-        asked = min(step_bytes, chosen.per_node[hot], room[cool] // 2)
+        asked = min(budget, chosen.per_node[hot])
+        if budget < min_step_bytes and asked < chosen.per_node[hot]:
+            return Decision(None, f"node {cool} has {room[cool]} bytes above its watermark: "
+                                  f"half of it is under a step of {min_step_bytes} bytes")
         return Decision(Step(chosen, hot, cool, asked),
                         f"node {hot} {-room[hot]} bytes under its watermark, node {cool} "
                         f"{room[cool]} bytes above")
@@ -248,7 +264,7 @@ class NumaBalanceLoop(Loop):
                                          guard.watermark_scale_factor,
                                          guard.watermark_floor_percent),
             step_bytes=balance.step_bytes, rate_bytes_per_s=balance.rate_bytes_per_s,
-            last=self._last, now=clock)
+            last=self._last, now=clock, min_step_bytes=balance.min_step_bytes)
         self._retry_at = decision.retry_at
         if decision.step is None:
             if decision.reason != self._said:

@@ -78,6 +78,8 @@ def errors_of(text: str) -> list[str]:
         ("[plugin]\nindex = \"7\"", "plugin.index: must be exactly two digits, got '7'"),
         ("[plugin]\nreconnect_initial_ms = 5000\nreconnect_max_ms = 1000",
          "plugin.reconnect_max_ms: must be >= reconnect_initial_ms"),
+        ("[numa_balance]\nstep_bytes = \"16Mi\"\nmin_step_bytes = 16777217",
+         "numa_balance.min_step_bytes: must be <= step_bytes"),
         ("[logging]\naudit_max_bytes = \"lots\"",
          "logging.audit_max_bytes: not a byte size: 'lots' (use e.g. 4Gi, 512Mi, 100M or a "
          "number)"),

@@ -45,9 +45,10 @@ def node(id_: int, free: int) -> NumaNode:
 
 def plan(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], *,
          step: int = 64 * MIB, rate: int = 128 * MIB, last: tuple[float, int] | None = None,
-         now: float = 100.0) -> tuple[tuple[str, int, int, int] | None, str]:
+         now: float = 100.0, min_step: int = 16 * MIB,
+         ) -> tuple[tuple[str, int, int, int] | None, str]:
     decision = plan_step(nodes, candidates, MARK, step_bytes=step, rate_bytes_per_s=rate,
-                         last=last, now=now)
+                         last=last, now=now, min_step_bytes=min_step)
     if decision.step is None:
         return None, decision.reason
     s = decision.step
@@ -86,7 +87,7 @@ def test_a_step_asks_for_the_budget_or_what_the_container_holds_whichever_is_les
 
 def test_never_more_than_half_what_the_cool_node_has_above_its_watermark() -> None:
     nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 10 * MIB)]
-    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 5 * MIB)
+    assert plan(nodes, [cand("a", GIB)], min_step=MIB)[0] == ("a", 0, 1, 5 * MIB)
     nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 128 * MIB)]
     assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 64 * MIB)
     nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 126 * MIB)]
@@ -95,6 +96,23 @@ def test_never_more_than_half_what_the_cool_node_has_above_its_watermark() -> No
     step, reason = plan([node(0, 3 * GIB), node(1, 4 * GIB)], [cand("a", GIB)])
     assert step is None
     assert reason == "no NUMA node has headroom"
+
+
+def test_no_step_while_half_the_cool_nodes_headroom_is_under_the_smallest_step() -> None:
+    assert Config().numa_balance.min_step_bytes == 16 * MIB
+    # headroom 32 MiB: a step of exactly 16 MiB
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 32 * MIB)]
+    assert plan(nodes, [cand("a", GIB)])[0] == ("a", 0, 1, 16 * MIB)
+    # a page less: both nodes are short, steps halving each time would only cost page walks
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 32 * MIB - 8192)]
+    step, reason = plan(nodes, [cand("a", GIB)])
+    assert step is None
+    assert reason == (f"node 1 has {32 * MIB - 8192} bytes above its watermark: half of it "
+                      f"is under a step of {16 * MIB} bytes")
+    # what a container has left on the hot node still moves, however little room there is
+    nodes = [node(0, 3 * GIB), node(1, 4 * GIB + 2 * MIB)]
+    assert plan(nodes, [cand("a", MIB)])[0] == ("a", 0, 1, MIB)
+    assert plan(nodes, [cand("a", MIB + 4096)])[0] is None
 
 
 def test_no_step_once_the_hot_node_is_back_at_its_watermark() -> None:
@@ -113,7 +131,8 @@ def test_the_rate_limit_spaces_steps_by_the_bytes_they_moved() -> None:
     assert step is None
     assert reason == "rate limit: next step in 0.001 s"
     assert plan_step(nodes, [cand("a", GIB)], MARK, step_bytes=64 * MIB,
-                     rate_bytes_per_s=128 * MIB, last=last, now=100.499).retry_at == 100.5
+                     rate_bytes_per_s=128 * MIB, last=last, now=100.499,
+                     min_step_bytes=16 * MIB).retry_at == 100.5
     assert plan(nodes, [cand("a", GIB)], last=last, now=100.5)[0] == ("a", 0, 1, 64 * MIB)
     # a step that moved nothing does not hold the next one back
     assert plan(nodes, [cand("a", GIB)], last=(100.0, 0), now=100.0)[0] is not None
@@ -275,6 +294,24 @@ def test_stops_when_the_hot_node_recovers(tmp_path: Path) -> None:
     clock[0] = 5.0
     loop.cycle(1.0)
     assert len(mover.calls) == 1
+
+
+def test_the_configured_smallest_step_holds_steps_back_while_the_cool_node_is_short(
+        tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    cfg = dataclasses.replace(cfg, numa_balance=dataclasses.replace(
+        cfg.numa_balance, min_step_bytes=32 * MIB))
+    mover = FakeMover(stat_of(host, offline))
+    clock = [0.0]
+    loop = loop_of(cfg, state, sysfs, sink, mover, clock=clock)
+    # node 0's watermark, 4 GiB, is every node's: node 1 has 64 MiB less a page above it
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (4 * GIB + 64 * MIB - 4096, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert mover.calls == []
+    assert mems(host, offline) == "0"
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (4 * GIB + 64 * MIB, 64 * GIB, LOW)])
+    loop.cycle(1.0)
+    assert [c[3] for c in mover.calls] == [32 * MIB]
 
 
 def test_dry_run_audits_the_step_once_and_changes_nothing(tmp_path: Path) -> None:

@@ -102,12 +102,13 @@ def under(step: dict[str, object]) -> int:
 def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node: Node) -> None:
     cgroup, path = node.container("besteffort", UID, CID)
     (cgroup / "cpuset.mems").write_text("0")
-    holder = node.holder(cgroup, 512)
-    assert numa_stat(cgroup, "anon")[0] >= 500 * MIB
-    # Node 0 is 100 MiB under the floor; node 1 far above it.
+    holder = node.holder(cgroup, 768)
+    assert numa_stat(cgroup, "anon")[0] >= 760 * MIB
+    # Node 0 is 100 MiB under the floor; node 1 far above it: room for steps of 64 MiB within
+    # half of its headroom each time, with what else the guest allocates there meanwhile (one
+    # CI run lost 55 MiB of node 1 over two steps besides the pages moved; a quiet one, 7 MiB).
     floor = free(0) + 100 * MIB
-    # room for two steps of 64 MiB within half of node 1's headroom each time
-    assert free(1) > floor + 150 * MIB
+    assert free(1) > floor + 300 * MIB
     started = time.monotonic()
     sink, _ = balance(config(floor), state_of(path), 12)
     elapsed = time.monotonic() - started
@@ -127,7 +128,7 @@ def test_offline_pages_move_off_the_pressed_node_in_steps_until_it_recovers(node
     assert free(0) >= floor - 8 * MIB
     after = numa_stat(cgroup, "anon")
     assert after[1] >= moved(steps) - 8 * MIB, (after, moved(steps))
-    assert after[0] >= 500 * MIB - moved(steps) - 8 * MIB, (after, seen)
+    assert after[0] >= 760 * MIB - moved(steps) - 8 * MIB, (after, seen)
     assert (cgroup / "cpuset.mems").read_text().strip() == "0-1"
     print(f"steps={len(steps)} moved_mib={moved(steps) // MIB} elapsed_s={elapsed:.2f} "
           f"durations_s={[s['duration_s'] for s in steps]}")

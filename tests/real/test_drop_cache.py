@@ -129,4 +129,7 @@ def test_a_reclaim_longer_than_its_timeout_is_killed(node: Node, tmp_path: Path)
         drop.close()
     [finished] = sink.named("drop_cache_finished")
     assert result == "timeout", (finished, drop_error(sink))
-    assert 1.0 <= finished["duration_s"] < 3.0, finished
+    # Killed at 1 s; the kill lands when the kernel's reclaim next looks for a signal, up to 3 s
+    # later in a guest under emulation on a busy machine. Not killed, the reclaim would go on as
+    # long as the reader refills the cache (its REACH_S, 60 s) or until 4 GiB are reclaimed.
+    assert 1.0 <= finished["duration_s"] < 6.0, finished

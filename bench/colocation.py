@@ -38,9 +38,11 @@ seconds. Printed: a table (online probe iteration latency p50/p99/p99.9 over the
 kernel's reclaim indicators for the online container: major faults, refaults of evicted file
 pages, its stall on memory, io and cpu from PSI; how often ``kubepods`` hit its limit; offline
 progress in MiB; what the agent did, from its audit records), a second table (the service's
-p50/p99/p99.9 and misses, the offline MiB, MiB checksummed and CPU seconds), each mode's
-bootstrap 95 %
-intervals of the per-repetition p99 (median) and of the offline MiB (mean), and last the line
+p50/p99/p99.9 and misses, the offline MiB, MiB checksummed and CPU seconds), a third (what
+the offline tier paid: charges hitting its limit, file pages read again after reclaim, major
+faults, its PSI memory and io stall; kswapd's scanning on the machine; the agent pod's peak
+memory), each mode's bootstrap 95 % intervals of the per-repetition p99 (median) and of the
+offline MiB (mean), and last the line
 ``online p99 ms: unmanaged=… static=… kubelet-memoryqos=… agent-creation=… agent=…; offline MiB:
 unmanaged=… …`` (pooled p99, the service's when it ran; mean MiB per repetition; modes not run
 left out). ``--plot`` draws
@@ -87,6 +89,7 @@ from bench.colocation_report import (
     from_json,
     merge_progress,
     plot,
+    print_cost_table,
     print_intervals,
     print_service_table,
     print_table,
@@ -114,6 +117,8 @@ WORKLOADS = Path(__file__).with_name("colocation_workloads.py")
 CPUS = os.cpu_count() or 1
 SETTLE_S = 3.0
 """The online pod alone before the offline one starts: its warm baseline."""
+OFFLINE_TIER = "kubepods/besteffort"
+"""Where kubelet puts the offline (BestEffort) pods."""
 
 
 def system_stall_us(resource: str) -> int | None:
@@ -125,21 +130,40 @@ def system_stall_us(resource: str) -> int | None:
     return int(text.splitlines()[0].rsplit("total=", 1)[1])
 
 
-def snapshot(node: KubeletNode, online: Container,
-             offline: Container) -> dict[str, int | None]:
-    """The kernel's counters that tell whether the online container was reclaimed from."""
-    stat = node.stat(online.rel)
+def vmstat(key: str) -> int | None:
+    """A machine-wide counter of /proc/vmstat."""
+    try:
+        text = Path("/proc/vmstat").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return None
+
+
+def snapshot(node: KubeletNode, online: Container) -> dict[str, int | None]:
+    """The kernel's counters that tell whether the online container was reclaimed from, and
+    what the offline tier and the machine paid: the tier's refaults (its data set read again
+    from disk after reclaim) and stalls, and kswapd's scanning (the machine's own reclaim)."""
     prefix = "" if node.v2 else "total_"
+    stat = node.stat(online.rel)
+    tier = node.stat(OFFLINE_TIER)
     return {
         "majfault": stat.get(f"{prefix}pgmajfault"),
         "refault": stat.get(f"{prefix}workingset_refault_file"),
         "pgscan": stat.get("pgscan") if node.v2 else None,  # v1 memory.stat has none
         "kubepods_hits": node.limit_hits("kubepods"),
-        "offline_tier_hits": node.limit_hits("kubepods/besteffort"),
+        "offline_tier_hits": node.limit_hits(OFFLINE_TIER),
         "psi_memory_us": node.stall_us(online.rel, "memory"),
         "psi_io_us": node.stall_us(online.rel, "io"),
         "psi_cpu_us": node.stall_us(online.rel, "cpu"),
-        "offline_psi_memory_us": node.stall_us(offline.rel, "memory"),
+        "offline_refault": tier.get(f"{prefix}workingset_refault_file"),
+        "offline_majfault": tier.get(f"{prefix}pgmajfault"),
+        "offline_psi_memory_us": node.stall_us(OFFLINE_TIER, "memory"),
+        "offline_psi_io_us": node.stall_us(OFFLINE_TIER, "io"),
+        "kswapd_scan": vmstat("pgscan_kswapd"),
         "system_psi_memory_us": system_stall_us("memory"),
     }
 
@@ -264,7 +288,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             if (await read_line(load_process)).strip() != "ready":
                 raise RuntimeError("the load generator did not start")
         await asyncio.sleep(SETTLE_S)
-        before = snapshot(node, online, offlines[0])
+        before = snapshot(node, online)
         cpu0 = agent.cpu_seconds() if agent is not None else 0.0
         t0_ns, t0_unix = time.monotonic_ns(), time.time()
         for i, (plan, offline) in enumerate(zip(plans, offlines, strict=True)):
@@ -284,7 +308,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                     problems.append(f"{name} workload ended early (status {process.returncode})")
             if problems:
                 break
-        after = snapshot(node, online, offlines[0])
+        after = snapshot(node, online)
         cpu1 = agent.cpu_seconds() if agent is not None else 0.0
         t1_ns, t1_unix = time.monotonic_ns(), time.time()
         if load_process is not None:
@@ -306,7 +330,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             adjustments=adjustments, problems=problems,
             service_ms=service_ms, service_missed=missed,
             work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done),
-            agent_cpu_s=cpu1 - cpu0 if agent is not None else None)
+            agent_cpu_s=cpu1 - cpu0 if agent is not None else None,
+            agent_peak_mib=agent.peak_mib() if agent is not None else None)
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -477,6 +502,7 @@ def main() -> int:
         Path(args.json).write_text(as_json(reps, settings, machine))
     print_table(reps, settings)
     print_service_table(reps, settings)
+    print_cost_table(reps)
     if args.plot:
         plot(reps, Path(args.plot),
              f"{settings.node_mib} MiB node on Linux {machine['kernel']}, cgroup "

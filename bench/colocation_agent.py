@@ -52,6 +52,7 @@ class Agent:
         self.simulator = RuntimeSimulator(self.socket)
         self.connection: PluginConnection | None = None
         self.pid: int | None = None
+        self.pod_rel: str | None = None
         self._stack = contextlib.AsyncExitStack()
 
     def config(self, root: Path, kubeconfig: Path) -> str:
@@ -98,6 +99,7 @@ class Agent:
                 cwd=self.source, stdout=log, stderr=log)
             stack.push_async_callback(_terminate, process)
             self.pid = process.pid
+            self.pod_rel = pod.rel
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             # Settled: the ladder's release of every rung at start (four records), detection's
             # first cycle (the memcg event registrations) after that; without the ladder, the
@@ -145,6 +147,14 @@ class Agent:
             return cpu_seconds(self.pid, children=True)
         except OSError:
             return 0.0
+
+    def peak_mib(self) -> float | None:
+        """The most memory the agent's pod has held (its processes and the page cache they
+        charged), MiB; None where the kernel does not say."""
+        if self.pod_rel is None:
+            return None
+        peak = self.node.peak(self.pod_rel)
+        return None if peak is None else peak / MIB
 
     def records(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The audit trail so far: (unix time, event, fields)."""

@@ -150,6 +150,8 @@ class Repetition:
     work_cpu_s: float = 0.0
     # The agent's own CPU seconds in the window (None: no agent in this mode).
     agent_cpu_s: float | None = None
+    # The most memory the agent's pod held (MiB; None: no agent, or the kernel does not say).
+    agent_peak_mib: float | None = None
 
     @property
     def offline_mb(self) -> float:

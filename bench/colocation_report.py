@@ -158,6 +158,8 @@ def rep_line(rep: Repetition) -> str:
     service = (f"service p99 {fmt(rep_p99(rep), 2)} ms ({rep.service_missed} missed); "
                if rep.service_ms or rep.service_missed else "")
     cpu = "" if rep.agent_cpu_s is None else f", {rep.agent_cpu_s:.1f} CPU s"
+    if rep.agent_peak_mib is not None:
+        cpu += f", peak {rep.agent_peak_mib:.0f} MiB"
     return (f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
             f"{fmt(percentile(lat, 0.99), 2)} ms ({len(lat)} iterations); {service}"
             f"offline {rep.offline_mb:.0f} MiB, {rep.work_mib:.0f} MiB checksummed in "
@@ -274,6 +276,45 @@ def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
           f"and the CPU seconds it took, mean per repetition")
     print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                     enumerate(zip(SERVICE_COLUMNS, widths, strict=True))))
+    for row in rows:
+        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
+                        enumerate(zip(row, widths, strict=True))))
+
+
+COST_COLUMNS = ("mode", "rep", "tier max hits", "tier refault MiB", "tier majflt",
+                "tier PSI mem", "tier PSI io", "kswapd scan MiB", "agent peak MiB")
+PAGE_MIB = 4096 / (1 << 20)
+
+
+def cost_rows(reps: Sequence[Repetition]) -> list[list[str]]:
+    """What the offline tier and the machine paid per repetition, and the mean per mode."""
+    rows = []
+    for mode in dict.fromkeys(r.mode for r in reps):
+        mine = [r for r in reps if r.mode == mode]
+        for r in [*mine, None]:
+            group = mine if r is None else [r]
+
+            def avg(key: str, scale: float = 1.0, group: list[Repetition] = group) -> float | None:
+                found = mean([g.indicators.get(key) for g in group])
+                return None if found is None else found * scale
+
+            rows.append([
+                mode, "all" if r is None else str(r.index), fmt(avg("offline_tier_hits"), 0),
+                fmt(avg("offline_refault", PAGE_MIB), 0), fmt(avg("offline_majfault"), 0),
+                fmt(avg("offline_psi_memory_ms_s"), 1), fmt(avg("offline_psi_io_ms_s"), 1),
+                fmt(avg("kswapd_scan", PAGE_MIB), 0),
+                fmt(mean([g.agent_peak_mib for g in group]), 0)])
+    return rows
+
+
+def print_cost_table(reps: Sequence[Repetition]) -> None:
+    rows = cost_rows(reps)
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COST_COLUMNS)]
+    print("offline cost: the offline tier (kubepods/besteffort) over the window: charges that "
+          "hit its limit, file pages read again after reclaim, major faults, PSI 'some' ms/s; "
+          "the machine's kswapd scanning; the agent pod's peak memory (mean per repetition)")
+    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                    enumerate(zip(COST_COLUMNS, widths, strict=True))))
     for row in rows:
         print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
                         enumerate(zip(row, widths, strict=True))))
@@ -400,7 +441,8 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
 
 def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
     """Per mode, pooled: the probe's and the service's p50/p99/p99.9 (ms), the service's
-    requests and misses, the offline MiB, work MiB and work CPU seconds (mean per repetition)."""
+    requests and misses, the offline MiB, work MiB and work CPU seconds, the agent's CPU seconds
+    and peak MiB (mean per repetition)."""
     found: dict[str, dict[str, Any]] = {}
     for mode in dict.fromkeys(r.mode for r in reps):
         mine = [r for r in reps if r.mode == mode]
@@ -415,7 +457,8 @@ def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
             "offline_mib": mean([r.offline_mb for r in mine]),
             "work_mib": mean([r.work_mib for r in mine]),
             "work_cpu_s": mean([r.work_cpu_s for r in mine]),
-            "agent_cpu_s": mean([r.agent_cpu_s for r in mine if r.agent_cpu_s is not None])}
+            "agent_cpu_s": mean([r.agent_cpu_s for r in mine if r.agent_cpu_s is not None]),
+            "agent_peak_mib": mean([r.agent_peak_mib for r in mine])}
     return found
 
 

@@ -264,6 +264,15 @@ class KubeletNode:
         name = "memory.current" if self.v2 else "memory.usage_in_bytes"
         return int((self.memory / rel / name).read_text())
 
+    def peak(self, rel: str) -> int | None:
+        """The most memory ``rel`` has held since it was made: v2 ``memory.peak`` (5.19 on),
+        v1 ``memory.max_usage_in_bytes``; None on a kernel without it."""
+        name = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        try:
+            return int((self.memory / rel / name).read_text())
+        except (OSError, ValueError):
+            return None
+
     def limit_hits(self, rel: str) -> int:
         """How often a charge hit ``rel``'s limit: v1 ``memory.failcnt``, v2 the ``max`` count
         of ``memory.events``."""

@@ -40,7 +40,6 @@ from bench.colocation_plan import (
 )
 from bench.colocation_report import (
     as_json,
-    cost_rows,
     final_line,
     from_json,
     merge_progress,
@@ -458,37 +457,10 @@ def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
     assert service_rows(reps)[0][-1] == "1.2"  # the agent's CPU seconds
 
 
-def test_the_cost_table_says_what_the_offline_tier_and_the_machine_paid() -> None:
-    agent = rep("agent", [1.0] * 10, 10.0)
-    agent.indicators = {"offline_tier_hits": 3, "offline_refault": 512, "offline_majfault": 7,
-                        "offline_psi_memory_ms_s": 1.25, "offline_psi_io_ms_s": 40.0,
-                        "kswapd_scan": 2560}
-    agent.agent_peak_mib, agent.bench_cpu_s = 97.4, 1.5
-    other = rep("agent", [1.0] * 10, 10.0)
-    other.index = 2
-    other.indicators = {**agent.indicators, "offline_refault": 1536, "kswapd_scan": None}
-    other.agent_peak_mib, other.bench_cpu_s = 101.6, 2.5
-    alone = rep("unmanaged", [1.0] * 10, 10.0)
-    alone.indicators = {"offline_refault": 0}
-    rows = cost_rows([agent, other, alone])
-    # pages are MiB at 4 KiB a page; an unknown reading is left out of the mean
-    assert rows[0] == ["agent", "1", "3", "2", "7", "1.2", "40.0", "10", "97", "1.5"]
-    assert rows[2] == ["agent", "all", "3", "4", "7", "1.2", "40.0", "10", "100", "2.0"]
-    assert rows[4] == ["unmanaged", "all", "-", "0", "-", "-", "-", "-", "-", "-"]
-    text = as_json([agent], *_settings_and_machine())
-    assert json.loads(text)["summary"]["agent"]["agent_peak_mib"] == 97.4
-    assert from_json(text)[0] == [agent]
-    assert rep_line(agent).endswith("agent: -, peak 97 MiB")
-
-
-def _settings_and_machine() -> tuple[Any, dict[str, str]]:
-    settings, _ = settings_from(args_for("--quick", "--seed", "3"), 23 * 1024, v2=False)
-    return settings, {"kernel": "k"}
-
-
 def test_a_repetitions_line_says_the_agents_cpu_only_where_an_agent_ran() -> None:
     alone = rep("static", [1.0] * 10, 10.0)
     assert rep_line(alone).endswith("agent: -")
     managed = rep("agent", [1.0] * 10, 10.0)
     managed.agent_cpu_s = 2.56
     assert rep_line(managed).endswith("agent: -, 2.6 CPU s")
+

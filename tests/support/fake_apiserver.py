@@ -151,8 +151,12 @@ def api_client(cfg: KubernetesConfig) -> Iterator[Any]:
 class FakeApiServer:
     """Start with ``with FakeApiServer() as api:``; ``api.url`` is the server address."""
 
-    def __init__(self, *, token: str | None = None) -> None:
+    def __init__(self, *, token: str | None = None, poll_interval_s: float = 0.02) -> None:
+        # How often the serving thread looks for a shutdown: short for the tests, which start
+        # and stop many servers; a benchmark passes a long one, as the thread's wake-ups take
+        # CPU on the machine measured, where a real API server runs elsewhere.
         self.token = token
+        self._poll_interval_s = poll_interval_s
         self._lock = threading.Condition()
         self._state = _State()
         self._closing = False
@@ -163,7 +167,8 @@ class FakeApiServer:
 
     def _serving_thread(self) -> threading.Thread:
         return threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+            target=self._server.serve_forever, kwargs={"poll_interval": self._poll_interval_s},
+            daemon=True,
         )
 
     @property

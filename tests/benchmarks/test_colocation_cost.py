@@ -1,0 +1,62 @@
+"""The colocation benchmark's accounting of what the offline tier, the machine and the agent's
+stand-ins paid (bench/colocation_report.py, bench/colocation_agent.py)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from bench.colocation_agent import API_POLL_S
+from bench.colocation_cli import parser, settings_from
+from bench.colocation_plan import Repetition
+from bench.colocation_report import as_json, cost_rows, from_json, rep_line
+from tests.support.fake_apiserver import FakeApiServer, make_pod
+
+
+def rep(mode: str, index: int = 1) -> Repetition:
+    return Repetition(mode=mode, index=index, latencies_ms=[1.0] * 10, alone_ms=[],
+                      progress=[(0.0, 0.0), (1.0, 10.0)], indicators={}, actions={}, events=[],
+                      adjustments=[], problems=[])
+
+
+def test_the_cost_table_says_what_the_offline_tier_and_the_machine_paid() -> None:
+    agent = rep("agent")
+    agent.indicators = {"offline_tier_hits": 3, "offline_refault": 512, "offline_majfault": 7,
+                        "offline_psi_memory_ms_s": 1.25, "offline_psi_io_ms_s": 40.0,
+                        "kswapd_scan": 2560}
+    agent.agent_peak_mib, agent.bench_cpu_s = 97.4, 1.5
+    other = rep("agent", 2)
+    other.indicators = {**agent.indicators, "offline_refault": 1536, "kswapd_scan": None}
+    other.agent_peak_mib, other.bench_cpu_s = 101.6, 2.5
+    alone = rep("unmanaged")
+    alone.indicators = {"offline_refault": 0}
+    rows = cost_rows([agent, other, alone])
+    # pages are MiB at 4 KiB a page; an unknown reading is left out of the mean
+    assert rows[0] == ["agent", "1", "3", "2", "7", "1.2", "40.0", "10", "97", "1.5"]
+    assert rows[2] == ["agent", "all", "3", "4", "7", "1.2", "40.0", "10", "100", "2.0"]
+    assert rows[4] == ["unmanaged", "all", "-", "0", "-", "-", "-", "-", "-", "-"]
+    text = as_json([agent], *_settings_and_machine())
+    assert json.loads(text)["summary"]["agent"]["agent_peak_mib"] == 97.4
+    assert from_json(text)[0] == [agent]
+    assert rep_line(agent).endswith("agent: -, peak 97 MiB")
+
+
+def _settings_and_machine() -> tuple[Any, dict[str, str]]:
+    args = parser("test").parse_args(["--quick", "--seed", "3"])
+    settings, _ = settings_from(args, 23 * 1024, v2=False)
+    return settings, {"kernel": "k"}
+
+
+def test_the_api_server_stand_in_waking_seldom_still_answers_and_stops() -> None:
+    server = FakeApiServer(poll_interval_s=API_POLL_S)
+    with server:
+        server.add_pod(make_pod("web-0"))
+        with urllib.request.urlopen(f"{server.url}/api/v1/pods", timeout=5) as answer:
+            names = [p["metadata"]["name"] for p in json.load(answer)["items"]]
+    assert names == ["web-0"]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"{server.url}/api/v1/pods", timeout=5)

@@ -72,7 +72,7 @@ async def bench_rounds(pods: int, rounds: int, tmp: Path) -> str:
     manager = EvictionManager(
         lambda: cfg, state, KubeActions(None, KubernetesConfig(), audit), "node", audit,
         SysFs(host.root), CgroupLayout(1, "cgroupfs"),
-        in_tree_plugins(board, lambda: cfg.eviction), clock=lambda: clock[0])
+        in_tree_plugins(board, lambda: cfg.eviction, lambda: True), clock=lambda: clock[0])
     samples = []
     for _ in range(rounds):
         # Past the re-eviction window every round: each round decides afresh.

@@ -53,7 +53,7 @@ from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
-from reconciler.mitigation.service import Mitigation, build_mitigation
+from reconciler.mitigation.service import Mitigation, build_mitigation, node_signals_alone
 from reconciler.runner import build_loops, restore_host, run_reconciler
 
 CAPABILITY_THREADS = 4
@@ -209,7 +209,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.in_force.eviction),
+            in_tree_plugins(board, lambda: store.in_force.eviction,
+                            node_signals_alone(lambda: store.in_force, host)),
             metrics=reconciler_metrics)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,

@@ -13,6 +13,13 @@ A pressure plugin's threshold is soft-met at the configured soft level and hard-
 level (default medium and high); when hard-met, its top pods are the pods of the configured QoS
 levels (default reclaimed_cores only), largest anonymous memory first. The detectors smooth
 their own levels; UNKNOWN readings never count as pressure (nor as its absence: they are skipped).
+
+The node-wide readings count on their own only where ``mitigation.node_signals`` lets them drive
+the ladder (the caller says so through ``node_alone``). Elsewhere the online pods' own signals
+(a pod's PSI, the memcg pressure events) run, and ``system_pressure`` and ``numa_pressure``
+take the lower of the two levels: free memory that page cache took, or the offline tier's
+reclaim at its own cap, fills the node-wide readings on any busy node while no online pod
+feels it, and must not evict offline pods for nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hooks.levels import QosLevel
+from reconciler.detection.config import PRESSURE_LEVEL, PSI
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.eviction.api import (
     NOT_MET,
@@ -54,7 +62,10 @@ class PressurePlugin:
     def __init__(self, name: str, condition: str, board: Board,
                  config: Callable[[], EvictionConfig],
                  wants: Callable[[Reading, EvictionConfig], bool],
-                 levels: Callable[[EvictionConfig], Sequence[str]]) -> None:
+                 levels: Callable[[EvictionConfig], Sequence[str]],
+                 node_alone: Callable[[], bool] | None = None) -> None:
+        # None: the plugin's readings are not node-wide and always count on their own.
+        self._node_alone = node_alone
         self._name = name
         self._condition = condition
         self._board = board
@@ -73,9 +84,12 @@ class PressurePlugin:
         worst = max(readings, key=lambda r: r.level, default=None)
         if worst is None:
             return ThresholdMet(MetType.NOT_MET, condition=Condition(self._condition, False))
+        level = worst.level
+        if self._node_alone is not None and not self._node_alone():
+            level = min(level, online_level(self._board.current()))
         soft, hard = LEVEL_BY_NAME[cfg.soft_level], LEVEL_BY_NAME[cfg.hard_level]
-        met = MetType.HARD_MET if worst.level >= hard else \
-            MetType.SOFT_MET if worst.level >= soft else MetType.NOT_MET
+        met = MetType.HARD_MET if level >= hard else \
+            MetType.SOFT_MET if level >= soft else MetType.NOT_MET
         operator = Operator.LESS_THAN if worst.detector in _FALLING else Operator.GREATER_THAN
         return ThresholdMet(met, worst.threshold, worst.value, operator, worst.scope,
                             Condition(self._condition, met is not MetType.NOT_MET),
@@ -131,6 +145,13 @@ class RssOverusePlugin:
         return EvictPods(tuple(found))
 
 
+def online_level(readings: Sequence[Reading]) -> Level:
+    """The worst level of the online pods' own signals: a pod's PSI, the memcg pressure events."""
+    return max((r.level for r in readings if r.level is not Level.UNKNOWN and (
+        r.detector == PRESSURE_LEVEL or (r.detector == PSI and r.scope != NODE))),
+        default=Level.NONE)
+
+
 def _system(reading: Reading, cfg: EvictionConfig) -> bool:
     return reading.scope == NODE and reading.detector in cfg.system_detectors
 
@@ -150,18 +171,19 @@ IN_TREE_CONDITIONS = (SYSTEM_CONDITION, NUMA_CONDITION, RECLAIMED_CONDITION)
 """The node conditions the in-tree plugins keep (nri-qos reset takes them off)."""
 
 
-def in_tree_plugins(board: Board,
-                    config: Callable[[], EvictionConfig]) -> dict[str, EvictionPlugin]:
-    """Every in-tree plugin by name; ``[eviction] plugins`` says which of them run."""
+def in_tree_plugins(board: Board, config: Callable[[], EvictionConfig],
+                    node_alone: Callable[[], bool]) -> dict[str, EvictionPlugin]:
+    """Every in-tree plugin by name; ``[eviction] plugins`` says which of them run.
+    ``node_alone``: whether node-wide readings count on their own now (see the module doc)."""
 
     def pressure_levels(cfg: EvictionConfig) -> Sequence[str]:
         return cfg.pressure_levels
 
     plugins: list[EvictionPlugin] = [
         PressurePlugin("system_pressure", SYSTEM_CONDITION, board, config, _system,
-                       pressure_levels),
+                       pressure_levels, node_alone),
         PressurePlugin("numa_pressure", NUMA_CONDITION, board, config, _numa,
-                       pressure_levels),
+                       pressure_levels, node_alone),
         RssOverusePlugin(board, config),
         # The reclaimed tier's own shortage is only ever solved by its own pods.
         PressurePlugin("reclaimed_pressure", RECLAIMED_CONDITION, board, config,

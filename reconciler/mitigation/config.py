@@ -120,8 +120,11 @@ class MitigationConfig:
         "manager reads them.", choices=DETECTORS)
     node_signals: str = setting(
         "auto", "Whether the node-wide detectors (the node's PSI, system_free, numa_free, "
-        "kswapd) drive the ladder: on, off, or auto: only where neither the memcg pressure "
-        "events (pressure_level, cgroup v1) nor the online pods' own PSI (cgroup v2) run. "
+        "kswapd) drive the ladder, and make the eviction manager's system_pressure and "
+        "numa_pressure plugins met on their own: on, off, or auto: only where neither the "
+        "memcg pressure events (pressure_level, cgroup v1) nor the online pods' own PSI "
+        "(cgroup v2) run (elsewhere those plugins take the lower of their level and the online "
+        "pods' own). "
         "Those tell what online pods feel; the node-wide ones also count the offline tier's "
         "own reclaim at its cap and squeeze, and free memory that page cache took, as it does "
         "on any busy node. Measured on a cgroup v1 VM, an offline job reclaiming at its "

@@ -118,6 +118,14 @@ def node_signals_drive(cfg: LadderSections, memcg_events: bool, pod_psi: bool) -
     return not (driving(PRESSURE_LEVEL, memcg_events) or driving(PSI, pod_psi))
 
 
+def node_signals_alone(config: Callable[[], LadderSections],
+                       host: HostInfo) -> Callable[[], bool]:
+    """Whether node-wide readings count on their own now (:func:`node_signals_drive` on this
+    host), for the eviction manager's node-wide plugins as for the ladder."""
+    memcg_events, pod_psi = not pressure_level_problem(host), host.pod_psi
+    return lambda: node_signals_drive(config(), memcg_events, pod_psi)
+
+
 def rungs_of(cfg: LadderSections) -> list[Rung]:
     """The rungs switched on, least harmful first."""
     m = cfg.mitigation

@@ -12,6 +12,7 @@ import pytest
 
 from bench.colocation_agent import API_POLL_S
 from bench.colocation_cli import parser, settings_from
+from bench.colocation_indicators import indicator_deltas, vmstat
 from bench.colocation_plan import Repetition
 from bench.colocation_report import as_json, cost_rows, from_json, rep_line
 from tests.support.fake_apiserver import FakeApiServer, make_pod
@@ -60,3 +61,15 @@ def test_the_api_server_stand_in_waking_seldom_still_answers_and_stops() -> None
     assert names == ["web-0"]
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{server.url}/api/v1/pods", timeout=5)
+
+
+def test_counters_become_rates_and_deltas() -> None:
+    before: dict[str, int | None] = {"offline_refault": 10, "offline_psi_io_us": 1_000_000,
+                                     "kswapd_scan": None}
+    after: dict[str, int | None] = {"offline_refault": 30, "offline_psi_io_us": 3_000_000,
+                                    "kswapd_scan": 5}
+    # a stall becomes ms of stall per second of the window; an unknown end stays unknown
+    assert indicator_deltas(before, after, 4.0) == {
+        "offline_refault": 20, "offline_psi_io_ms_s": 500.0, "kswapd_scan": None}
+    assert vmstat("pgscan_kswapd") is not None  # this kernel's /proc/vmstat
+    assert vmstat("no_such_counter") is None

@@ -70,6 +70,11 @@ def reading(detector: str, scope: str, level: Level, value: float = 1.0,
     return Reading(detector, scope, level, value, threshold, "bytes", pod_uid=pod_uid)
 
 
+def ALONE() -> bool:
+    """Node-wide readings count on their own (``mitigation.node_signals`` lets them drive)."""
+    return True
+
+
 @pytest.fixture
 def board() -> Board:
     return Board()
@@ -77,7 +82,7 @@ def board() -> Board:
 
 def plugins(board: Board, **changes: object) -> dict[str, object]:
     cfg = dataclasses.replace(EvictionConfig(), **changes)  # type: ignore[arg-type]
-    return dict(in_tree_plugins(board, lambda: cfg))
+    return dict(in_tree_plugins(board, lambda: cfg, ALONE))
 
 
 ACTIVE = [pod("r-small", usage=GIB), pod("shared", level="shared_cores", usage=9 * GIB),
@@ -85,7 +90,7 @@ ACTIVE = [pod("r-small", usage=GIB), pod("shared", level="shared_cores", usage=9
 
 
 async def test_system_pressure_levels(board: Board) -> None:
-    system = in_tree_plugins(board, EvictionConfig)["system_pressure"]
+    system = in_tree_plugins(board, EvictionConfig, ALONE)["system_pressure"]
     answer = await system.threshold_met()
     assert answer.met is MetType.NOT_MET
     assert answer.condition == Condition("NriQosSystemMemoryPressure", False)
@@ -103,25 +108,26 @@ async def test_system_pressure_levels(board: Board) -> None:
     assert (answer.met, answer.signal, answer.operator) == (
         MetType.HARD_MET, "psi", Operator.GREATER_THAN)
     # Only the configured detectors count.
-    narrow = in_tree_plugins(board, lambda: EvictionConfig(system_detectors=("kswapd",)))
+    narrow = in_tree_plugins(board, lambda: EvictionConfig(system_detectors=("kswapd",)), ALONE)
     assert (await narrow["system_pressure"].threshold_met()).met is MetType.NOT_MET
 
 
 async def test_pressure_levels_follow_the_config(board: Board) -> None:
     board.publish("system_free", [reading("system_free", "node", Level.LOW)])
-    low = in_tree_plugins(board, lambda: EvictionConfig(soft_level="low", hard_level="low"))
+    low = in_tree_plugins(board, lambda: EvictionConfig(soft_level="low", hard_level="low"),
+                          ALONE)
     assert (await low["system_pressure"].threshold_met()).met is MetType.HARD_MET
 
 
 async def test_top_pods_offline_largest_first(board: Board) -> None:
-    system = in_tree_plugins(board, EvictionConfig)["system_pressure"]
+    system = in_tree_plugins(board, EvictionConfig, ALONE)["system_pressure"]
     top = await system.get_top_eviction_pods(ACTIVE, 2, "node")
     assert top.uids == ("r-big", "r-small")
     assert top.grace_s == 1  # reclaimed_grace_period_s
     top = await system.get_top_eviction_pods(ACTIVE, 10, "node")
     assert top.uids == ("r-big", "r-small", "r-unknown")
     wide = in_tree_plugins(board, lambda: EvictionConfig(
-        pressure_levels=("reclaimed_cores", "shared_cores")))
+        pressure_levels=("reclaimed_cores", "shared_cores")), ALONE)
     top = await wide["numa_pressure"].get_top_eviction_pods(ACTIVE, 1, "numa:0")
     assert (top.uids, top.grace_s) == (("shared",), None)
     # The reclaimed tier's plugin only ever names reclaimed pods.
@@ -131,7 +137,7 @@ async def test_top_pods_offline_largest_first(board: Board) -> None:
 
 
 async def test_numa_and_reclaimed_pressure(board: Board) -> None:
-    found = in_tree_plugins(board, EvictionConfig)
+    found = in_tree_plugins(board, EvictionConfig, ALONE)
     board.publish("numa_free", [reading("numa_free", "numa:0", Level.NONE),
                                 reading("numa_free", "numa:1", Level.HIGH, 1, 5)])
     board.publish("fulfillment", [reading("fulfillment", "tier:reclaimed", Level.MEDIUM)])
@@ -145,7 +151,7 @@ async def test_numa_and_reclaimed_pressure(board: Board) -> None:
 
 
 async def test_rss_overuse_proposes_offline_pods_over_their_threshold(board: Board) -> None:
-    rss = in_tree_plugins(board, EvictionConfig)["rss_overuse"]
+    rss = in_tree_plugins(board, EvictionConfig, ALONE)["rss_overuse"]
     board.publish("rss_overuse", [
         reading("rss_overuse", "pod:r-big", Level.HIGH, 5 * GIB, 4 * GIB, "r-big"),
         reading("rss_overuse", "pod:shared", Level.HIGH, 9 * GIB, 2 * GIB, "shared"),
@@ -160,7 +166,7 @@ async def test_rss_overuse_proposes_offline_pods_over_their_threshold(board: Boa
         f"anonymous memory {5 * GIB} B over {4 * GIB} B (request x factor)")
     assert (await rss.threshold_met()).met is MetType.NOT_MET
     wide = in_tree_plugins(board, lambda: EvictionConfig(
-        rss_overuse_levels=("reclaimed_cores", "shared_cores")))
+        rss_overuse_levels=("reclaimed_cores", "shared_cores")), ALONE)
     answer = await wide["rss_overuse"].get_evict_pods(ACTIVE)
     assert [(p.uid, p.grace_s) for p in answer.pods] == [("r-big", 1), ("shared", None)]
 
@@ -187,3 +193,43 @@ def test_probe_reports_the_eviction_manager() -> None:
     off = dataclasses.replace(Config(), eviction=EvictionConfig(enabled=False))
     assert check(off, host) == type(feature)(False, "eviction manager is switched off in the "
                                                     "configuration")
+
+
+@pytest.mark.parametrize(("name", "detector", "scope", "condition"), [
+    ("system_pressure", "system_free", "node", "NriQosSystemMemoryPressure"),
+    ("numa_pressure", "numa_free", "numa:1", "NriQosNumaMemoryPressure"),
+])
+async def test_where_online_pods_have_their_own_signals_node_readings_need_them(
+        board: Board, name: str, detector: str, scope: str, condition: str) -> None:
+    alone = [False]
+    plugin = in_tree_plugins(board, EvictionConfig, lambda: alone[0])[name]
+    # page cache took the node's free memory: node-wide HIGH, no online pod feels anything
+    board.publish(detector, [reading(detector, scope, Level.HIGH, 3, 4)])
+    board.publish("psi", [reading("psi", "pod:web", Level.NONE, 0.0, 10.0, pod_uid="web"),
+                          reading("psi", "node", Level.HIGH, 50.0, 30.0)])
+    answer = await plugin.threshold_met()
+    assert answer.met is MetType.NOT_MET
+    assert answer.condition == Condition(condition, False)
+    # an online pod stalls at medium: the lower of the two, soft-met
+    board.publish("psi", [reading("psi", "pod:web", Level.MEDIUM, 31.0, 30.0, pod_uid="web")])
+    assert (await plugin.threshold_met()).met is MetType.SOFT_MET
+    # at high, hard-met, and the answer still names the node-wide reading
+    board.publish("psi", [reading("psi", "pod:web", Level.HIGH, 60.0, 50.0, pod_uid="web")])
+    answer = await plugin.threshold_met()
+    assert (answer.met, answer.signal, answer.observed) == (MetType.HARD_MET, detector, 3)
+    # the memcg pressure events (cgroup v1) count as the online pods' own signal too; an
+    # unknown reading does not
+    board.publish("psi", [reading("psi", "pod:web", Level.UNKNOWN, pod_uid="web")])
+    assert (await plugin.threshold_met()).met is MetType.NOT_MET
+    board.publish("pressure_level", [reading("pressure_level", "node", Level.HIGH, 1, 1)])
+    assert (await plugin.threshold_met()).met is MetType.HARD_MET
+    # where node-wide readings drive on their own, they are enough
+    board.publish("pressure_level", [])
+    alone[0] = True
+    assert (await plugin.threshold_met()).met is MetType.HARD_MET
+
+
+async def test_the_tier_plugin_never_waits_for_the_online_pods(board: Board) -> None:
+    found = in_tree_plugins(board, EvictionConfig, lambda: False)
+    board.publish("fulfillment", [reading("fulfillment", "tier:reclaimed", Level.HIGH, 0.4, 0.5)])
+    assert (await found["reclaimed_pressure"].threshold_met()).met is MetType.HARD_MET

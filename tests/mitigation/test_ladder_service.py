@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +14,11 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
+from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.sysfs import SysFs
 from reconciler.mitigation.actions import DONE, DRY_RUN, Cause, EvictAction, Result
-from reconciler.mitigation.service import Mitigation
+from reconciler.mitigation.service import Mitigation, node_signals_alone
+from tests.support.fakesys import FakeHost
 from tests.support.ladder import Running, config, reading
 
 
@@ -187,6 +191,30 @@ def test_node_signals_drive_when_the_memcg_events_are_switched_off() -> None:
     cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
         cfg.mitigation, detectors=("psi", "system_free")))
     assert assessed(cfg, True, node) is Level.LOW
+
+
+def probed(root: Path, version: int, *, events: bool = False, psi: bool = False) -> HostInfo:
+    FakeHost(root, version=version, driver="systemd" if version == 2 else "cgroupfs")
+    host = probe_host(SysFs(str(root)))
+    return dataclasses.replace(
+        host, memcg=dataclasses.replace(host.memcg, pressure_level=events),
+        psi=dataclasses.replace(host.psi, readable=psi))
+
+
+@pytest.mark.parametrize(("version", "events", "psi", "alone"), [
+    (1, True, True, False), (1, False, True, True), (2, False, True, False),
+    (2, False, False, True)])
+def test_node_signals_alone_reads_the_host_and_the_config_in_force(
+        tmp_path: Path, version: int, events: bool, psi: bool, alone: bool) -> None:
+    """What the eviction manager's node-wide plugins are given: the ladder's rule on this
+    host (v1: the memcg pressure events; v2: the pods' PSI), the configuration read each time."""
+    cfg = [with_node_signals("auto")]
+    ask = node_signals_alone(lambda: cfg[0], probed(tmp_path, version, events=events, psi=psi))
+    assert ask() is alone
+    cfg[0] = with_node_signals("on")
+    assert ask() is True
+    cfg[0] = with_node_signals("off")
+    assert ask() is False
 
 
 def test_node_signals_drive_when_the_pods_psi_is_switched_off() -> None:

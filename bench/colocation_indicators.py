@@ -1,0 +1,71 @@
+"""The kernel's counters the colocation benchmark reads before and after each window: what the
+online container suffered, what the offline tier and the machine paid."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.kubelet_node import Container, KubeletNode
+
+OFFLINE_TIER = "kubepods/besteffort"
+"""Where kubelet puts the offline (BestEffort) pods."""
+
+
+def system_stall_us(resource: str) -> int | None:
+    """The machine's cumulative 'some' stall (µs), from /proc/pressure."""
+    try:
+        text = Path(f"/proc/pressure/{resource}").read_text()
+    except OSError:
+        return None
+    return int(text.splitlines()[0].rsplit("total=", 1)[1])
+
+
+def vmstat(key: str) -> int | None:
+    """A machine-wide counter of /proc/vmstat."""
+    try:
+        text = Path("/proc/vmstat").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return None
+
+
+def snapshot(node: KubeletNode, online: Container) -> dict[str, int | None]:
+    """The kernel's counters that tell whether the online container was reclaimed from, and
+    what the offline tier and the machine paid: the tier's refaults (its data set read again
+    from disk after reclaim) and stalls, and kswapd's scanning (the machine's own reclaim)."""
+    prefix = "" if node.v2 else "total_"
+    stat = node.stat(online.rel)
+    tier = node.stat(OFFLINE_TIER)
+    return {
+        "majfault": stat.get(f"{prefix}pgmajfault"),
+        "refault": stat.get(f"{prefix}workingset_refault_file"),
+        "pgscan": stat.get("pgscan") if node.v2 else None,  # v1 memory.stat has none
+        "kubepods_hits": node.limit_hits("kubepods"),
+        "offline_tier_hits": node.limit_hits(OFFLINE_TIER),
+        "psi_memory_us": node.stall_us(online.rel, "memory"),
+        "psi_io_us": node.stall_us(online.rel, "io"),
+        "psi_cpu_us": node.stall_us(online.rel, "cpu"),
+        "offline_refault": tier.get(f"{prefix}workingset_refault_file"),
+        "offline_majfault": tier.get(f"{prefix}pgmajfault"),
+        "offline_psi_memory_us": node.stall_us(OFFLINE_TIER, "memory"),
+        "offline_psi_io_us": node.stall_us(OFFLINE_TIER, "io"),
+        "kswapd_scan": vmstat("pgscan_kswapd"),
+        "system_psi_memory_us": system_stall_us("memory"),
+    }
+
+
+def indicator_deltas(before: dict[str, int | None], after: dict[str, int | None],
+                     seconds: float) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for key, start in before.items():
+        end = after[key]
+        delta = None if start is None or end is None else end - start
+        if key.endswith("_us"):  # a stall share: ms of stall per second
+            out[key.replace("_us", "_ms_s")] = None if delta is None else delta / 1000 / seconds
+        else:
+            out[key] = delta
+    return out

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -179,35 +179,55 @@ COLUMNS = ("mode", "rep", "iters", "alone p99", "p50", "p99", "p99.9", "max", "m
            "offline MiB", "MiB/s", "agent actions")
 
 
-def table_rows(reps: Sequence[Repetition], duration_s: float) -> list[list[str]]:
-    rows = []
+def groups(reps: Sequence[Repetition]) -> Iterator[tuple[str, str, list[Repetition]]]:
+    """Per mode, in the order the modes first ran: each repetition alone (labelled by its
+    index), then all of them pooled (``all``)."""
     for mode in dict.fromkeys(r.mode for r in reps):
         mine = [r for r in reps if r.mode == mode]
-        for r in [*mine, None]:
-            group = mine if r is None else [r]
-            lat = sorted(v for g in group for v in g.latencies_ms)
-            alone = sorted(v for g in group for v in g.alone_ms)
-            ind = {k: mean([g.indicators.get(k) for g in group]) for k in group[0].indicators}
-            mb = mean([g.offline_mb for g in group]) or 0.0
-            actions: Counter[str] = Counter()
-            for g in group:
-                actions.update(g.actions)
-            rows.append([
-                mode, "all" if r is None else str(r.index), str(len(lat)),
-                fmt(percentile(alone, 0.99), 2), fmt(percentile(lat, 0.5), 2),
-                fmt(percentile(lat, 0.99), 2), fmt(percentile(lat, 0.999), 2),
-                fmt(lat[-1] if lat else None, 1), fmt(ind.get("majfault"), 0),
-                fmt(ind.get("refault"), 0), fmt(ind.get("kubepods_hits"), 0),
-                fmt(ind.get("psi_memory_ms_s"), 1), fmt(ind.get("psi_io_ms_s"), 1),
-                fmt(ind.get("psi_cpu_ms_s"), 1),
-                fmt(mb, 0), fmt(mb / duration_s, 0),
-                actions_text(actions, len(group)) if mode in AGENT_MODES else "-",
-            ])
+        for r in mine:
+            yield mode, str(r.index), [r]
+        yield mode, "all", mine
+
+
+def print_aligned(columns: Sequence[str], rows: Sequence[Sequence[str]], *,
+                  text_last: bool = False) -> None:
+    """A table: the first column (and the last, ``text_last``) left-aligned, numbers right."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                    enumerate(zip(columns, widths, strict=True))))
+    last = len(columns) - 1
+    for row in rows:
+        print("  ".join(v.ljust(w) if i == 0 or (text_last and i == last) else v.rjust(w)
+                        for i, (v, w) in enumerate(zip(row, widths, strict=True))))
+
+
+def table_rows(reps: Sequence[Repetition], duration_s: float) -> list[list[str]]:
+    rows = []
+    for mode, label, group in groups(reps):
+        lat = sorted(v for g in group for v in g.latencies_ms)
+        alone = sorted(v for g in group for v in g.alone_ms)
+        ind = {k: mean([g.indicators.get(k) for g in group]) for k in group[0].indicators}
+        mb = mean([g.offline_mb for g in group]) or 0.0
+        actions: Counter[str] = Counter()
+        for g in group:
+            actions.update(g.actions)
+        rows.append([
+            mode, label, str(len(lat)),
+            fmt(percentile(alone, 0.99), 2), fmt(percentile(lat, 0.5), 2),
+            fmt(percentile(lat, 0.99), 2), fmt(percentile(lat, 0.999), 2),
+            fmt(lat[-1] if lat else None, 1), fmt(ind.get("majfault"), 0),
+            fmt(ind.get("refault"), 0), fmt(ind.get("kubepods_hits"), 0),
+            fmt(ind.get("psi_memory_ms_s"), 1), fmt(ind.get("psi_io_ms_s"), 1),
+            fmt(ind.get("psi_cpu_ms_s"), 1),
+            fmt(mb, 0), fmt(mb / duration_s, 0),
+            actions_text(actions, len(group)) if mode in AGENT_MODES else "-",
+        ])
     return rows
 
 
 def actions_text(actions: Counter[str], reps: int) -> str:
-    """The agent's actions, per repetition on average when several are pooled."""
+    """The agent's actions, per repetition on average when several are pooled: the ladder's
+    rungs, and the pods the eviction manager chose in its own rounds (dry-run by default)."""
     def n(key: str) -> str:
         count = sum(v for k, v in actions.items() if k.startswith(key))
         return f"{count / reps:.1f}".removesuffix(".0")
@@ -215,21 +235,16 @@ def actions_text(actions: Counter[str], reps: int) -> str:
     return (f"tune {n('tune engage')}+{n('tune release')} rel, squeeze writes "
             f"{n('squeeze limit writes')}, taint {n('taint engage')}, drop_cache "
             f"{n('drop_cache engage')}+{n('drop_cache repeat')}, evict (dry-run) "
-            f"{n('evict engage')}+{n('evict repeat')}")
+            f"{n('evict engage')}+{n('evict repeat')}, eviction choices "
+            f"{n('eviction_chosen')}")
 
 
 def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
-    rows = table_rows(reps, settings.duration_s)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
     print("latency: online iteration (ms); indicators: online container over the window (mean "
           "per repetition), PSI as ms of 'some' stall per second; kubepods hits: charges that "
           "hit the node-allocatable limit; offline MiB: read + written in the window (mean per "
           "repetition)")
-    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                    enumerate(zip(COLUMNS, widths, strict=True))))
-    for row in rows:
-        print("  ".join(v.rjust(w) if 0 < i < len(row) - 1 else v.ljust(w) for i, (v, w) in
-                        enumerate(zip(row, widths, strict=True))))
+    print_aligned(COLUMNS, table_rows(reps, settings.duration_s), text_last=True)
     for r in reps:
         for problem in r.problems:
             print(f"{r.mode} rep {r.index}: {problem}")
@@ -248,37 +263,28 @@ def served(reps: Sequence[Repetition]) -> bool:
 
 def service_rows(reps: Sequence[Repetition]) -> list[list[str]]:
     rows = []
-    for mode in dict.fromkeys(r.mode for r in reps):
-        mine = [r for r in reps if r.mode == mode]
-        for r in [*mine, None]:
-            group = mine if r is None else [r]
-            answered = [v for g in group for v in g.service_ms]
-            missed = sum(g.service_missed for g in group)
-            work = mean([g.work_mib for g in group]) or 0.0
-            cpu = mean([g.work_cpu_s for g in group]) or 0.0
-            rows.append([
-                mode, "all" if r is None else str(r.index), str(len(answered) + missed),
-                *(fmt(tail_percentile(answered, missed, q), 2) for q in (0.5, 0.99, 0.999)),
-                str(missed), fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
-                fmt(cpu, 1), fmt(work / cpu if cpu else None, 0),
-                fmt(mean([g.agent_cpu_s for g in group if g.agent_cpu_s is not None]), 1)])
+    for mode, label, group in groups(reps):
+        answered = [v for g in group for v in g.service_ms]
+        missed = sum(g.service_missed for g in group)
+        work = mean([g.work_mib for g in group]) or 0.0
+        cpu = mean([g.work_cpu_s for g in group]) or 0.0
+        rows.append([
+            mode, label, str(len(answered) + missed),
+            *(fmt(tail_percentile(answered, missed, q), 2) for q in (0.5, 0.99, 0.999)),
+            str(missed), fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
+            fmt(cpu, 1), fmt(work / cpu if cpu else None, 0),
+            fmt(mean([g.agent_cpu_s for g in group if g.agent_cpu_s is not None]), 1)])
     return rows
 
 
 def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
-    rows = service_rows(reps)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(SERVICE_COLUMNS)]
     service = (f"online key-value service at {settings.online_rps:g} requests/s, open loop "
                f"(ms from each request's due time; missed: no answer within "
                f"{settings.service_timeout_ms:g} ms, infinitely late in the percentiles)"
                if served(reps) else "no online service in this run")
     print(f"{service}; offline work: MiB checksummed (SHA-256 x {settings.offline_work_rounds}) "
           f"and the CPU seconds it took, mean per repetition")
-    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                    enumerate(zip(SERVICE_COLUMNS, widths, strict=True))))
-    for row in rows:
-        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
-                        enumerate(zip(row, widths, strict=True))))
+    print_aligned(SERVICE_COLUMNS, service_rows(reps))
 
 
 COST_COLUMNS = ("mode", "rep", "tier max hits", "tier refault MiB", "tier majflt",
@@ -290,38 +296,29 @@ PAGE_MIB = 4096 / (1 << 20)
 def cost_rows(reps: Sequence[Repetition]) -> list[list[str]]:
     """What the offline tier and the machine paid per repetition, and the mean per mode."""
     rows = []
-    for mode in dict.fromkeys(r.mode for r in reps):
-        mine = [r for r in reps if r.mode == mode]
-        for r in [*mine, None]:
-            group = mine if r is None else [r]
+    for mode, label, group in groups(reps):
 
-            def avg(key: str, scale: float = 1.0, group: list[Repetition] = group) -> float | None:
-                found = mean([g.indicators.get(key) for g in group])
-                return None if found is None else found * scale
+        def avg(key: str, scale: float = 1.0, group: list[Repetition] = group) -> float | None:
+            found = mean([g.indicators.get(key) for g in group])
+            return None if found is None else found * scale
 
-            rows.append([
-                mode, "all" if r is None else str(r.index), fmt(avg("offline_tier_hits"), 0),
-                fmt(avg("offline_refault", PAGE_MIB), 0), fmt(avg("offline_majfault"), 0),
-                fmt(avg("offline_psi_memory_ms_s"), 1), fmt(avg("offline_psi_io_ms_s"), 1),
-                fmt(avg("kswapd_scan", PAGE_MIB), 0),
-                fmt(mean([g.agent_peak_mib for g in group]), 0),
-                fmt(mean([g.bench_cpu_s for g in group]), 1)])
+        rows.append([
+            mode, label, fmt(avg("offline_tier_hits"), 0),
+            fmt(avg("offline_refault", PAGE_MIB), 0), fmt(avg("offline_majfault"), 0),
+            fmt(avg("offline_psi_memory_ms_s"), 1), fmt(avg("offline_psi_io_ms_s"), 1),
+            fmt(avg("kswapd_scan", PAGE_MIB), 0),
+            fmt(mean([g.agent_peak_mib for g in group]), 0),
+            fmt(mean([g.bench_cpu_s for g in group]), 1)])
     return rows
 
 
 def print_cost_table(reps: Sequence[Repetition]) -> None:
-    rows = cost_rows(reps)
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COST_COLUMNS)]
     print("offline cost: the offline tier (kubepods/besteffort) over the window: charges that "
           "hit its limit, file pages read again after reclaim, major faults, PSI 'some' ms/s; "
           "the machine's kswapd scanning; the agent pod's peak memory; the benchmark process's CPU "
           "(the runtime simulator and API server stand-in the agents talk to) (mean per "
           "repetition)")
-    print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                    enumerate(zip(COST_COLUMNS, widths, strict=True))))
-    for row in rows:
-        print("  ".join(v.rjust(w) if i else v.ljust(w) for i, (v, w) in
-                        enumerate(zip(row, widths, strict=True))))
+    print_aligned(COST_COLUMNS, cost_rows(reps))
 
 
 def rep_p99(rep: Repetition) -> float:

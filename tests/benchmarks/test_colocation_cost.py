@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -14,7 +15,14 @@ from bench.colocation_agent import API_POLL_S
 from bench.colocation_cli import parser, settings_from
 from bench.colocation_indicators import indicator_deltas, vmstat
 from bench.colocation_plan import Repetition
-from bench.colocation_report import as_json, cost_rows, from_json, rep_line
+from bench.colocation_report import (
+    actions_text,
+    as_json,
+    cost_rows,
+    from_json,
+    print_aligned,
+    rep_line,
+)
 from tests.support.fake_apiserver import FakeApiServer, make_pod
 
 
@@ -73,3 +81,18 @@ def test_counters_become_rates_and_deltas() -> None:
         "offline_refault": 20, "offline_psi_io_ms_s": 500.0, "kswapd_scan": None}
     assert vmstat("pgscan_kswapd") is not None  # this kernel's /proc/vmstat
     assert vmstat("no_such_counter") is None
+
+
+def test_tables_align_numbers_right_and_text_left(capsys: pytest.CaptureFixture[str]) -> None:
+    print_aligned(("mode", "n", "what"), [["agent", "1", "tune 0"], ["unmanaged", "10", "-"]],
+                  text_last=True)
+    assert capsys.readouterr().out.splitlines() == [
+        "mode        n    what",
+        "agent       1  tune 0",
+        "unmanaged  10  -     "]
+
+
+def test_the_actions_say_the_eviction_managers_own_choices() -> None:
+    text = actions_text(Counter({"eviction_chosen": 3, "tune engage done": 2}), 2)
+    assert text.startswith("tune 1+0 rel,")
+    assert text.endswith("evict (dry-run) 0+0, eviction choices 1.5")

@@ -79,14 +79,14 @@ class PressurePlugin:
 
     async def threshold_met(self) -> ThresholdMet:
         cfg = self._config()
-        readings = [r for r in self._board.current()
-                    if r.level is not Level.UNKNOWN and self._wants(r, cfg)]
+        current = self._board.current()
+        readings = [r for r in current if r.level is not Level.UNKNOWN and self._wants(r, cfg)]
         worst = max(readings, key=lambda r: r.level, default=None)
         if worst is None:
             return ThresholdMet(MetType.NOT_MET, condition=Condition(self._condition, False))
         level = worst.level
         if self._node_alone is not None and not self._node_alone():
-            level = min(level, online_level(self._board.current()))
+            level = min(level, online_level(current))
         soft, hard = LEVEL_BY_NAME[cfg.soft_level], LEVEL_BY_NAME[cfg.hard_level]
         met = MetType.HARD_MET if level >= hard else \
             MetType.SOFT_MET if level >= soft else MetType.NOT_MET

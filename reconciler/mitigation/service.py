@@ -194,12 +194,12 @@ class Mitigation:
                  close: Callable[[], None] = lambda: None,
                  metrics: ReconcilerMetrics | None = None,
                  taints: Callable[[], list[PlacedTaint]] = list,
-                 memcg_events: bool = False, pod_psi: bool = False) -> None:
+                 node_alone: Callable[[], bool] | None = None) -> None:
         self._config = config
-        # The host has memcg pressure notifications, or per-pod PSI (for
-        # mitigation.node_signals = auto).
-        self._memcg_events = memcg_events
-        self._pod_psi = pod_psi
+        # Whether node-wide readings count now (node_signals_alone for the host; None: a host
+        # with neither the memcg pressure events nor per-pod PSI).
+        self._node_alone = node_alone or (
+            lambda: node_signals_drive(config(), memcg_events=False, pod_psi=False))
         self._metrics = metrics
         # The taints the ladder has on the node now (for status).
         self.taints = taints
@@ -232,7 +232,7 @@ class Mitigation:
         one held there by hysteresis: a repeated step acts on fresh pressure only."""
         cfg = self._config()
         wanted = set(cfg.mitigation.detectors)
-        node_signals = node_signals_drive(cfg, self._memcg_events, self._pod_psi)
+        node_signals = self._node_alone()
         worst: Reading | None = None
         worst_rank = (Level.NONE, False)
         readings = self._board.current()
@@ -358,5 +358,4 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
         "evict": EvictAction(evictor),
     }
     return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
-                      taints=taint.placed, memcg_events=not pressure_level_problem(host),
-                      pod_psi=host.pod_psi)
+                      taints=taint.placed, node_alone=node_signals_alone(config, host))

@@ -17,7 +17,7 @@ from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.mitigation.actions import DONE, DRY_RUN, Cause, EvictAction, Result
-from reconciler.mitigation.service import Mitigation, node_signals_alone
+from reconciler.mitigation.service import Mitigation, node_signals_alone, node_signals_drive
 from tests.support.fakesys import FakeHost
 from tests.support.ladder import Running, config, reading
 
@@ -144,7 +144,8 @@ def assessed(cfg: Config, memcg_events: bool, *readings: Reading,
     for r in readings:
         board.publish(r.detector, [r])
     return Mitigation(lambda: cfg, board, {}, AuditLog(MemoryAuditSink()),
-                      memcg_events=memcg_events, pod_psi=pod_psi).assess().level
+                      node_alone=lambda: node_signals_drive(cfg, memcg_events, pod_psi),
+                      ).assess().level
 
 
 def with_node_signals(choice: str, **detection: Any) -> Config:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 from kubernetes import client as k8s_client
@@ -90,6 +91,40 @@ class LineReader:
     def close(self) -> None:
         self._response.close()
         self._response.release_conn()
+
+
+class _Handoff(Generic[_T]):
+    """Hands a worker thread's result to the loop, or to ``discard`` once nobody waits for it.
+
+    The release happens in whichever side comes second, under a lock, so it happens exactly
+    once and does not need the event loop: a loop that stops before a late result reaches it
+    would otherwise leave that result's connection open.
+    """
+
+    def __init__(self, discard: Callable[[_T], None] | None) -> None:
+        self._discard = discard
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._delivered: list[_T] = []
+
+    def deliver(self, result: _T) -> _T:
+        """Called in the worker thread with ``fn``'s result."""
+        with self._lock:
+            late = self._abandoned
+            if not late:
+                self._delivered.append(result)
+        if late and self._discard is not None:
+            self._discard(result)
+        return result
+
+    def abandon(self) -> None:
+        """Called on the loop when the caller gives up on the result."""
+        with self._lock:
+            self._abandoned = True
+            delivered, self._delivered = self._delivered, []
+        if self._discard is not None:
+            for result in delivered:
+                self._discard(result)
 
 
 class PodWatcher:
@@ -168,31 +203,23 @@ class PodWatcher:
         The abandoned call ends on its own (interrupted, or at its request timeout); ``discard``
         then releases what it returns.
         """
-        work = threads.run(fn)
+        handoff = _Handoff(discard)
+        work = threads.run(lambda: handoff.deliver(fn()))
         try:
             done = await done_or_stopped(work, stop)
         except asyncio.CancelledError:
-            self._abandon(work, discard)
+            self._abandon(handoff)
             raise
         if done:
             return work.result()
-        self._abandon(work, discard)
+        self._abandon(handoff)
         raise _Stopped
 
-    def _abandon(
-        self, work: asyncio.Future[_T], discard: Callable[[_T], None] | None
-    ) -> None:
+    def _abandon(self, handoff: _Handoff[Any]) -> None:
         stream = self._stream
         if stream is not None:
             stream.interrupt()
-
-        def settle(future: asyncio.Future[_T]) -> None:
-            if future.cancelled() or future.exception() is not None:
-                return
-            if discard is not None:
-                discard(future.result())
-
-        work.add_done_callback(settle)
+        handoff.abandon()
 
     async def _list(
         self,

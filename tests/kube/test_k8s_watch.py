@@ -4,6 +4,8 @@ watch, relists, reconnects, bookmarks, backoff, and a prompt stop."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -330,3 +332,30 @@ async def test_stop_is_prompt_during_backoff(
     await until(fake, lambda: len(fake.list_requests()) == 1)
     stop.set()
     await asyncio.wait_for(task, BOUND_S)
+
+
+def test_a_watch_answered_after_the_loop_ended_is_closed(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig
+) -> None:
+    # The agent's loop can end while a watch request is still unanswered: the answer arriving
+    # afterwards has nobody left on the loop to close it, so the worker thread must.
+    fake.delay_next("GET", "/api/v1/pods", 0.5, count=2)
+    long = replace(cfg, watch_timeout_s=3600, request_timeout_s=300)
+
+    async def stop_while_the_watch_is_unanswered() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(PodWatcher(api, long, "node-a").run(lambda _: None, stop))
+        await until(fake, lambda: len(fake.watch_requests()) == 1)
+        stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+    unraisable: list[Any] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        asyncio.run(stop_while_the_watch_is_unanswered())
+        fake.wait_until(lambda: not _watch_threads(), BOUND_S)
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [u.exc_value for u in unraisable] == []

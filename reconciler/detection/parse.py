@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hooks.untrusted import bounded
-from reconciler.host.numa import ZONE_HEADER
+from reconciler.host.numa import ZONE_HEADER, zone_blocks
 
 
 class ParseError(ValueError):
@@ -77,39 +77,30 @@ class Zone:
 def parse_zoneinfo(text: str) -> list[Zone]:
     """Every zone with its free pages and watermarks; zones without them are an error."""
     zones: list[Zone] = []
-    header: tuple[int, str] | None = None
-    values: dict[str, int] = {}
-
-    def close() -> None:
-        if header is None:
-            return
+    for header_line, block in zone_blocks(text):
+        match = ZONE_HEADER.match(header_line)
+        if not match:
+            raise ParseError(f"zoneinfo line not understood: {_quote(header_line)}")
+        node, name = int(match.group(1)), match.group(2)
+        values: dict[str, int] = {}
+        for line in block.splitlines():
+            words = line.split()
+            if words[:2] == ["pages", "free"] and len(words) == 3:
+                key, raw = "free", words[2]
+            elif len(words) == 2 and words[0] in ("min", "low", "high"):
+                key, raw = words
+            else:
+                continue
+            if key in values:
+                continue  # the first occurrence inside the zone block is the watermark line
+            if not raw.isdigit():
+                raise ParseError(f"zoneinfo line not understood: {_quote(line)}")
+            values[key] = int(raw)
         missing = [k for k in ("free", "min", "low", "high") if k not in values]
         if missing:
-            raise ParseError(f"zone {header[1]} of node {header[0]} lacks {', '.join(missing)}")
-        zones.append(Zone(header[0], header[1], values["free"], values["min"], values["low"],
+            raise ParseError(f"zone {name} of node {node} lacks {', '.join(missing)}")
+        zones.append(Zone(node, name, values["free"], values["min"], values["low"],
                           values["high"]))
-
-    for line in text.splitlines():
-        match = ZONE_HEADER.match(line)
-        if match:
-            close()
-            header, values = (int(match.group(1)), match.group(2)), {}
-            continue
-        words = line.split()
-        if header is None or not words:
-            continue
-        if words[:2] == ["pages", "free"] and len(words) == 3:
-            key, raw = "free", words[2]
-        elif len(words) == 2 and words[0] in ("min", "low", "high"):
-            key, raw = words
-        else:
-            continue
-        if key in values:
-            continue  # the first occurrence inside the zone block is the watermark line
-        if not raw.isdigit():
-            raise ParseError(f"zoneinfo line not understood: {_quote(line)}")
-        values[key] = int(raw)
-    close()
     if not zones:
         raise ParseError("no zones" if text.strip() else "empty zoneinfo")
     return zones

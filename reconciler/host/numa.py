@@ -18,7 +18,7 @@ disagree by more than a tolerance, node-wide figures come from ``/proc/meminfo``
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from hooks.untrusted import bounded_repr
@@ -33,6 +33,21 @@ WATERMARK_SCALE_FACTOR = "/proc/sys/vm/watermark_scale_factor"
 _NODE_NAME = re.compile(r"node(\d+)")
 ZONE_HEADER = re.compile(r"Node\s+(\d+),\s+zone\s+(\S+)")
 """The line that opens a zone's block in ``/proc/zoneinfo``: its node and zone name."""
+
+
+def zone_blocks(text: str) -> Iterator[tuple[str, str]]:
+    """Each zone of ``/proc/zoneinfo``: its header line and the part of its block worth reading,
+    from its ``pages free`` line (or the top) to its ``pagesets`` (or the end).
+
+    What is cut off is the per-node counters and every CPU's pageset, which make a zone of a
+    96-CPU node about 700 lines; the cuts are found with ``str`` methods, so the lines read do
+    not grow with the CPUs (``bench/zoneinfo.py``). Lines before the first header are not a
+    zone's."""
+    for piece in ("\n" + text).split("\nNode ")[1:]:
+        header, _, block = piece.partition("\n")
+        start = max(block.find("  pages free"), 0)
+        end = block.find("\n  pagesets", start)
+        yield "Node " + header, block[start:] if end < 0 else block[start:end]
 
 
 class NumaFormatError(ValueError):
@@ -129,20 +144,20 @@ def system_node(meminfo: Mapping[str, int], nodes: Sequence[NumaNode]) -> NumaNo
 def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
     """Low watermark per node in bytes: the sum of the ``low`` pages of the node's zones."""
     lows: dict[int, int] = {}
-    node: int | None = None
-    for line in text.splitlines():
-        header = ZONE_HEADER.match(line)
-        if header:
-            node = int(header.group(1))
-            lows.setdefault(node, 0)
-            continue
-        words = line.split()
-        if node is not None and len(words) == 2 and words[0] == "low":
-            try:
-                lows[node] += int(words[1]) * page_size
-            except ValueError as exc:
-                raise NumaFormatError(
-                    f"zoneinfo line not understood: {bounded_repr(line)}") from exc
+    for header_line, block in zone_blocks(text):
+        header = ZONE_HEADER.match(header_line)
+        if not header:
+            raise NumaFormatError(f"zoneinfo line not understood: {bounded_repr(header_line)}")
+        node = int(header.group(1))
+        lows.setdefault(node, 0)
+        for line in block.splitlines():
+            words = line.split()
+            if len(words) == 2 and words[0] == "low":
+                try:
+                    lows[node] += int(words[1]) * page_size
+                except ValueError as exc:
+                    raise NumaFormatError(
+                        f"zoneinfo line not understood: {bounded_repr(line)}") from exc
     return lows
 
 

@@ -76,12 +76,23 @@ def test_real_zoneinfo() -> None:
     assert sum(z.low_pages for z in zones) * PAGE == zone_low_bytes(fixture("proc_zoneinfo"))
 
 
-@pytest.mark.parametrize("cut", ["empty", "mid_zone", "garbage"])
+def test_zoneinfo_of_many_cpus_reads_as_of_few() -> None:
+    """Every CPU adds a pageset entry to every zone; the zones read do not change."""
+    real = fixture("proc_zoneinfo")
+    entry = re.search(r"    cpu: 0\n(?:              .*\n)+  vm stats threshold: \d+\n", real)
+    assert entry is not None
+    many = real.replace(entry.group(0), entry.group(0) * 96)
+    assert many.count("\n") > real.count("\n") + 90 * 6
+    assert parse_zoneinfo(many) == parse_zoneinfo(real)
+
+
+@pytest.mark.parametrize("cut", ["empty", "mid_zone", "garbage", "header"])
 def test_broken_zoneinfo(cut: str) -> None:
     real = fixture("proc_zoneinfo")
     text = {"empty": "",
             "mid_zone": real[:real.index("        low      15138")],
-            "garbage": real.replace("low      15138", "low      lots")}[cut]
+            "garbage": real.replace("low      15138", "low      lots"),
+            "header": real.replace("Node 0, zone   Normal", "Node 0, zone")}[cut]
     with pytest.raises(ParseError):
         parse_zoneinfo(text)
 

@@ -14,6 +14,7 @@ from reconciler.host.numa import (
     parse_zoneinfo_low,
     read_meminfo,
     read_nodes,
+    zone_blocks,
 )
 from reconciler.host.sysfs import SysFs
 from tests.support.fakesys import GIB, FakeHost, write
@@ -64,6 +65,46 @@ Node 1, zone   Normal
 def test_zoneinfo_low_is_summed_per_node() -> None:
     assert parse_zoneinfo_low(ZONEINFO, 4096) == {0: (11 + 2050 + 6265) * 4096,
                                                   1: 13750 * 4096}
+
+
+PAGESETS = """\
+  pagesets
+    cpu: 0
+              count:    0
+              high:     378
+              batch:    63
+  vm stats threshold: 4
+        low      999999
+  node_unreclaimable:  0
+"""
+
+
+def test_a_zones_block_runs_from_its_free_pages_to_its_pagesets() -> None:
+    # The per-node counters before the free pages and everything from the pagesets on are not
+    # read: a "low" line there (none is, on the kernel) would count, as would "high:" lines.
+    text = "junk before\n" + ZONEINFO.replace("        protection:", PAGESETS + "  protection:")
+    blocks = list(zone_blocks(text))
+    assert [header for header, _ in blocks] == [
+        "Node 0, zone      DMA", "Node 0, zone    DMA32", "Node 0, zone   Normal",
+        "Node 0, zone  Movable", "Node 1, zone   Normal"]
+    dma = blocks[0][1]
+    assert dma.startswith("  pages free     3840\n")
+    assert dma.endswith("        managed  3840")
+    assert "nr_inactive_anon" not in dma
+    # without a pagesets line, to the end of the zone
+    assert blocks[1][1].endswith("        promo    2870")
+    assert parse_zoneinfo_low(text, 4096) == parse_zoneinfo_low(ZONEINFO, 4096)
+
+
+def test_a_zone_without_free_pages_is_read_from_its_header() -> None:
+    [(header, block)] = zone_blocks("Node 3, zone Normal\n        low      7\n")
+    assert (header, block) == ("Node 3, zone Normal", "        low      7\n")
+    assert parse_zoneinfo_low("Node 3, zone Normal\n        low      7\n", 4096) == {3: 7 * 4096}
+
+
+def test_a_malformed_zone_header_is_an_error() -> None:
+    with pytest.raises(NumaFormatError, match="not understood"):
+        parse_zoneinfo_low("Node x, zone Normal\n        low      7\n", 4096)
 
 
 def test_zoneinfo_garbage_value() -> None:

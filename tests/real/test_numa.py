@@ -1,5 +1,6 @@
-"""NUMA on a real two-node kernel: what the agent reads of each node, the NUMA free detector,
-and an offline pod bound to the node with room, its pages moving there.
+"""NUMA on a real two-node kernel: what the agent reads of each node, the NUMA free detector
+(and the eviction manager's NUMA plugin over it), and an offline pod bound to the node with
+room, its pages moving there.
 
 The guest has two nodes of 2 GiB, each with its own zones and watermarks in ``/proc/zoneinfo``.
 """
@@ -22,12 +23,15 @@ from nri_plugin.config.schema import Config
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
 from reconciler.detection.signals import Board, Level
+from reconciler.eviction.api import MetType
+from reconciler.eviction.builtin import in_tree_plugins
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import read_nodes
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_binding import NumaBindingLoop
+from reconciler.mitigation.service import node_signals_alone
 from tests.support.guest_node import MIB, Node, numa_stat
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
@@ -167,5 +171,46 @@ def test_an_offline_pod_is_bound_to_the_node_with_room_and_its_pages_move(node: 
     after = numa_stat(cgroup, "anon")
     assert after[1] >= 250 * MIB, after
     assert after[0] < 8 * MIB, after
+    holder.kill()
+    holder.wait()
+
+
+async def test_numa_pressure_waits_for_the_online_pods_own_pressure(node: Node) -> None:
+    """A pressed NUMA node while the online pod beside it feels nothing: on cgroup v2 with PSI
+    (``mitigation.node_signals = auto``) the eviction manager's NUMA plugin is not met; where
+    the node-wide readings are switched on to drive, the same board meets it."""
+    online, online_path = node.container("burstable", OTHER, "f" * 64)
+    offline, _ = node.container("besteffort", UID, CID)
+    (offline / "cpuset.mems").write_text("1")
+    holder = node.holder(offline, (node_meminfo(1)["MemFree"] - 100 * MIB) // MIB)
+    base = Config()
+    auto = dataclasses.replace(base, detection=dataclasses.replace(
+        base.detection, free_floor_bytes=192 * MIB))
+    state = NodeState()
+    state.replace_all(
+        [PodInfo(id="web", uid=OTHER, name="web", namespace="test",
+                 cgroup_parent=f"/kubepods/burstable/pod{OTHER}")],
+        [ContainerInfo(id="f" * 64, pod_sandbox_id="web", name="c", cgroups_path=online_path,
+                       memory_request=64 * MIB)])
+    sysfs = SysFs("/")
+    host = probe_host(sysfs)
+    board = Board()
+    publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: auto.detection)
+    loop = DetectorsLoop(lambda: auto, publisher, state, sysfs, host)
+    for at in range(auto.detection.entry_samples + 1):
+        loop.cycle(float(at))
+    readings = {(r.detector, r.scope): r.level for r in board.current()}
+    assert readings[("numa_free", "numa:1")] >= Level.MEDIUM, readings
+    assert readings[("psi", f"pod:{OTHER}")] is Level.NONE, readings
+    assert host.pod_psi
+    plugin = in_tree_plugins(board, lambda: auto.eviction,
+                             node_signals_alone(lambda: auto, host))["numa_pressure"]
+    assert (await plugin.threshold_met()).met is MetType.NOT_MET
+    on = dataclasses.replace(auto, mitigation=dataclasses.replace(
+        auto.mitigation, node_signals="on"))
+    plugin = in_tree_plugins(board, lambda: on.eviction,
+                             node_signals_alone(lambda: on, host))["numa_pressure"]
+    assert (await plugin.threshold_met()).met in {MetType.SOFT_MET, MetType.HARD_MET}
+    assert online.exists()
     holder.kill()
     holder.wait()

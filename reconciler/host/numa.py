@@ -41,7 +41,7 @@ def zone_blocks(text: str) -> Iterator[tuple[str, str]]:
 
     What is cut off is the per-node counters and every CPU's pageset, which make a zone of a
     96-CPU node about 700 lines; the cuts are found with ``str`` methods, so the lines read do
-    not grow with the CPUs (``bench/zoneinfo.py``). Lines before the first header are not a
+    not grow with the CPUs (``bench/zoneinfo_parse.py``). Lines before the first header are not a
     zone's."""
     for piece in ("\n" + text).split("\nNode ")[1:]:
         header, _, block = piece.partition("\n")

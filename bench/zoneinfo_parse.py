@@ -2,7 +2,7 @@
 microseconds per parse by the number of CPUs, whose pagesets make up most of the file; the
 agent's parsers against a plain line-by-line loop over the same text (prints numbers; not a test).
 
-usage: python bench/zoneinfo.py
+usage: python bench/zoneinfo_parse.py
 """
 
 from __future__ import annotations

@@ -99,28 +99,40 @@ def test_probe_reports_both_nodes_and_psi_triggers() -> None:
     assert trigger["window_us"] <= 500_000, trigger
 
 
-def detector_levels(cfg: Config) -> dict[str, Level]:
+def small_floor() -> Config:
+    """The defaults with a floor small enough that an idle 2 GiB node is well above it."""
+    base = Config()
+    return dataclasses.replace(base, detection=dataclasses.replace(
+        base.detection, free_floor_bytes=192 * MIB))
+
+
+def press_node_1(node: Node) -> subprocess.Popen[str]:
+    """An offline pod bound to node 1 takes it down to about 100 MiB free: under the small
+    floor, not under half of it."""
+    pod, _ = node.container("besteffort", UID, CID)
+    (pod / "cpuset.mems").write_text("1")
+    return node.holder(pod, (node_meminfo(1)["MemFree"] - 100 * MIB) // MIB)
+
+
+def detected(cfg: Config, state: NodeState | None = None) -> Board:
+    """The board after the real detectors' first cycles (a pod's PSI needs two samples)."""
     sysfs = SysFs("/")
-    host = probe_host(sysfs)
     board = Board()
     publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: cfg.detection)
-    loop = DetectorsLoop(lambda: cfg, publisher, NodeState(), sysfs, host)
-    for at in range(cfg.detection.entry_samples):
+    loop = DetectorsLoop(lambda: cfg, publisher, state or NodeState(), sysfs, probe_host(sysfs))
+    for at in range(cfg.detection.entry_samples + 1):
         loop.cycle(float(at))
-    return {r.scope: r.level for r in board.current() if r.detector == "numa_free"}
+    return board
+
+
+def detector_levels(cfg: Config) -> dict[str, Level]:
+    return {r.scope: r.level for r in detected(cfg).current() if r.detector == "numa_free"}
 
 
 def test_numa_free_fires_for_the_pressed_node_only(node: Node) -> None:
-    # A floor small enough that an idle 2 GiB node is well above it.
-    base = Config()
-    cfg = dataclasses.replace(base, detection=dataclasses.replace(
-        base.detection, free_floor_bytes=192 * MIB))
+    cfg = small_floor()
     assert detector_levels(cfg) == {"numa:0": Level.NONE, "numa:1": Level.NONE}
-    pod, _ = node.container("besteffort", UID, CID)
-    (pod / "cpuset.mems").write_text("1")
-    free = node_meminfo(1)["MemFree"]
-    # Take node 1 down to about 100 MiB free: under the floor, not under half of it.
-    holder = node.holder(pod, (free - 100 * MIB) // MIB)
+    holder = press_node_1(node)
     levels = detector_levels(cfg)
     assert levels["numa:0"] is Level.NONE, levels
     assert levels["numa:1"] >= Level.MEDIUM, (levels, node_meminfo(1)["MemFree"])
@@ -180,28 +192,19 @@ async def test_numa_pressure_waits_for_the_online_pods_own_pressure(node: Node) 
     (``mitigation.node_signals = auto``) the eviction manager's NUMA plugin is not met; where
     the node-wide readings are switched on to drive, the same board meets it."""
     online, online_path = node.container("burstable", OTHER, "f" * 64)
-    offline, _ = node.container("besteffort", UID, CID)
-    (offline / "cpuset.mems").write_text("1")
-    holder = node.holder(offline, (node_meminfo(1)["MemFree"] - 100 * MIB) // MIB)
-    base = Config()
-    auto = dataclasses.replace(base, detection=dataclasses.replace(
-        base.detection, free_floor_bytes=192 * MIB))
+    holder = press_node_1(node)
+    auto = small_floor()
     state = NodeState()
     state.replace_all(
         [PodInfo(id="web", uid=OTHER, name="web", namespace="test",
                  cgroup_parent=f"/kubepods/burstable/pod{OTHER}")],
         [ContainerInfo(id="f" * 64, pod_sandbox_id="web", name="c", cgroups_path=online_path,
                        memory_request=64 * MIB)])
-    sysfs = SysFs("/")
-    host = probe_host(sysfs)
-    board = Board()
-    publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: auto.detection)
-    loop = DetectorsLoop(lambda: auto, publisher, state, sysfs, host)
-    for at in range(auto.detection.entry_samples + 1):
-        loop.cycle(float(at))
+    board = detected(auto, state)
     readings = {(r.detector, r.scope): r.level for r in board.current()}
     assert readings[("numa_free", "numa:1")] >= Level.MEDIUM, readings
     assert readings[("psi", f"pod:{OTHER}")] is Level.NONE, readings
+    host = probe_host(SysFs("/"))
     assert host.pod_psi
     plugin = in_tree_plugins(board, lambda: auto.eviction,
                              node_signals_alone(lambda: auto, host))["numa_pressure"]

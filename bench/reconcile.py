@@ -1,15 +1,21 @@
 """Reconciler cost per loop on fake host trees with 110, 500 and 1,000 pods (3 containers each).
 
+Every third pod is a reclaimed (offline) pod of the BestEffort tier, the others online; each pod
+has its ``memory.stat`` (and on cgroup v2 its ``memory.pressure``), each reclaimed container its
+``memory.numa_stat``; two NUMA nodes with headroom, so nothing is pressed.
+
 For each size the parent process builds a fake ``/sys`` + ``/proc`` + resctrl tree (by default on
 tmpfs, closest to the kernel's in-memory cgroupfs) and a manifest of the pods; a child process
 then loads only what the agent would hold (node state, loops) and measures, per loop:
 
 * ``first``: the first cycle (everything to place or write),
 * ``idle``: a cycle with nothing to change (median of several, wall and CPU time); for the task-id
-  loop separately for the cheap cycles and the periodic full scan,
+  loop separately for the cheap cycles and the periodic full scan; the loops that run every second
+  (detection, NUMA balance on cgroup v2, and the eviction round's reading of every pod's memory,
+  ``eviction_facts``) matter most here,
 * ``changed``: a cycle after 10 % of the containers were disturbed (new exec'd processes for the
   task-id loop, overwritten memory.high and oom_score_adj for drift, reset cpuset.mems for NUMA
-  binding, a free-memory change for the guard),
+  binding, a free-memory change for the guard; the per-second loops are measured idle only),
 
 and the child's peak RSS (``ru_maxrss``). Prints one table; ``--json`` prints the raw numbers.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -37,15 +44,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
-from hooks.levels import LEVEL_NAMES
+from hooks.levels import LEVEL_NAMES, QosLevel
 from hooks.model import ContainerInfo, PodInfo
+from hooks.qos_level import QosConfig
 from nri_plugin.config.schema import Config
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.service import DetectorsLoop
+from reconciler.detection.signals import Board
+from reconciler.eviction.facts import pod_facts
 from reconciler.host.cgroups import layout_for
+from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
+from reconciler.loops.numa_balance import NumaBalanceLoop
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from tests.support.fakesys import GIB, FakeHost
@@ -55,6 +69,9 @@ THREADS = 4
 SYSTEM_TASKS = 1500  # kernel threads and daemons in the root resctrl group
 IDLE_RUNS = 9
 TIERS = ("besteffort", "burstable", "guaranteed")
+LOOPS = ("resctrl_tasks", "drift", "memory_guard", "numa_binding")
+PER_SECOND = ("detection", "numa_balance", "eviction_facts")
+POD_ANON = 256 << 20
 
 
 # -- building (parent) ---------------------------------------------------------------------------
@@ -68,8 +85,21 @@ def build(root: Path, pods: int, version: int) -> None:
     for level in LEVEL_NAMES:
         host.add_resctrl_group("nriqos-" + level)
     for i in range(pods):
-        host.add_pod(f"{i:08x}-0000-4000-8000-{i:012x}", tier=TIERS[i % 3],
-                     containers=CONTAINERS, threads=THREADS, memory_limit=2 * GIB)
+        tier = TIERS[i % 3]
+        annotations = {QosConfig().annotation: QosLevel.RECLAIMED_CORES.value} \
+            if tier == "besteffort" else {}
+        pod = host.add_pod(f"{i:08x}-0000-4000-8000-{i:012x}", tier=tier,
+                           containers=CONTAINERS, threads=THREADS, memory_limit=2 * GIB,
+                           memory_request=GIB, annotations=annotations)
+        host.set_pod_anon(pod, POD_ANON)
+        pod_dir = host.cg("memory", host.pod_rel(tier, pod.info.uid))
+        if version == 2:
+            (pod_dir / "memory.pressure").write_text(
+                "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+                "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+        if tier == "besteffort":
+            for c in pod.containers:
+                host.set_container_numa(c, [POD_ANON // 4, POD_ANON // 12])
     system = list(range(2, 2 + SYSTEM_TASKS))
     for tid in system:
         host.add_system_task(tid)
@@ -93,7 +123,7 @@ def plain(obj: Any) -> dict[str, Any]:
 
 # -- measuring (child) ---------------------------------------------------------------------------
 
-def timed(fn: Callable[[], None]) -> tuple[float, float]:
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
     w0, c0 = time.perf_counter(), time.process_time()
     fn()
     return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
@@ -135,9 +165,19 @@ def measure(root: Path) -> dict[str, Any]:
         "memory_guard": MemoryGuardLoop(config, sysfs, layout, audit),
         "numa_binding": NumaBindingLoop(config, state, sysfs, layout, audit),
     }
-    full_every = cfg.reconciler.full_scan_every
     results: dict[str, Any] = {}
     clock = iter(range(1, 1_000_000))
+    per_second: dict[str, Callable[[float], object]] = {
+        "detection": DetectorsLoop(config, Publisher(Board(), audit, lambda: cfg.detection),
+                                   state, sysfs, probe_host(sysfs), audit=audit).cycle,
+        "numa_balance": NumaBalanceLoop(config, state, sysfs, layout, audit).cycle,
+        "eviction_facts": lambda now: pod_facts(state.snapshot(), sysfs, layout),
+    }
+    for name, cycle in per_second.items():
+        samples = [timed(functools.partial(cycle, float(next(clock))))
+                   for _ in range(IDLE_RUNS + 1)]
+        results[name] = {"first": median(samples[:1]), "idle": median(samples[1:])}
+    full_every = cfg.reconciler.full_scan_every
     for name, loop in loops.items():
         entry: dict[str, Any] = {}
         entry["first"] = median([run_cycle(loop, float(next(clock)))])
@@ -204,6 +244,11 @@ def disturb(loop: str, root: Path, manifest: dict[str, Any], v2: bool, round_: i
 
 # -- driver --------------------------------------------------------------------------------------
 
+def cell(entry: dict[str, float] | None, key: str) -> str:
+    """A table cell: the figure in ms, or blank where the loop was not measured that way."""
+    return "" if entry is None else f"{entry[key]:.2f}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="110,500,1000")
@@ -226,7 +271,8 @@ def main() -> int:
             if child.returncode != 0:
                 sys.stderr.write(child.stderr)
                 return 1
-            report[pods] = json.loads(child.stdout)
+            # The loops' log lines come first; the figures are the last line.
+            report[pods] = json.loads(child.stdout.splitlines()[-1])
         finally:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
@@ -237,15 +283,15 @@ def main() -> int:
     print(f"{'pods':>5} {'loop':<14} {'first':>8} {'idle wall':>10} {'idle cpu':>9} "
           f"{'full wall':>10} {'full cpu':>9} {'10% wall':>9} {'10% cpu':>8}")
     for pods, res in report.items():
-        for name in ("resctrl_tasks", "drift", "memory_guard", "numa_binding"):
+        for name in LOOPS + PER_SECOND:
             e = res[name]
             full = e.get("idle_full_scan")
-            full_wall = "" if full is None else f"{full['wall_ms']:.2f}"
-            full_cpu = "" if full is None else f"{full['cpu_ms']:.2f}"
+            changed = e.get("changed_10pct")
+            full_wall, full_cpu = cell(full, "wall_ms"), cell(full, "cpu_ms")
             print(f"{pods:>5} {name:<14} {e['first']['wall_ms']:>8.1f} "
                   f"{e['idle']['wall_ms']:>10.3f} {e['idle']['cpu_ms']:>9.3f} "
                   f"{full_wall:>10} {full_cpu:>9} "
-                  f"{e['changed_10pct']['wall_ms']:>9.2f} {e['changed_10pct']['cpu_ms']:>8.2f}")
+                  f"{cell(changed, 'wall_ms'):>9} {cell(changed, 'cpu_ms'):>8}")
         print(f"{pods:>5} peak RSS {res['ru_maxrss_mb']} MB; writes {res['writes']}, "
               f"task ids moved {res['tasks_moved']}")
     return 0

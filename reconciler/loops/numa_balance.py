@@ -159,12 +159,15 @@ def next_step_at(last_end: float, last_moved_bytes: int, rate_bytes_per_s: int) 
     return last_end + last_moved_bytes / rate_bytes_per_s
 
 
-def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: Watermark, *,
-              step_bytes: int, rate_bytes_per_s: int, last: tuple[float, int] | None,
-              now: float, min_step_bytes: int) -> Decision:
+def plan_step(nodes: Sequence[NumaNode], candidates: Callable[[], Sequence[Candidate]],
+              mark: Watermark, *, step_bytes: int, rate_bytes_per_s: int,
+              last: tuple[float, int] | None, now: float, min_step_bytes: int) -> Decision:
     """The next step: from the node furthest under its watermark to the node with most
     headroom, the largest reclaimed pod's largest container first; ``last`` is the previous
-    step's end time and bytes moved (None: none yet)."""
+    step's end time and bytes moved (None: none yet). ``candidates`` is called only when a node
+    is under its watermark and another has headroom: reading every reclaimed container's
+    ``memory.numa_stat`` each second costs more than everything else the loop does, and on a
+    node nothing presses it would be read for nothing."""
     room = {n.id: n.headroom(mark.floor_bytes, mark.scale_factor, mark.floor_percent)
             for n in nodes}
     hot_nodes = sorted((r, n) for n, r in room.items() if r < 0)
@@ -176,7 +179,7 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], mark: 
     # Half the cool node's headroom at most: pages moved there must not make it the next hot
     # node (allocations elsewhere keep taking from it) and send them back.
     budget = min(step_bytes, room[cool] // 2)
-    offline = [c for c in candidates if c.level == QosLevel.RECLAIMED_CORES]
+    offline = [c for c in candidates() if c.level == QosLevel.RECLAIMED_CORES]
     for _, hot in hot_nodes:
         holding = [c for c in offline if c.per_node.get(hot, 0) > 0 and hot in c.mems]
         if not holding:
@@ -257,7 +260,10 @@ class NumaBalanceLoop(Loop):
         items = {item.view.info.id: item for item in self._managed.get(self._state.snapshot())
                  if item.level == QosLevel.RECLAIMED_CORES
                  and item.view.info.id not in self._paused}
-        candidates = [c for item in items.values() if (c := self._candidate(item)) is not None]
+
+        def candidates() -> list[Candidate]:
+            return [c for item in items.values() if (c := self._candidate(item)) is not None]
+
         guard = cfg.memory_guard
         decision = plan_step(
             nodes, candidates, Watermark(guard.watermark_floor_bytes,

@@ -47,7 +47,7 @@ def plan(nodes: Sequence[NumaNode], candidates: Sequence[Candidate], *,
          step: int = 64 * MIB, rate: int = 128 * MIB, last: tuple[float, int] | None = None,
          now: float = 100.0, min_step: int = 16 * MIB,
          ) -> tuple[tuple[str, int, int, int] | None, str]:
-    decision = plan_step(nodes, candidates, MARK, step_bytes=step, rate_bytes_per_s=rate,
+    decision = plan_step(nodes, lambda: candidates, MARK, step_bytes=step, rate_bytes_per_s=rate,
                          last=last, now=now, min_step_bytes=min_step)
     if decision.step is None:
         return None, decision.reason
@@ -123,6 +123,27 @@ def test_no_step_once_the_hot_node_is_back_at_its_watermark() -> None:
         "a", 0, 1, 64 * MIB)
 
 
+def test_the_candidates_are_read_only_when_a_step_could_be_taken() -> None:
+    calls: list[int] = []
+
+    def candidates() -> list[Candidate]:
+        calls.append(1)
+        return [cand("a", GIB)]
+
+    def asked(nodes: Sequence[NumaNode]) -> int:
+        calls.clear()
+        plan_step(nodes, candidates, MARK, step_bytes=64 * MIB, rate_bytes_per_s=128 * MIB,
+                  last=None, now=100.0, min_step_bytes=16 * MIB)
+        return len(calls)
+
+    # exactly at the watermark is not under it; a page less is
+    assert asked([node(0, 4 * GIB), node(1, 20 * GIB)]) == 0
+    assert asked([node(0, 4 * GIB - 4096), node(1, 20 * GIB)]) == 1
+    # under it, but no node with headroom to take the pages: nothing to read them for
+    assert asked([node(0, 3 * GIB), node(1, 4 * GIB)]) == 0
+    assert asked([node(0, 3 * GIB), node(1, 4 * GIB + 4096)]) == 1
+
+
 def test_the_rate_limit_spaces_steps_by_the_bytes_they_moved() -> None:
     nodes = [node(0, 3 * GIB), node(1, 20 * GIB)]
     last = (100.0, 64 * MIB)
@@ -130,7 +151,7 @@ def test_the_rate_limit_spaces_steps_by_the_bytes_they_moved() -> None:
     step, reason = plan(nodes, [cand("a", GIB)], last=last, now=100.499)
     assert step is None
     assert reason == "rate limit: next step in 0.001 s"
-    assert plan_step(nodes, [cand("a", GIB)], MARK, step_bytes=64 * MIB,
+    assert plan_step(nodes, lambda: [cand("a", GIB)], MARK, step_bytes=64 * MIB,
                      rate_bytes_per_s=128 * MIB, last=last, now=100.499,
                      min_step_bytes=16 * MIB).retry_at == 100.5
     assert plan(nodes, [cand("a", GIB)], last=last, now=100.5)[0] == ("a", 0, 1, 64 * MIB)
@@ -294,6 +315,27 @@ def test_stops_when_the_hot_node_recovers(tmp_path: Path) -> None:
     clock[0] = 5.0
     loop.cycle(1.0)
     assert len(mover.calls) == 1
+
+
+def test_on_a_node_nothing_presses_no_containers_memory_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    host.set_numa([(4 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    read = sysfs.read
+    paths: list[str] = []
+
+    def counted(path: str) -> str | None:
+        paths.append(path)
+        return read(path)
+
+    monkeypatch.setattr(sysfs, "read", counted)
+    loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)))
+    loop.cycle(0.0)
+    assert paths
+    assert not [p for p in paths if "numa_stat" in p or "cpuset" in p]
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    loop.cycle(1.0)
+    assert [p for p in paths if p.endswith("/memory.numa_stat")]
 
 
 def test_the_configured_smallest_step_holds_steps_back_while_the_cool_node_is_short(

@@ -256,6 +256,20 @@ class FakeHost:
                     f"total_cache {cache}\ntotal_rss {anon}\ntotal_rss_huge 0\n")
         return write(d / "memory.stat", text)
 
+    def set_container_numa(self, container: FakeContainer, per_node: Sequence[int]) -> None:
+        """The container's ``memory.numa_stat`` (its bytes per NUMA node, as anonymous memory)
+        and a ``cpuset.mems`` allowing every one of those nodes."""
+        memory, cpuset = self.cg("memory", container.rel), self.cg("cpuset", container.rel)
+        if self.version == 2:
+            anon = " ".join(f"N{i}={v}" for i, v in enumerate(per_node))
+            zero = " ".join(f"N{i}=0" for i in range(len(per_node)))
+            text = f"anon {anon}\nfile {zero}\n"
+        else:
+            pages = " ".join(f"N{i}={v // PAGE}" for i, v in enumerate(per_node))
+            text = f"total={sum(per_node) // PAGE} {pages}\nanon={sum(per_node) // PAGE} {pages}\n"
+        write(memory / "memory.numa_stat", text)
+        write(cpuset / "cpuset.mems", f"0-{len(per_node) - 1}\n")
+
     # -- NUMA ------------------------------------------------------------------------------------
 
     def set_numa(self, nodes: Sequence[tuple[int, int, int]]) -> None:

@@ -70,6 +70,9 @@ RESIDUE_BYTES = 1 << 20
 move_pages reports moved but that do not move (seen in a guest: 48 KiB, step after step), so the
 node is taken out of ``cpuset.mems`` once no more than this is left (the write moves what it can
 of it, at once: at most this much)."""
+NOTHING_TO_BALANCE_RECHECK_S = 60.0
+"""On cgroup v1, or with fewer than two NUMA nodes, there is nothing to balance: the loop
+looks again this often (memory brought online may add a node) instead of every second."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,9 @@ class NumaBalanceConfig:
     enabled: bool = setting(
         True, "Move reclaimed pods' memory off a NUMA node under its watermark onto the node "
         "with most headroom, in bounded steps (cgroup v2).")
-    interval_s: float = setting(1.0, "Period of the balancing loop.", unit="seconds",
+    interval_s: float = setting(1.0, "Period of the balancing loop (once a minute where there "
+                                "is nothing to balance: cgroup v1, one NUMA node).",
+                                unit="seconds",
                                 minimum=0.1, maximum=3600)
     step_bytes: int = setting(
         64 * MIB, "Most memory one step moves.", unit="bytes", minimum=PAGE_SIZE,
@@ -231,9 +236,12 @@ class NumaBalanceLoop(Loop):
         self._held: tuple[object, ...] = ()
         self._retry_at: float | None = None
         self._paused: dict[str, float] = {}
+        self._nothing_to_balance = False
 
     def interval(self) -> float:
         period = self._config().numa_balance.interval_s
+        if self._nothing_to_balance:
+            return max(period, NOTHING_TO_BALANCE_RECHECK_S)
         if self._retry_at is None:
             return period
         # A step waits for the rate limit: the next cycle comes when it may start, so the rate
@@ -243,6 +251,7 @@ class NumaBalanceLoop(Loop):
     def cycle(self, now: float) -> None:
         cfg = self._config()
         balance = cfg.numa_balance
+        self._nothing_to_balance = not self._layout.v2
         if not (cfg.reconciler.enabled and balance.enabled and self._layout.v2):
             if self._notes.entries(NUMA_BALANCE_NOTES):
                 restore_bindings(self._sysfs, self._notes, "NUMA balance switched off",
@@ -254,6 +263,7 @@ class NumaBalanceLoop(Loop):
                 self._notes.forget(NUMA_BALANCE_NOTES, path)
         nodes = read_nodes(self._sysfs, PAGE_SIZE)
         if len(nodes) < 2:
+            self._nothing_to_balance = True
             return
         clock = self._clock()
         self._paused = {c: until for c, until in self._paused.items() if until > clock}

@@ -4,6 +4,7 @@ and the loop on a fake v2 tree with a mover standing in for move_pages(2)."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from reconciler.host.numa import NumaNode
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.numa_balance import (
+    NOTHING_TO_BALANCE_RECHECK_S,
     RESIDUE_BYTES,
     Candidate,
     NumaBalanceLoop,
@@ -440,6 +442,39 @@ def test_switched_off_or_on_cgroup_v1_nothing_moves(tmp_path: Path) -> None:
     mover1 = FakeMover(stat_of(host1, offline1))
     loop_of(cfg1, state1, sysfs1, sink1, mover1).cycle(0.0)
     assert mover1.calls == []
+
+
+def test_with_nothing_to_balance_the_loop_looks_again_every_minute(tmp_path: Path) -> None:
+    assert NOTHING_TO_BALANCE_RECHECK_S == 60.0
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)))
+    assert loop.interval() == cfg.numa_balance.interval_s == 1.0
+    # one NUMA node: nothing to move between nodes
+    shutil.rmtree(tmp_path / "sys/devices/system/node/node1")
+    host.set_numa([(3 * GIB, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert loop.interval() == 60.0
+    slower = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                       interval_s=90.0))
+    assert loop_of(slower, state, sysfs, sink, None).interval() == 90.0
+    slow_one = loop_of(slower, state, sysfs, sink, None)
+    slow_one.cycle(0.0)
+    assert slow_one.interval() == 90.0
+    # a second node brought online: every second again from the next cycle
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    loop.cycle(60.0)
+    assert loop.interval() == 1.0
+    # switched off on v2, the loop keeps its period, so that a reload resumes it at once
+    off = dataclasses.replace(cfg, numa_balance=dataclasses.replace(cfg.numa_balance,
+                                                                    enabled=False))
+    idle = loop_of(off, state, sysfs, sink, None)
+    idle.cycle(0.0)
+    assert idle.interval() == 1.0
+    # cgroup v1 has no balance at all
+    _, _, _, cfg1, sysfs1, sink1, state1 = setup(tmp_path / "v1", version=1)
+    v1 = loop_of(cfg1, state1, sysfs1, sink1, None)
+    v1.cycle(0.0)
+    assert v1.interval() == 60.0
 
 
 def test_with_balancing_the_binding_only_adds_nodes(tmp_path: Path) -> None:

@@ -1,0 +1,133 @@
+"""What the agent costs on a node nothing presses: its CPU and its wake-ups, on this machine.
+
+A real ``nri-qos run`` process, registered with the runtime simulator and watching a fake API
+server (a node without pods), reads this machine's real kernel files (``[reconciler] root`` is
+``/``; observe mode, so it writes nothing). Two configurations in alternating rounds, so that
+whatever else the machine does falls on both alike:
+
+* ``creation``: detection and the ladder off (the colocation benchmark's ``agent-creation``:
+  the creation answers, the memory guard, drift repair, NUMA binding and balance, the eviction
+  round);
+* ``agent``: the defaults, everything on.
+
+After ``--settle`` seconds the process's CPU time (all threads, user and system) and its context
+switches (voluntary ones are its wake-ups) are read over ``--window`` seconds. Prints the median
+of the rounds per configuration.
+
+    python bench/agent_idle.py [--rounds 3] [--settle 15] [--window 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nri_plugin.sim.simulator import RuntimeSimulator
+from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
+from tests.support.processes import cpu_seconds
+
+SOURCE = Path(__file__).resolve().parents[1]
+NODE_NAME = "idle-node"
+READY_TIMEOUT_S = 60.0
+CONFIGS = {
+    "creation": "[detection]\nenabled = false\n[mitigation]\nenabled = false\n",
+    "agent": "",
+}
+
+
+def switches(pid: int) -> tuple[int, int]:
+    """Voluntary and involuntary context switches of every thread of ``pid``."""
+    voluntary = involuntary = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key == "voluntary_ctxt_switches":
+                voluntary += int(value)
+            elif key == "nonvoluntary_ctxt_switches":
+                involuntary += int(value)
+    return voluntary, involuntary
+
+
+async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
+                    window_s: float) -> dict[str, float]:
+    config = work / f"{name}.toml"
+    config.write_text(
+        f'[reconciler]\nstate_dir = "{work / "state"}"\n'
+        f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
+        f'[status]\nsocket = "{work / "status.sock"}"\n' + CONFIGS[name])
+    socket = work / "nri.sock"
+    simulator = RuntimeSimulator(socket)
+    await simulator.start()
+    log = os.open(work / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
+        str(socket), "--log-level", "warning", stdout=log, stderr=log,
+        cwd=SOURCE)
+    try:
+        await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
+        await asyncio.sleep(settle_s)
+        cpu0, (vol0, inv0), threads = (cpu_seconds(process.pid), switches(process.pid),
+                                       len(os.listdir(f"/proc/{process.pid}/task")))
+        started = time.monotonic()
+        await asyncio.sleep(window_s)
+        elapsed = time.monotonic() - started
+        cpu1, (vol1, inv1) = cpu_seconds(process.pid), switches(process.pid)
+    finally:
+        process.terminate()
+        await process.wait()
+        os.close(log)
+        await simulator.stop()
+    return {"cpu_percent": (cpu1 - cpu0) / elapsed * 100, "wakeups_s": (vol1 - vol0) / elapsed,
+            "preempted_s": (inv1 - inv0) / elapsed, "threads": float(threads)}
+
+
+async def run(rounds: int, settle_s: float, window_s: float) -> dict[str, list[dict[str, float]]]:
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="nriqos-idle-") as tmp, \
+            FakeApiServer(poll_interval_s=0.5) as server:
+        work = Path(tmp)
+        server.add_node(NODE_NAME)
+        kubeconfig = write_kubeconfig(work / "kubeconfig", server.url)
+        for index in range(rounds):
+            # ABBA...: neither configuration always runs first
+            order = list(CONFIGS) if index % 2 == 0 else list(reversed(CONFIGS))
+            for name in order:
+                results[name].append(await one_round(name, work, kubeconfig, settle_s,
+                                                     window_s))
+                print(f"round {index + 1} {name}: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in results[name][-1].items()), flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=15.0,
+                        help="seconds after the agent registered before measuring")
+    parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
+    args = parser.parse_args()
+    results = asyncio.run(run(args.rounds, args.settle, args.window))
+    print(f"idle agent on this machine, {args.rounds} rounds of {args.window:g} s (median):")
+    print(f"{'config':<9} {'CPU % of one core':>18} {'wake-ups/s':>11} {'preempted/s':>12} "
+          f"{'threads':>8}")
+    for name, rounds in results.items():
+        med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+        print(f"{name:<9} {med['cpu_percent']:>18.2f} {med['wakeups_s']:>11.1f} "
+              f"{med['preempted_s']:>12.1f} {med['threads']:>8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,34 @@
+"""``bench/agent_idle.py`` runs a real agent in both configurations and reads its costs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.agent_idle import switches
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_switches_counts_every_thread_of_a_process() -> None:
+    voluntary, involuntary = switches(os.getpid())
+    assert voluntary > 0
+    assert involuntary >= 0
+
+
+def test_one_short_round_of_each_configuration() -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "bench/agent_idle.py"), "--rounds", "1",
+                           "--settle", "0.5", "--window", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[-3].split() == ["config", "CPU", "%", "of", "one", "core", "wake-ups/s",
+                                 "preempted/s", "threads"]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[-2:]}
+    assert set(rows) == {"creation", "agent"}
+    for cpu, wakeups, _, threads in rows.values():
+        assert cpu >= 0
+        assert wakeups > 0  # its loops woke in the window
+        assert threads >= 2

@@ -30,15 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.colocation_agent import CREATION_ONLY
 from nri_plugin.sim.simulator import RuntimeSimulator
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
+from tests.support.paths import REPO
 from tests.support.processes import cpu_seconds
 
-SOURCE = Path(__file__).resolve().parents[1]
 NODE_NAME = "idle-node"
 READY_TIMEOUT_S = 60.0
 CONFIGS = {
-    "creation": "[detection]\nenabled = false\n[mitigation]\nenabled = false\n",
+    "creation": CREATION_ONLY,
     "agent": "",
 }
 
@@ -74,7 +75,7 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
         str(socket), "--log-level", "warning", stdout=log, stderr=log,
-        cwd=SOURCE)
+        cwd=REPO)
     try:
         await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
         await asyncio.sleep(settle_s)

@@ -31,6 +31,9 @@ NODE_NAME = "colocation-node"
 AGENT_POD_UID = "0c010c01-0000-4000-8000-00000000a6e7"
 READY_TIMEOUT_S = 120.0
 """For the agent to be synchronized, and for the online pod to have read its files."""
+CREATION_ONLY = "[detection]\nenabled = false\n[mitigation]\nenabled = false\n"
+"""The configuration of the agent-creation mode: the creation answers, the guard and drift
+repair; no detection, no ladder."""
 API_POLL_S = 0.5
 """How often the API server stand-in's thread wakes to look for a shutdown: its wake-ups are
 CPU taken on the node measured, which a real API server, elsewhere, does not take."""
@@ -67,9 +70,7 @@ class Agent:
             f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
             f'[logging]\naudit_file = "{self.audit_file}"\n'
             f'[status]\nsocket = "{self.work / "status.sock"}"\n'
-            # agent-creation: the answers, the guard and drift repair; no detection, no ladder
-            + ('[detection]\nenabled = false\n[mitigation]\nenabled = false\n'
-               if self.creation_only else "")
+            + (CREATION_ONLY if self.creation_only else "")
         )
 
     async def __aenter__(self) -> Agent:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 from bench.agent_idle import switches
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
 
 
 def test_switches_counts_every_thread_of_a_process() -> None:
@@ -19,7 +17,7 @@ def test_switches_counts_every_thread_of_a_process() -> None:
 
 
 def test_one_short_round_of_each_configuration() -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench/agent_idle.py"), "--rounds", "1",
+    done = subprocess.run([sys.executable, str(REPO / "bench/agent_idle.py"), "--rounds", "1",
                            "--settle", "0.5", "--window", "1"],
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr

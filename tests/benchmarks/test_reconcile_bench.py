@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
 
 
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_every_loop_is_measured_on_a_small_tree(tmp_path: Path, version: str) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "bench/reconcile.py"), "--sizes", "6",
+    done = subprocess.run([sys.executable, str(REPO / "bench/reconcile.py"), "--sizes", "6",
                            "--cgroup", version, "--dir", str(tmp_path), "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

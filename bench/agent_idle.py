@@ -12,9 +12,10 @@ whatever else the machine does falls on both alike:
 
 After ``--settle`` seconds the process's CPU time (all threads, user and system) and its context
 switches (voluntary ones are its wake-ups) are read over ``--window`` seconds. Prints the median
-of the rounds per configuration.
+of the rounds per configuration. ``--against SOURCE_TREE`` runs the agent of that checkout too
+(``before``; this one is ``after``), in the same rounds, each round in the other order.
 
-    python bench/agent_idle.py [--rounds 3] [--settle 15] [--window 30]
+    python bench/agent_idle.py [--rounds 3] [--settle 15] [--window 30] [--against TREE]
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def switches(pid: int) -> tuple[int, int]:
 
 
 async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
-                    window_s: float) -> dict[str, float]:
+                    window_s: float, source: Path = REPO) -> dict[str, float]:
     config = work / f"{name}.toml"
     config.write_text(
         f'[reconciler]\nstate_dir = "{work / "state"}"\n'
@@ -75,7 +76,7 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
         str(socket), "--log-level", "warning", stdout=log, stderr=log,
-        cwd=REPO)
+        cwd=source)
     try:
         await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
         await asyncio.sleep(settle_s)
@@ -94,21 +95,29 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
             "preempted_s": (inv1 - inv0) / elapsed, "threads": float(threads)}
 
 
-async def run(rounds: int, settle_s: float, window_s: float) -> dict[str, list[dict[str, float]]]:
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
+async def run(rounds: int, settle_s: float, window_s: float,
+              sources: dict[str, Path]) -> dict[str, list[dict[str, float]]]:
+    """``sources``: the checkouts by label; results by ``<configuration>`` or, with more than
+    one checkout, ``<configuration>@<label>``."""
+    runs = [(name, label) for label in sources for name in CONFIGS]
+
+    def key(name: str, label: str) -> str:
+        return name if len(sources) == 1 else f"{name}@{label}"
+
+    results: dict[str, list[dict[str, float]]] = {key(n, lb): [] for n, lb in runs}
     with tempfile.TemporaryDirectory(prefix="nriqos-idle-") as tmp, \
             FakeApiServer(poll_interval_s=0.5) as server:
         work = Path(tmp)
         server.add_node(NODE_NAME)
         kubeconfig = write_kubeconfig(work / "kubeconfig", server.url)
         for index in range(rounds):
-            # ABBA...: neither configuration always runs first
-            order = list(CONFIGS) if index % 2 == 0 else list(reversed(CONFIGS))
-            for name in order:
-                results[name].append(await one_round(name, work, kubeconfig, settle_s,
-                                                     window_s))
-                print(f"round {index + 1} {name}: " + ", ".join(
-                    f"{k} {v:.2f}" for k, v in results[name][-1].items()), flush=True)
+            # ABBA...: no configuration (or checkout) always runs first
+            for name, label in runs if index % 2 == 0 else reversed(runs):
+                result = await one_round(name, work, kubeconfig, settle_s, window_s,
+                                         sources[label])
+                results[key(name, label)].append(result)
+                print(f"round {index + 1} {key(name, label)}: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in result.items()), flush=True)
     return results
 
 
@@ -118,14 +127,18 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=15.0,
                         help="seconds after the agent registered before measuring")
     parser.add_argument("--window", type=float, default=30.0, help="seconds measured")
+    parser.add_argument("--against", type=Path, default=None, metavar="SOURCE_TREE",
+                        help="also run the agent of this checkout (before; this one: after)")
     args = parser.parse_args()
-    results = asyncio.run(run(args.rounds, args.settle, args.window))
+    sources = {"after": REPO, "before": args.against.resolve()} if args.against else {"": REPO}
+    results = asyncio.run(run(args.rounds, args.settle, args.window, sources))
     print(f"idle agent on this machine, {args.rounds} rounds of {args.window:g} s (median):")
-    print(f"{'config':<9} {'CPU % of one core':>18} {'wake-ups/s':>11} {'preempted/s':>12} "
-          f"{'threads':>8}")
+    width = max(len(name) for name in results) + 1
+    print(f"{'config':<{width}} {'CPU % of one core':>18} {'wake-ups/s':>11} "
+          f"{'preempted/s':>12} {'threads':>8}")
     for name, rounds in results.items():
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-        print(f"{name:<9} {med['cpu_percent']:>18.2f} {med['wakeups_s']:>11.1f} "
+        print(f"{name:<{width}} {med['cpu_percent']:>18.2f} {med['wakeups_s']:>11.1f} "
               f"{med['preempted_s']:>12.1f} {med['threads']:>8.0f}")
     return 0
 

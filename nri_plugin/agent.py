@@ -211,7 +211,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
             in_tree_plugins(board, lambda: store.in_force.eviction,
                             node_signals_alone(lambda: store.in_force, host)),
-            metrics=reconciler_metrics)
+            metrics=reconciler_metrics, changes=board.subscribe)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,

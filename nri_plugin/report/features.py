@@ -23,7 +23,7 @@ from reconciler.detection.config import (
     RSS_OVERUSE,
     SYSTEM_FREE,
 )
-from reconciler.detection.service import pressure_level_problem, psi_path
+from reconciler.detection.notified import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
 from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file

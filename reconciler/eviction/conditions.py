@@ -76,6 +76,12 @@ class NodeConditions:
                 state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
                 state.next_try = now + state.backoff.next()
 
+    def settled(self) -> bool:
+        """No condition is true and none waits for a write to be retried: rounds that find
+        nothing met change nothing here."""
+        return all(not state.status and state.backoff is None
+                   for state in self._conditions.values())
+
     def _reported(self, plugins: Sequence[EvictionPlugin],
                   thresholds: Mapping[str, ThresholdMet], evicts: Mapping[str, EvictPods]
                   ) -> dict[str, tuple[bool, str]]:

@@ -69,6 +69,11 @@ class EvictionConfig:
     interval_s: float = setting(
         1.0, "Period of an eviction round; the ladder's evict rung also asks for one at once.",
         unit="seconds", minimum=0.1, maximum=60)
+    quiet_interval_s: float = setting(
+        10.0, "Period of rounds while the last one was quiet: only in-tree plugins, none met "
+        "or proposing a pod, no node condition true, no refused eviction waiting to be tried "
+        "again. A change of a detector's level, or the ladder's evict rung, still runs a "
+        "round at once.", unit="seconds", minimum=0.1, maximum=600)
     call_timeout_s: float = setting(
         0.5, "Deadline of one call to a plugin; a plugin that misses it is skipped that round.",
         unit="seconds", minimum=0.01, maximum=30)

@@ -1,7 +1,8 @@
 """The eviction manager: the one place that decides which pods leave the node.
 
-Every round (``[eviction] interval_s``, and at once when :meth:`EvictionManager.request_round`
-is called, the mitigation ladder's evict rung):
+Every round (``[eviction] interval_s``; ``quiet_interval_s`` after a quiet round, one that had
+nothing to act on; and at once when :meth:`EvictionManager.request_round` is called, the
+mitigation ladder's evict rung, or a detector's level changes):
 
 1. the plugin directory is rescanned; the plugins are the enabled in-tree ones, then the
    out-of-tree ones by name;
@@ -117,6 +118,10 @@ class RoundReport:
     """What one round did: every chosen pod and its outcome, in order."""
 
     decisions: tuple[Decision, ...] = ()
+    # Nothing can come of the next round unless something changes: no out-of-tree plugin (it
+    # decides from its own data), every plugin answered, none met or proposed a pod, no
+    # condition true, no refused eviction waiting.
+    quiet: bool = False
 
 
 @dataclass(slots=True)
@@ -145,6 +150,11 @@ class _Answers:
     evict: dict[str, EvictPods] = field(default_factory=dict)
     top: dict[str, TopPods] = field(default_factory=dict)
 
+    def none_met(self, plugins: Sequence[str]) -> bool:
+        """Every one of ``plugins`` answered both calls, and none met its threshold."""
+        return all(name in self.threshold and self.threshold[name].met is MetType.NOT_MET
+                   and name in self.evict for name in plugins)
+
 
 def choose(candidates: Sequence[Candidate], retries: Mapping[str, _Retry], once: RoundAudit,
            cfg: EvictionConfig, now: float) -> list[Candidate]:
@@ -171,14 +181,19 @@ def choose(candidates: Sequence[Candidate], retries: Mapping[str, _Retry], once:
 
 class EvictionManager:
     """See the module doc. ``in_tree``: every in-tree plugin by name (``[eviction] plugins``
-    chooses which run); ``node``: this node's name, for Events and conditions."""
+    chooses which run); ``node``: this node's name, for Events and conditions; ``changes``:
+    subscribes a callback (called from any thread) to changes of what the in-tree plugins read
+    (the detectors' levels), which end a quiet wait at once."""
 
     def __init__(self, config: Callable[[], EvictionSections], state: NodeState,
                  actions: KubeActions, node: str, audit: AuditLog, sysfs: SysFs,
                  layout: CgroupLayout, in_tree: Mapping[str, EvictionPlugin], *,
                  clock: Callable[[], float] | None = None,
-                 metrics: ReconcilerMetrics | None = None) -> None:
+                 metrics: ReconcilerMetrics | None = None,
+                 changes: Callable[[Callable[[], None]], Callable[[], None]] | None = None
+                 ) -> None:
         self._config = config
+        self._changes = changes
         self._metrics = metrics
         self._recent: collections.deque[Recent] = collections.deque(maxlen=RECENT_KEPT)
         self._state = state
@@ -210,6 +225,9 @@ class EvictionManager:
     def request_round(self, reason: str) -> None:
         """Run a round now (safe from any thread); the ladder's evict rung calls this."""
         self._requests.append(reason)
+        self._wake_up()
+
+    def _wake_up(self) -> None:
         loop = self._loop
         if loop is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: the manager is gone
@@ -219,14 +237,17 @@ class EvictionManager:
         """Rounds until ``stop`` is set; a round that fails is logged and retried later."""
         self._loop = asyncio.get_running_loop()
         backoff: Backoff | None = None
+        unsubscribe = self._changes(self._wake_up) if self._changes is not None else None
         try:
             while not stop.is_set():
                 cfg = self._config().eviction
                 delay = cfg.interval_s
                 if cfg.enabled:
                     try:
-                        await self.run_round()
+                        report = await self.run_round()
                         backoff = None
+                        if report.quiet:
+                            delay = max(delay, cfg.quiet_interval_s)
                     except Exception as exc:  # the next round starts clean
                         backoff = backoff or Backoff(cfg.interval_s * 2, 60.0)
                         delay = backoff.next()
@@ -237,6 +258,8 @@ class EvictionManager:
                 self._wake.clear()
                 await sleep_until(delay, stop, self._wake)
         finally:
+            if unsubscribe is not None:
+                unsubscribe()
             self._loop = None
             await self.close()
 
@@ -313,7 +336,9 @@ class EvictionManager:
         chosen = choose(candidates, self._retries, self._once, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
         self._once.end_round()
-        return RoundReport(tuple(decisions))
+        quiet = not remote and not proposed and not self._retries \
+            and self._conditions.settled() and answers.none_met(names)
+        return RoundReport(tuple(decisions), quiet)
 
     # ---- pods -------------------------------------------------------------------------------
 

@@ -33,6 +33,10 @@ from reconciler.host.sysfs import SysFs
 log = structlog.get_logger("nri_qos.pressure")
 
 PRESSURE_LEVELS = ("low", "medium", "critical")
+QUIET_TRIGGER_RECHECK_S = 10.0
+"""How long a quiet, armed trigger waits before it looks whether it is still wanted: the kernel
+wakes it when the stall comes, so nothing is learnt by waking the agent every ``idle()``
+seconds; the look only notices a reload that switched the watch off."""
 
 
 class TriggerWatch:
@@ -72,7 +76,9 @@ class PsiWatch:
     ``trigger`` (``(stall_us, window_us)``): arm a trigger; while ``keep_reading()`` is false
     nothing is read, until the kernel wakes the watch (``on_trigger(at)``); from then on the file
     is read every ``interval()`` while ``keep_reading()`` holds. Without a trigger, or when the
-    kernel refuses to arm it, the file is read every ``interval()`` (``mode`` says which). Each
+    kernel refuses to arm it, the file is read every ``interval()`` (``mode`` says which); an
+    armed trigger with nothing to read looks again after :data:`QUIET_TRIGGER_RECHECK_S` at
+    the earliest. Each
     read goes to ``on_text(text, at)`` (text None: the file is gone). While ``active()`` is false
     the watch reads nothing, calls ``on_pause()`` and looks again after ``idle()`` seconds.
     Times are the event loop's.
@@ -102,7 +108,9 @@ class PsiWatch:
                     fired.clear()  # fired again while under pressure: nothing new to learn
                 elif self.mode == "trigger":
                     on_pause()  # quiet: nothing is read until the kernel wakes the watch
-                    if not await sleep_until(idle(), stop, fired) or stop.is_set():
+                    quiet_s = max(idle(), QUIET_TRIGGER_RECHECK_S)
+                    if not await sleep_until(quiet_s, stop, fired) or stop.is_set() \
+                            or self.mode != "trigger":  # the trigger died: poll from now on
                         continue
                     fired.clear()
                     on_trigger(loop.time())
@@ -130,8 +138,7 @@ class PsiWatch:
                 log.warning("psi_path", path="poll", reason="the trigger's file went away")
                 loop.remove_reader(watch.fileno())
                 self.mode = "poll"
-                return
-            fired.set()
+            fired.set()  # either way the watch must look now
 
         loop.add_reader(watch.fileno(), on_ready)
         return watch

@@ -37,8 +37,8 @@ from reconciler.detection.config import (
     SYSTEM_FREE,
     DetectionConfig,
 )
+from reconciler.detection.notified import pressure_level_problem
 from reconciler.detection.pods import PodIndex
-from reconciler.detection.service import pressure_level_problem
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile

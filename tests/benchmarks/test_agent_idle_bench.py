@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from bench.agent_idle import switches
 from tests.support.paths import REPO
@@ -30,3 +31,14 @@ def test_one_short_round_of_each_configuration() -> None:
         assert cpu >= 0
         assert wakeups > 0  # its loops woke in the window
         assert threads >= 2
+
+
+def test_against_another_checkout_runs_both_in_the_same_rounds(tmp_path: Path) -> None:
+    """``--against``: both configurations of both checkouts (here the same one twice)."""
+    done = subprocess.run([sys.executable, str(REPO / "bench/agent_idle.py"), "--rounds", "1",
+                           "--settle", "0.5", "--window", "1", "--against", str(REPO)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split()[0] for line in done.stdout.splitlines()[-4:]]
+    assert sorted(rows) == ["agent@after", "agent@before", "creation@after",
+                            "creation@before"]

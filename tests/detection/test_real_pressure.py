@@ -23,9 +23,9 @@ from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
+from reconciler.detection.notified import NodePsi, PressureLevels, psi_path
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.publisher import Publisher
-from reconciler.detection.service import NodePsi, PressureLevels, psi_path
 from reconciler.detection.signals import NODE, Board, Level, Reading, tier_scope
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs

@@ -7,11 +7,8 @@ import asyncio
 import json
 import os
 import socket
-import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -36,7 +33,7 @@ from reconciler.eviction.remote import (
 )
 from tests.support.eviction_env import GIB, make_env
 from tests.support.fake_apiserver import FakeApiServer
-from tests.support.paths import REPO
+from tests.support.plugin_process import plugin_process
 
 # ---- what a plugin answers ----------------------------------------------------------------------
 
@@ -295,22 +292,6 @@ async def test_a_plugin_listing_thousands_of_uids_writes_a_bounded_audit_trail(
 
 
 # ---- real plugin processes ----------------------------------------------------------------------
-
-
-@asynccontextmanager
-async def plugin_process(socket_path: Path, mode: str, *args: str) -> AsyncIterator[Any]:
-    child = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tests.support.eviction_plugin", str(socket_path), mode, *args,
-        cwd=REPO, stdout=asyncio.subprocess.PIPE)
-    try:
-        assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), 30)
-        assert line == b"ready\n", line
-        yield child
-    finally:
-        if child.returncode is None:
-            child.kill()
-        await child.wait()
 
 
 async def test_plugin_processes_good_hung_crashing_and_garbage(

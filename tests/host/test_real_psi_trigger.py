@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from reconciler.host.pressure import PsiWatch
+from reconciler.host.pressure import QUIET_TRIGGER_RECHECK_S, PsiWatch
 from reconciler.host.sysfs import SysFs
 from tests.support.polling import BOUND_S, eventually
 
@@ -77,3 +77,26 @@ async def test_a_trigger_whose_file_goes_away_falls_back_to_polling(cgroup: Path
             await asyncio.wait_for(task, BOUND_S)
     assert [e["reason"] for e in logs if e["event"] == "psi_path"] == [
         "the trigger's file went away"]
+
+
+async def test_a_quiet_armed_trigger_does_not_wake_every_idle_period(cgroup: Path) -> None:
+    """The kernel wakes an armed trigger: a quiet one looks again only after
+    QUIET_TRIGGER_RECHECK_S, however short ``idle()`` is (a wake-up a second for nothing)."""
+    watch = PsiWatch(SysFs("/"), f"{cgroup}/memory.pressure", (150_000, 2_000_000))
+    pauses: list[float] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(watch.run(
+        stop, interval=lambda: 0.02, idle=lambda: 0.05, active=lambda: True,
+        keep_reading=lambda: False, on_trigger=lambda at: None,
+        on_text=lambda text, at: None, on_pause=lambda: pauses.append(loop.time())))
+    try:
+        await eventually(lambda: bool(pauses))
+        if watch.mode != "trigger":
+            pytest.skip("the kernel refused the trigger")
+        await asyncio.sleep(0.5)  # ten idle periods
+        assert len(pauses) == 1
+        assert QUIET_TRIGGER_RECHECK_S == 10.0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, BOUND_S)

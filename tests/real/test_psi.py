@@ -16,8 +16,8 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
+from reconciler.detection.notified import NodePsi, psi_path
 from reconciler.detection.publisher import Publisher
-from reconciler.detection.service import NodePsi, psi_path
 from reconciler.detection.signals import NODE, Board, Level, Reading
 from reconciler.host.pressure import PsiWatch
 from reconciler.host.probe import probe_host

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from common.aio import Callbacks
 from common.audit import AuditLog, MemoryAuditSink
 from common.podmeta import pod_meta_from_object
 from common.state import NodeState
@@ -93,6 +94,8 @@ class Env:
     manager: EvictionManager
     cfg: list[Config]
     metrics: ReconcilerMetrics
+    # What the manager hears of changes to the detectors' levels (``changed.call()``).
+    changed: Callbacks
     pods: dict[str, FakePod] = field(default_factory=dict)
 
     def configure(self, **changes: Any) -> None:
@@ -150,11 +153,13 @@ def make_env(tmp_path: Path, fake: FakeApiServer | None, *, request_timeout_s: f
     clock = Clock()
     metrics = ReconcilerMetrics()
     system, rss = Scripted("system_pressure"), Scripted("rss_overuse")
+    changed = Callbacks()
     manager = EvictionManager(
         lambda: cfg[0], state, KubeActions(api, kube, audit), NODE, audit,
         SysFs(host.root), CgroupLayout(1, "cgroupfs"),
-        {"system_pressure": system, "rss_overuse": rss}, clock=clock, metrics=metrics)
-    return Env(host, state, sink, clock, system, rss, manager, cfg, metrics)
+        {"system_pressure": system, "rss_overuse": rss}, clock=clock, metrics=metrics,
+        changes=changed.subscribe)
+    return Env(host, state, sink, clock, system, rss, manager, cfg, metrics, changed)
 
 
 def forced(env: Env, *names: str, plugin: Scripted | None = None, force: bool = True) -> None:

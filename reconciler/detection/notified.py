@@ -1,0 +1,228 @@
+"""The detection paths the kernel wakes: the node's PSI and cgroup v1's memcg pressure events.
+
+* **node PSI** (:class:`NodePsi`): a PSI trigger on ``/proc/pressure/memory`` when the kernel
+  accepts the configured (sub-second) window, else the cumulative stall counter polled every
+  ``psi_poll_interval_ms``;
+* **memcg pressure events** (:class:`PressureLevels`, cgroup v1): the kernel's
+  ``memory.pressure_level`` notifications of the root memcg (reclaim for the whole node) and of
+  kubelet's pods and burstable cgroups (reclaim forced by their limits).
+
+Both run on the event loop (:class:`~.service.Detection` starts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from common.aio import sleep_until
+from reconciler.detection import detectors as d
+from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
+from reconciler.detection.parse import ParseError
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.sections import DetectionSections, active, period
+from reconciler.detection.signals import NODE, Level, tier_scope
+from reconciler.host.cgroups import BURSTABLE, GUARANTEED
+from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, PsiWatch
+from reconciler.host.probe import PSI_MEMORY, HostInfo
+from reconciler.host.sysfs import SysFs
+
+log = structlog.get_logger("nri_qos.detection")
+
+
+def psi_path(cfg: DetectionConfig, host: HostInfo) -> tuple[str, str]:
+    """How the node's PSI is watched here: ``trigger``, ``poll`` or ``off``, and why."""
+    psi = host.psi
+    if not psi.readable:
+        return "off", psi.system.problem
+    accepted = psi.system.window_us
+    if accepted is not None and accepted <= cfg.psi_trigger_window_ms * 1000:
+        return "trigger", (f"a trigger of {cfg.psi_trigger_window_ms} ms on {PSI_MEMORY}: "
+                           "the kernel wakes the agent")
+    why = (f"the shortest window the kernel accepts is {accepted // 1000} ms (without "
+           "CAP_SYS_RESOURCE only multiples of 2 s)" if accepted is not None
+           else f"triggers refused ({psi.system.problem})")
+    return "poll", (f"the stall counter of {PSI_MEMORY} every {cfg.psi_poll_interval_ms} ms: "
+                    f"no trigger of {cfg.psi_trigger_window_ms} ms, {why}")
+
+
+def pressure_level_problem(host: HostInfo) -> str:
+    """"" when this host has memcg pressure notifications, else why not."""
+    if host.cgroup.v2:
+        return "cgroup v2 has no memory.pressure_level (PSI serves instead)"
+    if not host.memcg.pressure_level:
+        return "the memory controller has no memory.pressure_level"
+    return ""
+
+
+class NodePsi:
+    """The node's memory PSI: a trigger where the kernel accepts a short window, else a poll of
+    the cumulative stall counter (never the 10-second average)."""
+
+    def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
+                 sysfs: SysFs, host: HostInfo) -> None:
+        self._config = config
+        self._publisher = publisher
+        self._sysfs = sysfs
+        self._host = host
+        self.mode = "off"
+
+    def choose(self, cfg: DetectionConfig) -> str:
+        """``trigger``, ``poll`` or ``off``, with the reason logged once."""
+        path, reason = psi_path(cfg, self._host)
+        if path == "off":
+            log.info("detector_unavailable", detector=PSI, reason=reason)
+        else:
+            log.info("psi_path", path=path, reason=reason)
+        return path
+
+    async def run(self, stop: asyncio.Event) -> None:
+        cfg = self._config().detection
+        self.mode = self.choose(cfg)
+        if self.mode == "off":
+            await stop.wait()
+            return
+        window_us = cfg.psi_trigger_window_ms * 1000
+        trigger = (int(window_us * cfg.psi_some_low_percent / 100), window_us) \
+            if self.mode == "trigger" else None
+        watch = PsiWatch(self._sysfs, PSI_MEMORY, trigger)
+        before: list[d.Stall | None] = [None]
+
+        def pause() -> None:
+            before[0] = None
+            if not active(self._config(), PSI):
+                self._publisher.withdraw(PSI, NODE)
+
+        def on_trigger(at: float) -> None:
+            now = self._config().detection
+            self._publisher.offer(PSI, [d.psi_trigger_sample(
+                NODE, now.psi_trigger_window_ms, now, at)], covers=None, triggered=True)
+
+        def on_text(text: str | None, at: float) -> None:
+            before[0] = self._sample(self._config().detection, before[0], text, at)
+            self.mode = watch.mode
+
+        await watch.run(
+            stop, interval=lambda: self._config().detection.psi_poll_interval_ms / 1000,
+            idle=lambda: period(self._config(), PSI),
+            active=lambda: active(self._config(), PSI),
+            keep_reading=lambda: self._publisher.level(PSI, NODE) > Level.NONE,
+            on_trigger=on_trigger, on_text=on_text, on_pause=pause)
+
+    def _sample(self, cfg: DetectionConfig, before: d.Stall | None, text: str | None,
+                now: float) -> d.Stall | None:
+        """One read of the counters: the stall share since the previous read, published."""
+        try:
+            if text is None:
+                raise ParseError(f"{PSI_MEMORY} is missing")
+            stall = d.read_stall(text, now)
+        except ParseError as exc:
+            self._publisher.offer(PSI, [d.unknown(PSI, NODE, str(exc), now)], covers=None)
+            return None
+        if before is not None:
+            sample = d.psi_sample(NODE, before, stall, cfg)
+            if sample is not None:
+                self._publisher.offer(PSI, [sample], covers=None)
+        return stall
+
+
+class PressureLevels:
+    """cgroup v1 ``memory.pressure_level`` of the root memcg and kubelet's tier cgroups."""
+
+    def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
+                 sysfs: SysFs, host: HostInfo) -> None:
+        self._config = config
+        self._publisher = publisher
+        self._sysfs = sysfs
+        self._host = host
+        layout = host.cgroup
+        # Reclaim for the whole node lands on the root memcg; a tier's own limit on the tier.
+        # The BestEffort tier is not watched: reclaim at the memory guard's cap is the guard
+        # doing its work, not interference.
+        self.targets = {NODE: layout.dir("memory", ""),
+                        tier_scope("kubepods"): layout.tier_dir("memory", GUARANTEED),
+                        tier_scope(BURSTABLE): layout.tier_dir("memory", BURSTABLE)}
+        self._watches: dict[str, PressureLevelWatch] = {}
+        self._events: dict[str, tuple[str, int]] = {}
+        self._failed: dict[str, str] = {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        problem = pressure_level_problem(self._host)
+        if problem:
+            log.info("detector_unavailable", detector=PRESSURE_LEVEL, reason=problem)
+            await stop.wait()
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            while not stop.is_set():
+                cfg = self._config()
+                if active(cfg, PRESSURE_LEVEL):
+                    self._register(loop, cfg.detection.pressure_level_mode)
+                    self._tick(loop.time())
+                else:
+                    self._close_all(loop)
+                    self._publisher.withdraw(PRESSURE_LEVEL)
+                await sleep_until(period(cfg, PRESSURE_LEVEL), stop)
+        finally:
+            self._close_all(loop)
+
+    def _register(self, loop: asyncio.AbstractEventLoop, mode: str) -> None:
+        """Register on each target that exists and is not registered yet (kubelet may create
+        its cgroups after the agent started)."""
+        for scope, cgroup in self.targets.items():
+            if scope in self._watches or not self._sysfs.is_dir(cgroup):
+                continue
+            try:
+                watch = PressureLevelWatch(self._sysfs, cgroup, mode)
+            except OSError as exc:
+                reason = f"{type(exc).__name__}: {exc.strerror or exc}"
+                if self._failed.get(scope) != reason:
+                    self._failed[scope] = reason
+                    log.warning("pressure_level_unavailable", cgroup=cgroup, reason=reason)
+                continue
+            self._failed.pop(scope, None)
+            self._watches[scope] = watch
+            for level, fd in watch.fds.items():
+                loop.add_reader(fd, self._on_event, loop, scope, level)
+            log.info("pressure_level_watch", cgroup=cgroup, mode=mode)
+
+    def _on_event(self, loop: asyncio.AbstractEventLoop, scope: str, level: str) -> None:
+        watch = self._watches.get(scope)
+        if watch is None:
+            return
+        counts = {name: watch.consume(name) for name in PRESSURE_LEVELS}
+        if not watch.alive():
+            # The kernel signals every registration once when the cgroup is removed.
+            self._close(loop, scope)
+            self._publisher.withdraw(PRESSURE_LEVEL, scope)
+            log.info("pressure_level_watch_ended", cgroup=watch.cgroup, reason="cgroup removed")
+            return
+        # A level's eventfd also counts the events above it: the highest one with a count wins.
+        worst = next((name for name in reversed(PRESSURE_LEVELS) if counts[name]), None)
+        if worst is None:
+            return
+        now = loop.time()
+        self._events[scope] = (worst, counts[worst])
+        self._publisher.offer(PRESSURE_LEVEL, [d.pressure_event_sample(
+            scope, worst, counts[worst], now)], covers=None, triggered=True)
+
+    def _tick(self, now: float) -> None:
+        """A quiet sample for each watched cgroup without events since the last tick, so a
+        level is left after the cooldown."""
+        quiet = [d.pressure_quiet_sample(scope, now) for scope in self._watches
+                 if scope not in self._events]
+        self._events.clear()
+        if quiet:
+            self._publisher.offer(PRESSURE_LEVEL, quiet, covers=None)
+
+    def _close(self, loop: asyncio.AbstractEventLoop, scope: str) -> None:
+        watch = self._watches.pop(scope)
+        for fd in watch.fds.values():
+            loop.remove_reader(fd)
+        watch.close()
+
+    def _close_all(self, loop: asyncio.AbstractEventLoop) -> None:
+        for scope in list(self._watches):
+            self._close(loop, scope)

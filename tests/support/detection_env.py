@@ -1,0 +1,77 @@
+"""A fake host tree with the node files detection reads, its configuration, and the board it
+publishes on (the detection tests' setting)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from nri_plugin.config.schema import Config
+from reconciler.detection.publisher import Publisher
+from reconciler.detection.service import DetectorsLoop
+from reconciler.detection.signals import Board, Level, Reading
+from reconciler.host.probe import HostInfo, probe_host
+from reconciler.host.sysfs import SysFs
+from tests.support.fakesys import GIB, FakeHost
+
+LEVEL = "qos.nri-qos.io/level"
+
+
+class Setup:
+    def __init__(self, root: Path, version: int = 1, **detection: Any) -> None:
+        self.host = FakeHost(root, version=version,
+                             driver="systemd" if version == 2 else "cgroupfs")
+        self.host.set_numa([(40 * GIB, 64 * GIB, 1000), (40 * GIB, 64 * GIB, 1000)])
+        self.vmstat(0)
+        self.pressure(0, 0)
+        cfg = Config()
+        self.cfg = dataclasses.replace(cfg, detection=dataclasses.replace(cfg.detection,
+                                                                          **detection))
+        self.sink = MemoryAuditSink()
+        self.sysfs = SysFs(root, AuditLog(self.sink))
+        self.state = NodeState()
+        self.board = Board()
+        self.publisher = Publisher(self.board, AuditLog(self.sink), lambda: self.cfg.detection)
+
+    def vmstat(self, steal: int) -> None:
+        (self.host.root / "proc/vmstat").write_text(
+            f"nr_free_pages 5\npgsteal_kswapd {steal}\npgscan_kswapd {steal * 2}\n")
+
+    def pressure(self, some: int, full: int) -> None:
+        """Replaced at once, as the kernel's file changes: a reader never sees half of it."""
+        path = self.host.root / "proc/pressure/memory"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".new")
+        tmp.write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={some}\n"
+                       f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full}\n")
+        os.replace(tmp, path)
+
+    def pod(self, name: str, level: str, *, request: int, anon: int, tier: str = "besteffort",
+            annotations: dict[str, str] | None = None) -> Path:
+        uid = f"{name}-0000-4000-8000-000000000000"
+        self.host.add_pod(uid, tier=tier, name=name, memory_request=request,
+                          annotations={LEVEL: level, **(annotations or {})})
+        d = self.host.cg("memory", self.host.pod_rel(tier, uid))
+        v2 = self.host.version == 2
+        (d / "memory.stat").write_text(f"anon {anon}\nfile {GIB}\n" if v2 else
+                                       f"cache 0\nrss 0\ntotal_cache {GIB}\ntotal_rss {anon}\n")
+        self.state.replace_all(*self.host.nri())
+        return d
+
+    def host_info(self) -> HostInfo:
+        return probe_host(self.sysfs)
+
+    def loop(self) -> DetectorsLoop:
+        return DetectorsLoop(lambda: self.cfg, self.publisher, self.state, self.sysfs,
+                             self.host_info())
+
+    def reading(self, detector: str, scope: str) -> Reading | None:
+        return next((r for r in self.board.current() if r.key == (detector, scope)), None)
+
+    def level(self, detector: str, scope: str) -> Level | None:
+        found = self.reading(detector, scope)
+        return None if found is None else found.level

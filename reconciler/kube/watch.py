@@ -127,6 +127,11 @@ class _Handoff(Generic[_T]):
                 self._discard(result)
 
 
+def _taken(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class PodWatcher:
     """Lists this node's pods, then watches them, and reports each change as a :class:`PodMeta`.
 
@@ -208,18 +213,21 @@ class PodWatcher:
         try:
             done = await done_or_stopped(work, stop)
         except asyncio.CancelledError:
-            self._abandon(handoff)
+            self._abandon(handoff, work)
             raise
         if done:
             return work.result()
-        self._abandon(handoff)
+        self._abandon(handoff, work)
         raise _Stopped
 
-    def _abandon(self, handoff: _Handoff[Any]) -> None:
+    def _abandon(self, handoff: _Handoff[Any], work: asyncio.Future[Any]) -> None:
         stream = self._stream
         if stream is not None:
             stream.interrupt()
         handoff.abandon()
+        # The interrupted read fails ("Response ended prematurely"): the stop's doing, and
+        # nobody waits for it any more; taken here, it is not logged as an error at exit.
+        work.add_done_callback(_taken)
 
     async def _list(
         self,

@@ -1,6 +1,6 @@
-"""Parsing ``/proc/zoneinfo``, as detection (several times a second) and the NUMA loops do:
-microseconds per parse by the number of CPUs, whose pagesets make up most of the file; the
-agent's parsers against a plain line-by-line loop over the same text (prints numbers; not a test).
+"""Parsing ``/proc/zoneinfo``, as detection (every second) and the memory guard and NUMA loops
+do: microseconds per parse by the number of CPUs, whose pagesets make up most of the file; the
+agent's parser against a plain line-by-line loop over the same text (prints numbers; not a test).
 
 usage: python bench/zoneinfo_parse.py
 """
@@ -13,8 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from reconciler.detection.parse import parse_zoneinfo
-from reconciler.host.numa import ZONE_HEADER, parse_zoneinfo_low
+from reconciler.host.numa import ZONE_HEADER, node_lows, parse_zoneinfo
 from reconciler.host.values import PAGE_SIZE
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/kernel/numa2_zoneinfo"
@@ -58,17 +57,15 @@ def per_call_us(fn: Callable[[], object], budget_s: float = 0.3) -> float:
 
 
 def main() -> None:
-    print(f"{'cpus':>5} {'lines':>6} {'KiB':>5} {'line loop us':>13} {'low us':>8} "
-          f"{'zones us':>9}")
+    print(f"{'cpus':>5} {'lines':>6} {'KiB':>5} {'line loop us':>13} {'zones us':>9}")
     for cpus in CPUS:
         text = zoneinfo_for(cpus)
-        assert parse_zoneinfo_low(text, PAGE_SIZE) == line_by_line(text)
+        assert node_lows(parse_zoneinfo(text), PAGE_SIZE) == line_by_line(text)
         print(f"{cpus:>5} {text.count(chr(10)):>6} {len(text) // 1024:>5} "
               f"{per_call_us(partial(line_by_line, text)):>13.1f} "
-              f"{per_call_us(partial(parse_zoneinfo_low, text, PAGE_SIZE)):>8.1f} "
               f"{per_call_us(partial(parse_zoneinfo, text)):>9.1f}")
-    print("low us: reconciler.host.numa.parse_zoneinfo_low (memory guard, NUMA loops); zones us: "
-          "reconciler.detection.parse.parse_zoneinfo (system_free, numa_free: twice a cycle)")
+    print("zones us: reconciler.host.numa.parse_zoneinfo (system_free and numa_free each "
+          "cycle, the memory guard, the NUMA loops)")
 
 
 if __name__ == "__main__":

@@ -26,16 +26,21 @@ from reconciler.detection.config import (
 )
 from reconciler.detection.parse import (
     ParseError,
-    Zone,
     parse_counters,
     parse_int,
     parse_psi,
-    parse_zoneinfo,
     require,
 )
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
 from reconciler.host.memstat import ANON_KEYS
-from reconciler.host.numa import MEMINFO, VMSTAT, NumaFormatError, parse_meminfo
+from reconciler.host.numa import (
+    MEMINFO,
+    VMSTAT,
+    NumaFormatError,
+    Zone,
+    parse_meminfo,
+    parse_zoneinfo,
+)
 from reconciler.host.values import parse_bytes
 
 GRADED = (Level.LOW, Level.MEDIUM, Level.HIGH)
@@ -145,7 +150,7 @@ def numa_free(node_meminfo: Mapping[int, str | None], zoneinfo: str, wsf: str | 
     try:
         zones: Sequence[Zone] = parse_zoneinfo(zoneinfo)
         scale = _wsf(wsf)
-    except ParseError as exc:
+    except (ParseError, NumaFormatError) as exc:
         return [unknown(NUMA_FREE, numa_scope(n), str(exc), at) for n in sorted(node_meminfo)]
     samples = []
     for node in sorted(node_meminfo):

@@ -10,9 +10,10 @@ pressure".
       full avg10=0.00 avg60=0.00 avg300=0.16 total=5679473
 
   ``total`` is the cumulative stall time in microseconds; the averages are percentages.
-* ``/proc/zoneinfo``: a block per zone headed ``Node <n>, zone <name>``; ``pages free <n>`` and
-  the watermarks ``min``/``low``/``high`` in pages.
 * ``/proc/vmstat`` and ``memory.stat``: ``<name> <integer>`` per line.
+
+``/proc/zoneinfo`` and the NUMA nodes' ``meminfo`` are parsed where the memory guard and the
+NUMA loops parse them too (:mod:`reconciler.host.numa`), raising its ``NumaFormatError``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hooks.untrusted import bounded
-from reconciler.host.numa import ZONE_HEADER, zone_blocks
 
 
 class ParseError(ValueError):
@@ -62,48 +62,6 @@ def parse_psi(text: str) -> Psi:
         return int(raw)
 
     return Psi(total("some"), total("full") if "full" in rows else None)
-
-
-@dataclass(frozen=True, slots=True)
-class Zone:
-    node: int
-    name: str
-    free_pages: int
-    min_pages: int
-    low_pages: int
-    high_pages: int
-
-
-def parse_zoneinfo(text: str) -> list[Zone]:
-    """Every zone with its free pages and watermarks; zones without them are an error."""
-    zones: list[Zone] = []
-    for header_line, block in zone_blocks(text):
-        match = ZONE_HEADER.match(header_line)
-        if not match:
-            raise ParseError(f"zoneinfo line not understood: {_quote(header_line)}")
-        node, name = int(match.group(1)), match.group(2)
-        values: dict[str, int] = {}
-        for line in block.splitlines():
-            words = line.split()
-            if words[:2] == ["pages", "free"] and len(words) == 3:
-                key, raw = "free", words[2]
-            elif len(words) == 2 and words[0] in ("min", "low", "high"):
-                key, raw = words
-            else:
-                continue
-            if key in values:
-                continue  # the first occurrence inside the zone block is the watermark line
-            if not raw.isdigit():
-                raise ParseError(f"zoneinfo line not understood: {_quote(line)}")
-            values[key] = int(raw)
-        missing = [k for k in ("free", "min", "low", "high") if k not in values]
-        if missing:
-            raise ParseError(f"zone {name} of node {node} lacks {', '.join(missing)}")
-        zones.append(Zone(node, name, values["free"], values["min"], values["low"],
-                          values["high"]))
-    if not zones:
-        raise ParseError("no zones" if text.strip() else "empty zoneinfo")
-    return zones
 
 
 def parse_counters(text: str) -> dict[str, int]:

@@ -141,23 +141,54 @@ def system_node(meminfo: Mapping[str, int], nodes: Sequence[NumaNode]) -> NumaNo
                     sum(n.low_watermark_bytes for n in nodes))
 
 
-def parse_zoneinfo_low(text: str, page_size: int) -> dict[int, int]:
-    """Low watermark per node in bytes: the sum of the ``low`` pages of the node's zones."""
-    lows: dict[int, int] = {}
+@dataclass(frozen=True, slots=True)
+class Zone:
+    node: int
+    name: str
+    free_pages: int
+    min_pages: int
+    low_pages: int
+    high_pages: int
+
+
+def parse_zoneinfo(text: str) -> list[Zone]:
+    """Every zone with its free pages and watermarks. The kernel writes all four for every zone,
+    populated or not, so a zone without one is an error, as is a file without zones."""
+    zones: list[Zone] = []
     for header_line, block in zone_blocks(text):
-        header = ZONE_HEADER.match(header_line)
-        if not header:
+        match = ZONE_HEADER.match(header_line)
+        if not match:
             raise NumaFormatError(f"zoneinfo line not understood: {bounded_repr(header_line)}")
-        node = int(header.group(1))
-        lows.setdefault(node, 0)
+        node, name = int(match.group(1)), match.group(2)
+        values: dict[str, int] = {}
         for line in block.splitlines():
             words = line.split()
-            if len(words) == 2 and words[0] == "low":
-                try:
-                    lows[node] += int(words[1]) * page_size
-                except ValueError as exc:
-                    raise NumaFormatError(
-                        f"zoneinfo line not understood: {bounded_repr(line)}") from exc
+            if words[:2] == ["pages", "free"] and len(words) == 3:
+                key, raw = "free", words[2]
+            elif len(words) == 2 and words[0] in ("min", "low", "high"):
+                key, raw = words
+            else:
+                continue
+            if key in values:
+                continue  # the first occurrence inside the zone block is the watermark line
+            if not raw.isdigit():
+                raise NumaFormatError(f"zoneinfo line not understood: {bounded_repr(line)}")
+            values[key] = int(raw)
+        missing = [k for k in ("free", "min", "low", "high") if k not in values]
+        if missing:
+            raise NumaFormatError(f"zone {name} of node {node} lacks {', '.join(missing)}")
+        zones.append(Zone(node, name, values["free"], values["min"], values["low"],
+                          values["high"]))
+    if not zones:
+        raise NumaFormatError("no zones" if text.strip() else "empty zoneinfo")
+    return zones
+
+
+def node_lows(zones: Sequence[Zone], page_size: int) -> dict[int, int]:
+    """Low watermark per node in bytes: the sum of the ``low`` pages of the node's zones."""
+    lows: dict[int, int] = {}
+    for zone in zones:
+        lows[zone.node] = lows.get(zone.node, 0) + zone.low_pages * page_size
     return lows
 
 
@@ -172,7 +203,7 @@ def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None) -> list
     ``meminfo``: the text of ``/proc/meminfo`` when the caller has read it (None: read here
     if needed)."""
     zoneinfo = sysfs.read(ZONEINFO)
-    lows: Mapping[int, int] = parse_zoneinfo_low(zoneinfo, page_size) if zoneinfo else {}
+    lows: Mapping[int, int] = node_lows(parse_zoneinfo(zoneinfo), page_size) if zoneinfo else {}
     ids = node_ids(sysfs)
     nodes: list[NumaNode] = []
     if not ids:

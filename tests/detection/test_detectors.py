@@ -10,8 +10,9 @@ import pytest
 
 from reconciler.detection import detectors as d
 from reconciler.detection.config import DetectionConfig
-from reconciler.detection.parse import ParseError, parse_counters, parse_psi, parse_zoneinfo
+from reconciler.detection.parse import ParseError, parse_counters, parse_psi
 from reconciler.detection.signals import NODE, Level, numa_scope, pod_scope
+from reconciler.host.numa import NumaFormatError, parse_zoneinfo
 from tests.support.paths import KERNEL_FIXTURES
 
 PAGE = 4096
@@ -93,7 +94,7 @@ def test_broken_zoneinfo(cut: str) -> None:
             "mid_zone": real[:real.index("        low      15138")],
             "garbage": real.replace("low      15138", "low      lots"),
             "header": real.replace("Node 0, zone   Normal", "Node 0, zone")}[cut]
-    with pytest.raises(ParseError):
+    with pytest.raises(NumaFormatError):
         parse_zoneinfo(text)
 
 

@@ -10,14 +10,15 @@ from reconciler.host.numa import (
     NumaFormatError,
     NumaNode,
     meminfo_values,
+    node_lows,
     parse_meminfo,
-    parse_zoneinfo_low,
+    parse_zoneinfo,
     read_meminfo,
     read_nodes,
     zone_blocks,
 )
 from reconciler.host.sysfs import SysFs
-from tests.support.fakesys import GIB, FakeHost, write
+from tests.support.fakesys import GIB, ONE_ZONE, FakeHost, write
 
 # Shaped like a real /proc/zoneinfo of a two-node x86 host (trimmed).
 ZONEINFO = """\
@@ -62,8 +63,12 @@ Node 1, zone   Normal
 """
 
 
+def lows(text: str) -> dict[int, int]:
+    return node_lows(parse_zoneinfo(text), 4096)
+
+
 def test_zoneinfo_low_is_summed_per_node() -> None:
-    assert parse_zoneinfo_low(ZONEINFO, 4096) == {0: (11 + 2050 + 6265) * 4096,
+    assert lows(ZONEINFO) == {0: (11 + 2050 + 6265) * 4096,
                                                   1: 13750 * 4096}
 
 
@@ -93,23 +98,29 @@ def test_a_zones_block_runs_from_its_free_pages_to_its_pagesets() -> None:
     assert "nr_inactive_anon" not in dma
     # without a pagesets line, to the end of the zone
     assert blocks[1][1].endswith("        promo    2870")
-    assert parse_zoneinfo_low(text, 4096) == parse_zoneinfo_low(ZONEINFO, 4096)
+    assert lows(text) == lows(ZONEINFO)
 
 
 def test_a_zone_without_free_pages_is_read_from_its_header() -> None:
     [(header, block)] = zone_blocks("Node 3, zone Normal\n        low      7\n")
     assert (header, block) == ("Node 3, zone Normal", "        low      7\n")
-    assert parse_zoneinfo_low("Node 3, zone Normal\n        low      7\n", 4096) == {3: 7 * 4096}
+    # the kernel writes the free pages and all three watermarks for every zone
+    with pytest.raises(NumaFormatError, match="zone Normal of node 3 lacks free, min, high"):
+        parse_zoneinfo("Node 3, zone Normal\n        low      7\n")
+
+
+WHOLE_ZONE = "Node 0, zone Normal\n  pages free 5\n        min 1\n        low 7\n        high 9\n"
 
 
 def test_a_malformed_zone_header_is_an_error() -> None:
+    assert lows(WHOLE_ZONE) == {0: 7 * 4096}
     with pytest.raises(NumaFormatError, match="not understood"):
-        parse_zoneinfo_low("Node x, zone Normal\n        low      7\n", 4096)
+        parse_zoneinfo(WHOLE_ZONE.replace("Node 0", "Node x"))
 
 
 def test_zoneinfo_garbage_value() -> None:
-    with pytest.raises(NumaFormatError):
-        parse_zoneinfo_low("Node 0, zone Normal\n        low      many\n", 4096)
+    with pytest.raises(NumaFormatError, match="not understood"):
+        parse_zoneinfo(WHOLE_ZONE.replace("low 7", "low many"))
 
 
 def test_node_meminfo() -> None:
@@ -144,13 +155,13 @@ def test_read_nodes_from_fake_host(tmp_path: Path, count: int) -> None:
 
 def test_kernel_without_numa_is_one_node(tmp_path: Path) -> None:
     write(tmp_path / "proc/meminfo", "MemTotal: 2048 kB\nMemFree: 1024 kB\n")
-    write(tmp_path / "proc/zoneinfo", "Node 0, zone Normal\n        low 10\n")
+    write(tmp_path / "proc/zoneinfo", ONE_ZONE)
     assert read_nodes(SysFs(tmp_path), 4096) == [NumaNode(0, 1 << 20, 2 << 20, 40960)]
 
 
 def test_kernel_without_numa_takes_the_meminfo_read_by_the_caller(tmp_path: Path) -> None:
     write(tmp_path / "proc/meminfo", "MemTotal: 4096 kB\nMemFree: 4096 kB\n")
-    write(tmp_path / "proc/zoneinfo", "Node 0, zone Normal\n        low 10\n")
+    write(tmp_path / "proc/zoneinfo", ONE_ZONE)
     given = "MemTotal: 2048 kB\nMemFree: 1024 kB\n"
     assert read_nodes(SysFs(tmp_path), 4096, given) == [NumaNode(0, 1 << 20, 2 << 20, 40960)]
     # with NUMA nodes, the text is not needed

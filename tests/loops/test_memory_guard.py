@@ -23,7 +23,15 @@ from reconciler.loops.memory_guard import (
     target_cap,
 )
 from reconciler.metrics import ReconcilerMetrics
-from tests.support.fakesys import GIB, MIB, READ_ONLY_NUMBER, FakeHost, refuse_writes, write
+from tests.support.fakesys import (
+    GIB,
+    MIB,
+    ONE_ZONE,
+    READ_ONLY_NUMBER,
+    FakeHost,
+    refuse_writes,
+    write,
+)
 
 STEP = 1 * GIB
 
@@ -239,7 +247,7 @@ def test_kernel_without_numa_reads_meminfo_once_per_cycle(tmp_path: Path) -> Non
     host = FakeHost(tmp_path)
     write(tmp_path / "proc/meminfo", f"MemTotal: {16 * GIB // 1024} kB\n"
                                      f"MemFree: {10 * GIB // 1024} kB\n")
-    write(tmp_path / "proc/zoneinfo", "Node 0, zone Normal\n        low 10\n")
+    write(tmp_path / "proc/zoneinfo", ONE_ZONE)
     host.set_tier_usage("besteffort", GIB)
     sink = MemoryAuditSink()
     audit = AuditLog(sink)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.host.numa import parse_zoneinfo_low
+from reconciler.host.numa import node_lows, parse_zoneinfo
 from reconciler.host.sysfs import SysFs, read_file_bytes
 from reconciler.host.values import PAGE_SIZE
 from tests.support.guest_node import CGROUP, Node
@@ -55,7 +55,7 @@ def test_zoneinfo_comes_in_pieces_here_and_arrives_whole() -> None:
     data = read_file_bytes("/proc/zoneinfo")
     assert data is not None
     assert keys(data.decode()) == keys(text)
-    lows = parse_zoneinfo_low(data.decode(), PAGE_SIZE)
+    lows = node_lows(parse_zoneinfo(data.decode()), PAGE_SIZE)
     assert sorted(lows) == [0, 1]
     assert all(low > 0 for low in lows.values()), lows
 

@@ -27,6 +27,8 @@ GIB = 1 << 30
 MIB = 1 << 20
 UNLIMITED_V1 = "9223372036854771712"
 PAGE = 4096
+ONE_ZONE = "Node 0, zone Normal\n  pages free 256\n        min 8\n        low 10\n        high 12\n"
+"""A ``/proc/zoneinfo`` of one zone whose low watermark is 10 pages."""
 
 
 def write(path: Path, text: str) -> Path:

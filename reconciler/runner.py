@@ -45,6 +45,7 @@ from reconciler.loops.numa_binding import (
 )
 from reconciler.loops.offload import OffloadSections
 from reconciler.loops.offload_loop import OffloadLoop
+from reconciler.loops.protection import restore_protection
 from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import restore_wmark
@@ -83,7 +84,7 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
         managed = ManagedCache()
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
-                  managed=managed),
+                  managed=managed, notes=notes),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes,
                         requests=lambda: requested_outside(managed.get(state.snapshot()),
                                                            BESTEFFORT)),
@@ -140,8 +141,10 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
 
 def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
     """Writes back every host file the state file says the agent changed: the memory guard's
-    tier files, tuned memory.wmark_ratio, NUMA bindings and balancing."""
+    tier files, tuned memory.wmark_ratio, NUMA bindings and balancing, the protection of the pod
+    and tier cgroups."""
     restore_tier(sysfs, notes, reason)
+    restore_protection(sysfs, notes, reason)
     restore_wmark(sysfs, notes, reason)
     restore_bindings(sysfs, notes, reason, NUMA_BALANCE_NOTES)
     restore_bindings(sysfs, notes, reason)

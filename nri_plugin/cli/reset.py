@@ -45,6 +45,7 @@ from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_nam
 from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
 from reconciler.loops.memory_guard import restore_tier
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings
+from reconciler.loops.protection import PROTECTION_NOTES, restore_protection
 from reconciler.mitigation.actions import (
     CONDITION_NOTES,
     TAINT_NOTES,
@@ -84,6 +85,11 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
         steps.append(Step(
             "memory guard: restore " + ", ".join(f"{p} to {v}" for p, v in sorted(guard.items())),
             lambda: f"restored {len(restore_tier(sysfs, notes, REASON))} file(s)"))
+    protection = notes.entries(PROTECTION_NOTES)
+    if protection:
+        steps.append(Step(
+            f"memory QoS: restore memory.min/memory.low of {len(protection)} pod or tier file(s)",
+            lambda: f"restored {restore_protection(sysfs, notes, REASON)} file(s)"))
     wmark = notes.entries(WMARK_NOTES)
     if wmark:
         steps.append(Step(f"tune: restore memory.wmark_ratio of {len(wmark)} pod(s)",

@@ -9,7 +9,10 @@ applied the adjustment cost only reads.
 
 Files: cgroup v2 ``memory.min``/``memory.low``/``memory.high`` (the ``memory.*`` keys of the unified
 settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes``; and
-``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``.
+``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``. On cgroup v2
+the pod, tier and ``kubepods`` cgroups above get the sum of the containers' ``memory.min`` and
+``memory.low``, without which the kernel does not honour them
+(:mod:`reconciler.loops.protection`).
 
 A memory QoS or oom_score_adj annotation the API server changed after the container was
 created is read here and nowhere else, so a problem with it is recorded here
@@ -38,10 +41,12 @@ from hooks.settings import ContainerSettings, merge
 from hooks.untrusted import bounded
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import set_oom_score_adj
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.host.values import same_bytes
+from reconciler.host.values import parse_bytes, same_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
+from reconciler.loops.protection import KEYS, AncestorProtection, ancestor_sums
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -76,8 +81,11 @@ class DriftLoop(Loop):
 
     def __init__(self, config: Callable[[], DriftSections], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, memory_total: int, *,
-                 audit: AuditLog | None = None, managed: ManagedCache | None = None) -> None:
+                 audit: AuditLog | None = None, managed: ManagedCache | None = None,
+                 notes: StateFile | None = None) -> None:
         self._audit = audit
+        self._protection = AncestorProtection(sysfs, layout,
+                                              notes if notes is not None else StateFile(None))
         # (pod uid, container, problems) of the annotations recorded and still unusable
         self._reported: set[tuple[str, str, str]] = set()
         self._config = config
@@ -94,16 +102,23 @@ class DriftLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
+        if not (cfg.reconciler.enabled and cfg.memory.enabled):
+            self._protection.restore("memory QoS switched off")
         if not cfg.reconciler.enabled or not (cfg.memory.enabled or cfg.oom.enabled):
             return
         managed = self._managed.get(self._state.snapshot())
-        for item, settings in self._desired_for(managed, cfg):
+        desired = self._desired_for(managed, cfg)
+        for item, settings in desired:
             # One container's odd cgroup must not keep the others from being repaired.
             try:
                 self._apply(item, settings)
             except (OSError, ValueError) as exc:
                 log.warning("drift_container_failed", container=item.view.info.name,
                             pod_uid=item.view.pod.info.uid, error=str(exc))
+        if cfg.memory.enabled and self._layout.v2:
+            self._protection.apply(
+                ancestor_sums((item.ref, _protection(settings)) for item, settings in desired),
+                "drift: memory protection of the containers below")
 
     def _desired_for(self, managed: tuple[Managed, ...],
                      cfg: DriftSections) -> list[tuple[Managed, ContainerSettings]]:
@@ -175,3 +190,13 @@ class DriftLoop(Loop):
                          "oom_score_adj at creation"
             for pid in sysfs.read_ids(f"{cgroup}/cgroup.procs") or ():
                 set_oom_score_adj(sysfs, pid, settings.oom_score_adj, reason)
+
+
+def _protection(settings: ContainerSettings) -> dict[str, int]:
+    """A container's ``memory.min`` and ``memory.low`` in bytes, as its settings give them."""
+    values = {}
+    for key in KEYS:
+        value = parse_bytes(settings.unified[key]) if key in settings.unified else None
+        if value is not None:
+            values[key] = value
+    return values

@@ -49,8 +49,8 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
-    """A v2 node an agent ran on: the guard's cap, a wmark_ratio, two resctrl groups of the
-    agent's and one of someone else's, its status socket."""
+    """A v2 node an agent ran on: the guard's cap, a wmark_ratio, a protected kubepods, two
+    resctrl groups of the agent's and one of someone else's, its status socket."""
     host = FakeHost(tmp_path / "host", version=2, driver="systemd")
     host.set_numa([(8 * GIB, 32 * GIB, 0)])
     host.set_tier_usage("besteffort", 2 * GIB, per_node=[2 * GIB])
@@ -71,6 +71,10 @@ def node(tmp_path: Path) -> Node:
     state_file(cfg.reconciler.state_dir).remember(
         "wmark_ratio", "/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/"
         "memory.wmark_ratio", "95")
+    # the protection drift gave kubepods above a protected container
+    (host.tier_dir("guaranteed") / "memory.min").write_text(f"{512 << 20}\n")
+    state_file(cfg.reconciler.state_dir).remember(
+        "protection", "/sys/fs/cgroup/kubepods.slice/memory.min", "0")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(cfg.status.socket)
     listener.close()  # the socket file an agent that died left behind
@@ -86,6 +90,7 @@ def test_dry_run_says_everything_and_changes_nothing(node: Node) -> None:
     assert lines[0].startswith("would memory guard: restore /sys/fs/cgroup/kubepods.slice/"
                                "kubepods-besteffort.slice/memory.high to max, ")
     assert lines[1:] == [
+        "would memory QoS: restore memory.min/memory.low of 1 pod or tier file(s)",
         "would tune: restore memory.wmark_ratio of 1 pod(s)",
         "would resctrl: remove group nriqos-pod-1234",
         "would resctrl: remove group nriqos-shared_cores",
@@ -103,6 +108,7 @@ def test_reset_takes_everything_away_and_a_second_reset_finds_nothing(node: Node
     assert (tier / "memory.max").read_text().strip() == "max"
     assert (tier / "memory.high").read_text().strip() == "max"
     assert (tier / "memory.wmark_ratio").read_text().strip() == "95"
+    assert (node.host.tier_dir("guaranteed") / "memory.min").read_text().strip() == "0"
     resctrl = node.host.root / "sys/fs/resctrl"
     assert not (resctrl / "nriqos-shared_cores").exists()
     assert not (resctrl / "nriqos-pod-1234").exists()

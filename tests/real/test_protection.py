@@ -1,0 +1,108 @@
+"""Memory protection on a real cgroup v2 kernel: a container's ``memory.min`` keeps nothing while
+its pod and tier cgroups are at 0, and keeps its page cache once drift gave them the sum below.
+
+``kubepods`` is capped (node-allocatable), an online container holds page cache under its own
+``memory.min``, and an offline pod streams a file larger than ``kubepods`` over and over: the
+kernel reclaims at ``kubepods``' limit, and what the online container keeps is read from its
+``memory.stat``. Page cache comes from files on the guest's scratch ext4 disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from hooks.config_fields import frozen_map
+from hooks.model import ContainerInfo, PodInfo
+from nri_plugin.config.schema import Config
+from reconciler.host.cgroups import layout_for
+from reconciler.host.statefile import StateFile
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.drift import DriftLoop
+from reconciler.loops.protection import PROTECTION_NOTES
+from tests.support.guest_node import CGROUP, MIB, Node, memory_stat, read_int
+from tests.support.realroot import data_file
+
+pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
+
+ONLINE = "5e5e5e5e-0000-4000-8000-000000000001"
+OFFLINE = "5e5e5e5e-0000-4000-8000-000000000002"
+ONLINE_CID = "e" * 64
+KUBEPODS_MIB = 384
+CACHE_MIB = 128
+REQUEST_MIB = 160
+"""The online container's request, and its memory.min (min_ratio 100): above all it holds."""
+STREAM_MIB = 512
+PRESSURE_S = 4
+
+
+def protecting() -> Config:
+    """The defaults, with shared_cores protecting its requests in full."""
+    memory = Config().memory
+    levels = dict(memory.levels)
+    levels["shared_cores"] = dataclasses.replace(levels["shared_cores"], policy="ratios",
+                                                 min_ratio=100)
+    return dataclasses.replace(Config(), memory=dataclasses.replace(
+        memory, levels=frozen_map(levels)))
+
+
+def kept_after_pressure(node: Node, online: Path, data: Path, name: str) -> int:
+    """The online container writes ``CACHE_MIB`` of page cache, the offline pod streams past
+    ``kubepods``' limit for ``PRESSURE_S``; the online container's file bytes after."""
+    writer = node.worker(online, online)
+    assert writer.ask(f"write {data.parent / name} {CACHE_MIB}") == {"written_mib": CACHE_MIB}
+    before = memory_stat(online)["file"]
+    assert before >= (CACHE_MIB - 8) * MIB, before
+    offline, _ = node.container("besteffort", OFFLINE, f"{name}-offline")
+    streamer = node.worker(offline, CGROUP / "kubepods")
+    answer = streamer.ask(f"read {data} {PRESSURE_S}")
+    assert answer["onset"] is not None, answer  # kubepods' limit was reached
+    return memory_stat(online)["file"]
+
+
+def test_a_containers_protection_holds_only_with_its_ancestors(node: Node, tmp_path: Path
+                                                               ) -> None:
+    (CGROUP / "kubepods/memory.max").write_text(str(KUBEPODS_MIB * MIB))
+    data = data_file(tmp_path / "stream.bin", STREAM_MIB)
+    online, cgroups_path = node.container("burstable", ONLINE, ONLINE_CID)
+    # what the CreateContainer answer gives the container (min_ratio 100 of its request)
+    (online / "memory.min").write_text(str(REQUEST_MIB * MIB))
+
+    # The container's own memory.min alone: its pod, tier and kubepods at 0, as kubelet leaves
+    # them without MemoryQoS. The kernel takes its page cache like anyone's.
+    unprotected = kept_after_pressure(node, online, data, "first")
+    assert unprotected < CACHE_MIB * MIB // 2, unprotected
+    node.kill_processes()
+    data_file(tmp_path / "first", CACHE_MIB)  # what is left of it leaves the page cache
+
+    # drift gives the ancestors the sum below them
+    state = NodeState()
+    state.replace_all(
+        [PodInfo(id="sandbox", uid=ONLINE, name="web", namespace="test",
+                 cgroup_parent=f"/kubepods/burstable/pod{ONLINE}")],
+        [ContainerInfo(id=ONLINE_CID, pod_sandbox_id="sandbox", name="c",
+                       cgroups_path=cgroups_path, memory_request=REQUEST_MIB * MIB,
+                       memory_limit=4 * REQUEST_MIB * MIB)])
+    sysfs = SysFs("/", AuditLog(MemoryAuditSink()))
+    notes = StateFile(str(tmp_path / "state.json"))
+    cfg = [protecting()]
+    loop = DriftLoop(lambda: cfg[0], state, sysfs, layout_for(sysfs), 2048 * MIB, notes=notes)
+    loop.cycle(0.0)
+    for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods"):
+        assert read_int(CGROUP / rel / "memory.min") == REQUEST_MIB * MIB, rel
+    assert read_int(online / "memory.min") == REQUEST_MIB * MIB
+
+    protected = kept_after_pressure(node, online, data, "second")
+    assert protected >= (CACHE_MIB - 8) * MIB, (protected, unprotected)
+
+    # memory QoS switched off: the ancestors are back at 0
+    cfg[0] = dataclasses.replace(cfg[0], memory=dataclasses.replace(cfg[0].memory,
+                                                                     enabled=False))
+    loop.cycle(10.0)
+    for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods"):
+        assert read_int(CGROUP / rel / "memory.min") == 0, rel
+    assert notes.entries(PROTECTION_NOTES) == {}

@@ -53,7 +53,7 @@ the latency CDFs and the offline progress over time (matplotlib, the ``bench`` e
                                [--modes M,M] [--seed N] [--online-rps 200]
                                [--offline-input-mib N] [--offline-work-rounds 1]
                                [--idle-s 5] [--plot PNG] [--json PATH] [--keep DIR]
-                               [--data-dir DIR] [--agent-from SOURCE_TREE]
+                               [--data-dir DIR] [--agent-from SOURCE_TREE] [--agent-config TOML]
     python bench/colocation.py --from-json PATH [--plot PNG]     # the table (and plot) again
 
 Needs root and a memory cgroup controller, and about 1.3 GB of disk under /var/tmp for the data
@@ -178,7 +178,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         if mode in AGENT_MODES:
             agent = await stack.enter_async_context(
                 Agent(node, work, Path(settings.agent_source or REPO),
-                      creation_only=mode == "agent-creation", plans=(ONLINE, *plans)))
+                      creation_only=mode == "agent-creation", plans=(ONLINE, *plans),
+                      drop_in=settings.agent_config))
         elif mode == "static":
             burstable = sum(p.memory_request or 0 for p in (ONLINE, *plans)
                             if p.tier == "burstable")
@@ -415,6 +416,10 @@ def main() -> int:
         print(f"machine: kernel {machine['kernel']}, {machine['cpus']} CPUs, "
               f"{machine['memory']}; memory cgroup {version}")
         print(f"scenario {settings.scenario}: {SCENARIOS[settings.scenario].summary}")
+        if settings.agent_config:
+            print("the agent modes' configuration: the defaults, and over them (--agent-config): "
+                  + "; ".join(line for line in settings.agent_config.splitlines()
+                              if line.strip() and not line.lstrip().startswith("#")))
         print(f"node: {settings.node_mib} MiB (kubepods {settings.node_mib - settings.reserved_mib}"
               f" MiB); online: {settings.online_anon_mib} MiB anonymous + "
               f"{settings.online_files_mib} MiB of files"

@@ -16,6 +16,7 @@ from typing import Any
 from bench.colocation_plan import OFFLINE, ONLINE, PodPlan
 from bench.kubelet_node import MIB, Container, KubeletNode
 from hooks.events import Event
+from nri_plugin.config.loader import drop_in_dir
 from nri_plugin.sim.scenario import ContainerSpec, PodSpec
 from nri_plugin.sim.simulator import (
     PluginConnection,
@@ -46,8 +47,9 @@ class Agent:
 
     def __init__(self, node: KubeletNode, work: Path, source: Path, *,
                  creation_only: bool = False,
-                 plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE)) -> None:
+                 plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE), drop_in: str = "") -> None:
         self.node = node
+        self.drop_in = drop_in
         self.plans = plans
         self.creation_only = creation_only
         self.source = source
@@ -73,6 +75,16 @@ class Agent:
             + (CREATION_ONLY if self.creation_only else "")
         )
 
+    def write_config(self, root: Path, kubeconfig: Path) -> Path:
+        """The agent's configuration file, and the ``--agent-config`` settings over it as a
+        drop-in (applied as an operator's drop-in file is); the file's path."""
+        config = self.work / "config.toml"
+        config.write_text(self.config(root, kubeconfig))
+        if self.drop_in:
+            drop_in_dir(config).mkdir(exist_ok=True)
+            (drop_in_dir(config) / "50-given.toml").write_text(self.drop_in)
+        return config
+
     async def __aenter__(self) -> Agent:
         async with contextlib.AsyncExitStack() as stack:
             server = stack.enter_context(FakeApiServer(poll_interval_s=API_POLL_S))
@@ -82,8 +94,7 @@ class Agent:
                 server.add_pod(make_pod(plan.name, namespace=plan.namespace, node=NODE_NAME,
                                         uid=plan.uid, memory=memory))
             kubeconfig = write_kubeconfig(self.work / "kubeconfig", server.url)
-            config = self.work / "config.toml"
-            config.write_text(self.config(self.node.agent_root(self.work), kubeconfig))
+            config = self.write_config(self.node.agent_root(self.work), kubeconfig)
             await self.simulator.start()
             stack.push_async_callback(self.simulator.stop)
             log = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -16,6 +16,8 @@ from bench.colocation_plan import (
     default_input_mib,
     online_held_mib,
 )
+from nri_plugin.config.loader import ConfigError, parse_toml
+from nri_plugin.config.schema import Config
 
 WHOLE_MACHINE_SHARE = (0.85, 1.05)
 """A machine counts as a scenario's whole node when its memory (MemTotal: what the kernel left
@@ -64,6 +66,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--agent-from", default="",
                    help="run the agent from this source tree (python -m nri_plugin there), to "
                         "compare versions; default: this one")
+    p.add_argument("--agent-config", default="",
+                   help="a TOML file of settings over the defaults for both agent modes (a "
+                        "drop-in of the agent's configuration); checked before the run")
     p.add_argument("--data-dir", help="where the data files are kept (reused when there); "
                                       "default: this run's directory under /var/tmp")
     p.add_argument("--keep", help="keep each repetition's work directory (agent log, audit "
@@ -72,6 +77,21 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from-json", help="print (and --plot) earlier raw results; no run")
     return p
+
+
+def agent_drop_in(path: str) -> str:
+    """The text of ``--agent-config`` ("" for none), checked as the agent checks its
+    configuration: a file it would refuse stops the benchmark before any run."""
+    if not path:
+        return ""
+    try:
+        text = Path(path).read_text()
+        parse_toml(Config, text, path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"--agent-config: cannot read {path}: {exc}") from exc
+    except ConfigError as exc:
+        raise SystemExit(f"--agent-config: {exc}") from exc
+    return text
 
 
 def list_scenarios() -> str:
@@ -134,6 +154,7 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
         seed=args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31),
         idle_s=2.0 if args.quick else args.idle_s,
         agent_source=str(Path(args.agent_from).resolve()) if args.agent_from else "",
+        agent_config=agent_drop_in(args.agent_config),
         scenario=scenario.name, offline_pods=scenario.offline_pods,
         offline_work_rounds=args.offline_work_rounds, online_rps=args.online_rps,
         service_timeout_ms=args.service_timeout_ms)

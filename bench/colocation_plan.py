@@ -116,6 +116,8 @@ class Settings:
     modes: tuple[str, ...]
     # The source tree the agent runs from ("" for this one).
     agent_source: str = ""
+    # Settings over the defaults for both agent modes: the text of a TOML drop-in ("" for none).
+    agent_config: str = ""
     # Of the blocks' order (printed, so that a run can be repeated).
     seed: int = 0
     # Before each repetition: caches dropped, then this long idle.

@@ -28,7 +28,9 @@ The agent is a real ``nri-qos run`` child process, configured only where the hos
 a real API write) and where the audit trail goes; the pods reach it as a runtime would bring
 them: RunPodSandbox, CreateContainer (its answer applied to the container as the runtime would)
 and StartContainer over the NRI protocol from the runtime simulator. Eviction stays in dry-run,
-as by default.
+as by default. ``--agent-config FILE`` puts an operator's settings over the defaults of both
+agent modes (a drop-in of the agent's configuration, refused before any run if the agent would
+refuse it; printed at the top).
 
 Method: a warm-up block of every mode (not counted), then ``--reps`` blocks of every mode once,
 each block in an order drawn from ``--seed`` (printed); before each repetition the caches are

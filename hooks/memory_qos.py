@@ -4,8 +4,9 @@ Per level (``memory.levels.<level>.policy``):
 
 ``ratios`` (Volcano)
     ``memory.min = request x min_ratio %``, ``memory.low = request x low_ratio %``,
-    ``memory.high = limit x high_ratio %``. min/low are set only for a ratio above 0, so
-    kubelet's own values stay untouched otherwise.
+    ``memory.high = limit x high_ratio %``. Each is set only for a ratio above 0, so
+    kubelet's own values stay untouched otherwise (a ``memory.high`` of 0 would stop every
+    container of the level).
 ``kubernetes`` (the kubelet MemoryQoS formula)
     ``memory.high = floor((request + factor x (limit - request)) / page) x page``;
     min/low as for ``ratios``.
@@ -53,7 +54,8 @@ class MemoryLevel:
     )
     min_ratio: int = percent(0, "memory.min = request x min_ratio %.")
     low_ratio: int = percent(0, "memory.low = request x low_ratio %.")
-    high_ratio: int = percent(100, "memory.high = limit x high_ratio % (policy ratios).")
+    high_ratio: int = percent(100, "memory.high = limit x high_ratio % (policy ratios; 0: "
+                                   "no memory.high).")
     throttling_factor: float = setting(
         0.9, "Factor of the Kubernetes MemoryQoS formula (policy kubernetes).",
         minimum=0.0, maximum=1.0,
@@ -180,7 +182,8 @@ def _level_values(level: MemoryLevel, request: int | None, limit: int | None,
             out["memory.low"] = _pages(request * level.low_ratio / 100, page)
     if limit is not None:
         if level.policy == "ratios":
-            out["memory.high"] = _pages(limit * level.high_ratio / 100, page)
+            if level.high_ratio:
+                out["memory.high"] = _pages(limit * level.high_ratio / 100, page)
         else:
             req = min(request or 0, limit)
             out["memory.high"] = _pages(req + level.throttling_factor * (limit - req), page)

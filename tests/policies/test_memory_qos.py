@@ -64,6 +64,15 @@ def test_ratios_policy() -> None:
         "memory.high": str(int(512 * MI * 0.9) // 4096 * 4096)}
 
 
+def test_a_high_ratio_of_0_sets_no_memory_high() -> None:
+    """As min_ratio and low_ratio 0 set nothing: a memory.high of 0 would stop the container."""
+    cfg = with_level("shared_cores", policy="ratios", min_ratio=100, high_ratio=0)
+    assert unified("shared_cores", cfg=cfg) == {"memory.min": str(256 * MI)}
+    one = with_level("shared_cores", policy="ratios", min_ratio=100, high_ratio=1)
+    assert unified("shared_cores", cfg=one) == {
+        "memory.min": str(256 * MI), "memory.high": str(int(512 * MI * 0.01) // 4096 * 4096)}
+
+
 def test_kubernetes_formula() -> None:
     cfg = with_level("shared_cores", policy="kubernetes")
     # floor((256Mi + 0.9 x (512Mi - 256Mi)) / page) x page

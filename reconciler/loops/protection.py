@@ -25,10 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import structlog
+
 from reconciler.host.cgroups import GUARANTEED, CgroupLayout, CgroupRef, pod_rel, tier_rel
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, parse_bytes
+
+log = structlog.get_logger("nri_qos.reconciler")
 
 PROTECTION_NOTES = "protection"
 """State-file section: each ancestor file the agent raised, with its value from before."""
@@ -85,7 +89,10 @@ class AncestorProtection:
                                                  f"{reason}: the sum below it")
             return
         for path in sorted(set(self._notes.entries(PROTECTION_NOTES)) | set(wanted)):
-            self._settle(path, wanted.get(path, 0), reason)
+            try:
+                self._settle(path, wanted.get(path, 0), reason)
+            except ValueError as exc:  # the file, or its note, holds no size: left as it is
+                log.warning("protection_unreadable", path=path, error=str(exc))
 
     def _settle(self, path: str, total: int, reason: str) -> None:
         current = _bytes(self._sysfs.read(path))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from structlog.testing import capture_logs
+
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.config_fields import frozen_map
@@ -248,3 +250,30 @@ def test_cgroup_v1_has_no_protection_files_to_write(tmp_path: Path) -> None:
     loop.cycle(0.0)
     assert notes.entries(PROTECTION_NOTES) == {}
     assert not (host.cg("memory", "kubepods") / "memory.min").exists()
+
+
+def test_a_value_that_does_not_parse_is_logged_and_the_others_still_written(
+        tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    pod = tree.host.add_pod(ONLINE, tier="burstable", memory_limit=GIB,
+                            memory_request=256 * MIB)
+    tree.file("kubepods/burstable").write_text("lots\n")
+    state, loop = drift(tree, protecting(min_ratio=100, low_ratio=0))
+    state.replace_all(*tree.host.nri())
+    with capture_logs() as logs:
+        loop.cycle(0.0)
+    [failed] = [r for r in logs if r["event"] == "protection_unreadable"]
+    assert failed["path"] == tree.noted("kubepods/burstable")
+    assert "lots" in failed["error"]
+    # the tier's file is left as it is; the container, its pod and kubepods are done
+    assert tree.file("kubepods/burstable").read_text() == "lots\n"
+    container = tree.host.cg("", pod.containers[0].rel)
+    assert int((container / "memory.min").read_text()) == 256 * MIB
+    assert tree.value(tree.host.pod_rel("burstable", ONLINE)) == 256 * MIB
+    assert tree.value("kubepods") == 256 * MIB
+    # a note that does not parse is the same
+    tree.notes.put(PROTECTION_NOTES, tree.noted("kubepods"), "garbage")
+    with capture_logs() as logs:
+        loop.cycle(10.0)
+    assert [r["path"] for r in logs if r["event"] == "protection_unreadable"] == [
+        tree.noted("kubepods/burstable"), tree.noted("kubepods")]

@@ -37,7 +37,7 @@ from reconciler.host.numa import (
     MEMINFO,
     VMSTAT,
     NumaFormatError,
-    Zone,
+    node_lows,
     parse_meminfo,
     parse_zoneinfo,
 )
@@ -148,7 +148,7 @@ def numa_free(node_meminfo: Mapping[int, str | None], zoneinfo: str, wsf: str | 
               cfg: DetectionConfig, page_size: int, at: float) -> list[Sample]:
     """Each NUMA node's MemFree against its own W (its zones' low watermarks, its total)."""
     try:
-        zones: Sequence[Zone] = parse_zoneinfo(zoneinfo)
+        lows = node_lows(parse_zoneinfo(zoneinfo), page_size)
         scale = _wsf(wsf)
     except (ParseError, NumaFormatError) as exc:
         return [unknown(NUMA_FREE, numa_scope(n), str(exc), at) for n in sorted(node_meminfo)]
@@ -168,10 +168,9 @@ def numa_free(node_meminfo: Mapping[int, str | None], zoneinfo: str, wsf: str | 
         except KeyError as exc:
             samples.append(unknown(NUMA_FREE, scope, f"node meminfo lacks {exc.args[0]}", at))
             continue
-        low = sum(z.low_pages for z in zones if z.node == node) * page_size
         samples.append(_free_sample(NUMA_FREE, scope,
-                                    free, watermark(total, scale, low, cfg.free_floor_bytes,
-                                                    cfg), cfg, at))
+                                    free, watermark(total, scale, lows.get(node, 0),
+                                                    cfg.free_floor_bytes, cfg), cfg, at))
     return samples
 
 

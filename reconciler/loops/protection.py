@@ -88,15 +88,16 @@ class AncestorProtection:
                     self._sysfs.write_if_changed(path, str(_pages(total)),
                                                  f"{reason}: the sum below it")
             return
-        for path in sorted(set(self._notes.entries(PROTECTION_NOTES)) | set(wanted)):
+        notes = self._notes.entries(PROTECTION_NOTES)
+        for path in sorted(set(notes) | set(wanted)):
             try:
-                self._settle(path, wanted.get(path, 0), reason)
+                self._settle(path, wanted.get(path, 0), notes.get(path), reason)
             except ValueError as exc:  # the file, or its note, holds no size: left as it is
                 log.warning("protection_unreadable", path=path, error=str(exc))
 
-    def _settle(self, path: str, total: int, reason: str) -> None:
+    def _settle(self, path: str, total: int, noted: str | None, reason: str) -> None:
+        """``noted``: the file's value from before, as the state file holds it."""
         current = _bytes(self._sysfs.read(path))
-        noted = self._notes.entries(PROTECTION_NOTES).get(path)
         if current is None:  # the pod's cgroup is gone, and its file with it
             self._forget(path)
             return

@@ -1,4 +1,5 @@
-"""What the agent costs on a node nothing presses: its CPU and its wake-ups, on this machine.
+"""What the agent costs on a node nothing presses: its CPU, its wake-ups and its memory, on this
+machine.
 
 A real ``nri-qos run`` process, registered with the runtime simulator and watching a fake API
 server (a node without pods), reads this machine's real kernel files (``[reconciler] root`` is
@@ -11,8 +12,9 @@ whatever else the machine does falls on both alike:
 * ``agent``: the defaults, everything on.
 
 After ``--settle`` seconds the process's CPU time (all threads, user and system) and its context
-switches (voluntary ones are its wake-ups) are read over ``--window`` seconds. Prints the median
-of the rounds per configuration. ``--against SOURCE_TREE`` runs the agent of that checkout too
+switches (voluntary ones are its wake-ups) are read over ``--window`` seconds, and its memory at
+the end of it (anonymous, mapped files, peak resident set). Prints the median of the rounds per
+configuration. ``--against SOURCE_TREE`` runs the agent of that checkout too
 (``before``; this one is ``after``), in the same rounds, each round in the other order.
 
     python bench/agent_idle.py [--rounds 3] [--settle 15] [--window 30] [--against TREE]
@@ -36,9 +38,13 @@ from nri_plugin.sim.simulator import RuntimeSimulator
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.paths import REPO
 from tests.support.processes import cpu_seconds
+from tests.support.raw_runtime import status_kib
 
 NODE_NAME = "idle-node"
 READY_TIMEOUT_S = 60.0
+# the process's memory at the end of the window, MiB: what it holds in anonymous pages (its
+# heap, which reclaim cannot drop without swap), in mapped files, and its peak resident set
+MEMORY = {"anon_mib": "RssAnon", "file_mib": "RssFile", "peak_mib": "VmHWM"}
 CONFIGS = {
     "creation": CREATION_ONLY,
     "agent": "",
@@ -86,13 +92,14 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
         await asyncio.sleep(window_s)
         elapsed = time.monotonic() - started
         cpu1, (vol1, inv1) = cpu_seconds(process.pid), switches(process.pid)
+        memory = {key: status_kib(process.pid, field) / 1024 for key, field in MEMORY.items()}
     finally:
         process.terminate()
         await process.wait()
         os.close(log)
         await simulator.stop()
     return {"cpu_percent": (cpu1 - cpu0) / elapsed * 100, "wakeups_s": (vol1 - vol0) / elapsed,
-            "preempted_s": (inv1 - inv0) / elapsed, "threads": float(threads)}
+            "preempted_s": (inv1 - inv0) / elapsed, "threads": float(threads), **memory}
 
 
 async def run(rounds: int, settle_s: float, window_s: float,
@@ -135,11 +142,12 @@ def main() -> int:
     print(f"idle agent on this machine, {args.rounds} rounds of {args.window:g} s (median):")
     width = max(len(name) for name in results) + 1
     print(f"{'config':<{width}} {'CPU % of one core':>18} {'wake-ups/s':>11} "
-          f"{'preempted/s':>12} {'threads':>8}")
+          f"{'preempted/s':>12} {'threads':>8} {'anon MiB':>9} {'file MiB':>9} {'peak MiB':>9}")
     for name, rounds in results.items():
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         print(f"{name:<{width}} {med['cpu_percent']:>18.2f} {med['wakeups_s']:>11.1f} "
-              f"{med['preempted_s']:>12.1f} {med['threads']:>8.0f}")
+              f"{med['preempted_s']:>12.1f} {med['threads']:>8.0f} {med['anon_mib']:>9.1f} "
+              f"{med['file_mib']:>9.1f} {med['peak_mib']:>9.1f}")
     return 0
 
 

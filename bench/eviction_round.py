@@ -33,7 +33,7 @@ from reconciler.eviction.api import ActivePod
 from reconciler.eviction.builtin import in_tree_plugins
 from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.manager import EvictionManager
-from reconciler.eviction.remote import RemotePlugin
+from reconciler.eviction.remote_plugin import RemotePlugin
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, KubernetesConfig

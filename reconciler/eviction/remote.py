@@ -11,12 +11,14 @@ is checked again right before every call, so before any connection the call open
 swapped after it was listed is refused (kind ``refused``) until the next listing registers it
 anew.
 
-:class:`RemotePlugin` adapts one socket to :class:`~reconciler.eviction.api.EvictionPlugin`
-with ``grpc.aio`` on the daemon's event loop. Every call carries the configured deadline, so
-the plugin knows it too. Answers are checked before use: an enum value the API does not define,
-a non-finite number, more pods than asked for, an unusable condition name or grace period make
-the whole answer invalid. Failures become :class:`PluginCallError` with a kind the audit
-record names (``deadline``, ``unavailable``, ``error``, ``invalid answer``, ``refused``).
+:class:`~reconciler.eviction.remote_plugin.RemotePlugin` adapts one socket to
+:class:`~reconciler.eviction.api.EvictionPlugin` with ``grpc.aio`` on the daemon's event loop
+(loaded with the first plugin found: a node without any does not carry gRPC). Every call carries
+the configured deadline, so the plugin knows it too. Answers are checked before use: an enum
+value the API does not define, a non-finite number, more pods than asked for, an unusable
+condition name or grace period make the whole answer invalid. Failures become
+:class:`PluginCallError` with a kind the audit record names (``deadline``, ``unavailable``,
+``error``, ``invalid answer``, ``refused``).
 """
 
 from __future__ import annotations
@@ -25,19 +27,16 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import grpc
-import grpc.aio
 import structlog
 
 from common.audit import AuditLog
 from hooks.levels import QosLevel
 from hooks.untrusted import bounded
 from protos import eviction_pb2 as pb
-from protos import eviction_pb2_grpc as pb_grpc
 from reconciler.eviction.api import (
     PLUGIN_NAME,
     ActivePod,
@@ -51,9 +50,10 @@ from reconciler.eviction.api import (
 )
 from reconciler.kube import MIN_GRACE_S
 
-log = structlog.get_logger("nri_qos.eviction")
+if TYPE_CHECKING:
+    from reconciler.eviction.remote_plugin import RemotePlugin
 
-M = TypeVar("M")
+log = structlog.get_logger("nri_qos.eviction")
 
 SOCKET_SUFFIX = ".sock"
 CONDITION_NAME = re.compile(r"[A-Z][A-Za-z0-9]{0,62}")
@@ -63,16 +63,6 @@ KUBELET_CONDITIONS = frozenset({"Ready", "MemoryPressure", "DiskPressure", "PIDP
 MAX_GRACE_S = 86_400
 MAX_ANSWER_PODS = 10_000
 MAX_MESSAGE_BYTES = 4 << 20
-# A restarted plugin is found again within a few seconds, not after gRPC's default 2 minutes.
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.enable_retries", 0),
-)
-
 _LEVELS_TO_PB: Mapping[str, pb.QosLevel] = {
     QosLevel.RECLAIMED_CORES: pb.RECLAIMED_CORES,
     QosLevel.SHARED_CORES: pb.SHARED_CORES,
@@ -94,7 +84,7 @@ class PluginCallError(Exception):
         self.detail = detail
 
 
-def _invalid(detail: str) -> PluginCallError:
+def invalid(detail: str) -> PluginCallError:
     return PluginCallError("invalid answer", detail)
 
 
@@ -115,12 +105,12 @@ def pod_message(pod: ActivePod) -> pb.Pod:
 
 def _condition(message: pb.Condition) -> Condition:
     if message.type not in (pb.NODE_CONDITION, pb.CONDITION_TYPE_UNSPECIFIED):
-        raise _invalid(f"condition type {message.type} (only node conditions exist)")
+        raise invalid(f"condition type {message.type} (only node conditions exist)")
     name = message.name
     if not CONDITION_NAME.fullmatch(name):
-        raise _invalid(f"condition name {bounded(name)!r} is not CamelCase letters and digits")
+        raise invalid(f"condition name {bounded(name)!r} is not CamelCase letters and digits")
     if name in KUBELET_CONDITIONS:
-        raise _invalid(f"condition {name} belongs to kubelet")
+        raise invalid(f"condition {name} belongs to kubelet")
     return Condition(name, message.met)
 
 
@@ -129,19 +119,19 @@ def _grace(message: Any) -> int | None:
         return None
     value = int(message.grace_period_seconds)
     if not MIN_GRACE_S <= value <= MAX_GRACE_S:
-        raise _invalid(f"grace period {value} s is outside {MIN_GRACE_S}..{MAX_GRACE_S}")
+        raise invalid(f"grace period {value} s is outside {MIN_GRACE_S}..{MAX_GRACE_S}")
     return value
 
 
 def threshold_from(message: pb.ThresholdMetResponse) -> ThresholdMet:
     met = _MET.get(message.met_type)
     if met is None:
-        raise _invalid(f"met_type {message.met_type} is not a MetType")
+        raise invalid(f"met_type {message.met_type} is not a MetType")
     operator = _OPERATORS.get(message.threshold_operator)
     if operator is None:
-        raise _invalid(f"threshold_operator {message.threshold_operator} is not an operator")
+        raise invalid(f"threshold_operator {message.threshold_operator} is not an operator")
     if not (math.isfinite(message.threshold_value) and math.isfinite(message.observed_value)):
-        raise _invalid("threshold or observed value is not a finite number")
+        raise invalid("threshold or observed value is not a finite number")
     condition = _condition(message.condition) if message.HasField("condition") else None
     return ThresholdMet(met, message.threshold_value, message.observed_value, operator,
                         bounded(message.eviction_scope, 64), condition)
@@ -150,17 +140,17 @@ def threshold_from(message: pb.ThresholdMetResponse) -> ThresholdMet:
 def top_pods_from(message: pb.GetTopEvictionPodsResponse, top_n: int) -> TopPods:
     uids = tuple(message.target_pod_uids)
     if len(uids) > top_n:
-        raise _invalid(f"{len(uids)} pods where at most {top_n} were asked for")
+        raise invalid(f"{len(uids)} pods where at most {top_n} were asked for")
     return TopPods(uids, _grace(message))
 
 
 def evict_pods_from(message: pb.GetEvictPodsResponse) -> EvictPods:
     if len(message.evict_pods) > MAX_ANSWER_PODS:
-        raise _invalid(f"{len(message.evict_pods)} pods (more than {MAX_ANSWER_PODS})")
+        raise invalid(f"{len(message.evict_pods)} pods (more than {MAX_ANSWER_PODS})")
     pods = []
     for item in message.evict_pods:
         if not item.uid:
-            raise _invalid("a pod without uid")
+            raise invalid("a pod without uid")
         pods.append(EvictRequest(item.uid, bounded(item.reason) or "no reason given",
                                  _grace(item), item.force))
     condition = _condition(message.condition) if message.HasField("condition") else None
@@ -170,28 +160,30 @@ def evict_pods_from(message: pb.GetEvictPodsResponse) -> EvictPods:
 # ---- one plugin -----------------------------------------------------------------------------
 
 
-def _error_kind(exc: grpc.aio.AioRpcError) -> PluginCallError:
-    code = exc.code()
-    details = bounded(exc.details() or "")
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return PluginCallError("deadline", details or "deadline exceeded")
-    if code is grpc.StatusCode.UNAVAILABLE:
-        return PluginCallError("unavailable", details or "unavailable")
-    # The client could not decode the answer.
-    if code is grpc.StatusCode.INTERNAL and "deserializ" in details.lower():
-        return _invalid(details)
-    return PluginCallError("error", f"{code.name}: {details}")
-
-
-def _identity(info: os.stat_result) -> tuple[int, int, int]:
+def identity(info: os.stat_result) -> tuple[int, int, int]:
     return (info.st_dev, info.st_ino, info.st_ctime_ns)
 
 
-def _owner_problem(info: os.stat_result) -> str | None:
+def owner_problem(info: os.stat_result) -> str | None:
     """Why a file the agent takes orders from is not trusted, or None."""
     if info.st_uid not in (0, os.geteuid()):
         return f"owned by uid {info.st_uid}, not root or the agent's user"
     return None
+
+
+def check_socket(path: str, listed: tuple[int, int, int]) -> None:
+    """Raises :class:`PluginCallError` unless the socket at ``path`` is still the one listed
+    (``listed``: its :func:`identity` then) and still trusted: checked right before a call, and
+    so before any connection gRPC opens for it."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        raise PluginCallError("unavailable", f"socket gone: {exc.strerror}") from None
+    why = "not a unix socket" if not stat.S_ISSOCK(info.st_mode) else owner_problem(info)
+    if why is None and identity(info) != listed:
+        why = "the socket was replaced since it was listed"
+    if why is not None:
+        raise PluginCallError("refused", why)
 
 
 def directory_problem(directory: str) -> str | None:
@@ -204,74 +196,12 @@ def directory_problem(directory: str) -> str | None:
         return f"{type(exc).__name__}: {exc.strerror}"
     if not stat.S_ISDIR(info.st_mode):
         return "not a directory (a symbolic link is not followed)"
-    owner = _owner_problem(info)
+    owner = owner_problem(info)
     if owner is not None:
         return owner
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"writable by its group or others (mode {stat.S_IMODE(info.st_mode):o})"
     return None
-
-
-class RemotePlugin:
-    """One out-of-tree plugin; see the module doc. ``identity``: the socket's as listed."""
-
-    def __init__(self, name: str, path: str, deadline: Callable[[], float],
-                 identity: tuple[int, int, int] | None = None) -> None:
-        self._name = name
-        self.path = path
-        self._identity = identity
-        self._deadline = deadline
-        self._channel = grpc.aio.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
-        self._stub: Any = pb_grpc.EvictionPluginStub(self._channel)  # type: ignore[no-untyped-call]
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    def _check_socket(self) -> None:
-        """The socket is still the one listed, and still trusted (right before the call, and
-        so before any connection gRPC opens for it)."""
-        if self._identity is None:
-            return
-        try:
-            info = os.lstat(self.path)
-        except OSError as exc:
-            raise PluginCallError("unavailable", f"socket gone: {exc.strerror}") from None
-        why = "not a unix socket" if not stat.S_ISSOCK(info.st_mode) else _owner_problem(info)
-        if why is None and _identity(info) != self._identity:
-            why = "the socket was replaced since it was listed"
-        if why is not None:
-            raise PluginCallError("refused", why)
-
-    async def _call(self, method: str, request: Any, answer: type[M]) -> M:
-        self._check_socket()
-        try:
-            found = await getattr(self._stub, method)(request, timeout=self._deadline())
-        except grpc.aio.AioRpcError as exc:
-            raise _error_kind(exc) from None
-        # grpc.aio hands over None when the bytes did not decode.
-        if not isinstance(found, answer):
-            raise _invalid(f"the answer is not a {answer.__name__}")
-        return found
-
-    async def threshold_met(self) -> ThresholdMet:
-        return threshold_from(await self._call("ThresholdMet", pb.ThresholdMetRequest(),
-                                               pb.ThresholdMetResponse))
-
-    async def get_top_eviction_pods(self, active: Sequence[ActivePod], top_n: int,
-                                    scope: str) -> TopPods:
-        request = pb.GetTopEvictionPodsRequest(
-            active_pods=[pod_message(p) for p in active], top_n=top_n, eviction_scope=scope)
-        return top_pods_from(await self._call("GetTopEvictionPods", request,
-                                              pb.GetTopEvictionPodsResponse), top_n)
-
-    async def get_evict_pods(self, active: Sequence[ActivePod]) -> EvictPods:
-        request = pb.GetEvictPodsRequest(active_pods=[pod_message(p) for p in active])
-        return evict_pods_from(await self._call("GetEvictPods", request,
-                                                pb.GetEvictPodsResponse))
-
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
 
 
 # ---- the directory --------------------------------------------------------------------------
@@ -333,7 +263,7 @@ class PluginDirectory:
                 info = os.lstat(path)
             except OSError:
                 continue
-            owner = _owner_problem(info)
+            owner = owner_problem(info)
             if not stat.S_ISSOCK(info.st_mode):
                 why = "not a unix socket"
             elif owner is not None:
@@ -343,7 +273,7 @@ class PluginDirectory:
             elif name in reserved:
                 why = "name of an in-tree plugin"
             else:
-                found[name] = _Found(path, _identity(info))
+                found[name] = _Found(path, identity(info))
                 continue
             refused[name] = why
         for name, why in refused.items():
@@ -373,6 +303,10 @@ class PluginDirectory:
                 log.info("eviction_plugin_restarted", plugin=name, socket=where.path)
             else:
                 self._audit.record("eviction_plugin_registered", plugin=name, socket=where.path)
+            # gRPC is loaded with the first plugin: a node without any (most) does not carry
+            # its library (about 10 MiB of the agent's memory, ``bench/agent_idle.py``).
+            from reconciler.eviction.remote_plugin import RemotePlugin
+
             self._plugins[name] = (RemotePlugin(name, where.path, self._deadline,
                                                 where.identity), where.identity)
         return self.plugins

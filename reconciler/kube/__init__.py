@@ -6,11 +6,13 @@ request has a client-side timeout, and the pod watch also a server-side one, so 
 outlives a stop by more than one request timeout.
 
 One module per job: :mod:`.config` (settings, the node's name), :mod:`.client` (building the
-client, reading raw responses), :mod:`.errors` (what a failure means), :mod:`.threads` (where
-the synchronous client's calls run: a named pool of the caller's own, for the watch and the
-writes alike; the module says why not ``asyncio.to_thread``), :mod:`.watch` (the pod watch),
-:mod:`.evictions`, :mod:`.node` and :mod:`.events` (the writes), :mod:`.actions` (the writes
-behind one handle). The rest of the agent imports from this package, not from its modules.
+client, reading raw responses), :mod:`.rest` (sending a request; the module says why not
+through the client's generated API classes), :mod:`.errors` (what a failure means),
+:mod:`.threads` (where the synchronous client's calls run: a named pool of the caller's own,
+for the watch and the writes alike; the module says why not ``asyncio.to_thread``),
+:mod:`.watch` (the pod watch), :mod:`.evictions`, :mod:`.node` and :mod:`.events` (the
+writes), :mod:`.actions` (the writes behind one handle). The rest of the agent imports from
+this package, not from its modules.
 
 Without usable credentials the agent runs degraded: :func:`build_api_client` returns ``None``
 after one warning, the pod watch idles until stop, and actions report ``unavailable``.

@@ -3,7 +3,6 @@ pod), node taints and node status conditions."""
 
 from __future__ import annotations
 
-from kubernetes import client as k8s_client
 from kubernetes.client import ApiClient
 
 from common.audit import AuditLog
@@ -12,6 +11,7 @@ from reconciler.kube.config import KubernetesConfig
 from reconciler.kube.events import PodEvents, PodRef
 from reconciler.kube.evictions import EvictionResult, Evictions
 from reconciler.kube.node import NodeOutcome, NodeWriter
+from reconciler.kube.rest import Rest
 from reconciler.kube.threads import ApiThreads
 
 # The writes one pressure episode makes at once (an eviction, its Event, a taint, a condition)
@@ -25,13 +25,12 @@ class KubeActions:
 
     def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
         # One API handle for every write; None in degraded mode.
-        core = None if api is None else k8s_client.CoreV1Api(api)
-        apps = None if api is None else k8s_client.AppsV1Api(api)
+        rest = None if api is None else Rest(api)
         threads = ApiThreads("kube-actions", ACTION_THREADS)
-        self._evictions = Evictions(core, apps, cfg, audit, threads)
-        self._node = NodeWriter(core, cfg, audit, threads)
-        self._events = PodEvents(core, cfg, threads)
-        self._available = core is not None
+        self._evictions = Evictions(rest, cfg, audit, threads)
+        self._node = NodeWriter(rest, cfg, audit, threads)
+        self._events = PodEvents(rest, cfg, threads)
+        self._available = rest is not None
 
     @property
     def available(self) -> bool:

@@ -1,7 +1,7 @@
 """Building the API client from the credentials at hand, and reading its raw responses.
 
-Every request is made with ``_preload_content=False``: the answer is read as JSON (never
-deserialized into the client's models) and its connection handed back to the pool here.
+Every answer (:mod:`.rest`) is read as JSON, never deserialized into the client's models, and
+its connection handed back to the pool here.
 """
 
 from __future__ import annotations

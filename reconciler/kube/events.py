@@ -12,6 +12,7 @@ from kubernetes.client.exceptions import ApiException
 from reconciler.kube.client import finish, rfc3339_now
 from reconciler.kube.config import KubernetesConfig
 from reconciler.kube.errors import TRANSPORT, describe
+from reconciler.kube.rest import Rest, segment
 from reconciler.kube.threads import ApiThreads
 
 log = structlog.get_logger("nri_qos.kube")
@@ -32,19 +33,19 @@ class PodRef:
 class PodEvents:
     """Writes Events; ``core`` None: degraded, nothing is written."""
 
-    def __init__(self, core: Any, cfg: KubernetesConfig, threads: ApiThreads) -> None:
-        self._core = core
+    def __init__(self, rest: Rest | None, cfg: KubernetesConfig, threads: ApiThreads) -> None:
+        self._rest = rest
         self._cfg = cfg
         self._threads = threads
 
     async def create_pod_event(self, pod: PodRef, node: str, reason: str,
                                message: str) -> bool:
         """See :meth:`reconciler.kube.actions.KubeActions.create_pod_event`."""
-        if self._core is None:
+        if self._rest is None:
             return False
-        core = self._core
+        rest = self._rest
         now = rfc3339_now()
-        body: Any = {
+        body: dict[str, Any] = {
             "apiVersion": "v1", "kind": "Event",
             # kubelet's naming: the object's name and a unique hexadecimal suffix
             "metadata": {"name": f"{pod.name}.{time.time_ns():x}", "namespace": pod.namespace},
@@ -57,10 +58,8 @@ class PodEvents:
         }
 
         def post() -> None:
-            finish(core.create_namespaced_event(
-                pod.namespace, body, _preload_content=False,
-                _request_timeout=self._cfg.request_timeout_s,
-            ))
+            finish(rest.request("POST", f"/api/v1/namespaces/{segment(pod.namespace)}/events",
+                                body=body, timeout=self._cfg.request_timeout_s))
 
         try:
             await self._threads.run(post)

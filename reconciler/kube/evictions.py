@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import structlog
-from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
 
 from common.audit import AuditLog
@@ -24,6 +23,7 @@ from reconciler.kube.errors import (
     status_body,
     status_message,
 )
+from reconciler.kube.rest import Rest, segment
 from reconciler.kube.threads import ApiThreads
 
 log = structlog.get_logger("nri_qos.kube")
@@ -52,10 +52,9 @@ class EvictionResult:
 class Evictions:
     """Asks for evictions (audited here) and checks owners; ``core``/``apps`` None: degraded."""
 
-    def __init__(self, core: Any, apps: Any, cfg: KubernetesConfig, audit: AuditLog,
+    def __init__(self, rest: Rest | None, cfg: KubernetesConfig, audit: AuditLog,
                  threads: ApiThreads) -> None:
-        self._core = core
-        self._apps = apps
+        self._rest = rest
         self._cfg = cfg
         self._audit = audit
         self._threads = threads
@@ -75,29 +74,25 @@ class Evictions:
             raise ValueError(f"grace period {grace_seconds} s is below {MIN_GRACE_S} s")
         pod = f"{namespace}/{name}"
         self._audit.record("eviction_requested", pod=pod, reason=reason, dry_run=dry_run)
-        if self._core is None:
+        if self._rest is None:
             self._audit.record("eviction_blocked", pod=pod, reason="no Kubernetes API access")
             return EvictionResult(EvictionOutcome.UNAVAILABLE, dry_run)
-        core = self._core
-        body = k8s_client.V1Eviction(
-            api_version="policy/v1",
-            kind="Eviction",
-            metadata=k8s_client.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=None if grace_seconds is None and uid is None
-            else k8s_client.V1DeleteOptions(
-                grace_period_seconds=grace_seconds,
-                preconditions=None if uid is None else k8s_client.V1Preconditions(uid=uid),
-            ),
-        )
+        rest = self._rest
+        body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
+                                "metadata": {"name": name, "namespace": namespace}}
+        options: dict[str, Any] = {}
+        if grace_seconds is not None:
+            options["gracePeriodSeconds"] = grace_seconds
+        if uid is not None:
+            options["preconditions"] = {"uid": uid}
+        if options:
+            body["deleteOptions"] = options
 
         def post() -> int:
-            # Raw response: the API answers with a Status, not the Eviction the model expects.
-            response: Any = core.create_namespaced_pod_eviction(
-                name, namespace, body,
-                dry_run="All" if dry_run else None,
-                _preload_content=False,
-                _request_timeout=self._cfg.request_timeout_s,
-            )
+            response = rest.request(
+                "POST", f"/api/v1/namespaces/{segment(namespace)}/pods/{segment(name)}/eviction",
+                body=body, query=[("dryRun", "All")] if dry_run else (),
+                timeout=self._cfg.request_timeout_s)
             finish(response)
             return int(response.status)
 
@@ -131,14 +126,14 @@ class Evictions:
 
     async def owner_exists(self, namespace: str, owner: OwnerRef) -> bool | None:
         """See :meth:`reconciler.kube.actions.KubeActions.owner_exists`."""
-        if self._apps is None:
+        if self._rest is None:
             return None
-        apps = self._apps
+        rest = self._rest
 
         def read() -> bool:
-            found = read_json(apps.read_namespaced_daemon_set(
-                owner.name, namespace, _preload_content=False,
-                _request_timeout=self._cfg.request_timeout_s))
+            found = read_json(rest.request(
+                "GET", f"/apis/apps/v1/namespaces/{segment(namespace)}/daemonsets/"
+                f"{segment(owner.name)}", timeout=self._cfg.request_timeout_s))
             meta = found.get("metadata") if isinstance(found, dict) else None
             return isinstance(meta, dict) and meta.get("uid") == owner.uid
 

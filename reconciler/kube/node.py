@@ -18,12 +18,12 @@ from common.audit import AuditLog
 from reconciler.kube.client import finish, read_json, resource_version, rfc3339_now
 from reconciler.kube.config import KubernetesConfig
 from reconciler.kube.errors import HTTP_CONFLICT, TRANSIENT, describe
+from reconciler.kube.rest import MERGE_PATCH, Rest, segment
 from reconciler.kube.threads import ApiThreads
 
 log = structlog.get_logger("nri_qos.kube")
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-MERGE_PATCH = "application/merge-patch+json"
 # Attempts of a read-modify-write of the node (taints, conditions) that keeps losing to other
 # writers.
 NODE_UPDATE_ATTEMPTS = 5
@@ -44,9 +44,9 @@ class NodeWriter:
     """Taints (audited here) and conditions (audited by their owner); ``core`` None: degraded,
     every change reports ``unavailable``."""
 
-    def __init__(self, core: Any, cfg: KubernetesConfig, audit: AuditLog,
+    def __init__(self, rest: Rest | None, cfg: KubernetesConfig, audit: AuditLog,
                  threads: ApiThreads) -> None:
-        self._core = core
+        self._rest = rest
         self._cfg = cfg
         self._audit = audit
         self._threads = threads
@@ -151,26 +151,24 @@ class NodeWriter:
         its resourceVersion. ``patch_for`` gets the node as read and returns the merge patch to
         apply, or None when nothing is to change. A 409 (someone else updated the node in
         between) rereads and retries."""
-        if self._core is None:
+        if self._rest is None:
             log.warning(f"{what}_skipped", node=node, reason="no Kubernetes API access")
             return NodeOutcome.UNAVAILABLE
-        core = self._core
+        rest = self._rest
         timeout = self._cfg.request_timeout_s
+        path = f"/api/v1/nodes/{segment(node)}"
 
         def attempt() -> NodeOutcome | None:
-            current = read_json(core.read_node(node, _preload_content=False,
-                                               _request_timeout=timeout))
+            current = read_json(rest.request("GET", path, timeout=timeout))
             if not isinstance(current, dict):
                 raise ValueError("node is not a JSON object")
             patch = patch_for(current)
             if patch is None:
                 return NodeOutcome.UNCHANGED
             patch["metadata"] = {"resourceVersion": resource_version(current)}
-            options: dict[str, Any] = {"_content_type": MERGE_PATCH, "_preload_content": False,
-                                       "_request_timeout": timeout}
             try:
-                written: Any = core.patch_node_status(node, patch, **options) if status \
-                    else core.patch_node(node, patch, **options)
+                written = rest.request("PATCH", f"{path}/status" if status else path,
+                                       body=patch, content_type=MERGE_PATCH, timeout=timeout)
             except ApiException as exc:
                 if exc.status == HTTP_CONFLICT:
                     return None

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import structlog
-from kubernetes import client as k8s_client
 from kubernetes.client import ApiClient
 from kubernetes.client.exceptions import ApiException
 
@@ -35,12 +34,15 @@ from common.podmeta import PodMeta, pod_meta_from_object
 from reconciler.kube.client import read_json, resource_version
 from reconciler.kube.config import KubernetesConfig
 from reconciler.kube.errors import HTTP_GONE, TRANSIENT, describe
+from reconciler.kube.rest import Rest
 from reconciler.kube.threads import ApiThreads
 
 log = structlog.get_logger("nri_qos.kube")
 
 _T = TypeVar("_T")
 
+PODS = "/api/v1/pods"
+"""Every namespace's pods; the watch asks for this node's by a field selector."""
 # A watch that ends sooner than this without any event counts as a failure (backoff), so a
 # server that keeps closing streams at once cannot make the watcher spin.
 MIN_HEALTHY_WATCH_S = 1.0
@@ -150,6 +152,7 @@ class PodWatcher:
         self._api = api
         self._cfg = cfg
         self._node = node
+        self._selector = f"spec.nodeName={node}"
         self._initial_backoff_s = initial_backoff_s
         self._known: dict[str, PodMeta] = {}
         self._stream: LineReader | None = None
@@ -161,7 +164,7 @@ class PodWatcher:
             log.warning("pod_watch_off", detail="no Kubernetes API; pod metadata from NRI only")
             await stop.wait()
             return
-        core = k8s_client.CoreV1Api(self._api)
+        rest = Rest(self._api)
         # One thread: the list and the stream's reads follow each other.
         threads = ApiThreads(f"pod-watch-{self._node}", 1)
         backoff = Backoff(self._initial_backoff_s, self._cfg.retry_max_s)
@@ -173,8 +176,8 @@ class PodWatcher:
                 relisting = self._resume_from is None
                 try:
                     if relisting:
-                        await self._list(core, on_event, threads, stop)
-                    events = await self._watch(core, on_event, threads, stop)
+                        await self._list(rest, on_event, threads, stop)
+                    events = await self._watch(rest, on_event, threads, stop)
                     if events or loop.time() - started >= MIN_HEALTHY_WATCH_S:
                         backoff.reset()
                         continue
@@ -231,17 +234,14 @@ class PodWatcher:
 
     async def _list(
         self,
-        core: Any,
+        rest: Rest,
         on_event: Callable[[PodMeta], None],
         threads: ApiThreads,
         stop: asyncio.Event,
     ) -> None:
         def fetch() -> Any:
-            return read_json(core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self._node}",
-                _preload_content=False,
-                _request_timeout=self._cfg.request_timeout_s,
-            ))
+            return read_json(rest.request("GET", PODS, query=[("fieldSelector", self._selector)],
+                                          timeout=self._cfg.request_timeout_s))
 
         body = await self._call(fetch, threads, stop)
         if not isinstance(body, dict):
@@ -265,7 +265,7 @@ class PodWatcher:
 
     async def _watch(
         self,
-        core: Any,
+        rest: Rest,
         on_event: Callable[[PodMeta], None],
         threads: ApiThreads,
         stop: asyncio.Event,
@@ -273,16 +273,16 @@ class PodWatcher:
         """Follows one watch stream from ``_resume_from``; returns the number of events."""
 
         def open_stream() -> LineReader:
-            response = core.list_pod_for_all_namespaces(
-                field_selector=f"spec.nodeName={self._node}",
-                watch=True,
-                allow_watch_bookmarks=True,
-                resource_version=self._resume_from,
-                timeout_seconds=self._cfg.watch_timeout_s,
-                _preload_content=False,
+            query: list[tuple[str, str | int | bool]] = [
+                ("fieldSelector", self._selector), ("watch", True),
+                ("allowWatchBookmarks", True), ("timeoutSeconds", self._cfg.watch_timeout_s)]
+            if self._resume_from is not None:
+                query.append(("resourceVersion", self._resume_from))
+            response = rest.request(
+                "GET", PODS, query=query,
                 # The read timeout catches a silently dead connection: the server writes at
                 # least the end of the stream when its own timeout expires.
-                _request_timeout=(
+                timeout=(
                     self._cfg.request_timeout_s,
                     self._cfg.watch_timeout_s + self._cfg.request_timeout_s,
                 ),

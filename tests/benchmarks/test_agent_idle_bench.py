@@ -24,13 +24,18 @@ def test_one_short_round_of_each_configuration() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[-3].split() == ["config", "CPU", "%", "of", "one", "core", "wake-ups/s",
-                                 "preempted/s", "threads"]
+                                 "preempted/s", "threads", "anon", "MiB", "file", "MiB",
+                                 "peak", "MiB"]
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[-2:]}
     assert set(rows) == {"creation", "agent"}
-    for cpu, wakeups, _, threads in rows.values():
+    for cpu, wakeups, _, threads, anon, mapped, peak in rows.values():
         assert cpu >= 0
         assert wakeups > 0  # its loops woke in the window
         assert threads >= 2
+        # a Python process with its libraries: megabytes of each, the peak at least their sum
+        assert anon > 1
+        assert mapped > 1
+        assert peak >= anon + mapped - 1
 
 
 def test_against_another_checkout_runs_both_in_the_same_rounds(tmp_path: Path) -> None:

@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from reconciler.eviction.remote import (
 )
 from tests.support.eviction_env import GIB, make_env
 from tests.support.fake_apiserver import FakeApiServer
+from tests.support.paths import REPO
 from tests.support.plugin_process import plugin_process
 
 # ---- what a plugin answers ----------------------------------------------------------------------
@@ -165,6 +168,36 @@ async def test_directory_registers_and_drops(tmp_path: Path,
             "plugin": "alpha", "reason": "socket removed", "socket": str(where / "alpha.sock")}
     finally:
         await directory.close()
+
+
+# In a fresh interpreter that imported the whole agent: whether gRPC is loaded after a scan of
+# an empty plugin directory, then after one that finds a plugin.
+GRPC_ON_DEMAND = """
+import asyncio, socket, sys
+import nri_plugin.agent  # everything the running agent imports
+from common.audit import AuditLog, MemoryAuditSink
+from reconciler.eviction.remote import PluginDirectory
+
+async def main() -> None:
+    directory = PluginDirectory(AuditLog(MemoryAuditSink()), lambda: 0.1)
+    await directory.scan(sys.argv[1], reserved=())
+    print("grpc" in sys.modules)
+    plugin = socket.socket(socket.AF_UNIX)
+    plugin.bind(sys.argv[1] + "/alpha.sock")
+    found = await directory.scan(sys.argv[1], reserved=())
+    print("grpc" in sys.modules, [p.name for p in found])
+    await directory.close()
+    plugin.close()
+
+asyncio.run(main())
+"""
+
+
+def test_grpc_is_loaded_with_the_first_plugin_only(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", GRPC_ON_DEMAND, str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["False", "True ['alpha']"]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a socket to another user")

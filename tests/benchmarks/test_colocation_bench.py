@@ -27,7 +27,7 @@ from bench.baselines import (
     modes_for,
     static_limits,
 )
-from bench.colocation import WORKLOADS
+from bench.colocation import WORKLOADS, machine_facts
 from bench.colocation_agent import apply_adjustment
 from bench.colocation_cli import list_scenarios, node_mib_for, parser, settings_from
 from bench.colocation_plan import (
@@ -464,3 +464,11 @@ def test_a_repetitions_line_says_the_agents_cpu_only_where_an_agent_ran() -> Non
     managed.agent_cpu_s = 2.56
     assert rep_line(managed).endswith("agent: -, 2.6 CPU s")
 
+
+
+def test_the_machine_facts_say_how_fast_it_runs_python() -> None:
+    facts = machine_facts("v2")
+    assert set(facts) == {"kernel", "cpus", "memory", "cgroup", "loop"}
+    number, unit = facts["loop"].split()
+    assert unit == "ms"
+    assert float(number) >= 0

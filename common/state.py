@@ -302,7 +302,7 @@ class NodeState:
         for c in containers:
             pod_view = views.get(c.pod_sandbox_id)
             if pod_view is not None:
-                merged.append(ContainerView(_merge_container(c, pod_view.meta), pod_view,
+                merged.append(ContainerView(merge_container(c, pod_view.meta), pod_view,
                                             c.id not in stopped))
         snapshot = Snapshot(version, MappingProxyType(views), tuple(merged),
                             frozenset(p.info.uid for p in views.values()),
@@ -374,7 +374,10 @@ def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:
     )
 
 
-def _merge_container(container: ContainerInfo, meta: PodMeta | None) -> ContainerInfo:
+def merge_container(container: ContainerInfo, meta: PodMeta | None) -> ContainerInfo:
+    """The container with its memory request from its pod's spec (``meta``: the pod watch's,
+    None while the watch has not seen the pod), and its limit from there where the runtime gave
+    none. The runtime knows a request only where kubelet wrote one (its MemoryQoS)."""
     if meta is None:
         return container
     request = meta.memory_requests.get(container.name, container.memory_request)

@@ -25,7 +25,7 @@ import structlog
 
 from common.audit import AuditLog
 from common.metrics import PluginMetrics
-from common.state import NodeState, PodView
+from common.state import NodeState, PodView, merge_container
 from hooks.events import Event
 from hooks.model import ContainerInfo, ReadKeys
 from hooks.untrusted import bounded
@@ -327,7 +327,10 @@ def _calls(event: Event, chain: Sequence[Capability], view: PodView,
     """The capabilities' calls for the event, each bound to what it is to see."""
     pod, level, runtime = view.info, view.level, terms.runtime
     if event is Event.CREATE_CONTAINER and container is not None:
-        ctr_event = ContainerEvent(pod, container, level, runtime)
+        # The pod's requests from the API, as its annotations (``view.info``): the answer then
+        # protects what the policies give from requests at creation, not from the first
+        # drift cycle after the container started.
+        ctr_event = ContainerEvent(pod, merge_container(container, view.meta), level, runtime)
         return [(c.name, bind(c.create_container, ctr_event)) for c in chain]
     if event is Event.RUN_POD_SANDBOX:
         pod_event = PodEvent(pod, level, runtime)

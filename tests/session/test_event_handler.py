@@ -13,10 +13,14 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.metrics import PluginMetrics
+from common.podmeta import PodMeta
 from common.state import NodeState
 from hooks.events import Event
+from hooks.levels import LEVEL_NAMES
 from hooks.model import RuntimeInfo
 from hooks.settings import EMPTY_SETTINGS, ContainerSettings
+from nri_plugin.capabilities.memory_qos import MemoryQosCapability
+from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent
 from nri_plugin.session.event_handler import STATE_EVENTS, EventHandler
@@ -156,3 +160,46 @@ def test_a_payload_that_does_not_decode_is_an_error_when_strict(executor) -> Non
                              lambda kind, detail: None)
     assert error.value.code == StatusCode.INVALID_ARGUMENT
     assert world.requests("create_container", "error") == 1
+
+
+class Requests(Capability):
+    """Remembers the memory request of each container it was shown at CreateContainer."""
+
+    name = "requests"
+    events = inline_events = frozenset({Event.CREATE_CONTAINER})
+
+    def __init__(self) -> None:
+        self.seen: list[int | None] = []
+
+    def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        self.seen.append(event.container.memory_request)
+        return EMPTY_SETTINGS
+
+
+def pod_meta(uid: str, requests: dict[str, int]) -> PodMeta:
+    return PodMeta(uid=uid, namespace="ns", name=f"pod-{uid}", annotations={}, labels={},
+                   priority=None, memory_requests=requests, memory_limits={})
+
+
+async def test_creation_sees_the_requests_the_pod_watch_knows(executor) -> None:
+    seen = Requests()
+    world = World(executor, [seen])
+    world.state.apply_meta(pod_meta("uid-1", {"name-c1": 256 << 20}))
+    world.handler.handle(Event.CREATE_CONTAINER, sandbox("uid-1"), ctr("c1", "uid-1"), CONTAINERD)
+    # a pod the watch has not seen yet: only what the runtime says (nothing, without MemoryQoS)
+    world.handler.handle(Event.CREATE_CONTAINER, sandbox("uid-2"), ctr("c2", "uid-2"), CONTAINERD)
+    assert seen.seen == [256 << 20, None]
+
+
+async def test_a_policy_from_requests_protects_at_creation(executor) -> None:
+    cfg = parse_toml(Config, "".join(
+        f'[memory.levels.{level}]\npolicy = "ratios"\nmin_ratio = 100\nhigh_ratio = 0\n'
+        for level in LEVEL_NAMES))
+    memory = MemoryQosCapability(cfg.memory, AuditLog(MemoryAuditSink()), strict=False,
+                                 cgroup_v2=True, memory_total=8 << 30)
+    world = World(executor, [memory], cfg)
+    world.state.apply_meta(pod_meta("uid-1", {"name-c1": 256 << 20}))
+    answer = world.handler.handle(Event.CREATE_CONTAINER, sandbox(), ctr(), CONTAINERD)
+    assert isinstance(answer, bytes)
+    unified = api.CreateContainerResponse.FromString(answer).adjust.linux.resources.unified
+    assert dict(unified) == {"memory.min": str(256 << 20)}

@@ -160,11 +160,11 @@ def evict_pods_from(message: pb.GetEvictPodsResponse) -> EvictPods:
 # ---- one plugin -----------------------------------------------------------------------------
 
 
-def identity(info: os.stat_result) -> tuple[int, int, int]:
+def _identity(info: os.stat_result) -> tuple[int, int, int]:
     return (info.st_dev, info.st_ino, info.st_ctime_ns)
 
 
-def owner_problem(info: os.stat_result) -> str | None:
+def _owner_problem(info: os.stat_result) -> str | None:
     """Why a file the agent takes orders from is not trusted, or None."""
     if info.st_uid not in (0, os.geteuid()):
         return f"owned by uid {info.st_uid}, not root or the agent's user"
@@ -173,14 +173,14 @@ def owner_problem(info: os.stat_result) -> str | None:
 
 def check_socket(path: str, listed: tuple[int, int, int]) -> None:
     """Raises :class:`PluginCallError` unless the socket at ``path`` is still the one listed
-    (``listed``: its :func:`identity` then) and still trusted: checked right before a call, and
+    (``listed``: its :func:`_identity` then) and still trusted: checked right before a call, and
     so before any connection gRPC opens for it."""
     try:
         info = os.lstat(path)
     except OSError as exc:
         raise PluginCallError("unavailable", f"socket gone: {exc.strerror}") from None
-    why = "not a unix socket" if not stat.S_ISSOCK(info.st_mode) else owner_problem(info)
-    if why is None and identity(info) != listed:
+    why = "not a unix socket" if not stat.S_ISSOCK(info.st_mode) else _owner_problem(info)
+    if why is None and _identity(info) != listed:
         why = "the socket was replaced since it was listed"
     if why is not None:
         raise PluginCallError("refused", why)
@@ -196,7 +196,7 @@ def directory_problem(directory: str) -> str | None:
         return f"{type(exc).__name__}: {exc.strerror}"
     if not stat.S_ISDIR(info.st_mode):
         return "not a directory (a symbolic link is not followed)"
-    owner = owner_problem(info)
+    owner = _owner_problem(info)
     if owner is not None:
         return owner
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -263,7 +263,7 @@ class PluginDirectory:
                 info = os.lstat(path)
             except OSError:
                 continue
-            owner = owner_problem(info)
+            owner = _owner_problem(info)
             if not stat.S_ISSOCK(info.st_mode):
                 why = "not a unix socket"
             elif owner is not None:
@@ -273,7 +273,7 @@ class PluginDirectory:
             elif name in reserved:
                 why = "name of an in-tree plugin"
             else:
-                found[name] = _Found(path, identity(info))
+                found[name] = _Found(path, _identity(info))
                 continue
             refused[name] = why
         for name, why in refused.items():

@@ -31,7 +31,7 @@ class PodRef:
 
 
 class PodEvents:
-    """Writes Events; ``core`` None: degraded, nothing is written."""
+    """Writes Events; ``rest`` None: degraded, nothing is written."""
 
     def __init__(self, rest: Rest | None, cfg: KubernetesConfig, threads: ApiThreads) -> None:
         self._rest = rest

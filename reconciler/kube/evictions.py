@@ -50,7 +50,7 @@ class EvictionResult:
 
 
 class Evictions:
-    """Asks for evictions (audited here) and checks owners; ``core``/``apps`` None: degraded."""
+    """Asks for evictions (audited here) and checks owners; ``rest`` None: degraded."""
 
     def __init__(self, rest: Rest | None, cfg: KubernetesConfig, audit: AuditLog,
                  threads: ApiThreads) -> None:

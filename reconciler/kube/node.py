@@ -41,7 +41,7 @@ class NodeOutcome(enum.StrEnum):
 
 
 class NodeWriter:
-    """Taints (audited here) and conditions (audited by their owner); ``core`` None: degraded,
+    """Taints (audited here) and conditions (audited by their owner); ``rest`` None: degraded,
     every change reports ``unavailable``."""
 
     def __init__(self, rest: Rest | None, cfg: KubernetesConfig, audit: AuditLog,

@@ -38,6 +38,9 @@ CID = "b" * 64
 ONLINE = "4e4e4e4e-0000-4000-8000-0000000000b2"
 ONLINE_CID = "c" * 64
 REPO = Path(__file__).resolve().parents[2]
+# The deadline of a step whose test is not about deadlines: a step's child starts in 0.8-1.3 s in
+# a TCG guest here, yet one in a CI run gave no answer within 20 s (a busy host stalls a guest).
+UNHURRIED_S = 120.0
 
 
 def free(node: int) -> int:
@@ -65,7 +68,7 @@ def state_of(cgroups_path: str, online_path: str | None = None) -> NodeState:
 
 
 def config(floor: int, *, step: int = 64 * MIB, rate: int = 1 << 30,
-           deadline_s: float = 20.0) -> Config:
+           deadline_s: float = UNHURRIED_S) -> Config:
     base = Config()
     return dataclasses.replace(
         base,
@@ -174,7 +177,7 @@ def test_a_move_onto_a_node_outside_the_cpuset_is_refused(node: Node) -> None:
     cgroup, _ = node.container("besteffort", UID, CID)
     (cgroup / "cpuset.mems").write_text("0")
     holder = node.holder(cgroup, 64)
-    outcome, told, why = SysFs("/").move_pages_bounded([holder.pid], 0, 1, 64 * MIB, 20.0)
+    outcome, told, why = SysFs("/").move_pages_bounded([holder.pid], 0, 1, 64 * MIB, UNHURRIED_S)
     assert outcome is Outcome.FAILED
     assert why.startswith("EACCES"), why
     assert told == 0
@@ -187,7 +190,7 @@ def test_a_process_gone_is_skipped(node: Node) -> None:
     cgroup, _ = node.container("besteffort", UID, CID)
     gone = node.spawn(cgroup, ["/bin/true"])
     gone.wait()
-    outcome, told, why = SysFs("/").move_pages_bounded([gone.pid], 0, 1, 64 * MIB, 20.0)
+    outcome, told, why = SysFs("/").move_pages_bounded([gone.pid], 0, 1, 64 * MIB, UNHURRIED_S)
     assert (outcome, told, why) == (Outcome.WRITTEN, 0, "")
 
 

@@ -86,6 +86,7 @@ from bench.baselines import AGENT_MODES, block_order, memory_high, static_limits
 from bench.colocation_agent import READY_TIMEOUT_S, Agent, apply_adjustment
 from bench.colocation_cli import list_scenarios, parser, settings_from
 from bench.colocation_indicators import indicator_deltas, snapshot
+from bench.colocation_machine import describe, machine_facts
 from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repetition, Settings
 from bench.colocation_report import (
     as_json,
@@ -356,28 +357,6 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
     return reps
 
 
-# Steps of the loop that says how fast this machine runs Python: a guest under QEMU's TCG runs
-# 5-30 times slower than its host, depending on the host, and a scenario's timings assume the
-# low end (its offline job grows its buffer at a set rate).
-SPEED_STEPS = 1_000_000
-
-
-def loop_ms() -> float:
-    """Milliseconds this process takes for ``SPEED_STEPS`` additions in a Python loop."""
-    started = time.perf_counter()
-    total = 0
-    for step in range(SPEED_STEPS):
-        total += step
-    return (time.perf_counter() - started) * 1000
-
-
-def machine_facts(version: str) -> dict[str, str]:
-    meminfo = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()
-    return {"kernel": os.uname().release, "cpus": str(CPUS),
-            "memory": f"{int(meminfo[1]) // 1024} MiB", "cgroup": version,
-            "loop": f"{loop_ms():.0f} ms"}
-
-
 RUN_DIRS = Path("/var/tmp")
 RUN_PREFIX = "nri-qos-colocation-"
 
@@ -428,10 +407,8 @@ def main() -> int:
         for gone in sweep("coloc") + sweep("colocdata"):
             print(f"removed a cgroup left by an earlier run: {gone}")
         version = "v2" if v2_memory() else "v1"
-        machine = machine_facts(version)
-        print(f"machine: kernel {machine['kernel']}, {machine['cpus']} CPUs, "
-              f"{machine['memory']}; memory cgroup {version}; a loop of {SPEED_STEPS:,} Python "
-              f"steps takes {machine['loop']} (compare runs of different machines by it)")
+        machine = machine_facts(version, CPUS)
+        print(describe(machine))
         print(f"scenario {settings.scenario}: {SCENARIOS[settings.scenario].summary}")
         if settings.agent_config:
             print("the agent modes' configuration: the defaults, and over them (--agent-config): "

@@ -27,9 +27,10 @@ from bench.baselines import (
     modes_for,
     static_limits,
 )
-from bench.colocation import WORKLOADS, machine_facts
+from bench.colocation import WORKLOADS
 from bench.colocation_agent import apply_adjustment
 from bench.colocation_cli import list_scenarios, node_mib_for, parser, settings_from
+from bench.colocation_machine import describe, machine_facts
 from bench.colocation_plan import (
     INTERPRETER_MIB,
     SCENARIOS,
@@ -466,9 +467,13 @@ def test_a_repetitions_line_says_the_agents_cpu_only_where_an_agent_ran() -> Non
 
 
 
-def test_the_machine_facts_say_how_fast_it_runs_python() -> None:
-    facts = machine_facts("v2")
-    assert set(facts) == {"kernel", "cpus", "memory", "cgroup", "loop"}
-    number, unit = facts["loop"].split()
-    assert unit == "ms"
-    assert float(number) >= 0
+def test_the_machine_facts_say_how_fast_it_runs_python_and_grows_memory() -> None:
+    facts = machine_facts("v2", 3)
+    assert set(facts) == {"kernel", "cpus", "memory", "cgroup", "loop", "touch"}
+    assert facts["cpus"] == "3"
+    for key in ("loop", "touch"):
+        number, unit = facts[key].split()
+        assert unit == "ms"
+        assert float(number) > 0
+    line = describe(facts)
+    assert f"takes {facts['loop']}, touching 256 MiB of new memory {facts['touch']}" in line

@@ -1,0 +1,58 @@
+"""What the colocation benchmark says of the machine it ran on: its kernel, CPUs, memory and
+memory cgroup version, and how fast it runs Python and grows memory, so that runs of different
+machines can be told apart (a guest under QEMU's TCG runs 5-30 times slower than its host)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from pathlib import Path
+
+# Steps of the loop that says how fast this machine runs Python: a guest under QEMU's TCG runs
+# 5-30 times slower than its host, depending on the host, and a scenario's timings assume the
+# low end (its offline job grows its buffer at a set rate).
+SPEED_STEPS = 1_000_000
+
+
+def loop_ms() -> float:
+    """Milliseconds this process takes for ``SPEED_STEPS`` additions in a Python loop."""
+    started = time.perf_counter()
+    total = 0
+    for step in range(SPEED_STEPS):
+        total += step
+    return (time.perf_counter() - started) * 1000
+
+
+TOUCH_MIB = 256
+
+
+def touch_ms() -> float:
+    """Milliseconds this process takes to touch ``TOUCH_MIB`` MiB of new anonymous memory, a
+    write per page: the kernel's page faults and page clearing, which set how fast the offline
+    job can grow its buffer (under QEMU's TCG they depend on the emulated CPU more than Python
+    does)."""
+    buffer = mmap.mmap(-1, TOUCH_MIB << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        started = time.perf_counter()
+        for offset in range(0, TOUCH_MIB << 20, mmap.PAGESIZE):
+            buffer[offset] = 1
+        return (time.perf_counter() - started) * 1000
+    finally:
+        buffer.close()
+
+
+def machine_facts(version: str, cpus: int) -> dict[str, str]:
+    """What a run's header and its JSON say of the machine (``cpus``: what the run uses)."""
+    meminfo = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()
+    return {"kernel": os.uname().release, "cpus": str(cpus),
+            "memory": f"{int(meminfo[1]) // 1024} MiB", "cgroup": version,
+            "loop": f"{loop_ms():.0f} ms", "touch": f"{touch_ms():.0f} ms"}
+
+
+def describe(machine: dict[str, str]) -> str:
+    """The header line of a run."""
+    return (f"machine: kernel {machine['kernel']}, {machine['cpus']} CPUs, {machine['memory']}; "
+            f"memory cgroup {machine['cgroup']}; a loop of {SPEED_STEPS:,} Python steps takes "
+            f"{machine['loop']}, touching {TOUCH_MIB} MiB of new memory {machine['touch']} "
+            "(compare runs of different machines by these)")

@@ -9,9 +9,8 @@ import os
 import time
 from pathlib import Path
 
-# Steps of the loop that says how fast this machine runs Python: a guest under QEMU's TCG runs
-# 5-30 times slower than its host, depending on the host, and a scenario's timings assume the
-# low end (its offline job grows its buffer at a set rate).
+# Steps of the loop that says how fast this machine runs Python; a scenario's timings assume a
+# guest at the low end of the range above (its offline job grows its buffer at a set rate).
 SPEED_STEPS = 1_000_000
 
 

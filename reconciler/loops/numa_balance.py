@@ -47,7 +47,7 @@ from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
 from reconciler.host.cgroups import CgroupLayout
-from reconciler.host.numa import NumaNode, read_nodes
+from reconciler.host.numa import NumaNode, node_ids, read_nodes
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list
@@ -80,10 +80,17 @@ class NumaBalanceConfig:
     enabled: bool = setting(
         True, "Move reclaimed pods' memory off a NUMA node under its watermark onto the node "
         "with most headroom, in bounded steps (cgroup v2).")
-    interval_s: float = setting(1.0, "Period of the balancing loop (once a minute where there "
-                                "is nothing to balance: cgroup v1, one NUMA node).",
+    interval_s: float = setting(1.0, "Period of the balancing loop while a NUMA node is under "
+                                "its watermark (once a minute where there is nothing to "
+                                "balance: cgroup v1, one NUMA node).",
                                 unit="seconds",
                                 minimum=0.1, maximum=3600)
+    quiet_interval_s: float = setting(
+        5.0, "Period while no NUMA node is under its watermark or no reclaimed container runs "
+        "(never shorter than interval_s): the nodes' memory is not read every second for "
+        "nothing. A node that falls under its watermark starts moving within this; sudden "
+        "pressure is detection's and the ladder's to answer, and steps are rate-limited anyway.",
+        unit="seconds", minimum=0.1, maximum=3600)
     step_bytes: int = setting(
         64 * MIB, "Most memory one step moves.", unit="bytes", minimum=PAGE_SIZE,
         maximum=1 << 40)
@@ -148,6 +155,8 @@ class Decision:
     step: Step | None
     reason: str
     retry_at: float | None = None
+    quiet: bool = False
+    """No node is under its watermark."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +186,7 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Callable[[], Sequence[Candi
             for n in nodes}
     hot_nodes = sorted((r, n) for n, r in room.items() if r < 0)
     if not hot_nodes:
-        return Decision(None, "no NUMA node is under its watermark")
+        return Decision(None, "no NUMA node is under its watermark", quiet=True)
     cool = max(room, key=lambda n: (room[n], -n))
     if room[cool] <= 0:
         return Decision(None, "no NUMA node has headroom")
@@ -237,13 +246,15 @@ class NumaBalanceLoop(Loop):
         self._retry_at: float | None = None
         self._paused: dict[str, float] = {}
         self._nothing_to_balance = False
+        self._quiet = False
 
     def interval(self) -> float:
         period = self._config().numa_balance.interval_s
         if self._nothing_to_balance:
             return max(period, NOTHING_TO_BALANCE_RECHECK_S)
         if self._retry_at is None:
-            return period
+            return max(period, self._config().numa_balance.quiet_interval_s) if self._quiet \
+                else period
         # A step waits for the rate limit: the next cycle comes when it may start, so the rate
         # and not the period bounds how fast a hot node is relieved.
         return min(period, max(self._retry_at - self._clock(), MIN_GAP_S))
@@ -252,6 +263,7 @@ class NumaBalanceLoop(Loop):
         cfg = self._config()
         balance = cfg.numa_balance
         self._nothing_to_balance = not self._layout.v2
+        self._quiet = False
         if not (cfg.reconciler.enabled and balance.enabled and self._layout.v2):
             if self._notes.entries(NUMA_BALANCE_NOTES):
                 restore_bindings(self._sysfs, self._notes, "NUMA balance switched off",
@@ -261,8 +273,7 @@ class NumaBalanceLoop(Loop):
         for path in self._notes.entries(NUMA_BALANCE_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_BALANCE_NOTES, path)
-        nodes = read_nodes(self._sysfs, PAGE_SIZE)
-        if len(nodes) < 2:
+        if len(node_ids(self._sysfs)) < 2:
             self._nothing_to_balance = True
             return
         clock = self._clock()
@@ -270,6 +281,16 @@ class NumaBalanceLoop(Loop):
         items = {item.view.info.id: item for item in self._managed.get(self._state.snapshot())
                  if item.level == QosLevel.RECLAIMED_CORES
                  and item.view.info.id not in self._paused}
+        if not items:
+            # Only reclaimed pods' memory ever moves: without one, the nodes' memory (zoneinfo
+            # and each node's meminfo, read every second) would decide nothing.
+            self._quiet = True
+            self._idle(None, "no reclaimed container to move")
+            return
+        nodes = read_nodes(self._sysfs, PAGE_SIZE)
+        if len(nodes) < 2:
+            self._nothing_to_balance = True
+            return
 
         def candidates() -> list[Candidate]:
             return [c for item in items.values() if (c := self._candidate(item)) is not None]
@@ -281,16 +302,22 @@ class NumaBalanceLoop(Loop):
                                          guard.watermark_floor_percent),
             step_bytes=balance.step_bytes, rate_bytes_per_s=balance.rate_bytes_per_s,
             last=self._last, now=clock, min_step_bytes=balance.min_step_bytes)
-        self._retry_at = decision.retry_at
         if decision.step is None:
-            if decision.reason != self._said:
-                log.debug("numa_balance_idle", reason=decision.reason)
-                self._said = decision.reason
-            self._held = ()
+            self._quiet = decision.quiet
+            self._idle(decision.retry_at, decision.reason)
             return
+        self._retry_at = decision.retry_at
         self._said = ""
         step = decision.step
         self._take(step, items[step.candidate.container], balance, decision.reason)
+
+    def _idle(self, retry_at: float | None, reason: str) -> None:
+        """No step this cycle; ``reason`` logged once while it stays the same."""
+        self._retry_at = retry_at
+        if reason != self._said:
+            log.debug("numa_balance_idle", reason=reason)
+            self._said = reason
+        self._held = ()
 
     def _candidate(self, item: Managed) -> Candidate | None:
         text = self._sysfs.read(f"{self._layout.dir('memory', item.ref.rel)}/memory.numa_stat")

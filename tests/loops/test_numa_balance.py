@@ -193,6 +193,53 @@ def test_on_a_node_nothing_presses_no_containers_memory_is_read(
     assert [p for p in paths if p.endswith("/memory.numa_stat")]
 
 
+def test_without_a_reclaimed_container_the_nodes_memory_is_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host, offline, online, cfg, sysfs, sink, state = setup(tmp_path)  # node 0 under its mark
+    read = sysfs.read
+    paths: list[str] = []
+
+    def counted(path: str) -> str | None:
+        paths.append(path)
+        return read(path)
+
+    monkeypatch.setattr(sysfs, "read", counted)
+    state.replace_all([online.info], [c.info for c in online.containers])
+    mover = FakeMover(stat_of(host, offline))
+    loop = loop_of(cfg, state, sysfs, sink, mover)
+    loop.cycle(0.0)
+    assert paths == []
+    assert loop.interval() == cfg.numa_balance.quiet_interval_s == 5.0
+    # one comes: the nodes are read and its memory moved at the next cycle
+    state.replace_all(*host.nri())
+    loop.cycle(1.0)
+    assert any(p.endswith("/meminfo") for p in paths)
+    [step] = sink.named("numa_balance_step")
+    assert step["pod_uid"] == offline.info.uid
+    assert step["result"] == "done"
+
+
+def test_while_no_node_is_under_its_watermark_the_loop_looks_every_quiet_interval(
+        tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)))
+    four = 4 * GIB  # the floor: a node with exactly this free is not under its watermark
+    host.set_numa([(four, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    loop.cycle(0.0)
+    assert loop.interval() == 5.0
+    host.set_numa([(four - 4096, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    loop.cycle(5.0)
+    assert len(sink.named("numa_balance_step")) == 1
+    assert loop.interval() == 1.0
+    # a quiet period under the busy one is the busy one
+    fast = dataclasses.replace(cfg, numa_balance=dataclasses.replace(
+        cfg.numa_balance, interval_s=3.0, quiet_interval_s=0.5))
+    host.set_numa([(four, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
+    other = loop_of(fast, state, sysfs, sink, None)
+    other.cycle(0.0)
+    assert other.interval() == 3.0
+
+
 def test_the_configured_smallest_step_holds_steps_back_while_the_cool_node_is_short(
         tmp_path: Path) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)

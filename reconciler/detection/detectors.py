@@ -37,9 +37,7 @@ from reconciler.host.numa import (
     MEMINFO,
     VMSTAT,
     NumaFormatError,
-    node_lows,
     parse_meminfo,
-    parse_zoneinfo,
 )
 from reconciler.host.values import parse_bytes
 
@@ -127,14 +125,13 @@ def _wsf(text: str | None) -> int:
     return 0 if text is None else parse_int(text)
 
 
-def system_free(meminfo: str, zoneinfo: str, wsf: str | None, numa_nodes: int,
-                cfg: DetectionConfig, page_size: int, at: float) -> Sample:
+def system_free(meminfo: str, zone_low: int, wsf: str | None, numa_nodes: int,
+                cfg: DetectionConfig, at: float) -> Sample:
     """``/proc/meminfo`` MemFree (page cache is not free) against W for the whole machine (the
-    floor once per NUMA node)."""
+    floor once per NUMA node); ``zone_low``: every zone's low watermark summed, in bytes."""
     try:
         info = parse_meminfo(meminfo)
         free, total = info["MemFree"], info["MemTotal"]
-        zone_low = sum(z.low_pages for z in parse_zoneinfo(zoneinfo)) * page_size
         mark = watermark(total, _wsf(wsf), zone_low, cfg.free_floor_bytes * max(numa_nodes, 1),
                          cfg)
     except (ParseError, NumaFormatError) as exc:
@@ -144,13 +141,13 @@ def system_free(meminfo: str, zoneinfo: str, wsf: str | None, numa_nodes: int,
     return _free_sample(SYSTEM_FREE, NODE, free, mark, cfg, at)
 
 
-def numa_free(node_meminfo: Mapping[int, str | None], zoneinfo: str, wsf: str | None,
-              cfg: DetectionConfig, page_size: int, at: float) -> list[Sample]:
-    """Each NUMA node's MemFree against its own W (its zones' low watermarks, its total)."""
+def numa_free(node_meminfo: Mapping[int, str | None], lows: Mapping[int, int],
+              wsf: str | None, cfg: DetectionConfig, at: float) -> list[Sample]:
+    """Each NUMA node's MemFree against its own W (its zones' low watermarks in ``lows``, bytes
+    per node; its total)."""
     try:
-        lows = node_lows(parse_zoneinfo(zoneinfo), page_size)
         scale = _wsf(wsf)
-    except (ParseError, NumaFormatError) as exc:
+    except ParseError as exc:
         return [unknown(NUMA_FREE, numa_scope(n), str(exc), at) for n in sorted(node_meminfo)]
     samples = []
     for node in sorted(node_meminfo):

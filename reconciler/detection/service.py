@@ -22,9 +22,8 @@ configuration idles, looking again every ``SWITCHED_OFF_RECHECK_S``
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -50,7 +49,7 @@ from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.sections import DetectionSections, active, period
-from reconciler.detection.signals import NODE, Board, pod_scope
+from reconciler.detection.signals import NODE, Board, numa_scope, pod_scope
 from reconciler.host.cgroups import BESTEFFORT
 from reconciler.host.numa import (
     MEMINFO,
@@ -58,7 +57,10 @@ from reconciler.host.numa import (
     VMSTAT,
     WATERMARK_SCALE_FACTOR,
     ZONEINFO,
+    NumaFormatError,
     node_ids,
+    node_lows,
+    parse_zoneinfo,
 )
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
@@ -76,26 +78,39 @@ ONLINE_LEVELS = frozenset({QosLevel.DEDICATED_CORES, QosLevel.SHARED_CORES,
 RSS_LEVELS = frozenset({QosLevel.SHARED_CORES, QosLevel.RECLAIMED_CORES})
 
 
-@dataclass(frozen=True, slots=True)
-class _FreeMemoryFiles:
-    """What both free-memory detectors read: ``/proc/zoneinfo`` and ``watermark_scale_factor``
-    (None: missing), and the NUMA nodes in sysfs."""
+WATERMARKS_MAX_AGE_S = 60.0
+"""How long the zones' low watermarks, ``vm.watermark_scale_factor`` and the NUMA node list are
+used before they are read again. They change when an operator writes ``vm.min_free_kbytes`` or
+``vm.watermark_scale_factor``, when memory is hot-plugged, and briefly while the kernel boosts
+the watermarks after fragmentation; ``/proc/zoneinfo`` is the costliest file the detectors read
+(each CPU's pagesets: 132 KiB on a 192-CPU server), and its free pages, the figures in it that
+move every second, come from meminfo instead."""
 
-    zoneinfo: str | None
+
+@dataclass(frozen=True, slots=True)
+class _Watermarks:
+    """What both free-memory detectors compare free memory with, as read at ``at``: the zones'
+    low watermarks in bytes per NUMA node (None: ``problem`` says why), ``watermark_scale_factor``
+    (None: missing) and the NUMA nodes in sysfs."""
+
+    at: float
+    lows: Mapping[int, int] | None
+    problem: str
     watermark_scale_factor: str | None
     nodes: tuple[int, ...]
 
     @staticmethod
-    def reader(sysfs: SysFs) -> Callable[[], _FreeMemoryFiles]:
-        """Reads the files at its first call and gives the same at later ones: one read per
-        detector cycle, whichever of the two detectors runs first, none when neither runs."""
-
-        @functools.cache
-        def read() -> _FreeMemoryFiles:
-            return _FreeMemoryFiles(sysfs.read(ZONEINFO), sysfs.read(WATERMARK_SCALE_FACTOR),
-                                    tuple(node_ids(sysfs)))
-
-        return read
+    def read(sysfs: SysFs, at: float) -> _Watermarks:
+        text = sysfs.read(ZONEINFO)
+        lows: dict[int, int] | None = None
+        problem = f"{ZONEINFO} is missing"
+        if text is not None:
+            try:
+                lows, problem = node_lows(parse_zoneinfo(text), PAGE_SIZE), ""
+            except NumaFormatError as exc:
+                problem = str(exc)
+        return _Watermarks(at, lows, problem, sysfs.read(WATERMARK_SCALE_FACTOR),
+                           tuple(node_ids(sysfs)))
 
 
 class DetectorsLoop(Loop):
@@ -118,6 +133,7 @@ class DetectorsLoop(Loop):
         self._reclaim: deque[d.Reclaim] = deque()
         self._pod_stalls: dict[str, d.Stall] = {}
         self._said: set[str] = set()
+        self._marks: _Watermarks | None = None
         self._factor_problems: dict[str, str] = {}
         if not host.numa_view.consistent:
             self._say_once(NUMA_FREE, f"numa_free is off: {host.numa_view.describe()}; "
@@ -128,10 +144,9 @@ class DetectorsLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
-        free = _FreeMemoryFiles.reader(self._sysfs)
         runs: list[tuple[str, Callable[[DetectionConfig, float], None]]] = [
-            (SYSTEM_FREE, lambda c, t: self._system_free(c, t, free())),
-            (NUMA_FREE, lambda c, t: self._numa_free(c, t, free())),
+            (SYSTEM_FREE, lambda c, t: self._system_free(c, t, self._watermarks(t))),
+            (NUMA_FREE, lambda c, t: self._numa_free(c, t, self._watermarks(t))),
             (KSWAPD, self._kswapd), (RSS_OVERUSE, self._rss_overuse),
             (FULFILLMENT, self._fulfillment), (PSI, self._pod_psi),
         ]
@@ -152,32 +167,40 @@ class DetectorsLoop(Loop):
             self._said.add(key)
             log.info("detector_unavailable", detector=key, reason=message)
 
-    def _system_free(self, cfg: DetectionConfig, now: float, files: _FreeMemoryFiles) -> None:
-        meminfo, zoneinfo = self._sysfs.read(MEMINFO), files.zoneinfo
-        if meminfo is None or zoneinfo is None:
-            sample = d.unknown(SYSTEM_FREE, NODE, f"{MEMINFO} or {ZONEINFO} is missing",
-                               now)
+    def _watermarks(self, now: float) -> _Watermarks:
+        """Read at most once per cycle, and again only after ``WATERMARKS_MAX_AGE_S`` (at the
+        next cycle while they could not be read)."""
+        marks = self._marks
+        if marks is None or (marks.lows is None and marks.at != now) or not (
+                0 <= now - marks.at < WATERMARKS_MAX_AGE_S):
+            marks = self._marks = _Watermarks.read(self._sysfs, now)
+        return marks
+
+    def _system_free(self, cfg: DetectionConfig, now: float, marks: _Watermarks) -> None:
+        meminfo = self._sysfs.read(MEMINFO)
+        if meminfo is None or marks.lows is None:
+            sample = d.unknown(SYSTEM_FREE, NODE, f"{MEMINFO} is missing" if meminfo is None
+                               else marks.problem, now)
         else:
-            sample = d.system_free(meminfo, zoneinfo, files.watermark_scale_factor,
-                                   max(len(files.nodes), 1), cfg, PAGE_SIZE, now)
+            sample = d.system_free(meminfo, sum(marks.lows.values()),
+                                   marks.watermark_scale_factor, max(len(marks.nodes), 1), cfg,
+                                   now)
         self._publisher.offer(SYSTEM_FREE, [sample])
 
-    def _numa_free(self, cfg: DetectionConfig, now: float, files: _FreeMemoryFiles) -> None:
-        nodes = files.nodes
+    def _numa_free(self, cfg: DetectionConfig, now: float, marks: _Watermarks) -> None:
+        nodes = marks.nodes
         if not nodes or not self._host.numa_view.consistent:
             if not nodes:
                 self._say_once(NUMA_FREE, "numa_free is off: no NUMA nodes in sysfs (the "
                                           "kernel has no NUMA); system_free covers the machine")
             self._publisher.withdraw(NUMA_FREE)
             return
-        zoneinfo = files.zoneinfo
-        if zoneinfo is None:
-            samples = [d.unknown(NUMA_FREE, f"numa:{n}", f"{ZONEINFO} is missing", now)
-                       for n in nodes]
+        if marks.lows is None:
+            samples = [d.unknown(NUMA_FREE, numa_scope(n), marks.problem, now) for n in nodes]
         else:
             samples = d.numa_free({n: self._sysfs.read(f"{NODE_DIR}/node{n}/meminfo")
-                                   for n in nodes}, zoneinfo,
-                                  files.watermark_scale_factor, cfg, PAGE_SIZE, now)
+                                   for n in nodes}, marks.lows,
+                                  marks.watermark_scale_factor, cfg, now)
         self._publisher.offer(NUMA_FREE, samples)
 
     def _kswapd(self, cfg: DetectionConfig, now: float) -> None:

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from hooks.resctrl import ResctrlInfo
 from reconciler.host.cgroups import CGROUP_MOUNT, CgroupLayout, layout_for
-from reconciler.host.numa import NumaNode, NumaView, check_view, read_meminfo, read_nodes
+from reconciler.host.numa import (
+    NumaFormatError,
+    NumaNode,
+    NumaView,
+    check_view,
+    read_meminfo,
+    read_nodes,
+)
 from reconciler.host.resctrl_files import ResctrlUnavailable
 from reconciler.host.resctrlfs import read_info
 from reconciler.host.sysfs import SysFs
@@ -102,7 +109,12 @@ def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str
     warnings: list[str] = []
     layout = layout_for(sysfs, cgroup_version, cgroup_driver)
     meminfo = read_meminfo(sysfs)
-    nodes = tuple(read_nodes(sysfs, PAGE_SIZE))
+    try:
+        nodes = tuple(read_nodes(sysfs, PAGE_SIZE))
+    except NumaFormatError as exc:
+        # Not a reason to refuse to start: the loops that read the nodes say so each cycle.
+        nodes = ()
+        warnings.append(f"the NUMA nodes' memory is unreadable ({exc})")
     view = check_view(nodes, meminfo.get("MemTotal", 0), numa_tolerance_percent)
     if not meminfo:
         warnings.append("/proc/meminfo is unreadable: node-wide limits use the NUMA nodes' sum")

@@ -91,6 +91,18 @@ def test_unreadable_meminfo_falls_back_to_the_nodes(tmp_path: Path) -> None:
     assert "unreadable" in info.warnings[0]
 
 
+def test_a_zoneinfo_not_understood_is_a_warning_not_a_failure(tmp_path: Path) -> None:
+    host = FakeHost(tmp_path / "host")
+    host.set_numa([(3 * GIB, 4 * GIB, 100)])
+    (host.root / "proc/zoneinfo").write_text("Node 0, zone   Normal\n  pages free     5\n")
+    info = probe_host(SysFs(host.root))
+    assert info.numa_nodes == ()
+    unreadable, view = info.warnings
+    assert unreadable.startswith("the NUMA nodes' memory is unreadable (zone Normal of node 0 "
+                                 "lacks")
+    assert view.startswith("NUMA nodes' MemTotal adds up to 0 bytes")  # /proc/meminfo is used
+
+
 def test_invalid_config_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("[reconciler]\nroot = 5\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,7 @@ from structlog.testing import capture_logs
 from common.audit import AuditLog
 from reconciler.detection.detectors import RECLAIMED_TIER
 from reconciler.detection.notified import NodePsi, PressureLevels
-from reconciler.detection.service import Detection, DetectorsLoop
+from reconciler.detection.service import WATERMARKS_MAX_AGE_S, Detection, DetectorsLoop
 from reconciler.detection.signals import (
     NODE,
     Level,
@@ -68,43 +69,91 @@ class CountingSysFs(SysFs):
 
 
 @pytest.mark.parametrize("disabled", [(), ("system_free",), ("numa_free",)])
-def test_free_memory_files_are_read_once_per_cycle(tmp_path: Path,
-                                                   disabled: tuple[str, ...]) -> None:
+def test_watermarks_are_read_once_a_minute(tmp_path: Path, disabled: tuple[str, ...]) -> None:
+    assert WATERMARKS_MAX_AGE_S == 60.0
     s = Setup(tmp_path, disabled=disabled)
     counting = CountingSysFs(tmp_path, AuditLog(s.sink))
     loop = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())
     for t in range(2):
         loop.cycle(float(t))
-    # node 1 falls under its 1 GiB floor: numa_free sees it, system_free does not
+    assert counting.reads["/proc/zoneinfo"] == 1
+    # node 1 falls under its 1 GiB floor: numa_free sees it from its meminfo, system_free not
     s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (GIB - MIB, 64 * GIB, 1000)])
     counting.reads.clear()
     counting.listed.clear()
-    for t in range(2, 4):
-        loop.cycle(float(t))
-    assert counting.reads["/proc/zoneinfo"] == 2
-    assert counting.reads["/proc/sys/vm/watermark_scale_factor"] == 2
-    assert counting.listed["/sys/devices/system/node"] == 2
+    for later in (2.0, 59.999):
+        loop.cycle(later)
+    assert counting.reads["/proc/zoneinfo"] == 0
+    assert counting.reads["/proc/sys/vm/watermark_scale_factor"] == 0
+    assert counting.listed["/sys/devices/system/node"] == 0
+    assert counting.reads["/sys/devices/system/node/node1/meminfo"] == (
+        0 if "numa_free" in disabled else 2)
     expected = {("system_free", NODE): Level.NONE, ("numa_free", numa_scope(0)): Level.NONE,
                 ("numa_free", numa_scope(1)): Level.MEDIUM}
     assert {key: s.level(*key) for key in expected} == {
         key: None if key[0] in disabled else level for key, level in expected.items()}
+    loop.cycle(60.0)  # a minute after they were read: again, once
+    assert counting.reads["/proc/zoneinfo"] == 1
+    assert counting.reads["/proc/sys/vm/watermark_scale_factor"] == 1
+    assert counting.listed["/sys/devices/system/node"] == 1
+
+
+def test_a_watermark_changed_counts_from_its_next_reading(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    loop = s.loop()
+    loop.cycle(0.0)
+    # node 1: 3 GiB free; its zones' low watermark raised to 4 GiB (x free_zone_low_factor 1)
+    low = 4 * GIB // PAGE
+    s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (3 * GIB, 64 * GIB, low)])
+    loop.cycle(59.0)
+    assert s.level("numa_free", numa_scope(1)) is Level.NONE  # 3 GiB against 2 x 1 GiB
+    loop.cycle(60.0)
+    assert s.level("numa_free", numa_scope(1)) is Level.MEDIUM  # under its low watermark
 
 
 def test_without_zoneinfo_both_free_memory_detectors_are_unknown(tmp_path: Path) -> None:
     s = Setup(tmp_path, entry_samples=1)
-    (s.host.root / "proc/zoneinfo").unlink()
+    zoneinfo = s.host.root / "proc/zoneinfo"
+    text = zoneinfo.read_text()
+    zoneinfo.unlink()
     loop = s.loop()
     for t in range(2):
         loop.cycle(float(t))
     reasons = {(r["detector"], r["scope"]): r["reason"] for r in s.sink.named("detector_unknown")}
     assert reasons == {
-        ("system_free", NODE): "/proc/meminfo or /proc/zoneinfo is missing",
+        ("system_free", NODE): "/proc/zoneinfo is missing",
         ("numa_free", numa_scope(0)): "/proc/zoneinfo is missing",
         ("numa_free", numa_scope(1)): "/proc/zoneinfo is missing",
     }
     assert len(s.sink.named("detector_unknown")) == 3  # audited once each
     assert s.level("system_free", NODE) is Level.UNKNOWN
     assert s.level("numa_free", numa_scope(1)) is Level.UNKNOWN
+    counting = CountingSysFs(s.host.root, AuditLog(s.sink))
+    looking = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())
+    looking.cycle(0.0)
+    looking.cycle(1.0)
+    assert counting.reads["/proc/zoneinfo"] == 2  # once a cycle, by whichever detector is first
+    # back: read at the next cycle, not a minute later
+    zoneinfo.write_text(text)
+    loop.cycle(2.0)
+    assert s.level("system_free", NODE) is Level.NONE
+    assert s.level("numa_free", numa_scope(1)) is Level.NONE
+
+
+def test_a_zoneinfo_not_understood_makes_both_unknown_and_is_read_again(tmp_path: Path) -> None:
+    s = Setup(tmp_path, entry_samples=1)
+    zoneinfo = s.host.root / "proc/zoneinfo"
+    text = zoneinfo.read_text()
+    loop = s.loop()  # the agent started on a kernel whose file it understood
+    zoneinfo.write_text(re.sub(r"(?m)^\s+low\s+\d+\n", "", text))
+    loop.cycle(0.0)
+    reasons = {(r["detector"], r["scope"]): r["reason"] for r in s.sink.named("detector_unknown")}
+    assert set(reasons) == {("system_free", NODE), ("numa_free", numa_scope(0)),
+                            ("numa_free", numa_scope(1))}
+    assert all("lacks low" in reason for reason in reasons.values()), reasons
+    zoneinfo.write_text(text)
+    loop.cycle(1.0)
+    assert s.level("system_free", NODE) is Level.NONE
 
 
 def test_kswapd_rate_from_the_counters(tmp_path: Path) -> None:

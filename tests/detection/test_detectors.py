@@ -19,6 +19,8 @@ PAGE = 4096
 GIB = 1 << 30
 MIB = 1 << 20
 CFG = DetectionConfig()
+LOW = 41 * MIB
+"""A machine's zones' low watermarks summed (far under every other term of W)."""
 
 
 def fixture(name: str) -> str:
@@ -35,6 +37,12 @@ def zone_low_bytes(zoneinfo: str, node: int | None = None) -> int:
         elif re.fullmatch(r"\s+low\s+\d+", line) and (node is None or current == node):
             total += int(line.split()[1])
     return total * PAGE
+
+
+def lows_of(zoneinfo: str) -> dict[int, int]:
+    """Each node's low watermarks summed, in bytes (:func:`zone_low_bytes` per node)."""
+    nodes = {int(n) for n in re.findall(r"^Node (\d+), zone", zoneinfo, re.M)}
+    return {n: zone_low_bytes(zoneinfo, n) for n in nodes}
 
 
 def meminfo(total_kb: int, free_kb: int) -> str:
@@ -116,7 +124,7 @@ def test_system_free_on_the_real_files() -> None:
     wsf = fixture("proc_sys_vm_watermark_scale_factor")
     free_kb = int(re.search(r"MemFree:\s+(\d+)", info).group(1))  # type: ignore[union-attr]
     total_kb = int(re.search(r"MemTotal:\s+(\d+)", info).group(1))  # type: ignore[union-attr]
-    sample = d.system_free(info, zoneinfo, wsf, 1, CFG, PAGE, 7.0)
+    sample = d.system_free(info, zone_low_bytes(zoneinfo), wsf, 1, CFG, 7.0)
     mark = max(GIB, total_kb * 1024 * int(wsf) / 10000 * 2, zone_low_bytes(zoneinfo))
     assert sample.value == free_kb * 1024
     assert sample.thresholds == (mark * 2, mark, mark * 0.5)
@@ -135,28 +143,27 @@ def test_system_free_on_the_real_files() -> None:
 def test_system_free_levels_at_their_thresholds(free_kb: int, level: Level) -> None:
     # W = the 1 GiB floor (a 16 GiB machine: the other terms are far below it, and 10 % of
     # its memory above it)
-    sample = d.system_free(meminfo(16 * 1024 * 1024, free_kb), fixture("proc_zoneinfo"), "10",
-                           1, CFG, PAGE, 0.0)
+    sample = d.system_free(meminfo(16 * 1024 * 1024, free_kb), LOW, "10", 1, CFG, 0.0)
     assert sample.level is level
     assert sample.reading(level).threshold == {Level.NONE: 2 * GIB, Level.LOW: 2 * GIB,
                                                Level.MEDIUM: GIB, Level.HIGH: GIB / 2}[level]
 
 
 def test_watermark_terms() -> None:
-    zoneinfo = fixture("proc_zoneinfo")
+    low = zone_low_bytes(fixture("proc_zoneinfo"))
     no_floor = dataclasses.replace(CFG, free_floor_bytes=0)
     # total x wsf / 10000 x 2 dominates: 1 TiB x 10 / 10000 x 2, about 2.2 GB
-    big = d.system_free(meminfo(1 << 30, 100), zoneinfo, "10", 1, no_floor, PAGE, 0.0)
+    big = d.system_free(meminfo(1 << 30, 100), low, "10", 1, no_floor, 0.0)
     assert big.thresholds[1] == int((1 << 40) * 10 / 10000 * 2)
     # the zones' low watermarks dominate
     zone = dataclasses.replace(no_floor, free_wsf_factor=0, free_zone_low_factor=3.0)
-    sample = d.system_free(meminfo(1 << 20, 100), zoneinfo, "10", 1, zone, PAGE, 0.0)
-    assert sample.thresholds[1] == zone_low_bytes(zoneinfo) * 3
+    sample = d.system_free(meminfo(1 << 20, 100), low, "10", 1, zone, 0.0)
+    assert sample.thresholds[1] == low * 3
     # a kernel without vm.watermark_scale_factor: no such term
-    assert d.system_free(meminfo(1 << 30, 100), zoneinfo, None, 1, no_floor, PAGE,
-                         0.0).thresholds[1] == zone_low_bytes(zoneinfo)
+    assert d.system_free(meminfo(1 << 30, 100), low, None, 1, no_floor,
+                         0.0).thresholds[1] == low
     # the floor counts once per NUMA node
-    assert d.system_free(meminfo(64 << 20, 100), zoneinfo, "10", 4, CFG, PAGE,
+    assert d.system_free(meminfo(64 << 20, 100), low, "10", 4, CFG,
                          0.0).thresholds[1] == 4 * GIB
 
 
@@ -168,35 +175,31 @@ def test_watermark_terms() -> None:
 ])
 def test_the_floor_is_at_most_a_share_of_the_memory(total: int, mark: int) -> None:
     no_other_term = dataclasses.replace(CFG, free_wsf_factor=0, free_zone_low_factor=0)
-    sample = d.system_free(meminfo(total // 1024, total // 2048), fixture("proc_zoneinfo"), "10",
-                           1, no_other_term, PAGE, 0.0)
+    sample = d.system_free(meminfo(total // 1024, total // 2048), LOW, "10", 1, no_other_term,
+                           0.0)
     assert sample.thresholds[1] == mark
     text = f"Node 0 MemTotal: {total // 1024} kB\nNode 0 MemFree: {total // 2048} kB\n"
-    [node] = d.numa_free({0: text}, fixture("numa2_zoneinfo"), "10", no_other_term, PAGE, 0.0)
+    [node] = d.numa_free({0: text}, lows_of(fixture("numa2_zoneinfo")), "10", no_other_term,
+                         0.0)
     assert node.thresholds[1] == mark
 
 
 def test_an_idle_four_gib_node_is_not_under_pressure() -> None:
     """3.8 GiB free of 4 GiB over two NUMA nodes: with the fixed 1 GiB floor per node this was
     level low (free under 2 x 2 GiB), and the ladder stayed engaged on an idle node."""
-    sample = d.system_free(meminfo(4 << 20, 3891 << 10), fixture("proc_zoneinfo"), "10", 2,
-                           CFG, PAGE, 0.0)
+    sample = d.system_free(meminfo(4 << 20, 3891 << 10), LOW, "10", 2, CFG, 0.0)
     assert sample.level is Level.NONE
 
 
-@pytest.mark.parametrize(("meminfo_text", "zoneinfo_cut", "wsf", "reason"), [
-    ("", False, "10", "lacks MemFree"),
-    ("MemTotal:       24684092 kB\n", False, "10", "lacks MemFree"),
-    ("MemTotal:       24684092 kB\nMemFree:        lots kB\n", False, "10", "not understood"),
-    (None, True, "10", "lacks low"),
-    (None, False, "ten", "not an integer"),
+@pytest.mark.parametrize(("meminfo_text", "wsf", "reason"), [
+    ("", "10", "lacks MemFree"),
+    ("MemTotal:       24684092 kB\n", "10", "lacks MemFree"),
+    ("MemTotal:       24684092 kB\nMemFree:        lots kB\n", "10", "not understood"),
+    (None, "ten", "not an integer"),
 ])
-def test_system_free_unknown(meminfo_text: str | None, zoneinfo_cut: bool, wsf: str,
-                             reason: str) -> None:
-    real = fixture("proc_zoneinfo")
-    zoneinfo = real[:real.index("        low      15138")] if zoneinfo_cut else real
+def test_system_free_unknown(meminfo_text: str | None, wsf: str, reason: str) -> None:
     sample = d.system_free(fixture("proc_meminfo") if meminfo_text is None else meminfo_text,
-                           zoneinfo, wsf, 1, CFG, PAGE, 3.0)
+                           LOW, wsf, 1, CFG, 3.0)
     assert sample.level is Level.UNKNOWN
     assert reason in sample.reason
     assert sample.reading(Level.UNKNOWN).threshold == 0
@@ -207,7 +210,7 @@ def test_system_free_unknown(meminfo_text: str | None, zoneinfo_cut: bool, wsf: 
 def test_numa_free_on_two_nodes() -> None:
     zoneinfo = fixture("numa2_zoneinfo")
     samples = d.numa_free({0: fixture("numa2_node0_meminfo"), 1: fixture("numa2_node1_meminfo")},
-                          zoneinfo, "10", CFG, PAGE, 1.0)
+                          lows_of(zoneinfo), "10", CFG, 1.0)
     assert [s.scope for s in samples] == [numa_scope(0), numa_scope(1)]
     node0, node1 = samples
     assert node0.level is Level.NONE
@@ -222,20 +225,20 @@ def test_numa_free_uses_each_nodes_own_watermark() -> None:
     zoneinfo = fixture("numa2_zoneinfo")
     cfg = dataclasses.replace(CFG, free_floor_bytes=0, free_wsf_factor=0)
     node1 = fixture("numa2_node1_meminfo")
-    [sample] = d.numa_free({1: node1}, zoneinfo, "10", cfg, PAGE, 0.0)
+    [sample] = d.numa_free({1: node1}, lows_of(zoneinfo), "10", cfg, 0.0)
     assert sample.thresholds[1] == zone_low_bytes(zoneinfo, 1)
 
 
 def test_numa_free_broken_input() -> None:
-    zoneinfo = fixture("numa2_zoneinfo")
+    lows = lows_of(fixture("numa2_zoneinfo"))
     samples = d.numa_free({0: None, 1: "Node 1 MemTotal: 5 kB\nNode 1 MemFree: x kB\n"},
-                          zoneinfo, "10", CFG, PAGE, 0.0)
+                          lows, "10", CFG, 0.0)
     assert [s.level for s in samples] == [Level.UNKNOWN, Level.UNKNOWN]
     assert "gone" in samples[0].reason
     assert "not understood" in samples[1].reason
-    [bad] = d.numa_free({0: fixture("node0_meminfo")}, "", "10", CFG, PAGE, 0.0)
+    [bad] = d.numa_free({0: fixture("node0_meminfo")}, lows, "ten", CFG, 0.0)
     assert bad.level is Level.UNKNOWN
-    assert "empty zoneinfo" in bad.reason
+    assert "not an integer" in bad.reason
 
 
 # -- PSI ------------------------------------------------------------------------------------------

@@ -107,6 +107,19 @@ def stat_of(host: FakeHost, pod: FakePod) -> Path:
     return host.cg("memory", pod.containers[0].rel) / "memory.numa_stat"
 
 
+def reads_of(sysfs: SysFs, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths ``sysfs`` reads from now on, in order."""
+    read = sysfs.read
+    paths: list[str] = []
+
+    def counted(path: str) -> str | None:
+        paths.append(path)
+        return read(path)
+
+    monkeypatch.setattr(sysfs, "read", counted)
+    return paths
+
+
 def test_steps_move_the_offline_pod_off_the_hot_node_then_narrow_its_binding(
         tmp_path: Path) -> None:
     host, offline, online, cfg, sysfs, sink, state = setup(tmp_path)
@@ -176,14 +189,7 @@ def test_on_a_node_nothing_presses_no_containers_memory_is_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
     host.set_numa([(4 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
-    read = sysfs.read
-    paths: list[str] = []
-
-    def counted(path: str) -> str | None:
-        paths.append(path)
-        return read(path)
-
-    monkeypatch.setattr(sysfs, "read", counted)
+    paths = reads_of(sysfs, monkeypatch)
     loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)))
     loop.cycle(0.0)
     assert paths
@@ -196,14 +202,7 @@ def test_on_a_node_nothing_presses_no_containers_memory_is_read(
 def test_without_a_reclaimed_container_the_nodes_memory_is_not_read(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     host, offline, online, cfg, sysfs, sink, state = setup(tmp_path)  # node 0 under its mark
-    read = sysfs.read
-    paths: list[str] = []
-
-    def counted(path: str) -> str | None:
-        paths.append(path)
-        return read(path)
-
-    monkeypatch.setattr(sysfs, "read", counted)
+    paths = reads_of(sysfs, monkeypatch)
     state.replace_all([online.info], [c.info for c in online.containers])
     mover = FakeMover(stat_of(host, offline))
     loop = loop_of(cfg, state, sysfs, sink, mover)

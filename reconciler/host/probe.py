@@ -112,7 +112,8 @@ def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str
     try:
         nodes = tuple(read_nodes(sysfs, PAGE_SIZE))
     except NumaFormatError as exc:
-        # Not a reason to refuse to start: the loops that read the nodes say so each cycle.
+        # Not a reason to refuse to start: the loops that read the nodes report their own
+        # failures (reconciler_loop_failed, retried with backoff).
         nodes = ()
         warnings.append(f"the NUMA nodes' memory is unreadable ({exc})")
     view = check_view(nodes, meminfo.get("MemTotal", 0), numa_tolerance_percent)

@@ -249,12 +249,12 @@ class NumaBalanceLoop(Loop):
         self._quiet = False
 
     def interval(self) -> float:
-        period = self._config().numa_balance.interval_s
+        balance = self._config().numa_balance
+        period = balance.interval_s
         if self._nothing_to_balance:
             return max(period, NOTHING_TO_BALANCE_RECHECK_S)
         if self._retry_at is None:
-            return max(period, self._config().numa_balance.quiet_interval_s) if self._quiet \
-                else period
+            return max(period, balance.quiet_interval_s) if self._quiet else period
         # A step waits for the rate limit: the next cycle comes when it may start, so the rate
         # and not the period bounds how fast a hot node is relieved.
         return min(period, max(self._retry_at - self._clock(), MIN_GAP_S))

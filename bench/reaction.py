@@ -58,8 +58,9 @@ from tests.support.realroot import MIB, RealRoot, Worker, data_file, unavailable
 NODE = "bench-node"
 SETTLE_S = 0.4
 """After the agent cleared leftovers: time for the first PSI sample and the event registrations."""
-WAIT_S = 6.0
-"""An onset without any action within this long counts as missed."""
+WAIT_S = 10.0
+"""An onset without any action within this long counts as missed: free memory that falls with
+no stall is read after up to ``detection.quiet_interval_s`` (5 s), then two samples."""
 
 
 def first_write(event: str, fields: Mapping[str, Any]) -> bool:

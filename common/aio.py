@@ -1,5 +1,5 @@
 """The concurrency toolkit every long-running part uses: one stop-aware sleep, one backoff, one
-list of change callbacks.
+list of change callbacks, one thread-safe way to set an event.
 
 Waits never leave tasks behind: :func:`sleep_until` waits on its events in a task group of its
 own, which is gone when it returns (whether the time ran out, an event was set, or the caller was
@@ -59,6 +59,15 @@ async def sleep_until(seconds: float, *events: asyncio.Event) -> bool:
             for waiter in waiters:
                 waiter.cancel()
     return any(event.is_set() for event in events)
+
+
+def waker(running: asyncio.AbstractEventLoop, event: asyncio.Event) -> Callable[[], None]:
+    """A callback, safe from any thread, that sets ``event`` in the event loop ``running``."""
+    def set_event() -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed
+            running.call_soon_threadsafe(event.set)
+
+    return set_event
 
 
 async def wait_for_event(event: asyncio.Event, seconds: float) -> bool:

@@ -10,13 +10,13 @@ thread per loop), so a cgroup write that blocks in the kernel never delays NRI a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import structlog
 
+from common.aio import waker
 from common.audit import AuditLog
 from common.state import NodeState
 from hooks.model import ReadKeys
@@ -121,10 +121,10 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
                     lambda meta: state.apply_meta(meta.trimmed(read_keys())), stop))
             for loop in loops:
                 wake = asyncio.Event()
-                unsubscribe.append(state.subscribe(_waker(running, wake),
+                unsubscribe.append(state.subscribe(waker(running, wake),
                                                    events=loop.wake_events,
                                                    meta=loop.wake_on_meta))
-                unsubscribe.append(loop.subscribe_wake(_waker(running, wake)))
+                unsubscribe.append(loop.subscribe_wake(waker(running, wake)))
                 group.create_task(run_loop(loop, stop=stop, wake=wake, executor=executor,
                                            backoff_max=backoff_max, tracker=tracker),
                                   name=f"reconciler-{loop.name}")
@@ -148,12 +148,3 @@ def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
     restore_wmark(sysfs, notes, reason)
     restore_bindings(sysfs, notes, reason, NUMA_BALANCE_NOTES)
     restore_bindings(sysfs, notes, reason)
-
-
-def _waker(running: asyncio.AbstractEventLoop, wake: asyncio.Event) -> Callable[[], None]:
-    """A callback, safe from any thread, that sets ``wake`` in the event loop."""
-    def set_wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop is already closed
-            running.call_soon_threadsafe(wake.set)
-
-    return set_wake

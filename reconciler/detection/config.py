@@ -43,9 +43,18 @@ class DetectionConfig:
         (), "Detectors that do not run (all run by default).", choices=DETECTORS)
     interval_s: float = setting(
         1.0, "Period of the detectors that read files (free memory, NUMA, kswapd, RSS, "
-        "fulfillment, per-pod PSI). 1 s: a few small reads, and with entry_samples = 2 a "
-        "level is entered within 2 s (PSI and pressure events have their own faster paths).",
+        "fulfillment, per-pod PSI) while memory is short (else quiet_interval_s). 1 s: with "
+        "entry_samples = 2 a level is entered within 2 s (PSI and pressure events have their "
+        "own faster paths).",
         unit="seconds", minimum=0.1, maximum=3600)
+    quiet_interval_s: float = setting(
+        5.0, "Period of the same detectors while no free-memory, PSI, memcg pressure or kswapd "
+        "reading is at a level or entering one (never shorter than interval_s): a calm node's "
+        "files, every pod's among them, are not read every second. A level entered on the "
+        "node's PSI or a memcg pressure event wakes them at once; free memory that falls "
+        "under its watermark without a stall is seen within this plus interval_s x "
+        "(entry_samples - 1). 5 s: Katalyst's memory advisor and eviction manager look every "
+        "5 s.", unit="seconds", minimum=0.1, maximum=3600)
     entry_samples: int = setting(
         2, "Consecutive samples at or above a level before the level is entered (a PSI trigger "
         "or a kernel pressure event enters at once). 2: one odd sample never acts.",

@@ -9,7 +9,7 @@ from the event loop (fast paths) and from the detectors' worker thread, hence on
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import structlog
 
@@ -61,6 +61,14 @@ class Publisher:
     def withdraw(self, detector: str, scope_prefix: str = "") -> None:
         """Drop the detector's readings whose scope starts with ``scope_prefix``."""
         self.offer(detector, (), covers=scope_prefix)
+
+    def engaged(self, detectors: Collection[str]) -> bool:
+        """Whether a reading of ``detectors`` on the board is at a level or entering one."""
+        return self._board.engaged(detectors)
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` (from the publishing thread) when a level on the board changes."""
+        return self._board.subscribe(callback)
 
     def level(self, detector: str, scope: str) -> Level:
         """The smoothed level held now (NONE when unseen)."""

@@ -2,9 +2,11 @@
 
 Three paths feed the readings board (through :class:`~.publisher.Publisher`):
 
-* **periodic** (:class:`DetectorsLoop`, every ``detection.interval_s`` in a worker thread):
-  free memory of the system and of each NUMA node, kswapd's reclaim rate, RSS overuse of pods,
-  the reclaimed tier's fulfillment, and on cgroup v2 the PSI of each online pod;
+* **periodic** (:class:`DetectorsLoop`, in a worker thread, every ``detection.interval_s``
+  while memory is short, else every ``detection.quiet_interval_s`` and at once when another
+  path enters a level): free memory of the system and of each NUMA node, kswapd's reclaim rate,
+  RSS overuse of pods, the reclaimed tier's fulfillment, and on cgroup v2 the PSI of each online
+  pod;
 * **node PSI** (:class:`~.notified.NodePsi`, on the event loop): a PSI trigger on
   ``/proc/pressure/memory`` when the kernel accepts the configured (sub-second) window, else
   the cumulative stall counter polled every ``psi_poll_interval_ms``;
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.aio import waker
 from common.audit import AuditLog
 from common.state import NodeState
 from hooks.levels import QosLevel
@@ -39,6 +42,7 @@ from reconciler.detection.config import (
     FULFILLMENT,
     KSWAPD,
     NUMA_FREE,
+    PRESSURE_LEVEL,
     PSI,
     RSS_OVERUSE,
     SYSTEM_FREE,
@@ -72,6 +76,11 @@ log = structlog.get_logger("nri_qos.detection")
 
 PERIODIC = (SYSTEM_FREE, NUMA_FREE, KSWAPD, RSS_OVERUSE, FULFILLMENT, PSI)
 """The detectors :class:`DetectorsLoop` reads files for (PSI: the pods' own pressure files)."""
+PRESSURE = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD)
+"""The detectors whose level says memory is short now (free memory, stalls, reclaim): while none
+is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s``. RSS
+overuse and fulfillment say how memory is shared out, which changes slowly and can stay so for
+hours on a node that is not short of memory."""
 
 ONLINE_LEVELS = frozenset({QosLevel.DEDICATED_CORES, QosLevel.SHARED_CORES,
                            QosLevel.SYSTEM_CORES})
@@ -135,14 +144,34 @@ class DetectorsLoop(Loop):
         self._said: set[str] = set()
         self._marks: _Watermarks | None = None
         self._factor_problems: dict[str, str] = {}
+        # Whether the loop waits out its quiet period (read from the publishing threads).
+        self._quiet = False
         if not host.numa_view.consistent:
             self._say_once(NUMA_FREE, f"numa_free is off: {host.numa_view.describe()}; "
                                       "system_free covers the machine")
 
     def interval(self) -> float:
-        return period(self._config(), *PERIODIC)
+        cfg = self._config()
+        self._quiet = (any(active(cfg, name) for name in PERIODIC)
+                       and not self._publisher.engaged(PRESSURE))
+        if self._quiet:
+            return max(cfg.detection.interval_s, cfg.detection.quiet_interval_s)
+        return period(cfg, *PERIODIC)
+
+    def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """A level entered on another path (the node's PSI, a memcg pressure event) while the
+        loop waits out its quiet period wakes it: an online pod's own stall, which only this
+        loop reads, is part of the node's, so the node's trigger or poll brings the pods' PSI
+        to ``interval_s`` within its window."""
+        def changed() -> None:
+            if self._quiet and self._publisher.engaged(PRESSURE):
+                self._quiet = False
+                wake()
+
+        return self._publisher.subscribe(changed)
 
     def cycle(self, now: float) -> None:
+        self._quiet = False
         cfg = self._config()
         runs: list[tuple[str, Callable[[DetectionConfig, float], None]]] = [
             (SYSTEM_FREE, lambda c, t: self._system_free(c, t, self._watermarks(t))),
@@ -297,15 +326,18 @@ class Detection:
 
     async def run(self, stop: asyncio.Event) -> None:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nri-qos-detect")
+        wake = asyncio.Event()
+        unsubscribe = self.periodic.subscribe_wake(waker(asyncio.get_running_loop(), wake))
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(run_loop(
-                    self.periodic, stop=stop, wake=asyncio.Event(), executor=executor,
+                    self.periodic, stop=stop, wake=wake, executor=executor,
                     backoff_max=lambda: self._config().reconciler.backoff_max_s),
                     name="detection-periodic")
                 group.create_task(self.node_psi.run(stop), name="detection-node-psi")
                 group.create_task(self.pressure_levels.run(stop), name="detection-pressure-level")
         finally:
+            unsubscribe()
             executor.shutdown(wait=False, cancel_futures=True)
             # Readings of a detection that stopped would only mislead their readers.
             for name in DETECTORS:

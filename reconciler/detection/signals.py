@@ -11,7 +11,7 @@ never "no pressure" by silence.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -108,6 +108,12 @@ class Board:
     def current(self) -> tuple[Reading, ...]:
         with self._lock:
             return tuple(self._readings.values())
+
+    def engaged(self, detectors: Collection[str]) -> bool:
+        """Whether a reading of ``detectors`` is at a level, or its latest sample reached one (a
+        level being entered)."""
+        return any(r.detector in detectors and max(r.level, r.raw or Level.NONE) >= Level.LOW
+                   for r in self.current())
 
     def worst(self) -> Level:
         """The worst level any detector reports now (NONE when none reports)."""

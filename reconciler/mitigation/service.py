@@ -19,14 +19,13 @@ back to the ladder too: a step that failed or timed out is tried again (see
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
-from common.aio import sleep_until
+from common.aio import sleep_until, waker
 from common.audit import AuditLog
 from common.state import NodeState
 from reconciler.detection.config import (
@@ -257,12 +256,7 @@ class Mitigation:
         loop = asyncio.get_running_loop()
         clock = self._clock or loop.time
         changed = asyncio.Event()
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the event loop is already closed
-                loop.call_soon_threadsafe(changed.set)
-
-        unsubscribe = self._board.subscribe(wake)
+        unsubscribe = self._board.subscribe(waker(loop, changed))
         self._now, self._wake = clock, changed.set
         runners = {name: _RungRunner(name, action, self._finished)
                    for name, action in self._actions.items()}

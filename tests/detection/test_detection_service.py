@@ -314,17 +314,9 @@ async def test_node_psi_poll_enters_and_leaves(tmp_path: Path) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(psi.run(stop))
     stalled = asyncio.Event()
-
-    async def stall() -> None:
-        total = 0
-        while not stalled.is_set():
-            total += 20_000  # 20 ms per 10 ms: far above any threshold
-            s.pressure(total, total)
-            await asyncio.sleep(0.01)
-
     await eventually(lambda: s.level("psi", NODE) is Level.NONE)
     assert psi.mode == "poll"  # 2 s windows only: too slow, so the counter is polled
-    staller = asyncio.create_task(stall())
+    staller = asyncio.create_task(s.stall(stalled))
     await eventually(lambda: s.level("psi", NODE) is Level.HIGH)
     stalled.set()
     await staller
@@ -442,7 +434,7 @@ async def test_pressure_level_watch_of_a_removed_cgroup_ends(tmp_path: Path) -> 
 
 
 async def test_the_service_runs_every_path_and_clears_the_board_at_stop(tmp_path: Path) -> None:
-    s = Setup(tmp_path, interval_s=0.05, psi_poll_interval_ms=20)
+    s = Setup(tmp_path, interval_s=0.05, quiet_interval_s=0.05, psi_poll_interval_ms=20)
     detection = Detection(lambda: s.cfg, s.board, s.state, s.sysfs, s.host_info(),
                           AuditLog(s.sink))
     stop = asyncio.Event()

@@ -1,6 +1,7 @@
 """PSI on a real cgroup v2 kernel that accepts short trigger windows: the node's trigger and a
-pod cgroup's trigger (500 ms windows) fire under real pressure, and the stall-counter poll takes
-over when the kernel refuses a trigger.
+pod cgroup's trigger (500 ms windows) fire under real pressure, the stall-counter poll takes
+over when the kernel refuses a trigger, and an online pod's own stall wakes the periodic
+detectors out of their quiet period through the node's trigger.
 
 Pressure: a worker in an offline pod writes a file through a small ``memory.max`` over and over,
 so reclaim waits for writeback of its dirty pages.
@@ -15,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from reconciler.detection.notified import NodePsi, psi_path
 from reconciler.detection.publisher import Publisher
-from reconciler.detection.signals import NODE, Board, Level, Reading
+from reconciler.detection.service import Detection
+from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.pressure import PsiWatch
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
@@ -29,6 +33,7 @@ from tests.support.realroot import Worker
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
 UID = "5a5a5a5a-0000-4000-8000-000000000001"
+ONLINE_UID = "5a5a5a5a-0000-4000-8000-000000000002"
 CID = "c" * 64
 WINDOW_MS = 500
 
@@ -115,6 +120,53 @@ async def test_a_pod_cgroups_trigger_fires(pressed: tuple[Path, Worker], tmp_pat
         await eventually(lambda: bool(fired), 60.0)
         await made
         assert watch.mode == "trigger"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_an_online_pods_stall_wakes_the_quiet_periodic_detectors(
+        node: Node, tmp_path: Path) -> None:
+    """An online pod's own memory.pressure is read by the periodic detectors only. With a quiet
+    period of ten minutes they look again only when woken: the pod's stall is part of the
+    node's, whose trigger enters a level, and the pod's reading follows at ``interval_s``."""
+    base = config()
+    cfg = dataclasses.replace(base, detection=dataclasses.replace(
+        base.detection, quiet_interval_s=600.0))
+    cgroup, cgroups_path = node.container("burstable", ONLINE_UID, CID)
+    (cgroup / "memory.max").write_text(str(64 * MIB))
+    worker = node.worker(cgroup, cgroup)
+    state = NodeState()
+    state.replace_all(
+        [PodInfo(id="sandbox", uid=ONLINE_UID, name="web", namespace="test",
+                 cgroup_parent=f"/kubepods/burstable/pod{ONLINE_UID}",
+                 annotations={"qos.nri-qos.io/level": "shared_cores"})],
+        [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
+                       memory_request=32 * MIB)])
+    sysfs = SysFs("/")
+    board = Board()
+    detection = Detection(lambda: cfg, board, state, sysfs, probe_host(sysfs),
+                          AuditLog(MemoryAuditSink()))
+
+    def pod_level() -> Level | None:
+        found = [r.level for r in board.current() if r.scope == pod_scope(ONLINE_UID)
+                 and r.detector == "psi"]
+        return found[0] if found else None
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(detection.run(stop))
+    try:
+        # The first cycle (the pod's first counter reading), then the trigger armed.
+        await eventually(lambda: any(r.detector == "system_free" for r in board.current()),
+                         60.0)
+        await asyncio.sleep(1.0)
+        assert detection.node_psi.mode == "trigger"
+        assert pod_level() is None  # one reading of the pod's counters is no rate yet
+        made = asyncio.create_task(asyncio.to_thread(
+            worker.ask, f"dirty {tmp_path / 'online.bin'} 6.0 256"))
+        await eventually(lambda: (pod_level() or Level.NONE) >= Level.LOW, 60.0)
+        answer = await made
+        assert answer["onset"] is not None
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

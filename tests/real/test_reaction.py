@@ -30,7 +30,7 @@ def test_the_reaction_benchmark_runs_on_the_psi_trigger_path() -> None:
     [series] = [line for line in lines if line.startswith(
         "real kernel, default configuration but mitigation.node_signals = on")]
     # Raised by the PSI detector every time it was raised; one onset of the few may go without
-    # an action within the benchmark's 6 s on a loaded machine (the guest shares two cores).
+    # an action within the benchmark's 10 s on a loaded machine (the guest shares two cores).
     paths = re.search(r"via (\{[^}]*\})", series)
     assert paths is not None, series
     assert set(ast.literal_eval(paths.group(1))) <= {"psi", "missed"}, series

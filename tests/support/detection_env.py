@@ -3,6 +3,7 @@ publishes on (the detection tests' setting)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from pathlib import Path
@@ -49,6 +50,15 @@ class Setup:
         tmp.write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={some}\n"
                        f"full avg10=0.00 avg60=0.00 avg300=0.00 total={full}\n")
         os.replace(tmp, path)
+
+    async def stall(self, until: asyncio.Event) -> None:
+        """The node's stall counters grow by 20 ms every 10 ms (far above any threshold) until
+        ``until`` is set."""
+        total = 0
+        while not until.is_set():
+            total += 20_000
+            self.pressure(total, total)
+            await asyncio.sleep(0.01)
 
     def pod(self, name: str, level: str, *, request: int, anon: int, tier: str = "besteffort",
             annotations: dict[str, str] | None = None) -> Path:

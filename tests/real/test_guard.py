@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.state import NodeState
-from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
@@ -23,7 +21,7 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze
-from tests.support.guest_node import CGROUP, MIB, Node, read_int
+from tests.support.guest_node import CGROUP, MIB, Node, one_pod, read_int
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
 
@@ -99,14 +97,8 @@ def test_fulfillment_reads_the_cap_against_the_tiers_requests(node: Node) -> Non
     loop, _ = guard(cfg)
     loop.cycle(0.0)
     _, cgroups_path = node.container("besteffort", UID, CID)
-    state = NodeState()
-    state.replace_all(
-        [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",
-                 cgroup_parent=f"/kubepods/besteffort/pod{UID}",
-                 annotations={"qos.nri-qos.io/level": "reclaimed_cores"})],
-        # requests twice the cap: the tier cannot hold what its pods asked for
-        [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
-                       memory_request=512 * MIB)])
+    # requests twice the cap: the tier cannot hold what its pods asked for
+    state = one_pod(UID, "besteffort", "reclaimed_cores", CID, cgroups_path, 512 * MIB)
     sysfs = SysFs("/")
     board = Board()
     publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: cfg.detection)

@@ -32,7 +32,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_binding import NumaBindingLoop
 from reconciler.mitigation.service import node_signals_alone
-from tests.support.guest_node import MIB, Node, numa_stat
+from tests.support.guest_node import MIB, Node, numa_stat, one_pod
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
@@ -163,12 +163,7 @@ def test_an_offline_pod_is_bound_to_the_node_with_room_and_its_pages_move(node: 
         base, memory_guard=dataclasses.replace(base.memory_guard, watermark_floor_bytes=floor,
                                                watermark_floor_percent=100.0),
         numa_balance=dataclasses.replace(base.numa_balance, enabled=False))
-    state = NodeState()
-    state.replace_all(
-        [PodInfo(id="sandbox", uid=UID, name="batch", namespace="test",
-                 cgroup_parent=f"/kubepods/besteffort/pod{UID}",
-                 annotations={"qos.nri-qos.io/level": "reclaimed_cores"})],
-        [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path)])
+    state = one_pod(UID, "besteffort", "reclaimed_cores", CID, cgroups_path)
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs("/", audit)

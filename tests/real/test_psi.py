@@ -16,8 +16,6 @@ from pathlib import Path
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.state import NodeState
-from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from reconciler.detection.notified import NodePsi, psi_path
 from reconciler.detection.publisher import Publisher
@@ -26,7 +24,7 @@ from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.pressure import PsiWatch
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from tests.support.guest_node import MIB, Node
+from tests.support.guest_node import MIB, Node, one_pod
 from tests.support.polling import eventually
 from tests.support.realroot import Worker
 
@@ -136,13 +134,7 @@ async def test_an_online_pods_stall_wakes_the_quiet_periodic_detectors(
     cgroup, cgroups_path = node.container("burstable", ONLINE_UID, CID)
     (cgroup / "memory.max").write_text(str(64 * MIB))
     worker = node.worker(cgroup, cgroup)
-    state = NodeState()
-    state.replace_all(
-        [PodInfo(id="sandbox", uid=ONLINE_UID, name="web", namespace="test",
-                 cgroup_parent=f"/kubepods/burstable/pod{ONLINE_UID}",
-                 annotations={"qos.nri-qos.io/level": "shared_cores"})],
-        [ContainerInfo(id=CID, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
-                       memory_request=32 * MIB)])
+    state = one_pod(ONLINE_UID, "burstable", "shared_cores", CID, cgroups_path, 32 * MIB)
     sysfs = SysFs("/")
     board = Board()
     detection = Detection(lambda: cfg, board, state, sysfs, probe_host(sysfs),

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from common.state import NodeState
+from hooks.model import ContainerInfo, PodInfo
 from tests.support.realroot import WORKER, Worker, end
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -116,3 +118,17 @@ def numa_stat(cgroup: Path, key: str) -> dict[int, int]:
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
+
+
+def one_pod(uid: str, tier: str, level: str, cid: str, cgroups_path: str,
+            request: int | None = None) -> NodeState:
+    """The node state of one pod of ``tier`` at QoS ``level`` with one container, as the
+    runtime reports them (``request``: the container's memory request in bytes)."""
+    parent = f"/kubepods/{tier}/pod{uid}" if tier != "guaranteed" else f"/kubepods/pod{uid}"
+    state = NodeState()
+    state.replace_all(
+        [PodInfo(id="sandbox", uid=uid, name="pod", namespace="test", cgroup_parent=parent,
+                 annotations={"qos.nri-qos.io/level": level})],
+        [ContainerInfo(id=cid, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
+                       memory_request=request)])
+    return state

@@ -14,13 +14,11 @@ from common.audit import AuditLog
 from reconciler.detection.detectors import RECLAIMED_TIER, psi_trigger_sample
 from reconciler.detection.service import PERIODIC, PRESSURE, Detection
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
-from tests.support.detection_env import Setup
+from tests.support.detection_env import Setup, uid
 from tests.support.fakesys import GIB, MIB
 from tests.support.polling import BOUND_S, eventually
 
 KIB = 1024
-UID_TAIL = "0000-4000-8000-000000000000"
-"""What :meth:`Setup.pod` appends to a pod's name to make its uid."""
 CALM = (40 * GIB, 64 * GIB, 1000)
 """A NUMA node of 64 GiB with 40 free: far above its watermark W (the 1 GiB floor here)."""
 
@@ -88,7 +86,7 @@ def test_rss_overuse_and_fulfillment_do_not_keep_the_detectors_busy(tmp_path: Pa
     loop = s.loop()
     loop.cycle(0.0)
     loop.cycle(5.0)
-    fat = s.reading("rss_overuse", pod_scope(f"fat-{UID_TAIL}"))
+    fat = s.reading("rss_overuse", pod_scope(uid("fat")))
     tier = s.reading("fulfillment", RECLAIMED_TIER)
     assert fat is not None
     assert tier is not None

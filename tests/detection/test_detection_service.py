@@ -27,13 +27,9 @@ from reconciler.detection.signals import (
     tier_scope,
 )
 from reconciler.host.sysfs import SysFs
-from tests.support.detection_env import Setup
+from tests.support.detection_env import Setup, uid
 from tests.support.fakesys import GIB, MIB, PAGE
 from tests.support.polling import BOUND_S, eventually
-
-
-def uid(name: str) -> str:
-    return f"{name}-0000-4000-8000-000000000000"
 
 
 def test_free_memory_levels_need_two_samples(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def test_fulfillment_reads_the_cap_against_the_tiers_requests(node: Node) -> Non
     loop.cycle(0.0)
     _, cgroups_path = node.container("besteffort", UID, CID)
     # requests twice the cap: the tier cannot hold what its pods asked for
-    state = one_pod(UID, "besteffort", "reclaimed_cores", CID, cgroups_path, 512 * MIB)
+    state = one_pod(UID, "reclaimed_cores", CID, cgroups_path, 512 * MIB)
     sysfs = SysFs("/")
     board = Board()
     publisher = Publisher(board, AuditLog(MemoryAuditSink()), lambda: cfg.detection)

@@ -163,7 +163,7 @@ def test_an_offline_pod_is_bound_to_the_node_with_room_and_its_pages_move(node: 
         base, memory_guard=dataclasses.replace(base.memory_guard, watermark_floor_bytes=floor,
                                                watermark_floor_percent=100.0),
         numa_balance=dataclasses.replace(base.numa_balance, enabled=False))
-    state = one_pod(UID, "besteffort", "reclaimed_cores", CID, cgroups_path)
+    state = one_pod(UID, "reclaimed_cores", CID, cgroups_path)
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs("/", audit)

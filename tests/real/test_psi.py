@@ -134,7 +134,7 @@ async def test_an_online_pods_stall_wakes_the_quiet_periodic_detectors(
     cgroup, cgroups_path = node.container("burstable", ONLINE_UID, CID)
     (cgroup / "memory.max").write_text(str(64 * MIB))
     worker = node.worker(cgroup, cgroup)
-    state = one_pod(ONLINE_UID, "burstable", "shared_cores", CID, cgroups_path, 32 * MIB)
+    state = one_pod(ONLINE_UID, "shared_cores", CID, cgroups_path, 32 * MIB)
     sysfs = SysFs("/")
     board = Board()
     detection = Detection(lambda: cfg, board, state, sysfs, probe_host(sysfs),

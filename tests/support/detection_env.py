@@ -22,6 +22,11 @@ from tests.support.fakesys import GIB, FakeHost
 LEVEL = "qos.nri-qos.io/level"
 
 
+def uid(name: str) -> str:
+    """The uid :meth:`Setup.pod` gives the pod ``name``."""
+    return f"{name}-0000-4000-8000-000000000000"
+
+
 class Setup:
     def __init__(self, root: Path, version: int = 1, **detection: Any) -> None:
         self.host = FakeHost(root, version=version,
@@ -62,10 +67,9 @@ class Setup:
 
     def pod(self, name: str, level: str, *, request: int, anon: int, tier: str = "besteffort",
             annotations: dict[str, str] | None = None) -> Path:
-        uid = f"{name}-0000-4000-8000-000000000000"
-        self.host.add_pod(uid, tier=tier, name=name, memory_request=request,
+        self.host.add_pod(uid(name), tier=tier, name=name, memory_request=request,
                           annotations={LEVEL: level, **(annotations or {})})
-        d = self.host.cg("memory", self.host.pod_rel(tier, uid))
+        d = self.host.cg("memory", self.host.pod_rel(tier, uid(name)))
         v2 = self.host.version == 2
         (d / "memory.stat").write_text(f"anon {anon}\nfile {GIB}\n" if v2 else
                                        f"cache 0\nrss 0\ntotal_cache {GIB}\ntotal_rss {anon}\n")

@@ -120,14 +120,15 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
-def one_pod(uid: str, tier: str, level: str, cid: str, cgroups_path: str,
+def one_pod(uid: str, level: str, cid: str, cgroups_path: str,
             request: int | None = None) -> NodeState:
-    """The node state of one pod of ``tier`` at QoS ``level`` with one container, as the
-    runtime reports them (``request``: the container's memory request in bytes)."""
-    parent = f"/kubepods/{tier}/pod{uid}" if tier != "guaranteed" else f"/kubepods/pod{uid}"
+    """The node state of one pod at QoS ``level`` with one container at ``cgroups_path`` (as
+    :meth:`Node.container` gives it), as the runtime reports them (``request``: the container's
+    memory request in bytes)."""
     state = NodeState()
     state.replace_all(
-        [PodInfo(id="sandbox", uid=uid, name="pod", namespace="test", cgroup_parent=parent,
+        [PodInfo(id="sandbox", uid=uid, name="pod", namespace="test",
+                 cgroup_parent=cgroups_path.rsplit("/", 1)[0],
                  annotations={"qos.nri-qos.io/level": level})],
         [ContainerInfo(id=cid, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
                        memory_request=request)])

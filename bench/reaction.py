@@ -24,6 +24,8 @@ The last line is ``reaction p50=<ms> ms p99=<ms> ms n=<count>`` for the default 
 the real kernel (``n=0`` where it cannot run).
 
     python bench/reaction.py [--onsets 50] [--paths] [--skip-fake] [--skip-real] [--json]
+                             [--online-onsets 10] [--skip-online]
+    python -m tests.vm --numa 2 --mem-mib 2048 --disk -- python bench/reaction.py --skip-fake
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.audit import AuditLog
+from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.agent import build_agent, probe
 from nri_plugin.config.schema import ENFORCE, Config
 from nri_plugin.config.store import ConfigStore
@@ -52,10 +55,12 @@ from nri_plugin.obs.logs import LoggingSetup
 from nri_plugin.session.stub import PluginIdentity
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.fakesys import GIB, FakeHost
+from tests.support.guest_node import Node, pod_infos
 from tests.support.polling import eventually
 from tests.support.realroot import MIB, RealRoot, Worker, data_file, unavailable, unavailable_any
 
 NODE = "bench-node"
+ONLINE_UID = "5a5a5a5a-0000-4000-8000-000000000009"
 SETTLE_S = 0.4
 """After the agent cleared leftovers: time for the first PSI sample and the event registrations."""
 WAIT_S = 10.0
@@ -102,6 +107,7 @@ class Onset:
     path: str  # the detector whose reading raised the ladder
     action: str  # the first write
     taint_ms: float | None = None  # onset -> the taint on the node (two API requests)
+    level_ms: float | None = None  # onset -> the ladder's level (its mitigation_level record)
 
 
 def agent_config(root: Path, kubeconfig: Path, *, node_signals: str | None = None,
@@ -121,14 +127,18 @@ def agent_config(root: Path, kubeconfig: Path, *, node_signals: str | None = Non
     )
 
 
-async def one_onset(cfg: Config, start: Callable[[], Awaitable[float | None]]) -> Onset:
+async def one_onset(cfg: Config, start: Callable[[], Awaitable[float | None]], *,
+                    known: tuple[list[PodInfo], list[ContainerInfo]] | None = None) -> Onset:
     """Build and start an agent, let it settle, start pressure (``start`` returns the onset on
-    the monotonic clock, or None when none happened), and wait for its first write."""
+    the monotonic clock, or None when none happened), and wait for its first write.
+    ``known``: the pods and containers the runtime reports to the agent."""
     recorder = Recorder()
     audit = AuditLog(recorder)
     host, sysfs = probe(cfg, audit)
     agent = build_agent(ConfigStore(audit, config=cfg), audit, host, sysfs,
                         PluginIdentity("nri-qos", "10"), run_background=True)
+    if known is not None:
+        agent.state.replace_all(*known)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(service(stop)) for service in agent.services]
     try:
@@ -145,9 +155,10 @@ async def one_onset(cfg: Config, start: Callable[[], Awaitable[float | None]]) -
             writes = [r for r in after if first_write(r[1], r[2])]
             if writes and found is None:
                 t, event, _ = writes[0]
-                levels = [r[2] for r in after if r[1] == "mitigation_level"]
-                path = levels[0]["reason"].split(":", 1)[1].split()[0] if levels else "?"
-                found = Onset((t - onset) * 1000, path, event)
+                levels = [r for r in after if r[1] == "mitigation_level"]
+                path = levels[0][2]["reason"].split(":", 1)[1].split()[0] if levels else "?"
+                found = Onset((t - onset) * 1000, path, event,
+                              level_ms=(levels[0][0] - onset) * 1000 if levels else None)
             taints = [r[0] for r in after if r[1] == "taint_added"]
             if found is not None and taints:
                 found.taint_ms = (taints[0] - onset) * 1000
@@ -249,6 +260,28 @@ async def real(directory: Path, kubeconfig: Path, data: Path, *, dirty: bool,
         root.close()
 
 
+async def online(directory: Path, kubeconfig: Path, **detection: Any) -> Onset:
+    """One onset of an online pod's own stall in a cgroup v2 guest (the module doc)."""
+    node = Node()
+    try:
+        cid = "e" * 64
+        cgroup, cgroups_path = node.container("burstable", ONLINE_UID, cid)
+        (cgroup / "memory.max").write_text(str(64 * MIB))
+        worker = node.worker(cgroup, cgroup)
+
+        async def start() -> float | None:
+            answer = await asyncio.to_thread(worker.ask,
+                                             f"dirty {directory / 'online.bin'} 6.0 256")
+            onset = answer["onset"]
+            return None if onset is None else onset / 1e9
+
+        return await one_onset(agent_config(Path("/"), kubeconfig, **detection), start,
+                               known=pod_infos(ONLINE_UID, "shared_cores", cid, cgroups_path,
+                                               32 * MIB))
+    finally:
+        node.close()
+
+
 # -- driving --------------------------------------------------------------------------------------
 
 def percentiles(values: list[float]) -> tuple[float, float, float]:
@@ -277,6 +310,10 @@ def summary(name: str, onsets: list[Onset]) -> dict[str, Any]:
     if taints:
         p50, _, p99 = percentiles(taints)
         found.update(taint_p50=round(p50, 1), taint_p99=round(p99, 1))
+    levels = sorted(o.level_ms for o in onsets if o.level_ms is not None)
+    if levels:
+        p50, _, p99 = percentiles(levels)
+        found.update(level_p50=round(p50, 1), level_p99=round(p99, 1))
     return found
 
 
@@ -286,19 +323,31 @@ def show(found: Mapping[str, Any]) -> None:
         return
     taint = (f"taint p50 {found['taint_p50']:.1f} p99 {found['taint_p99']:.1f}"
              if "taint_p50" in found else "taint -")
+    level = (f"level p50 {found['level_p50']:.1f} p99 {found['level_p99']:.1f}"
+             if "level_p50" in found else "level -")
     print(f"{found['name']:<46} p50 {found['p50']:7.1f}  p90 {found['p90']:7.1f}  "
           f"p99 {found['p99']:7.1f}  max {found['max']:7.1f} ms  n={found['n']} "
-          f"missed={found['missed']}  ({taint})  via {found['paths']}  first "
+          f"missed={found['missed']}  ({level}; {taint})  via {found['paths']}  first "
           f"{found['first_write']}")
 
 
 async def series(name: str, count: int, run: Callable[[Path], Awaitable[Onset]]) -> dict[str, Any]:
-    onsets = []
+    [found] = await alternating(count, [(name, run)])
+    return found
+
+
+async def alternating(count: int, runs: list[tuple[str, Callable[[Path], Awaitable[Onset]]]]
+                      ) -> list[dict[str, Any]]:
+    """``count`` onsets of each run, one of each in turn (so that a machine whose speed drifts
+    weighs on all alike); a summary of each."""
+    onsets: list[list[Onset]] = [[] for _ in runs]
     for _ in range(count):
-        with tempfile.TemporaryDirectory(prefix="nri-qos-reaction-") as tmp:
-            onsets.append(await run(Path(tmp)))
-    found = summary(name, onsets)
-    show(found)
+        for done, (_, run) in zip(onsets, runs, strict=True):
+            with tempfile.TemporaryDirectory(prefix="nri-qos-reaction-") as tmp:
+                done.append(await run(Path(tmp)))
+    found = [summary(name, done) for done, (name, _) in zip(onsets, runs, strict=True)]
+    for one in found:
+        show(one)
     return found
 
 
@@ -339,6 +388,12 @@ async def main_async(args: argparse.Namespace) -> int:
                                                   seconds=2.0 if dirty else 0.6,
                                                   node_signals="on" if dirty else None))
             results.append(default)
+            if dirty and not args.skip_online:
+                results.extend(await alternating(args.online_onsets, [
+                    ("v2: an online pod's own stall, default configuration",
+                     lambda d: online(d, kubeconfig)),
+                    ("v2: the same, detection.quiet_interval_s = 1 s",
+                     lambda d: online(d, kubeconfig, quiet_interval_s=1.0))]))
     if args.json:
         print(json.dumps(results, indent=2))
     if default and default["n"]:
@@ -356,6 +411,10 @@ def main() -> int:
                         help="also the real kernel's PSI path alone (pressure_level off)")
     parser.add_argument("--skip-fake", action="store_true")
     parser.add_argument("--skip-real", action="store_true")
+    parser.add_argument("--online-onsets", type=int, default=10,
+                        help="on cgroup v2, onsets of an online pod's own stall per series")
+    parser.add_argument("--skip-online", action="store_true",
+                        help="on cgroup v2, not the online pod's own stall")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     logging = LoggingSetup(level="error")

@@ -53,8 +53,10 @@ class DetectionConfig:
         "files, every pod's among them, are not read every second. A level entered on the "
         "node's PSI or a memcg pressure event wakes them at once; free memory that falls "
         "under its watermark without a stall is seen within this plus interval_s x "
-        "(entry_samples - 1). 5 s: Katalyst's memory advisor and eviction manager look every "
-        "5 s.", unit="seconds", minimum=0.1, maximum=3600)
+        "(entry_samples - 1). Also the period of cgroup v1's memcg pressure events' quiet "
+        "samples and registrations while none of them holds a level (an event comes at once "
+        "all the same). 5 s: Katalyst's memory advisor and eviction manager look every 5 s.",
+        unit="seconds", minimum=0.1, maximum=3600)
     entry_samples: int = setting(
         2, "Consecutive samples at or above a level before the level is entered (a PSI trigger "
         "or a kernel pressure event enters at once). 2: one odd sample never acts.",

@@ -5,7 +5,10 @@
   ``psi_poll_interval_ms``;
 * **memcg pressure events** (:class:`PressureLevels`, cgroup v1): the kernel's
   ``memory.pressure_level`` notifications of the root memcg (reclaim for the whole node) and of
-  kubelet's pods and burstable cgroups (reclaim forced by their limits).
+  kubelet's pods and burstable cgroups (reclaim forced by their limits). The events come
+  through their eventfds whatever the loop's period; the loop itself registers cgroups created
+  since and gives the quiet samples that let a level go, every ``interval_s`` while a level is
+  held or entered and every ``quiet_interval_s`` otherwise (an event wakes it).
 
 Both run on the event loop (:class:`~.service.Detection` starts them).
 """
@@ -147,6 +150,9 @@ class PressureLevels:
         self._watches: dict[str, PressureLevelWatch] = {}
         self._events: dict[str, tuple[str, int]] = {}
         self._failed: dict[str, str] = {}
+        # Set by an event that arrives while the loop waits out its quiet period.
+        self._wake = asyncio.Event()
+        self._quiet = False
 
     async def run(self, stop: asyncio.Event) -> None:
         problem = pressure_level_problem(self._host)
@@ -164,9 +170,20 @@ class PressureLevels:
                 else:
                     self._close_all(loop)
                     self._publisher.withdraw(PRESSURE_LEVEL)
-                await sleep_until(period(cfg, PRESSURE_LEVEL), stop)
+                self._wake.clear()
+                await sleep_until(self.interval(cfg), stop, self._wake)
         finally:
             self._close_all(loop)
+
+    def interval(self, cfg: DetectionSections) -> float:
+        """``interval_s`` while a memcg pressure level is held or being entered, so that it is
+        left on time after its cooldown; ``quiet_interval_s`` otherwise, when a tick would only
+        give quiet samples to readings that are quiet already."""
+        self._quiet = (active(cfg, PRESSURE_LEVEL)
+                       and not self._publisher.engaged((PRESSURE_LEVEL,)))
+        if self._quiet:
+            return max(cfg.detection.interval_s, cfg.detection.quiet_interval_s)
+        return period(cfg, PRESSURE_LEVEL)
 
     def _register(self, loop: asyncio.AbstractEventLoop, mode: str) -> None:
         """Register on each target that exists and is not registered yet (kubelet may create
@@ -207,6 +224,9 @@ class PressureLevels:
         self._events[scope] = (worst, counts[worst])
         self._publisher.offer(PRESSURE_LEVEL, [d.pressure_event_sample(
             scope, worst, counts[worst], now)], covers=None, triggered=True)
+        if self._quiet:  # the level's quiet samples are due from now on
+            self._quiet = False
+            self._wake.set()
 
     def _tick(self, now: float) -> None:
         """A quiet sample for each watched cgroup without events since the last tick, so a

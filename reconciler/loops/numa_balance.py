@@ -273,7 +273,8 @@ class NumaBalanceLoop(Loop):
         for path in self._notes.entries(NUMA_BALANCE_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_BALANCE_NOTES, path)
-        if len(node_ids(self._sysfs)) < 2:
+        ids = node_ids(self._sysfs)
+        if len(ids) < 2:
             self._nothing_to_balance = True
             return
         clock = self._clock()
@@ -287,7 +288,7 @@ class NumaBalanceLoop(Loop):
             self._quiet = True
             self._idle(None, "no reclaimed container to move")
             return
-        nodes = read_nodes(self._sysfs, PAGE_SIZE)
+        nodes = read_nodes(self._sysfs, PAGE_SIZE, ids=ids)
         if len(nodes) < 2:
             self._nothing_to_balance = True
             return

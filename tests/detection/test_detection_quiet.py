@@ -1,19 +1,26 @@
 """The periodic detectors look every ``quiet_interval_s`` while memory is not short, every
 ``interval_s`` while a free-memory, PSI, memcg pressure or kswapd reading is at a level or
-entering one, and at once when another path enters a level during their quiet period."""
+entering one, and at once when another path enters a level during their quiet period. cgroup
+v1's memcg pressure events tick every ``interval_s`` only while one of them holds a level."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 
 from common.audit import AuditLog
-from reconciler.detection.detectors import RECLAIMED_TIER, psi_trigger_sample
+from reconciler.detection.detectors import (
+    RECLAIMED_TIER,
+    pressure_event_sample,
+    pressure_quiet_sample,
+    psi_trigger_sample,
+)
 from reconciler.detection.service import PERIODIC, PRESSURE, Detection
-from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
+from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope, tier_scope
 from tests.support.detection_env import Setup, uid
 from tests.support.fakesys import GIB, MIB
 from tests.support.polling import BOUND_S, eventually
@@ -161,6 +168,74 @@ async def test_the_nodes_psi_wakes_the_quiet_detectors_in_the_service(tmp_path: 
         finally:
             stalled.set()
             await staller
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, BOUND_S)
+
+
+# -- cgroup v1's memcg pressure events -------------------------------------------------------------
+
+def test_memcg_events_tick_at_interval_only_while_a_level_is_held(tmp_path: Path) -> None:
+    """The events come through their eventfds whatever the period; the tick gives the quiet
+    samples that let a level go after its cooldown, so it runs every interval_s while one is
+    held or entered and every quiet_interval_s otherwise."""
+    s = Setup(tmp_path)
+    levels = s.memcg_events()
+    cfg = s.cfg
+    s.publisher.offer("pressure_level", [pressure_quiet_sample(NODE, 0.0)], covers=None)
+    assert levels.interval(cfg) == 5.0
+    s.publisher.offer("pressure_level", [pressure_event_sample(NODE, "low", 1, 1.0)],
+                      covers=None, triggered=True)
+    assert levels.interval(cfg) == 1.0
+    s.publisher.offer("pressure_level", [pressure_quiet_sample(NODE, 2.0)], covers=None)
+    s.publisher.offer("pressure_level", [pressure_quiet_sample(NODE, 11.999)], covers=None)
+    assert s.level("pressure_level", NODE) is Level.LOW  # held through the 10 s cooldown
+    assert levels.interval(cfg) == 1.0
+    s.publisher.offer("pressure_level", [pressure_quiet_sample(NODE, 12.0)], covers=None)
+    assert s.level("pressure_level", NODE) is Level.NONE
+    assert levels.interval(cfg) == 5.0
+
+
+@pytest.mark.parametrize(("interval_s", "quiet_interval_s", "disabled", "expected"), [
+    (3.0, 0.5, (), 3.0),  # never shorter than interval_s
+    (1.0, 5.0, ("pressure_level",), 10.0),  # switched off: the recheck, whatever the quiet
+    (1.0, 30.0, ("pressure_level",), 10.0),
+])
+def test_memcg_events_period_bounds(tmp_path: Path, interval_s: float, quiet_interval_s: float,
+                                    disabled: tuple[str, ...], expected: float) -> None:
+    s = Setup(tmp_path, interval_s=interval_s, quiet_interval_s=quiet_interval_s,
+              disabled=disabled)
+    assert s.memcg_events().interval(s.cfg) == expected
+
+
+async def test_a_memcg_event_wakes_the_quiet_tick(tmp_path: Path) -> None:
+    """With a quiet period of 10 minutes: no tick while calm; an event enters its level at once
+    and brings the ticks (the other cgroups' quiet samples) to interval_s; once the level is
+    left after its cooldown, the ticks stop again."""
+    s = Setup(tmp_path, interval_s=0.02, quiet_interval_s=600.0, exit_cooldown_s=0.2)
+    levels = s.memcg_events()
+    burstable = tier_scope("burstable")
+    stop = asyncio.Event()
+
+    def node_sampled_at() -> float:
+        found = s.reading("pressure_level", NODE)
+        assert found is not None
+        return found.at
+
+    task = asyncio.create_task(levels.run(stop))
+    try:
+        await eventually(lambda: s.reading("pressure_level", NODE) is not None)
+        first = node_sampled_at()
+        await asyncio.sleep(0.2)  # ten periods of interval_s
+        assert node_sampled_at() == first
+        os.eventfd_write(levels._watches[burstable].fds["low"], 1)
+        await eventually(lambda: s.level("pressure_level", burstable) is Level.LOW)
+        await eventually(lambda: node_sampled_at() > first)
+        await eventually(lambda: s.level("pressure_level", burstable) is Level.NONE)
+        await asyncio.sleep(0.05)  # the tick that saw the level go set the quiet period
+        last = node_sampled_at()
+        await asyncio.sleep(0.2)
+        assert node_sampled_at() == last
     finally:
         stop.set()
         await asyncio.wait_for(task, BOUND_S)

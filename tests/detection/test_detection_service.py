@@ -8,7 +8,6 @@ import dataclasses
 import os
 import re
 import shutil
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ from structlog.testing import capture_logs
 
 from common.audit import AuditLog
 from reconciler.detection.detectors import RECLAIMED_TIER
-from reconciler.detection.notified import NodePsi, PressureLevels
+from reconciler.detection.notified import NodePsi
 from reconciler.detection.service import WATERMARKS_MAX_AGE_S, Detection, DetectorsLoop
 from reconciler.detection.signals import (
     NODE,
@@ -26,7 +25,7 @@ from reconciler.detection.signals import (
     pod_scope,
     tier_scope,
 )
-from reconciler.host.sysfs import SysFs
+from tests.support.counting import CountingSysFs
 from tests.support.detection_env import Setup, uid
 from tests.support.fakesys import GIB, MIB, PAGE
 from tests.support.polling import BOUND_S, eventually
@@ -47,23 +46,6 @@ def test_free_memory_levels_need_two_samples(tmp_path: Path) -> None:
     assert s.level("system_free", NODE) is Level.NONE  # 41 GB free against 2 x 1 GiB
 
 
-class CountingSysFs(SysFs):
-    """A SysFs that counts the files it reads and the directories it lists."""
-
-    def __init__(self, root: Path, audit: AuditLog) -> None:
-        super().__init__(root, audit)
-        self.reads: Counter[str] = Counter()
-        self.listed: Counter[str] = Counter()
-
-    def read(self, path: str) -> str | None:
-        self.reads[path] += 1
-        return super().read(path)
-
-    def list_dir(self, path: str) -> list[str]:
-        self.listed[path] += 1
-        return super().list_dir(path)
-
-
 @pytest.mark.parametrize("disabled", [(), ("system_free",), ("numa_free",)])
 def test_watermarks_are_read_once_a_minute(tmp_path: Path, disabled: tuple[str, ...]) -> None:
     assert WATERMARKS_MAX_AGE_S == 60.0
@@ -75,8 +57,7 @@ def test_watermarks_are_read_once_a_minute(tmp_path: Path, disabled: tuple[str, 
     assert counting.reads["/proc/zoneinfo"] == 1
     # node 1 falls under its 1 GiB floor: numa_free sees it from its meminfo, system_free not
     s.host.set_numa([(40 * GIB, 64 * GIB, 1000), (GIB - MIB, 64 * GIB, 1000)])
-    counting.reads.clear()
-    counting.listed.clear()
+    counting.clear()
     for later in (2.0, 59.999):
         loop.cycle(later)
     assert counting.reads["/proc/zoneinfo"] == 0
@@ -361,23 +342,10 @@ async def test_node_psi_unreadable_is_unknown_then_off_without_psi(tmp_path: Pat
     await asyncio.wait_for(task2, BOUND_S)
 
 
-def memcg_events(s: Setup) -> PressureLevels:
-    """cgroup v1 pressure notifications on the fake tree: the root memcg and kubelet's tier
-    cgroups get ``memory.pressure_level`` and ``cgroup.event_control`` as plain files, so a
-    registration is taken and never signalled (the test signals it)."""
-    for rel in ("", "kubepods", "kubepods/burstable"):
-        d = s.host.cg("memory", rel)
-        (d / "memory.pressure_level").write_text("")
-        (d / "cgroup.event_control").write_text("")
-    info = s.host_info()
-    assert info.memcg.pressure_level
-    return PressureLevels(lambda: s.cfg, s.publisher, s.sysfs, info)
-
-
 async def test_pressure_level_registration_refused_spares_the_other_cgroups(
         tmp_path: Path) -> None:
-    s = Setup(tmp_path, interval_s=0.02)
-    levels = memcg_events(s)
+    s = Setup(tmp_path, interval_s=0.02, quiet_interval_s=0.02)
+    levels = s.memcg_events()
     control = s.host.cg("memory", "kubepods") / "cgroup.event_control"
     control.unlink()
     control.mkdir()  # the registration's write cannot be made (EISDIR)
@@ -404,8 +372,8 @@ async def test_pressure_level_registration_refused_spares_the_other_cgroups(
 
 
 async def test_pressure_level_watch_of_a_removed_cgroup_ends(tmp_path: Path) -> None:
-    s = Setup(tmp_path, interval_s=0.02)
-    levels = memcg_events(s)
+    s = Setup(tmp_path, interval_s=0.02, quiet_interval_s=0.02)
+    levels = s.memcg_events()
     burstable = tier_scope("burstable")
     stop = asyncio.Event()
     with capture_logs() as logs:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from reconciler.loops.memory_guard import (
     target_cap,
 )
 from reconciler.metrics import ReconcilerMetrics
+from tests.support.counting import CountingSysFs
 from tests.support.fakesys import (
     GIB,
     MIB,
@@ -229,18 +229,6 @@ def test_view_that_recovers_is_used_again(tmp_path: Path) -> None:
     loop.cycle(5.0)
     assert int(limit_of(host)) == 20 * GIB - 4 * GIB
     assert len(sink.named("numa_view_inconsistent")) == 1
-
-
-class CountingSysFs(SysFs):
-    """A SysFs that counts the files it reads."""
-
-    def __init__(self, root: Path, audit: AuditLog) -> None:
-        super().__init__(root, audit)
-        self.reads: Counter[str] = Counter()
-
-    def read(self, path: str) -> str | None:
-        self.reads[path] += 1
-        return super().read(path)
 
 
 def test_kernel_without_numa_reads_meminfo_once_per_cycle(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from reconciler.loops.numa_binding import (
     restore_bindings,
 )
 from reconciler.metrics import ReconcilerMetrics
+from tests.support.counting import CountingSysFs
 from tests.support.fakesys import GIB, MIB, FakeHost, FakePod
 
 # -- the loop on a fake tree -----------------------------------------------------------------------
@@ -70,7 +71,8 @@ def write_stat(path: Path, per_node: dict[int, int]) -> None:
 
 def setup(tmp_path: Path, *, version: int = 2, dry_run: bool = False,
           observe: bool = False, step: int = 64 * MIB
-          ) -> tuple[FakeHost, FakePod, FakePod, Config, SysFs, MemoryAuditSink, NodeState]:
+          ) -> tuple[FakeHost, FakePod, FakePod, Config, CountingSysFs, MemoryAuditSink,
+                     NodeState]:
     host = FakeHost(tmp_path, version=version, driver="cgroupfs")
     offline = host.add_pod(UID, tier="besteffort",
                            annotations={"qos.nri-qos.io/level": "reclaimed_cores"})
@@ -86,7 +88,8 @@ def setup(tmp_path: Path, *, version: int = 2, dry_run: bool = False,
     cfg = dataclasses.replace(base, numa_balance=dataclasses.replace(
         base.numa_balance, dry_run=dry_run, step_bytes=step))
     sink = MemoryAuditSink()
-    sysfs = SysFs(tmp_path, AuditLog(sink), observe=(lambda: True) if observe else None)
+    sysfs = CountingSysFs(tmp_path, AuditLog(sink),
+                          observe=(lambda: True) if observe else None)
     return host, offline, online, cfg, sysfs, sink, state
 
 
@@ -105,19 +108,6 @@ def mems(host: FakeHost, pod: FakePod) -> str:
 
 def stat_of(host: FakeHost, pod: FakePod) -> Path:
     return host.cg("memory", pod.containers[0].rel) / "memory.numa_stat"
-
-
-def reads_of(sysfs: SysFs, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The paths ``sysfs`` reads from now on, in order."""
-    read = sysfs.read
-    paths: list[str] = []
-
-    def counted(path: str) -> str | None:
-        paths.append(path)
-        return read(path)
-
-    monkeypatch.setattr(sysfs, "read", counted)
-    return paths
 
 
 def test_steps_move_the_offline_pod_off_the_hot_node_then_narrow_its_binding(
@@ -185,34 +175,31 @@ def test_stops_when_the_hot_node_recovers(tmp_path: Path) -> None:
     assert len(mover.calls) == 1
 
 
-def test_on_a_node_nothing_presses_no_containers_memory_is_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_a_node_nothing_presses_no_containers_memory_is_read(tmp_path: Path) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
     host.set_numa([(4 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
-    paths = reads_of(sysfs, monkeypatch)
     loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, offline)))
     loop.cycle(0.0)
-    assert paths
-    assert not [p for p in paths if "numa_stat" in p or "cpuset" in p]
+    assert sysfs.reads
+    assert not [p for p in sysfs.reads if "numa_stat" in p or "cpuset" in p]
+    assert sysfs.listed == {"/sys/devices/system/node": 1}  # the nodes listed once a cycle
     host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
     loop.cycle(1.0)
-    assert [p for p in paths if p.endswith("/memory.numa_stat")]
+    assert [p for p in sysfs.reads if p.endswith("/memory.numa_stat")]
 
 
-def test_without_a_reclaimed_container_the_nodes_memory_is_not_read(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_a_reclaimed_container_the_nodes_memory_is_not_read(tmp_path: Path) -> None:
     host, offline, online, cfg, sysfs, sink, state = setup(tmp_path)  # node 0 under its mark
-    paths = reads_of(sysfs, monkeypatch)
     state.replace_all([online.info], [c.info for c in online.containers])
     mover = FakeMover(stat_of(host, offline))
     loop = loop_of(cfg, state, sysfs, sink, mover)
     loop.cycle(0.0)
-    assert paths == []
+    assert not sysfs.reads
     assert loop.interval() == cfg.numa_balance.quiet_interval_s == 5.0
     # one comes: the nodes are read and its memory moved at the next cycle
     state.replace_all(*host.nri())
     loop.cycle(1.0)
-    assert any(p.endswith("/meminfo") for p in paths)
+    assert any(p.endswith("/meminfo") for p in sysfs.reads)
     [step] = sink.named("numa_balance_step")
     assert step["pod_uid"] == offline.info.uid
     assert step["result"] == "done"

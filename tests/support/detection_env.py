@@ -12,6 +12,7 @@ from typing import Any
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from nri_plugin.config.schema import Config
+from reconciler.detection.notified import PressureLevels
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
 from reconciler.detection.signals import Board, Level, Reading
@@ -78,6 +79,18 @@ class Setup:
 
     def host_info(self) -> HostInfo:
         return probe_host(self.sysfs)
+
+    def memcg_events(self) -> PressureLevels:
+        """cgroup v1 pressure notifications on the fake tree: the root memcg and kubelet's tier
+        cgroups get ``memory.pressure_level`` and ``cgroup.event_control`` as plain files, so a
+        registration is taken and never signalled (the test signals it)."""
+        for rel in ("", "kubepods", "kubepods/burstable"):
+            d = self.host.cg("memory", rel)
+            (d / "memory.pressure_level").write_text("")
+            (d / "cgroup.event_control").write_text("")
+        info = self.host_info()
+        assert info.memcg.pressure_level
+        return PressureLevels(lambda: self.cfg, self.publisher, self.sysfs, info)
 
     def loop(self) -> DetectorsLoop:
         return DetectorsLoop(lambda: self.cfg, self.publisher, self.state, self.sysfs,

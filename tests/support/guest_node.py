@@ -120,16 +120,21 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
+def pod_infos(uid: str, level: str, cid: str, cgroups_path: str, request: int | None = None
+              ) -> tuple[list[PodInfo], list[ContainerInfo]]:
+    """One pod at QoS ``level`` with one container at ``cgroups_path`` (as :meth:`Node.container`
+    gives it), as the runtime reports them (``request``: the container's memory request in
+    bytes)."""
+    return ([PodInfo(id="sandbox", uid=uid, name="pod", namespace="test",
+                     cgroup_parent=cgroups_path.rsplit("/", 1)[0],
+                     annotations={"qos.nri-qos.io/level": level})],
+            [ContainerInfo(id=cid, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
+                           memory_request=request)])
+
+
 def one_pod(uid: str, level: str, cid: str, cgroups_path: str,
             request: int | None = None) -> NodeState:
-    """The node state of one pod at QoS ``level`` with one container at ``cgroups_path`` (as
-    :meth:`Node.container` gives it), as the runtime reports them (``request``: the container's
-    memory request in bytes)."""
+    """The node state of that one pod (:func:`pod_infos`)."""
     state = NodeState()
-    state.replace_all(
-        [PodInfo(id="sandbox", uid=uid, name="pod", namespace="test",
-                 cgroup_parent=cgroups_path.rsplit("/", 1)[0],
-                 annotations={"qos.nri-qos.io/level": level})],
-        [ContainerInfo(id=cid, pod_sandbox_id="sandbox", name="c", cgroups_path=cgroups_path,
-                       memory_request=request)])
+    state.replace_all(*pod_infos(uid, level, cid, cgroups_path, request))
     return state

@@ -238,6 +238,17 @@ async def fake_free(directory: Path, kubeconfig: Path) -> Onset:
 
 # -- the real kernel ------------------------------------------------------------------------------
 
+def pressure(worker: Worker, command: str) -> Callable[[], Awaitable[float | None]]:
+    """A start for :func:`one_onset`: the pressure worker's ``command``, whose onset (the first
+    charge that hits the limit) it returns in seconds of the monotonic clock."""
+    async def start() -> float | None:
+        answer = await asyncio.to_thread(worker.ask, command)
+        onset = answer["onset"]
+        return None if onset is None else onset / 1e9
+
+    return start
+
+
 async def real(directory: Path, kubeconfig: Path, data: Path, *, dirty: bool,
                seconds: float = 0.6, node_signals: str | None = None, **detection: Any) -> Onset:
     """One onset on the real kernel: ``seconds`` of pressure from the moment the limit is hit
@@ -246,16 +257,10 @@ async def real(directory: Path, kubeconfig: Path, data: Path, *, dirty: bool,
     try:
         memcg, _ = root.container("besteffort", "77777777-0000-4000-8000-000000000007", "d" * 64)
         worker: Worker = root.spawn_worker(memcg)
-
-        async def start() -> float | None:
-            command = (f"dirty {directory / 'dirty.bin'} {seconds} 256" if dirty
-                       else f"read {data} {seconds}")
-            answer = await asyncio.to_thread(worker.ask, command)
-            onset = answer["onset"]
-            return None if onset is None else onset / 1e9
-
+        command = (f"dirty {directory / 'dirty.bin'} {seconds} 256" if dirty
+                   else f"read {data} {seconds}")
         return await one_onset(agent_config(root.root, kubeconfig, node_signals=node_signals,
-                                            **detection), start)
+                                            **detection), pressure(worker, command))
     finally:
         root.close()
 
@@ -268,14 +273,8 @@ async def online(directory: Path, kubeconfig: Path, **detection: Any) -> Onset:
         cgroup, cgroups_path = node.container("burstable", ONLINE_UID, cid)
         (cgroup / "memory.max").write_text(str(64 * MIB))
         worker = node.worker(cgroup, cgroup)
-
-        async def start() -> float | None:
-            answer = await asyncio.to_thread(worker.ask,
-                                             f"dirty {directory / 'online.bin'} 6.0 256")
-            onset = answer["onset"]
-            return None if onset is None else onset / 1e9
-
-        return await one_onset(agent_config(Path("/"), kubeconfig, **detection), start,
+        return await one_onset(agent_config(Path("/"), kubeconfig, **detection),
+                               pressure(worker, f"dirty {directory / 'online.bin'} 6.0 256"),
                                known=pod_infos(ONLINE_UID, "shared_cores", cid, cgroups_path,
                                                32 * MIB))
     finally:

@@ -25,7 +25,7 @@ from reconciler.detection import detectors as d
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
 from reconciler.detection.parse import ParseError
 from reconciler.detection.publisher import Publisher
-from reconciler.detection.sections import DetectionSections, active, period
+from reconciler.detection.sections import DetectionSections, active, paced, period
 from reconciler.detection.signals import NODE, Level, tier_scope
 from reconciler.host.cgroups import BURSTABLE, GUARANTEED
 from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, PsiWatch
@@ -179,11 +179,9 @@ class PressureLevels:
         """``interval_s`` while a memcg pressure level is held or being entered, so that it is
         left on time after its cooldown; ``quiet_interval_s`` otherwise, when a tick would only
         give quiet samples to readings that are quiet already."""
-        self._quiet = (active(cfg, PRESSURE_LEVEL)
-                       and not self._publisher.engaged((PRESSURE_LEVEL,)))
-        if self._quiet:
-            return max(cfg.detection.interval_s, cfg.detection.quiet_interval_s)
-        return period(cfg, PRESSURE_LEVEL)
+        seconds, self._quiet = paced(cfg, (PRESSURE_LEVEL,),
+                                     calm=not self._publisher.engaged((PRESSURE_LEVEL,)))
+        return seconds
 
     def _register(self, loop: asyncio.AbstractEventLoop, mode: str) -> None:
         """Register on each target that exists and is not registered yet (kubelet may create

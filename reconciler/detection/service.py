@@ -52,7 +52,7 @@ from reconciler.detection.notified import NodePsi, PressureLevels
 from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.publisher import Publisher
-from reconciler.detection.sections import DetectionSections, active, period
+from reconciler.detection.sections import DetectionSections, active, paced
 from reconciler.detection.signals import NODE, Board, numa_scope, pod_scope
 from reconciler.host.cgroups import BESTEFFORT
 from reconciler.host.numa import (
@@ -151,12 +151,9 @@ class DetectorsLoop(Loop):
                                       "system_free covers the machine")
 
     def interval(self) -> float:
-        cfg = self._config()
-        self._quiet = (any(active(cfg, name) for name in PERIODIC)
-                       and not self._publisher.engaged(PRESSURE))
-        if self._quiet:
-            return max(cfg.detection.interval_s, cfg.detection.quiet_interval_s)
-        return period(cfg, *PERIODIC)
+        seconds, self._quiet = paced(self._config(), PERIODIC,
+                                     calm=not self._publisher.engaged(PRESSURE))
+        return seconds
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A level entered on another path (the node's PSI, a memcg pressure event) while the

@@ -80,16 +80,19 @@ class NumaBalanceConfig:
     enabled: bool = setting(
         True, "Move reclaimed pods' memory off a NUMA node under its watermark onto the node "
         "with most headroom, in bounded steps (cgroup v2).")
-    interval_s: float = setting(1.0, "Period of the balancing loop while a NUMA node is under "
-                                "its watermark (once a minute where there is nothing to "
-                                "balance: cgroup v1, one NUMA node).",
+    interval_s: float = setting(1.0, "Period of the balancing loop while it moves memory: a "
+                                "NUMA node under its watermark, another with room for a step "
+                                "and a reclaimed pod on the first (once a minute where there "
+                                "is nothing to balance: cgroup v1, one NUMA node).",
                                 unit="seconds",
                                 minimum=0.1, maximum=3600)
     quiet_interval_s: float = setting(
-        5.0, "Period while no NUMA node is under its watermark or no reclaimed container runs "
-        "(never shorter than interval_s): the nodes' memory is not read every second for "
-        "nothing. A node that falls under its watermark starts moving within this; sudden "
-        "pressure is detection's and the ladder's to answer, and steps are rate-limited anyway.",
+        5.0, "Period while there is no step to take (never shorter than interval_s): no NUMA "
+        "node under its watermark, none with room for a step (every node short, as on a busy "
+        "node whose page cache fills its memory), no reclaimed pod on the node under it, or no "
+        "reclaimed container at all. The nodes' memory is not read every second for nothing; "
+        "a node that falls under its watermark starts moving within this; sudden pressure is "
+        "detection's and the ladder's to answer, and steps are rate-limited anyway.",
         unit="seconds", minimum=0.1, maximum=3600)
     step_bytes: int = setting(
         64 * MIB, "Most memory one step moves.", unit="bytes", minimum=PAGE_SIZE,
@@ -155,8 +158,6 @@ class Decision:
     step: Step | None
     reason: str
     retry_at: float | None = None
-    quiet: bool = False
-    """No node is under its watermark."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +187,7 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Callable[[], Sequence[Candi
             for n in nodes}
     hot_nodes = sorted((r, n) for n, r in room.items() if r < 0)
     if not hot_nodes:
-        return Decision(None, "no NUMA node is under its watermark", quiet=True)
+        return Decision(None, "no NUMA node is under its watermark")
     cool = max(room, key=lambda n: (room[n], -n))
     if room[cool] <= 0:
         return Decision(None, "no NUMA node has headroom")
@@ -304,7 +305,11 @@ class NumaBalanceLoop(Loop):
             step_bytes=balance.step_bytes, rate_bytes_per_s=balance.rate_bytes_per_s,
             last=self._last, now=clock, min_step_bytes=balance.min_step_bytes)
         if decision.step is None:
-            self._quiet = decision.quiet
+            # No step, and none waiting for the rate limit: what would allow one (room on
+            # another node, a reclaimed pod on the hot one) comes slowly or is the ladder's to
+            # make. Every node short is a busy node's usual state (its page cache fills its
+            # memory): looking every second read the nodes' memory each second for nothing.
+            self._quiet = decision.retry_at is None
             self._idle(decision.retry_at, decision.reason)
             return
         self._retry_at = decision.retry_at

@@ -244,6 +244,32 @@ def test_the_configured_smallest_step_holds_steps_back_while_the_cool_node_is_sh
     assert [c[3] for c in mover.calls] == [32 * MIB]
 
 
+def test_while_no_step_can_be_taken_the_loop_looks_every_quiet_interval(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    mover = FakeMover(stat_of(host, offline))
+    loop = loop_of(cfg, state, sysfs, sink, mover)
+    four = 4 * GIB  # every node's watermark
+    cases = {
+        # every node short, as on a busy node whose page cache fills its memory
+        "no NUMA node has headroom": [(3 * GIB, 64 * GIB, LOW), (four, 64 * GIB, LOW)],
+        # half of node 1's room, 16 MiB less half a page, is under the 16 MiB smallest step
+        "half of it is under a step": [(3 * GIB, 64 * GIB, LOW),
+                                       (four + 32 * MIB - 4096, 64 * GIB, LOW)],
+        # node 1 is the hot one, and the reclaimed pod holds nothing there
+        "no reclaimed pod holds memory": [(20 * GIB, 64 * GIB, LOW), (3 * GIB, 64 * GIB, LOW)],
+    }
+    for at, (why, nodes) in enumerate(cases.items()):
+        host.set_numa(nodes)
+        loop.cycle(float(at))
+        assert mover.calls == []
+        assert loop.interval() == 5.0, why
+    # room for the smallest step: a step, and the busy period again
+    host.set_numa([(3 * GIB, 64 * GIB, LOW), (four + 32 * MIB, 64 * GIB, LOW)])
+    loop.cycle(3.0)
+    assert [c[3] for c in mover.calls] == [16 * MIB]
+    assert loop.interval() == 1.0
+
+
 def test_dry_run_audits_the_step_once_and_changes_nothing(tmp_path: Path) -> None:
     host, offline, _, cfg, sysfs, sink, state = setup(tmp_path, dry_run=True)
     mover = FakeMover(stat_of(host, offline))

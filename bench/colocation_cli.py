@@ -135,10 +135,11 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
     peak = anon_peak_mib(anon, grow, task, duration)
     sized, room = default_input_mib(allocatable, held, peak, scenario.offline_pods,
                                     scenario.input_share)
-    input_mib = args.offline_input_mib or sized
+    input_mib = args.offline_input_mib or scenario.input_mib or sized
+    source = ("given" if args.offline_input_mib else "the scenario's" if scenario.input_mib
+              else f"{scenario.input_share:g} x the room")
     fits = input_mib <= room
-    how = (f"offline data set {input_mib} MiB "
-           f"({'given' if args.offline_input_mib else f'{scenario.input_share:g} x the room'}): "
+    how = (f"offline data set {input_mib} MiB ({source}): "
            f"kubepods {allocatable} MiB less the online pod (~{held} MiB) and the offline "
            f"pods' anonymous peaks ({scenario.offline_pods} x ~{peak} MiB) leaves {room} MiB, "
            f"so it {'fits unmanaged' if fits else 'does not fit even unmanaged (it streams)'}; "

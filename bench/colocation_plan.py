@@ -55,6 +55,9 @@ class Scenario:
     # The default offline data set, as a share of the room the node leaves the offline job
     # unmanaged (below 1: it fits there; above 1: it streams through the page cache).
     input_share: float = 0.8
+    # A data set of this size instead (MiB; 0: ``input_share`` of the room), for a node that
+    # leaves the offline job no room at all.
+    input_mib: int = 0
 
 
 SCENARIOS = {s.name: s for s in (
@@ -76,6 +79,11 @@ SCENARIOS = {s.name: s for s in (
     Scenario("anon-online", "the online pod's working set is mostly anonymous (384 MiB per "
              "process, 32 MiB of files)", 4096, True, online_anon_mib=384,
              online_files_mib=32),
+    Scenario("held-anon", "the offline job takes 3000 MiB of anonymous memory in its first "
+             "seconds and keeps it, beside the online pod's 640 MiB of files: more than the node "
+             "has, so the kernel can only reclaim page cache, the online pod's included", 4096,
+             True, online_files_mib=640, offline_anon_mib=3000, offline_grow_mib_s=256.0,
+             offline_task_s=1e9, input_mib=400),
 )}
 
 

@@ -391,6 +391,11 @@ def test_every_scenario_makes_settings() -> None:
     streaming, how = settings_from(args_for("--scenario", "streaming"), 3900, v2=False)
     assert streaming.offline_anon_mib == 0
     assert "does not fit even unmanaged" in how
+    held, how = settings_from(args_for("--scenario", "held-anon"), 3900, v2=True)
+    assert (held.offline_input_mib, held.offline_anon_mib) == (400, 3000)
+    assert held.online_files_mib == 640
+    assert "400 MiB (the scenario's)" in how
+    assert "does not fit even unmanaged" in how
     given, how = settings_from(args_for("--offline-input-mib", "500", "--online-rps", "0"),
                                23 * 1024, v2=False)
     assert (given.offline_input_mib, given.online_rps) == (500, 0.0)

@@ -47,6 +47,7 @@ from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
+from reconciler.host.watermarks import Watermarks
 from reconciler.kube import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
@@ -206,6 +207,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         notes = state_file(cfg.reconciler.state_dir)
         # One parse of the node state's containers for the loops, detection and the actions.
         managed = ManagedCache()
+        # One reading of the zones' watermarks, aged, for detection and the loops alike.
+        watermarks = Watermarks(sysfs)
         # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
@@ -218,9 +221,9 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                                       metrics=reconciler_metrics, notes=notes)
         services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
                                     squeeze, reconciler_metrics, tracker, managed, notes,
-                                    mitigation.engaged))
+                                    mitigation.engaged, watermarks))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
-                                  managed=managed).run)
+                                  managed=managed, watermarks=watermarks).run)
         services.append(evictor.run)
         services.append(mitigation.run)
     elif run_background:
@@ -285,13 +288,13 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
                 resctrl: ResctrlFs | None, audit: AuditLog, api: Api | None, node: str,
                 squeeze: GuardSqueeze, metrics: ReconcilerMetrics, tracker: LoopTracker,
                 managed: ManagedCache, notes: StateFile,
-                ladder_engaged: Callable[[], bool]) -> Service:
+                ladder_engaged: Callable[[], bool], watermarks: Watermarks) -> Service:
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         watcher = None if api is None else PodWatcher(api, cfg.kubernetes, node)
         loops = build_loops(lambda: store.current, state, sysfs, host, resctrl, audit, squeeze,
                             metrics, managed=managed, notes=notes,
-                            ladder_engaged=ladder_engaged)
+                            ladder_engaged=ladder_engaged, watermarks=watermarks)
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,

@@ -26,6 +26,7 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
+from reconciler.host.watermarks import Watermarks
 from reconciler.kube import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache, requested_outside
@@ -70,27 +71,34 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                 metrics: ReconcilerMetrics | None = None, *,
                 managed: ManagedCache | None = None,
                 notes: StateFile | None = None,
-                ladder_engaged: Callable[[], bool] = lambda: False) -> list[Loop]:
+                ladder_engaged: Callable[[], bool] = lambda: False,
+                watermarks: Watermarks | None = None) -> list[Loop]:
     """The loops for this host; features switched off in the config idle inside their loop, so a
     reload can switch them on again. The resctrl loop needs a usable resctrl mount. ``squeeze``:
     the mitigation ladder's handle on the memory guard. ``managed``: the running containers'
     cache, one for every loop (and whatever else reads the same node state); a new one when
     None. ``notes``: the agent's state file (what to restore). ``ladder_engaged``: whether the
-    mitigation ladder has a rung engaged (offloading holds off meanwhile)."""
+    mitigation ladder has a rung engaged (offloading holds off meanwhile). ``watermarks``: the
+    zones' low watermarks, one aged reading for the loops and detection (a new one when
+    None)."""
     layout = host.cgroup
     log.info("reconciler_cgroup_layout", version=layout.version, driver=layout.driver,
              root=host.root)
     if managed is None:
         managed = ManagedCache()
+    if watermarks is None:
+        watermarks = Watermarks(sysfs)
     loops: list[Loop] = [
         DriftLoop(config, state, sysfs, layout, host.memory_total_bytes, audit=audit,
                   managed=managed, notes=notes),
         MemoryGuardLoop(config, sysfs, layout, audit, squeeze, metrics, notes,
                         requests=lambda: requested_outside(managed.get(state.snapshot()),
-                                                           BESTEFFORT)),
-        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes),
+                                                           BESTEFFORT),
+                        watermarks=watermarks),
+        NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
+                        watermarks=watermarks),
         NumaBalanceLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
-                        metrics=metrics),
+                        metrics=metrics, watermarks=watermarks),
         OffloadLoop(config, state, sysfs, host, audit, ladder_engaged=ladder_engaged,
                     managed=managed, metrics=metrics),
     ]

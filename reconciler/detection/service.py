@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 
@@ -59,16 +58,10 @@ from reconciler.host.numa import (
     MEMINFO,
     NODE_DIR,
     VMSTAT,
-    WATERMARK_SCALE_FACTOR,
-    ZONEINFO,
-    NumaFormatError,
-    node_ids,
-    node_lows,
-    parse_zoneinfo,
 )
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
-from reconciler.host.values import PAGE_SIZE
+from reconciler.host.watermarks import Reading, Watermarks
 from reconciler.loops.base import Loop, run_loop
 from reconciler.loops.common import ManagedCache
 
@@ -87,41 +80,6 @@ ONLINE_LEVELS = frozenset({QosLevel.DEDICATED_CORES, QosLevel.SHARED_CORES,
 RSS_LEVELS = frozenset({QosLevel.SHARED_CORES, QosLevel.RECLAIMED_CORES})
 
 
-WATERMARKS_MAX_AGE_S = 60.0
-"""How long the zones' low watermarks, ``vm.watermark_scale_factor`` and the NUMA node list are
-used before they are read again. They change when an operator writes ``vm.min_free_kbytes`` or
-``vm.watermark_scale_factor``, when memory is hot-plugged, and briefly while the kernel boosts
-the watermarks after fragmentation; ``/proc/zoneinfo`` is the costliest file the detectors read
-(each CPU's pagesets: 132 KiB on a 192-CPU server), and its free pages, the figures in it that
-move every second, come from meminfo instead."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Watermarks:
-    """What both free-memory detectors compare free memory with, as read at ``at``: the zones'
-    low watermarks in bytes per NUMA node (None: ``problem`` says why), ``watermark_scale_factor``
-    (None: missing) and the NUMA nodes in sysfs."""
-
-    at: float
-    lows: Mapping[int, int] | None
-    problem: str
-    watermark_scale_factor: str | None
-    nodes: tuple[int, ...]
-
-    @staticmethod
-    def read(sysfs: SysFs, at: float) -> _Watermarks:
-        text = sysfs.read(ZONEINFO)
-        lows: dict[int, int] | None = None
-        problem = f"{ZONEINFO} is missing"
-        if text is not None:
-            try:
-                lows, problem = node_lows(parse_zoneinfo(text), PAGE_SIZE), ""
-            except NumaFormatError as exc:
-                problem = str(exc)
-        return _Watermarks(at, lows, problem, sysfs.read(WATERMARK_SCALE_FACTOR),
-                           tuple(node_ids(sysfs)))
-
-
 class DetectorsLoop(Loop):
     """The detectors that read files every ``detection.interval_s``."""
 
@@ -129,10 +87,12 @@ class DetectorsLoop(Loop):
 
     def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
                  state: NodeState, sysfs: SysFs, host: HostInfo, *,
-                 audit: AuditLog | None = None, managed: ManagedCache | None = None) -> None:
+                 audit: AuditLog | None = None, managed: ManagedCache | None = None,
+                 watermarks: Watermarks | None = None) -> None:
         """``audit`` receives an ``annotation_ignored`` record per pod and unusable RSS factor
         annotation (without it the log has them); ``managed``: the running containers' cache
-        the loops share (a new one when None)."""
+        the loops share (a new one when None); ``watermarks``: the zones' low watermarks as the
+        agent's loops share them (None: this loop's own)."""
         self._config = config
         self._audit = audit
         self._publisher = publisher
@@ -142,7 +102,7 @@ class DetectorsLoop(Loop):
         self._reclaim: deque[d.Reclaim] = deque()
         self._pod_stalls: dict[str, d.Stall] = {}
         self._said: set[str] = set()
-        self._marks: _Watermarks | None = None
+        self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._factor_problems: dict[str, str] = {}
         # Whether the loop waits out its quiet period (read from the publishing threads).
         self._quiet = False
@@ -171,8 +131,8 @@ class DetectorsLoop(Loop):
         self._quiet = False
         cfg = self._config()
         runs: list[tuple[str, Callable[[DetectionConfig, float], None]]] = [
-            (SYSTEM_FREE, lambda c, t: self._system_free(c, t, self._watermarks(t))),
-            (NUMA_FREE, lambda c, t: self._numa_free(c, t, self._watermarks(t))),
+            (SYSTEM_FREE, lambda c, t: self._system_free(c, t, self._watermarks.at(t))),
+            (NUMA_FREE, lambda c, t: self._numa_free(c, t, self._watermarks.at(t))),
             (KSWAPD, self._kswapd), (RSS_OVERUSE, self._rss_overuse),
             (FULFILLMENT, self._fulfillment), (PSI, self._pod_psi),
         ]
@@ -193,16 +153,7 @@ class DetectorsLoop(Loop):
             self._said.add(key)
             log.info("detector_unavailable", detector=key, reason=message)
 
-    def _watermarks(self, now: float) -> _Watermarks:
-        """Read at most once per cycle, and again only after ``WATERMARKS_MAX_AGE_S`` (at the
-        next cycle while they could not be read)."""
-        marks = self._marks
-        if marks is None or (marks.lows is None and marks.at != now) or not (
-                0 <= now - marks.at < WATERMARKS_MAX_AGE_S):
-            marks = self._marks = _Watermarks.read(self._sysfs, now)
-        return marks
-
-    def _system_free(self, cfg: DetectionConfig, now: float, marks: _Watermarks) -> None:
+    def _system_free(self, cfg: DetectionConfig, now: float, marks: Reading) -> None:
         meminfo = self._sysfs.read(MEMINFO)
         if meminfo is None or marks.lows is None:
             sample = d.unknown(SYSTEM_FREE, NODE, f"{MEMINFO} is missing" if meminfo is None
@@ -213,7 +164,7 @@ class DetectorsLoop(Loop):
                                    now)
         self._publisher.offer(SYSTEM_FREE, [sample])
 
-    def _numa_free(self, cfg: DetectionConfig, now: float, marks: _Watermarks) -> None:
+    def _numa_free(self, cfg: DetectionConfig, now: float, marks: Reading) -> None:
         nodes = marks.nodes
         if not nodes or not self._host.numa_view.consistent:
             if not nodes:
@@ -313,10 +264,11 @@ class Detection:
 
     def __init__(self, config: Callable[[], DetectionSections], board: Board, state: NodeState,
                  sysfs: SysFs, host: HostInfo, audit: AuditLog, *,
-                 managed: ManagedCache | None = None) -> None:
+                 managed: ManagedCache | None = None,
+                 watermarks: Watermarks | None = None) -> None:
         self.publisher = Publisher(board, audit, lambda: config().detection)
         self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host, audit=audit,
-                                      managed=managed)
+                                      managed=managed, watermarks=watermarks)
         self.node_psi = NodePsi(config, self.publisher, sysfs, host)
         self.pressure_levels = PressureLevels(config, self.publisher, sysfs, host)
         self._config = config

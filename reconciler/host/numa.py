@@ -199,12 +199,15 @@ def node_ids(sysfs: SysFs) -> list[int]:
 
 
 def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None,
-               ids: Sequence[int] | None = None) -> list[NumaNode]:
+               ids: Sequence[int] | None = None,
+               lows: Mapping[int, int] | None = None) -> list[NumaNode]:
     """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable.
     ``meminfo``: the text of ``/proc/meminfo`` when the caller has read it (None: read here
-    if needed); ``ids``: the nodes :func:`node_ids` gave the caller (None: listed here)."""
-    zoneinfo = sysfs.read(ZONEINFO)
-    lows: Mapping[int, int] = node_lows(parse_zoneinfo(zoneinfo), page_size) if zoneinfo else {}
+    if needed); ``ids``: the nodes :func:`node_ids` gave the caller (None: listed here);
+    ``lows``: the zones' low watermarks per node as the caller has them (None: read here)."""
+    if lows is None:
+        zoneinfo = sysfs.read(ZONEINFO)
+        lows = node_lows(parse_zoneinfo(zoneinfo), page_size) if zoneinfo else {}
     ids = node_ids(sysfs) if ids is None else ids
     nodes: list[NumaNode] = []
     if not ids:

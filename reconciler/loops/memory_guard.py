@@ -93,6 +93,7 @@ from reconciler.host.numa import (
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, parse_bytes, same_bytes
+from reconciler.host.watermarks import Watermarks
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.metrics import ReconcilerMetrics
 
@@ -274,7 +275,11 @@ class MemoryGuardLoop(Loop):
                  layout: CgroupLayout, audit: AuditLog,
                  squeeze: GuardSqueeze | None = None, metrics: ReconcilerMetrics | None = None,
                  notes: StateFile | None = None,
-                 requests: Callable[[], int] | None = None) -> None:
+                 requests: Callable[[], int] | None = None,
+                 watermarks: Watermarks | None = None) -> None:
+        """``watermarks``: the zones' low watermarks as the agent's loops share them (None:
+        this loop's own)."""
+        self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         # The memory requested by the pods outside the BestEffort tier (None: not known, no
         # floor from requests).
         self._requests = requests
@@ -338,7 +343,7 @@ class MemoryGuardLoop(Loop):
             return
         self._warned_missing = False
         meminfo = sysfs.read(MEMINFO)
-        nodes = read_nodes(sysfs, page, meminfo)
+        nodes = read_nodes(sysfs, page, meminfo, lows=self._watermarks.at(now).node_lows())
         usage = sysfs.read_int(f"{tier}/{'memory.current' if v2 else 'memory.usage_in_bytes'}")
         if not nodes or usage is None:
             return

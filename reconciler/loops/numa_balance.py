@@ -51,6 +51,7 @@ from reconciler.host.numa import NumaNode, node_ids, read_nodes
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list
+from reconciler.host.watermarks import Watermarks
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
@@ -230,7 +231,11 @@ class NumaBalanceLoop(Loop):
                  sysfs: SysFs, layout: CgroupLayout, audit: AuditLog, *,
                  managed: ManagedCache | None = None, notes: StateFile | None = None,
                  metrics: ReconcilerMetrics | None = None, mover: Mover | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 watermarks: Watermarks | None = None) -> None:
+        """``watermarks``: the zones' low watermarks as the agent's loops share them (None:
+        this loop's own)."""
+        self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._config = config
         self._state = state
         self._sysfs = sysfs
@@ -289,7 +294,8 @@ class NumaBalanceLoop(Loop):
             self._quiet = True
             self._idle(None, "no reclaimed container to move")
             return
-        nodes = read_nodes(self._sysfs, PAGE_SIZE, ids=ids)
+        nodes = read_nodes(self._sysfs, PAGE_SIZE, ids=ids,
+                           lows=self._watermarks.at(now).node_lows())
         if len(nodes) < 2:
             self._nothing_to_balance = True
             return

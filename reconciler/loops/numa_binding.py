@@ -34,6 +34,7 @@ from reconciler.host.numa import NumaNode, read_nodes
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list, same_id_list
+from reconciler.host.watermarks import Watermarks
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig
@@ -121,7 +122,11 @@ class NumaBindingLoop(Loop):
 
     def __init__(self, config: Callable[[], NumaBindingSections], state: NodeState, sysfs: SysFs,
                  layout: CgroupLayout, audit: AuditLog, *,
-                 managed: ManagedCache | None = None, notes: StateFile | None = None) -> None:
+                 managed: ManagedCache | None = None, notes: StateFile | None = None,
+                 watermarks: Watermarks | None = None) -> None:
+        """``watermarks``: the zones' low watermarks as the agent's loops share them (None:
+        this loop's own)."""
+        self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._notes = notes if notes is not None else StateFile(None)
         self._was_held = False
         self._config = config
@@ -153,7 +158,7 @@ class NumaBindingLoop(Loop):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_NOTES, path)
         balancing = cfg.numa_balance.enabled and self._layout.v2
-        nodes = read_nodes(self._sysfs, PAGE_SIZE)
+        nodes = read_nodes(self._sysfs, PAGE_SIZE, lows=self._watermarks.at(now).node_lows())
         if len(nodes) < 2:
             return
         guard = cfg.memory_guard

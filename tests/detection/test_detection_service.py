@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from common.audit import AuditLog
 from reconciler.detection.detectors import RECLAIMED_TIER
 from reconciler.detection.notified import NodePsi
-from reconciler.detection.service import WATERMARKS_MAX_AGE_S, Detection, DetectorsLoop
+from reconciler.detection.service import Detection, DetectorsLoop
 from reconciler.detection.signals import (
     NODE,
     Level,
@@ -25,6 +25,7 @@ from reconciler.detection.signals import (
     pod_scope,
     tier_scope,
 )
+from reconciler.host.watermarks import MAX_AGE_S
 from tests.support.counting import CountingSysFs
 from tests.support.detection_env import Setup, uid
 from tests.support.fakesys import GIB, MIB, PAGE
@@ -48,7 +49,7 @@ def test_free_memory_levels_need_two_samples(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("disabled", [(), ("system_free",), ("numa_free",)])
 def test_watermarks_are_read_once_a_minute(tmp_path: Path, disabled: tuple[str, ...]) -> None:
-    assert WATERMARKS_MAX_AGE_S == 60.0
+    assert MAX_AGE_S == 60.0
     s = Setup(tmp_path, disabled=disabled)
     counting = CountingSysFs(tmp_path, AuditLog(s.sink))
     loop = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())

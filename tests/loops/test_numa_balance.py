@@ -182,7 +182,14 @@ def test_on_a_node_nothing_presses_no_containers_memory_is_read(tmp_path: Path) 
     loop.cycle(0.0)
     assert sysfs.reads
     assert not [p for p in sysfs.reads if "numa_stat" in p or "cpuset" in p]
-    assert sysfs.listed == {"/sys/devices/system/node": 1}  # the nodes listed once a cycle
+    # the nodes listed once a cycle; the zones' watermarks read (and the nodes listed with
+    # them) once a minute
+    assert sysfs.listed == {"/sys/devices/system/node": 2}
+    assert sysfs.reads["/proc/zoneinfo"] == 1
+    sysfs.clear()
+    loop.cycle(0.5)
+    assert sysfs.listed == {"/sys/devices/system/node": 1}
+    assert "/proc/zoneinfo" not in sysfs.reads
     host.set_numa([(3 * GIB, 64 * GIB, LOW), (20 * GIB, 64 * GIB, LOW)])
     loop.cycle(1.0)
     assert [p for p in sysfs.reads if p.endswith("/memory.numa_stat")]

@@ -138,13 +138,16 @@ def timeline(records: Sequence[tuple[float, str, dict[str, Any]]], start: float,
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) of sorted ``values``, linearly interpolated."""
+    """The q-quantile (0..1) of sorted ``values``, linearly interpolated; infinite values (a
+    repetition whose requests went unanswered) stay infinite rather than make a NaN."""
     if not values:
         return math.nan
     position = q * (len(values) - 1)
     low = math.floor(position)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (position - low)
+    lower, upper = values[low], values[min(low + 1, len(values) - 1)]
+    if position == low or lower == upper:
+        return lower
+    return lower + (upper - lower) * (position - low)
 
 
 def mean(values: Sequence[float | None]) -> float | None:

@@ -7,6 +7,7 @@ controller."""
 from __future__ import annotations
 
 import array
+import dataclasses
 import itertools
 import json
 import math
@@ -43,6 +44,7 @@ from bench.colocation_report import (
     as_json,
     final_line,
     from_json,
+    intervals,
     merge_progress,
     percentile,
     read_latencies,
@@ -261,6 +263,23 @@ def test_the_last_line() -> None:
         "static=700 agent=900")
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
     assert percentile([], 0.99) != percentile([], 0.99)  # NaN: nothing measured
+
+
+def test_repetitions_with_unanswered_requests_give_an_ordered_interval() -> None:
+    inf = math.inf
+    # a repetition whose service missed requests has an infinite p99: no NaN from it
+    assert percentile([1.0, 2.0, inf], 0.5) == 2.0
+    assert percentile([1.0, inf, inf], 0.5) == inf
+    assert percentile([1.0, 3.0, inf, inf], 0.5) == inf
+    assert percentile([1.0, 3.0, 5.0, inf], 0.5) == 4.0
+    reps: list[Repetition] = []
+    for index, missed in enumerate((0, 0, 0, 0, 0, 300, 300, 300)):
+        one = rep("static", [1.0] * 100, 10.0)
+        reps.append(dataclasses.replace(one, index=index, service_ms=[50.0 + index] * 1000,
+                                        service_missed=missed))
+    low, high = intervals(reps, seed=3)["static"]["p99"]
+    assert 50.0 <= low <= high
+    assert high == inf  # 3 of 8 infinite: a resample's median can be too
 
 
 # -- the baselines and the method (bench/baselines.py) -----------------------------------------

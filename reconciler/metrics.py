@@ -162,7 +162,7 @@ class ReconcilerMetrics:
 
     def drop_cache(self, result: str, freed_bytes: int) -> None:
         """One drop-cache action ended with ``result`` (a fixed word such as ``done``,
-        ``timeout``, ``failed``) after freeing ``freed_bytes``."""
+        ``short``, ``timeout``, ``failed``) after freeing ``freed_bytes``."""
         self._drop_cache_runs.labels(result).inc()
         if freed_bytes > 0:
             self._drop_cache_freed.inc(freed_bytes)

@@ -44,6 +44,12 @@ from reconciler.mitigation.config import DropCacheRung
 
 log = structlog.get_logger("nri_qos.mitigation")
 
+SHORT = "short"
+"""A drop the kernel made less than asked: cgroup v2's ``memory.reclaim`` answers EAGAIN when it
+reclaimed less than the amount written (the pod's page cache is shared memory, which cannot go
+without swap, or it refilled meanwhile). What could go went, so the ladder counts it as done
+rather than try again at once; its record says ``short`` and what was freed."""
+
 
 def drop_file(host: HostInfo) -> str:
     return "memory.reclaim" if host.cgroup.v2 else "memory.force_empty"
@@ -161,10 +167,12 @@ class DropCacheAction:
         freed = sum(max(x.freed_bytes, 0) for x in drops)
         results = {x.result for x in drops}
         summary = f"{len(drops)} pod(s), {freed} B freed"
-        if results == {DONE}:
-            return Result(DONE, summary)
+        if results <= {DONE, SHORT}:
+            short = sum(x.result == SHORT for x in drops)
+            return Result(DONE, f"{summary}; {short} short of the amount asked" if short
+                          else summary)
         failed = "; ".join(f"{x.pod_uid}: {x.result} {x.detail}" for x in drops
-                           if x.result != DONE)
+                           if x.result not in (DONE, SHORT))
         return Result(TIMEOUT if TIMEOUT in results and len(results) == 1 else FAILED,
                       f"{summary}; {failed}")
 
@@ -195,6 +203,8 @@ class DropCacheAction:
             result = {Outcome.WRITTEN: DONE, Outcome.TIMEOUT: TIMEOUT}.get(outcome, FAILED)
             if outcome is Outcome.GONE:
                 result = SKIPPED
+            elif outcome is Outcome.FAILED and self._v2 and error.startswith("EAGAIN"):
+                result = SHORT
             self._audit.record("drop_cache_finished", path=path, duration_s=duration,
                                result=result, pod_uid=pod.uid, usage_before_bytes=before,
                                usage_after_bytes=after, freed_bytes=freed, error=error or None)

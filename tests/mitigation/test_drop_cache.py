@@ -175,6 +175,42 @@ async def test_a_refused_write_is_audited_with_its_error(v2: Tree) -> None:
     assert finished["error"] == "EISDIR: Is a directory"
 
 
+async def test_a_reclaim_the_kernel_makes_short_is_done_not_failed(
+        v2: Tree, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = v2.pod("shm", "reclaimed_cores", 300 * MIB)
+    action, _ = v2.action()
+
+    def short(path: str, value: str, timeout_s: float, nice: int = 0) -> tuple[Outcome, str]:
+        (v2.host.root / path.lstrip("/")).parent.joinpath("memory.current").write_text(
+            f"{200 * MIB + MIB}\n")  # 100 MiB of the 300 went
+        return Outcome.FAILED, "EAGAIN: Resource temporarily unavailable"
+
+    monkeypatch.setattr(v2.sysfs, "write_bounded", short)
+    result = await action.engage(CAUSE, dry_run=False)
+    action.close()
+    # what could go went: the ladder does not try again at once
+    assert result.result == "done"
+    assert result.detail.endswith("1 short of the amount asked")
+    [finished] = v2.sink.named("drop_cache_finished")
+    assert (finished["result"], finished["freed_bytes"]) == ("short", 100 * MIB)
+    assert finished["path"].endswith(f"{d.name}/memory.reclaim")
+    assert v2.metrics.registry.get_sample_value("nri_qos_drop_cache_runs_total",
+                                                {"result": "short"}) == 1.0
+
+
+async def test_eagain_from_force_empty_is_a_failure(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    v1 = Tree(tmp_path, 1)
+    v1.pod("old", "reclaimed_cores", 300 * MIB)
+    action, _ = v1.action()
+    monkeypatch.setattr(v1.sysfs, "write_bounded",
+                        lambda *_a, **_k: (Outcome.FAILED, "EAGAIN: Resource temporarily "
+                                                          "unavailable"))
+    result = await action.engage(CAUSE, dry_run=False)
+    action.close()
+    assert result.result == "failed"  # v1's force_empty promises no amount: nothing is short
+
+
 async def test_a_pod_gone_meanwhile_is_skipped(v2: Tree) -> None:
     d = v2.pod("gone", "reclaimed_cores", 300 * MIB)
     action, _ = v2.action()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,35 @@ def test_memory_reclaim_frees_the_offline_pods_cache_only(node: Node, tmp_path: 
     assert finished["freed_bytes"] >= 80 * MIB
     assert metrics.registry.get_sample_value("nri_qos_drop_cache_freed_bytes_total") == (
         finished["freed_bytes"])
+
+
+def test_shared_memory_makes_a_short_drop_not_a_failed_one(node: Node) -> None:
+    """Shared memory counts in v2's ``file`` but cannot go without swap (the guest has none):
+    ``memory.reclaim`` answers EAGAIN for an amount it cannot reclaim, and the drop is short,
+    which the ladder counts as done (a failed one it would try again)."""
+    shm = Path("/dev/shm") / f"nri-qos-drop-{os.getpid()}"
+    shm.mkdir()
+    try:
+        offline, cgroups_path = cached_pod(node, OFFLINE, "besteffort", "s" * 64, 64, shm)
+        assert memory_stat(offline)["shmem"] >= 60 * MIB
+        state = NodeState()
+        state.replace_all([claiming_pod(OFFLINE, "besteffort", "reclaimed_cores")],
+                          [ContainerInfo(id="s" * 64, pod_sandbox_id=f"sb-{OFFLINE}",
+                                         name="c", cgroups_path=cgroups_path)])
+        drop, sink, metrics = action(Config(), state)
+        try:
+            result = asyncio.run(drop.engage(Cause(Level.MEDIUM), dry_run=False))
+        finally:
+            drop.close()
+        [finished] = sink.named("drop_cache_finished")
+        assert finished["result"] == "short", (finished, drop_error(sink))
+        assert str(finished["error"]).startswith("EAGAIN"), finished
+        assert result.result == "done", result
+        assert memory_stat(offline)["shmem"] >= 60 * MIB  # it stays: nothing to swap it to
+        assert metrics.registry.get_sample_value("nri_qos_drop_cache_runs_total",
+                                                 {"result": "short"}) == 1.0
+    finally:
+        shutil.rmtree(shm)
 
 
 def test_a_reclaim_longer_than_its_timeout_is_killed(node: Node, tmp_path: Path) -> None:

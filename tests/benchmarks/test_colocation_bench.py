@@ -7,7 +7,6 @@ controller."""
 from __future__ import annotations
 
 import array
-import dataclasses
 import itertools
 import json
 import math
@@ -23,7 +22,6 @@ import pytest
 from bench.baselines import (
     MODES,
     block_order,
-    bootstrap_interval,
     memory_high,
     modes_for,
     static_limits,
@@ -44,7 +42,6 @@ from bench.colocation_report import (
     as_json,
     final_line,
     from_json,
-    intervals,
     merge_progress,
     percentile,
     read_latencies,
@@ -265,23 +262,6 @@ def test_the_last_line() -> None:
     assert percentile([], 0.99) != percentile([], 0.99)  # NaN: nothing measured
 
 
-def test_repetitions_with_unanswered_requests_give_an_ordered_interval() -> None:
-    inf = math.inf
-    # a repetition whose service missed requests has an infinite p99: no NaN from it
-    assert percentile([1.0, 2.0, inf], 0.5) == 2.0
-    assert percentile([1.0, inf, inf], 0.5) == inf
-    assert percentile([1.0, 3.0, inf, inf], 0.5) == inf
-    assert percentile([1.0, 3.0, 5.0, inf], 0.5) == 4.0
-    reps: list[Repetition] = []
-    for index, missed in enumerate((0, 0, 0, 0, 0, 300, 300, 300)):
-        one = rep("static", [1.0] * 100, 10.0)
-        reps.append(dataclasses.replace(one, index=index, service_ms=[50.0 + index] * 1000,
-                                        service_missed=missed))
-    low, high = intervals(reps, seed=3)["static"]["p99"]
-    assert 50.0 <= low <= high
-    assert high == inf  # 3 of 8 infinite: a resample's median can be too
-
-
 # -- the baselines and the method (bench/baselines.py) -----------------------------------------
 
 def test_modes_on_each_cgroup_version() -> None:
@@ -318,15 +298,6 @@ def test_blocks_hold_every_mode_once_in_a_seeded_order() -> None:
     assert order != block_order(MODES, 4, seed=8)
     # not one fixed order: the first place goes to more than one mode over the blocks
     assert len({next(m for m, b in order if b == block) for block in range(4)}) > 1
-
-
-def test_bootstrap_interval() -> None:
-    values = [10.0, 11.0, 12.0, 13.0, 30.0]
-    low, high = bootstrap_interval(values, lambda v: sorted(v)[len(v) // 2], seed=1)
-    assert min(values) <= low <= 12.0 <= high <= max(values)
-    assert bootstrap_interval([5.0] * 4, lambda v: sum(v) / len(v), seed=1) == (5.0, 5.0)
-    nothing = bootstrap_interval([], lambda v: 0.0, seed=1)
-    assert nothing[0] != nothing[0]  # NaN
 
 
 # -- the online service, the offline work, the scenarios ------------------------------------------

@@ -59,6 +59,12 @@ class Outcome(Enum):
     OBSERVED = "observed"
 
 
+def short_reclaim(outcome: Outcome, error: str) -> bool:
+    """A bounded write to cgroup v2's ``memory.reclaim`` that the kernel answered with EAGAIN:
+    it reclaimed less than the amount written, a short reclaim and not a fault."""
+    return outcome is Outcome.FAILED and error.startswith(errno.errorcode[errno.EAGAIN])
+
+
 OBSERVED_MEMORY = 4096
 """Files whose last observed value is kept to audit each observed write once: a node's
 containers' cgroup files fit, and past it the memory starts over rather than grow."""

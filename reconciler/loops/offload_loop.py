@@ -17,7 +17,7 @@ from common.state import NodeState
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import MEMINFO, meminfo_values
 from reconciler.host.probe import HostInfo
-from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.base import Loop
 from reconciler.loops.common import Managed, ManagedCache
@@ -196,8 +196,7 @@ class OffloadLoop(Loop):
         freed = _freed(before, after)
         result = {Outcome.WRITTEN: "done", Outcome.TIMEOUT: "timeout",
                   Outcome.GONE: "gone", Outcome.OBSERVED: "observed"}.get(outcome, "failed")
-        # The kernel answers EAGAIN when it reclaimed less than asked: a short step, not a fault.
-        if outcome is Outcome.FAILED and error.startswith("EAGAIN"):
+        if short_reclaim(outcome, error):
             result = "short"
         self._audit.record("offload_step", result=result, dry_run=False, duration_s=duration,
                            reclaimed_bytes=freed.get("pgsteal"),

@@ -27,7 +27,7 @@ from hooks.levels import QosLevel
 from reconciler.detection.parse import ParseError, parse_counters
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.host.probe import HostInfo
-from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import (
     DONE,
@@ -203,7 +203,7 @@ class DropCacheAction:
             result = {Outcome.WRITTEN: DONE, Outcome.TIMEOUT: TIMEOUT}.get(outcome, FAILED)
             if outcome is Outcome.GONE:
                 result = SKIPPED
-            elif outcome is Outcome.FAILED and self._v2 and error.startswith("EAGAIN"):
+            elif self._v2 and short_reclaim(outcome, error):
                 result = SHORT
             self._audit.record("drop_cache_finished", path=path, duration_s=duration,
                                result=result, pod_uid=pod.uid, usage_before_bytes=before,

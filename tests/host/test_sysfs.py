@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from reconciler.host.sysfs import Outcome, SysFs, SysPathError, read_file_bytes, read_id_file
+from reconciler.host.sysfs import (
+    Outcome,
+    SysFs,
+    SysPathError,
+    read_file_bytes,
+    read_id_file,
+    short_reclaim,
+)
 from reconciler.host.values import (
     format_id_list,
     parse_bytes,
@@ -149,3 +156,11 @@ def test_a_short_read_is_not_the_end_of_the_file(tmp_path: Path) -> None:
         assert read_file_bytes(str(fifo)) == first + second
     finally:
         thread.join()
+
+
+def test_a_short_reclaim_is_eagain_from_a_failed_write_only() -> None:
+    eagain = "EAGAIN: Resource temporarily unavailable"
+    assert short_reclaim(Outcome.FAILED, eagain)
+    assert not short_reclaim(Outcome.FAILED, "EBUSY: Device or resource busy")
+    assert not short_reclaim(Outcome.TIMEOUT, eagain)
+    assert not short_reclaim(Outcome.WRITTEN, "")

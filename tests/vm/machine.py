@@ -101,8 +101,10 @@ def qemu_argv(guest: Guest, image: Image, exchange: Path, disk: Path | None) -> 
 
 def run(guest: Guest, command: list[str], *, cwd: Path | None = None,
         env: dict[str, str] | None = None, timeout_s: float = 1800.0,
-        echo: TextIO | None = None, image: Image | None = None) -> Result:
-    """Runs ``command`` in a fresh guest; its output goes to ``echo`` as it comes."""
+        echo: TextIO | None = None, image: Image | None = None,
+        save: Path | None = None) -> Result:
+    """Runs ``command`` in a fresh guest; its output goes to ``echo`` as it comes. With
+    ``save``, what the command left under ``$NRIQOS_VM_ARTIFACTS`` is copied there."""
     image = image or ensure()
     if not command:
         raise ValueError("no command to run")
@@ -129,7 +131,22 @@ def run(guest: Guest, command: list[str], *, cwd: Path | None = None,
             if (exchange / "console").exists() else ""
         artifacts = {p.name: p.read_text(errors="replace")
                      for p in (exchange / "artifacts").iterdir() if p.is_file()}
+        if save is not None:
+            keep_files(exchange / "artifacts", save)
     return Result(status, output, console, time.monotonic() - started, artifacts, tmp)
+
+
+def keep_files(source: Path, into: Path) -> None:
+    """The regular files and directories under ``source``, copied under ``into`` byte for byte
+    (sockets and other special files a command leaves, e.g. a kept work directory's, are not
+    files to hand back)."""
+    for path in sorted(source.rglob("*")):
+        target = into / path.relative_to(source)
+        if path.is_dir() and not path.is_symlink():
+            target.mkdir(parents=True, exist_ok=True)
+        elif path.is_file() and not path.is_symlink():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
 
 
 def _scratch_disk(directory: Path, gib: int) -> Path:
@@ -194,10 +211,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.stderr.close()
 
 
-def main(guest: Guest, command: list[str], timeout_s: float) -> int:
+def main(guest: Guest, command: list[str], timeout_s: float, save: Path | None = None) -> int:
     """The command line's body: run, echo, explain a guest that did not finish."""
     try:
-        result = run(guest, command, timeout_s=timeout_s, echo=sys.stdout)
+        result = run(guest, command, timeout_s=timeout_s, echo=sys.stdout, save=save)
     except Unavailable as exc:
         print(f"nriqos-vm: cannot run a guest here: {exc}", file=sys.stderr)
         return NO_STATUS

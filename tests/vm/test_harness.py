@@ -3,6 +3,7 @@ of a guest's reports (no guest booted), and real guests run from the host with t
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.vm.image import Image
-from tests.vm.machine import NO_STATUS, Guest, Result, qemu_argv, run
+from tests.vm.machine import NO_STATUS, Guest, Result, keep_files, qemu_argv, run
 from tests.vm.tier import GuestFailure, GuestRun
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,9 +37,11 @@ def qemu_running(workdir: str) -> bool:
 def test_the_command_line_refuses_what_cannot_boot(argv: list[str], message: str) -> None:
     if not message:
         from tests.vm.__main__ import parse
-        guest, command, _ = parse(argv)
+        guest, command, _, save = parse(argv)
         assert command == ["true", "--numa", "0"]
         assert guest == Guest()
+        assert save is None
+        assert parse(["--save", "runs", "--", "true"])[3] == Path("runs")
         return
     done = subprocess.run([sys.executable, "-m", "tests.vm", *argv], cwd=REPO,
                           capture_output=True, text=True, check=False)
@@ -59,6 +62,24 @@ def test_numa_nodes_get_their_memory_and_cpus() -> None:
     three = " ".join(qemu_argv(Guest(numa=3), IMAGE, Path("/x"), None))
     assert three.endswith("nodeid=2,memdev=m2")
     assert "-drive" not in three
+
+
+def test_saved_files_are_the_regular_files_byte_for_byte(tmp_path: Path) -> None:
+    source, into = tmp_path / "artifacts", tmp_path / "saved"
+    (source / "keep" / "coloc-agent-1").mkdir(parents=True)
+    (source / "run.json").write_text("{}")
+    raw = bytes(range(256)) * 3  # not text: copied as it is
+    (source / "keep" / "coloc-agent-1" / "service.bin").write_bytes(raw)
+    (source / "keep" / "empty").mkdir()
+    (source / "keep" / "link").symlink_to("/etc/passwd")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(source / "keep" / "coloc-agent-1" / "nri.sock"))
+        keep_files(source, into)
+    assert (into / "run.json").read_text() == "{}"
+    assert (into / "keep" / "coloc-agent-1" / "service.bin").read_bytes() == raw
+    assert (into / "keep" / "empty").is_dir()
+    assert sorted(p.name for p in (into / "keep" / "coloc-agent-1").iterdir()) == ["service.bin"]
+    assert not (into / "keep" / "link").exists()
 
 
 def result(lines: list[str], status: int = 0) -> Result:
@@ -88,10 +109,13 @@ def test_a_guest_report_is_the_tests_verdict() -> None:
 
 
 @host_tier
-def test_a_v2_guest_runs_a_command_and_leaves_nothing_behind() -> None:
+def test_a_v2_guest_runs_a_command_and_leaves_nothing_behind(tmp_path: Path) -> None:
     done = run(Guest(numa=2, mem_mib=512), ["sh", "-c", "cat /sys/fs/cgroup/cgroup.subtree_control;"
-               " ls -d /sys/devices/system/node/node*; touch /usr/written-here; exit 7"])
+               " ls -d /sys/devices/system/node/node*; touch /usr/written-here;"
+               " mkdir $NRIQOS_VM_ARTIFACTS/run; printf 'a\\000b' > $NRIQOS_VM_ARTIFACTS/run/x.bin;"
+               " exit 7"], save=tmp_path / "saved")
     assert done.status == 7
+    assert (tmp_path / "saved" / "run" / "x.bin").read_bytes() == b"a\0b"  # what it handed back
     lines = done.output.splitlines()
     assert lines[0].split() == ["cpuset", "cpu", "io", "memory", "pids"]
     assert lines[1:3] == ["/sys/devices/system/node/node0", "/sys/devices/system/node/node1"]

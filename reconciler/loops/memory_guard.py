@@ -197,6 +197,11 @@ class Squeeze:
     reason: str
     # Which ask this is: a new number takes the tier a step lower (the first: below its usage).
     tightening: int = 0
+    # Keep the tight limit a step above the tier's anonymous memory. Always so on cgroup v1,
+    # where the limit is hard (the kernel would refuse it or kill); on v2 the squeeze is
+    # memory.high, where the kernel throttles and never kills, so without this a tier that
+    # keeps growing is held where it is.
+    spare_anonymous: bool = True
 
 
 class GuardSqueeze:
@@ -362,10 +367,11 @@ class MemoryGuardLoop(Loop):
         squeeze = self._squeeze.current() if self._squeeze is not None else None
         if squeeze is None:
             self._held = None
-        # The tier's anonymous memory is taken as 0 when its memory.stat is unreadable: the
-        # floor then still holds.
-        tight = None if squeeze is None else self._tight(
-            usage, anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0, squeeze)
+        # The tier's anonymous memory is taken as 0 when its memory.stat is unreadable (the
+        # floor then still holds), and when a v2 squeeze need not spare it.
+        spare = squeeze is not None and (squeeze.spare_anonymous or not v2)
+        anonymous = (anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0) if spare else 0
+        tight = None if squeeze is None else self._tight(usage, anonymous, squeeze)
         # The minimum bounds the guard's own cap; a squeeze has its own floor (floor_bytes).
         cap = max(bounded_cap(target, previous, usage, guard.max_step_bytes),
                   guard.minimum_cap_bytes, reserved or 0)

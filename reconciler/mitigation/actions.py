@@ -241,8 +241,9 @@ class TuneAction:
         guard = self._guard_on()
         target = "memory.high" if self._v2 else "limit"
         if guard:
+            spared = "" if self._v2 and rung.throttle_anonymous else ", above its anonymous memory"
             parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B {where} "
-                         f"(floor {rung.floor_bytes} B)")
+                         f"(floor {rung.floor_bytes} B{spared})")
         if self._wmark:
             parts.append(f"memory.wmark_ratio {rung.wmark_ratio} on reclaimed pods")
         if not parts:
@@ -254,7 +255,8 @@ class TuneAction:
         if guard:
             self._tightenings += 1
             self._squeeze.set(Squeeze(rung.squeeze_bytes, rung.floor_bytes, cause.text(),
-                                      self._tightenings))
+                                      self._tightenings,
+                                      spare_anonymous=not (self._v2 and rung.throttle_anonymous)))
         else:
             what += " (memory guard off: no squeeze)"
         if self._wmark:

@@ -63,6 +63,13 @@ class TuneRung:
     floor_bytes: int = setting(
         256 << 20, "Never squeeze the tier below this.", unit="bytes", minimum=0,
         maximum=1 << 50)
+    throttle_anonymous: bool = setting(
+        False, "cgroup v2: let the squeeze's memory.high go below the reclaimed tier's "
+        "anonymous memory rather than rise with it, so that an offline job still growing while "
+        "online pods stall is throttled where it is until the rung is released (the kernel "
+        "throttles at memory.high and never OOM-kills there; without swap the squeeze can "
+        "otherwise take only page cache). Ignored on cgroup v1, where the squeeze is a hard "
+        "limit.")
     wmark_ratio: int = setting(
         80, "memory.wmark_ratio written on reclaimed pods where the kernel has it (veLinux, "
         "Anolis): background reclaim from 80 % of their limit (Koordinator's normal value is "

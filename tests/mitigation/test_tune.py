@@ -186,6 +186,41 @@ def test_v2_memory_high_is_squeezed_and_max_kept(tmp_path: Path) -> None:
     assert tier_file(host, "memory.high") == int(cap * 0.95) // PAGE * PAGE
 
 
+THROTTLE = dataclasses.replace(SQUEEZE, spare_anonymous=False)
+
+
+def test_v2_throttling_holds_memory_high_below_anonymous_memory(tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 2, 3 * GIB, anon=3 * GIB - 16 * MIB)
+    loop.cycle(0.0)
+    cap = tier_file(host, "memory.max")
+    squeeze.set(THROTTLE)
+    loop.cycle(1.0)
+    # a step below the usage, under the anonymous memory (spared, it would be a step above)
+    assert tier_file(host, "memory.high") == 3 * GIB - 64 * MIB
+    assert tier_file(host, "memory.max") == cap
+    # the job grew past it anyway (the kernel throttles, it does not stop): held, not raised
+    host.set_tier_usage("besteffort", 3 * GIB + 512 * MIB)
+    (host.tier_dir("besteffort") / "memory.stat").write_text(
+        f"anon {3 * GIB + 512 * MIB}\nfile 0\n")
+    loop.cycle(6.0)
+    assert tier_file(host, "memory.high") == 3 * GIB - 64 * MIB
+    squeeze.set(dataclasses.replace(THROTTLE, tightening=1))  # fresh pressure: a step lower
+    loop.cycle(7.0)
+    assert tier_file(host, "memory.high") == 3 * GIB - 128 * MIB
+    squeeze.set(None)  # released: the unsqueezed memory.high at once
+    loop.cycle(8.0)
+    assert tier_file(host, "memory.high") == \
+        int(tier_file(host, "memory.max") * 0.95) // PAGE * PAGE
+
+
+def test_v1_spares_anonymous_memory_whatever_the_squeeze_says(tmp_path: Path) -> None:
+    host, loop, squeeze, _ = guard(tmp_path, 1, 3 * GIB, anon=3 * GIB - 16 * MIB)
+    squeeze.set(THROTTLE)
+    loop.cycle(0.0)
+    # a hard limit under anonymous memory the kernel could not reclaim: refused, or a kill
+    assert tier_file(host, "memory.limit_in_bytes") == 3 * GIB + 48 * MIB
+
+
 def test_subscribers_hear_changes_only() -> None:
     squeeze, calls = GuardSqueeze(), []
     stop = squeeze.subscribe(lambda: calls.append(1))
@@ -232,9 +267,9 @@ async def test_a_squeeze_wakes_the_guard_at_once(tmp_path: Path) -> None:
 
 # -- the action -----------------------------------------------------------------------------------
 
-def tune(tmp_path: Path, *, wmark: bool, guard_on: bool = True
-         ) -> tuple[TuneAction, GuardSqueeze, FakeHost, MemoryAuditSink]:
-    host = FakeHost(tmp_path, version=2, driver="systemd")
+def tune(tmp_path: Path, *, wmark: bool, guard_on: bool = True, throttle: bool = False,
+         version: int = 2) -> tuple[TuneAction, GuardSqueeze, FakeHost, MemoryAuditSink]:
+    host = FakeHost(tmp_path, version=version, driver="systemd" if version == 2 else "cgroupfs")
     if wmark:
         (host.tier_dir("guaranteed") / "memory.wmark_ratio").write_text("0\n")
     level = "qos.nri-qos.io/level"
@@ -253,6 +288,9 @@ def tune(tmp_path: Path, *, wmark: bool, guard_on: bool = True
     cfg = Config()
     cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(cfg.memory_guard,
                                                                     enabled=guard_on))
+    mitigation = cfg.mitigation
+    cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        mitigation, tune=dataclasses.replace(mitigation.tune, throttle_anonymous=throttle)))
     squeeze = GuardSqueeze()
     action = TuneAction(lambda: cfg, squeeze, sysfs, info, PodIndex(state, info.cgroup),
                         lambda: True)
@@ -277,6 +315,18 @@ async def test_tune_engages_and_releases_the_squeeze(tmp_path: Path) -> None:
     assert (await action.release(cause, dry_run=False)).result == "done"
     assert squeeze.current() is None
     assert (await action.release(cause, dry_run=False)).result == "unchanged"
+
+
+@pytest.mark.parametrize(("version", "throttle", "spared"), [
+    (2, False, True), (2, True, False), (1, True, True)])
+async def test_throttling_anonymous_memory_is_asked_for_on_v2_only(
+        tmp_path: Path, version: int, throttle: bool, spared: bool) -> None:
+    action, squeeze, _, _ = tune(tmp_path, wmark=False, throttle=throttle, version=version)
+    result = await action.engage(Cause(Level.LOW), dry_run=False)
+    current = squeeze.current()
+    assert current is not None
+    assert current.spare_anonymous is spared
+    assert ("above its anonymous memory" in result.detail) is spared
 
 
 def reading(level: Level, raw: Level | None) -> Reading:

@@ -57,8 +57,9 @@ takes page cache, not anonymous memory (which without swap cannot be reclaimed: 
 would refuse the limit, or OOM-kill offline pods for a rung meant to be mild): the tight value
 stays a step above it. It is not lowered again without an ask: lowered at every cycle, it took
 an offline job that kept growing its anonymous memory down to its limit after the pressure had
-ended, and the kernel killed it. Clearing the squeeze wakes the guard, which writes the
-unsqueezed values at once (a rising cap is not limited).
+ended, and the kernel killed it. A v2 squeeze without ``spare_anonymous`` drops that term: at
+``memory.high`` the kernel throttles and never kills, so a growing job is held where it is.
+Clearing the squeeze wakes the guard, which writes the unsqueezed values at once.
 
 Before its first write to a tier file the guard notes the file's value in the state file
 (:mod:`reconciler.host.statefile`), and writes it back when the guard goes away: switched off by
@@ -197,10 +198,8 @@ class Squeeze:
     reason: str
     # Which ask this is: a new number takes the tier a step lower (the first: below its usage).
     tightening: int = 0
-    # Keep the tight limit a step above the tier's anonymous memory. Always so on cgroup v1,
-    # where the limit is hard (the kernel would refuse it or kill); on v2 the squeeze is
-    # memory.high, where the kernel throttles and never kills, so without this a tier that
-    # keeps growing is held where it is.
+    # Keep the tight limit a step above the tier's anonymous memory (always on v1: see the
+    # module doc).
     spare_anonymous: bool = True
 
 
@@ -367,8 +366,8 @@ class MemoryGuardLoop(Loop):
         squeeze = self._squeeze.current() if self._squeeze is not None else None
         if squeeze is None:
             self._held = None
-        # The tier's anonymous memory is taken as 0 when its memory.stat is unreadable (the
-        # floor then still holds), and when a v2 squeeze need not spare it.
+        # Anonymous memory counts 0 when memory.stat is unreadable (the floor still holds) or
+        # a v2 squeeze need not spare it.
         spare = squeeze is not None and (squeeze.spare_anonymous or not v2)
         anonymous = (anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0) if spare else 0
         tight = None if squeeze is None else self._tight(usage, anonymous, squeeze)

@@ -1,6 +1,7 @@
 """The memory guard on a real cgroup v2 kernel, the guest being the whole node: its cap on the
 BestEffort tier (``memory.max`` and ``memory.high``) holds against a real writing process, a
-squeeze lowers ``memory.high`` and its end lifts it back, the fulfillment detector reads the
+squeeze lowers ``memory.high`` and its end lifts it back, a squeeze that throttles anonymous
+memory holds a growing job where it is without killing it, the fulfillment detector reads the
 cap, no node size gives a cap under the minimum, and a node full of page cache still leaves the
 tier what the other pods did not request.
 """
@@ -8,6 +9,9 @@ tier what the other pods did not request.
 from __future__ import annotations
 
 import dataclasses
+import select
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,7 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze
-from tests.support.guest_node import CGROUP, MIB, Node, one_pod, read_int
+from tests.support.guest_node import CGROUP, MIB, Node, memory_stat, one_pod, read_int
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
 
@@ -87,6 +91,57 @@ def test_the_cap_holds_against_a_writing_process_and_a_squeeze_ends(node: Node) 
     loop.cycle(2.0)
     assert read_int(TIER / "memory.high") == high
     assert [r["squeezed"] for r in sink.named("memory_guard_cap")] == [False, True, False]
+
+
+# Holds 200 MiB of anonymous memory; on "grow" touches 128 MiB more and says so.
+GROWER = (
+    "import sys\n"
+    "held = bytearray(200 << 20)\n"
+    "for i in range(0, len(held), 4096): held[i] = 1\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.readline()\n"
+    "more = bytearray(128 << 20)\n"
+    "for i in range(0, len(more), 4096): more[i] = 1\n"
+    "print('grown', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def test_a_squeeze_throttling_anonymous_memory_holds_a_growing_job_and_kills_nothing(
+        node: Node) -> None:
+    base = Config()
+    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
+        base.memory_guard, minimum_cap_bytes=768 * MIB, watermark_floor_bytes=1 << 40,
+        watermark_floor_percent=100.0))
+    squeeze = GuardSqueeze()
+    loop, _ = guard(cfg, squeeze)
+    loop.cycle(0.0)
+    high = read_int(TIER / "memory.high")
+    cgroup, _ = node.container("besteffort", UID, CID)
+    grower = node.spawn(cgroup, [sys.executable, "-I", "-c", GROWER], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True)
+    assert grower.stdout is not None
+    assert grower.stdin is not None
+    assert grower.stdout.readline() == "ready\n"
+    squeeze.set(Squeeze(64 * MIB, 64 * MIB, "test", 1, spare_anonymous=False))
+    loop.cycle(1.0)
+    throttled = read_int(TIER / "memory.high")
+    anonymous = memory_stat(TIER)["anon"]
+    assert throttled < anonymous  # below what no reclaim can take without swap
+    before = read_int(TIER / "memory.current")
+    grower.stdin.write("grow\n")
+    grower.stdin.flush()
+    # unthrottled, 128 MiB are touched in well under a second even under TCG
+    assert select.select([grower.stdout], [], [], 5.0)[0] == [], "the job was not held"
+    assert read_int(TIER / "memory.current") - before < 32 * MIB
+    assert grower.poll() is None
+    squeeze.set(None)  # released: memory.high back up, and the job goes on
+    loop.cycle(2.0)
+    assert read_int(TIER / "memory.high") == high
+    assert select.select([grower.stdout], [], [], 60.0)[0], "the job did not go on"
+    assert grower.stdout.readline() == "grown\n"
+    events = dict(line.split() for line in (cgroup / "memory.events").read_text().splitlines())
+    assert events["oom_kill"] == "0", events
 
 
 def test_fulfillment_reads_the_cap_against_the_tiers_requests(node: Node) -> None:

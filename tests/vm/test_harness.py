@@ -138,9 +138,11 @@ def test_a_v1_guest_with_a_scratch_disk() -> None:
 
 
 @host_tier
-def test_a_guest_past_its_deadline_is_killed() -> None:
-    done = run(Guest(mem_mib=512), ["sleep", "600"], timeout_s=30)
+def test_a_guest_past_its_deadline_is_killed(tmp_path: Path) -> None:
+    done = run(Guest(mem_mib=512), ["sh", "-c", "echo so-far > $NRIQOS_VM_ARTIFACTS/partial;"
+                                    " sleep 600"], timeout_s=30, save=tmp_path)
     assert done.status == NO_STATUS
+    assert (tmp_path / "partial").read_text() == "so-far\n"  # what it left is handed back
     assert done.seconds < 60
     assert not Path(done.workdir).exists()  # its files, disk image included, are gone
     assert not qemu_running(done.workdir)

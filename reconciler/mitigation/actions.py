@@ -240,8 +240,9 @@ class TuneAction:
         parts = []
         guard = self._guard_on()
         target = "memory.high" if self._v2 else "limit"
+        spare = not (self._v2 and rung.throttle_anonymous)  # v1's hard limit always spares
         if guard:
-            spared = "" if self._v2 and rung.throttle_anonymous else ", above its anonymous memory"
+            spared = ", above its anonymous memory" if spare else ""
             parts.append(f"reclaimed tier {target} held {rung.squeeze_bytes} B {where} "
                          f"(floor {rung.floor_bytes} B{spared})")
         if self._wmark:
@@ -255,8 +256,7 @@ class TuneAction:
         if guard:
             self._tightenings += 1
             self._squeeze.set(Squeeze(rung.squeeze_bytes, rung.floor_bytes, cause.text(),
-                                      self._tightenings,
-                                      spare_anonymous=not (self._v2 and rung.throttle_anonymous)))
+                                      self._tightenings, spare_anonymous=spare))
         else:
             what += " (memory guard off: no squeeze)"
         if self._wmark:

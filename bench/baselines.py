@@ -14,7 +14,10 @@ The modes (every one runs the same workloads on the same kubelet-shaped node):
   allocatable in place of a missing limit, rounded down to pages;
 * ``agent-creation``: the real agent with detection and the mitigation ladder off: its creation
   answers, the memory guard, drift repair;
-* ``agent``: the real agent with every default, enforcing.
+* ``agent``: the real agent with every default, enforcing;
+* ``agent:NAME`` (``--variant NAME=FILE``): the real agent with the settings of FILE over the
+  defaults, beside ``agent`` in the same run, so that a setting is judged against the defaults
+  on the same machine, in the same blocks.
 
 Method: repetitions come in blocks holding every mode once, each block in an order drawn from a
 seeded generator (the seed is printed, so a run can be repeated); a first block is a warm-up
@@ -26,23 +29,51 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Callable, Iterable, Sequence
 
 MODES = ("unmanaged", "static", "kubelet-memoryqos", "agent-creation", "agent")
 AGENT_MODES = frozenset({"agent-creation", "agent"})
 V2_ONLY = frozenset({"kubelet-memoryqos"})
+VARIANT = "agent:"
+"""The prefix of a variant's mode: the agent with a variant's settings over the defaults."""
+VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 THROTTLING_FACTOR = 0.9
 """kubelet's default memoryThrottlingFactor."""
 PAGE = 4096
 BOOTSTRAP_SAMPLES = 2000
 
 
-def modes_for(wanted: Sequence[str], v2: bool) -> tuple[str, ...]:
-    """The wanted modes this cgroup version can run, in MODES order; unknown names refused."""
+def modes_for(wanted: Sequence[str], v2: bool, variants: Sequence[str] = ()) -> tuple[str, ...]:
+    """The wanted modes this cgroup version can run, in MODES order, then a mode per variant
+    name (``agent:NAME``, in the order given); unknown modes and malformed names refused."""
     unknown = [m for m in wanted if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes: {', '.join(MODES)}")
-    return tuple(m for m in MODES if m in wanted and (v2 or m not in V2_ONLY))
+    for name in variants:
+        if not VARIANT_NAME.fullmatch(name):
+            raise ValueError(f"variant name {name!r}: 1-32 of a-z, 0-9 and '-', starting with a "
+                             f"letter or digit")
+    if len(set(variants)) != len(variants):
+        raise ValueError("a variant name is given twice")
+    return (tuple(m for m in MODES if m in wanted and (v2 or m not in V2_ONLY))
+            + tuple(VARIANT + name for name in variants))
+
+
+def runs_agent(mode: str) -> bool:
+    """A mode with the real agent: agent-creation, agent and every variant."""
+    return mode in AGENT_MODES or mode.startswith(VARIANT)
+
+
+def variant_of(mode: str) -> str:
+    """A variant mode's name ("" for any other mode)."""
+    return mode.removeprefix(VARIANT) if mode.startswith(VARIANT) else ""
+
+
+def in_order(modes: Iterable[str]) -> list[str]:
+    """Modes in MODES order, variants after them in the order first seen."""
+    seen = list(dict.fromkeys(modes))
+    return [m for m in MODES if m in seen] + [m for m in seen if m.startswith(VARIANT)]
 
 
 def static_limits(allocatable: int, burstable_requests: int, guaranteed_requests: int,

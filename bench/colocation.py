@@ -28,9 +28,11 @@ The agent is a real ``nri-qos run`` child process, configured only where the hos
 a real API write) and where the audit trail goes; the pods reach it as a runtime would bring
 them: RunPodSandbox, CreateContainer (its answer applied to the container as the runtime would)
 and StartContainer over the NRI protocol from the runtime simulator. Eviction stays in dry-run,
-as by default. ``--agent-config FILE`` puts an operator's settings over the defaults of both
-agent modes (a drop-in of the agent's configuration, refused before any run if the agent would
-refuse it; printed at the top).
+as by default. ``--agent-config FILE`` puts an operator's settings over the defaults of every
+agent mode (a drop-in of the agent's configuration, refused before any run if the agent would
+refuse it; printed at the top); ``--variant NAME=FILE`` adds a mode ``agent:NAME``, the agent
+with FILE's settings over those, so that a setting is measured against the defaults in the
+same blocks.
 
 Method: a warm-up block of every mode (not counted), then ``--reps`` blocks of every mode once,
 each block in an order drawn from ``--seed`` (printed); before each repetition the caches are
@@ -56,6 +58,7 @@ the latency CDFs and the offline progress over time (matplotlib, the ``bench`` e
                                [--offline-input-mib N] [--offline-work-rounds 1]
                                [--idle-s 5] [--plot PNG] [--json PATH] [--keep DIR]
                                [--data-dir DIR] [--agent-from SOURCE_TREE] [--agent-config TOML]
+                               [--variant NAME=TOML ...]
     python bench/colocation.py --from-json PATH [--plot PNG]     # the table (and plot) again
 
 Needs root and a memory cgroup controller, and about 1.3 GB of disk under /var/tmp for the data
@@ -82,7 +85,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import kubelet_node
-from bench.baselines import AGENT_MODES, block_order, memory_high, static_limits
+from bench.baselines import block_order, memory_high, runs_agent, static_limits, variant_of
 from bench.colocation_agent import READY_TIMEOUT_S, Agent, apply_adjustment
 from bench.colocation_cli import list_scenarios, parser, settings_from
 from bench.colocation_indicators import indicator_deltas, snapshot
@@ -178,11 +181,12 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         offlines = [node.add_pod(p.tier, p.uid, p.container_id, memory_limit=p.memory_limit,
                                  cpu_request_milli=p.cpu_request_milli) for p in plans]
         agent = None
-        if mode in AGENT_MODES:
+        if runs_agent(mode):
             agent = await stack.enter_async_context(
                 Agent(node, work, Path(settings.agent_source or REPO),
                       creation_only=mode == "agent-creation", plans=(ONLINE, *plans),
-                      drop_in=settings.agent_config))
+                      drop_in=settings.agent_config,
+                      variant=settings.variants.get(variant_of(mode), "")))
         elif mode == "static":
             burstable = sum(p.memory_request or 0 for p in (ONLINE, *plans)
                             if p.tier == "burstable")
@@ -276,6 +280,12 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             agent_cpu_s=cpu1 - cpu0 if agent is not None else None,
             bench_cpu_s=own1 - own0,
             agent_peak_mib=agent.peak_mib() if agent is not None else None)
+
+
+def settings_text(toml: str) -> str:
+    """A drop-in's settings on one line, for the run's header."""
+    return "; ".join(line for line in toml.splitlines()
+                     if line.strip() and not line.lstrip().startswith("#"))
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -412,8 +422,9 @@ def main() -> int:
         print(f"scenario {settings.scenario}: {SCENARIOS[settings.scenario].summary}")
         if settings.agent_config:
             print("the agent modes' configuration: the defaults, and over them (--agent-config): "
-                  + "; ".join(line for line in settings.agent_config.splitlines()
-                              if line.strip() and not line.lstrip().startswith("#")))
+                  + settings_text(settings.agent_config))
+        for name, text in settings.variants.items():
+            print(f"mode agent:{name}: the agent with, over that: {settings_text(text)}")
         print(f"node: {settings.node_mib} MiB (kubepods {settings.node_mib - settings.reserved_mib}"
               f" MiB); online: {settings.online_anon_mib} MiB anonymous + "
               f"{settings.online_files_mib} MiB of files"

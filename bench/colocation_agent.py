@@ -47,9 +47,11 @@ class Agent:
 
     def __init__(self, node: KubeletNode, work: Path, source: Path, *,
                  creation_only: bool = False,
-                 plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE), drop_in: str = "") -> None:
+                 plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE), drop_in: str = "",
+                 variant: str = "") -> None:
         self.node = node
         self.drop_in = drop_in
+        self.variant = variant
         self.plans = plans
         self.creation_only = creation_only
         self.source = source
@@ -76,13 +78,15 @@ class Agent:
         )
 
     def write_config(self, root: Path, kubeconfig: Path) -> Path:
-        """The agent's configuration file, and the ``--agent-config`` settings over it as a
-        drop-in (applied as an operator's drop-in file is); the file's path."""
+        """The agent's configuration file, the ``--agent-config`` settings over it as a drop-in
+        (applied as an operator's drop-in file is) and a variant's over those; the file's
+        path."""
         config = self.work / "config.toml"
         config.write_text(self.config(root, kubeconfig))
-        if self.drop_in:
-            drop_in_dir(config).mkdir(exist_ok=True)
-            (drop_in_dir(config) / "50-given.toml").write_text(self.drop_in)
+        for name, text in (("50-given.toml", self.drop_in), ("60-variant.toml", self.variant)):
+            if text:
+                drop_in_dir(config).mkdir(exist_ok=True)
+                (drop_in_dir(config) / name).write_text(text)
         return config
 
     async def __aenter__(self) -> Agent:

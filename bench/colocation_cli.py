@@ -67,8 +67,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="run the agent from this source tree (python -m nri_plugin there), to "
                         "compare versions; default: this one")
     p.add_argument("--agent-config", default="",
-                   help="a TOML file of settings over the defaults for both agent modes (a "
+                   help="a TOML file of settings over the defaults for every agent mode (a "
                         "drop-in of the agent's configuration); checked before the run")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
+                   help="one more mode, agent:NAME: the full agent with the settings of this "
+                        "file over the defaults (and over --agent-config), run in the same "
+                        "blocks as the others; checked before the run; may be repeated")
     p.add_argument("--data-dir", help="where the data files are kept (reused when there); "
                                       "default: this run's directory under /var/tmp")
     p.add_argument("--keep", help="keep each repetition's work directory (agent log, audit "
@@ -79,19 +83,30 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return p
 
 
-def agent_drop_in(path: str) -> str:
-    """The text of ``--agent-config`` ("" for none), checked as the agent checks its
-    configuration: a file it would refuse stops the benchmark before any run."""
+def agent_drop_in(path: str, option: str = "--agent-config") -> str:
+    """The text of a drop-in file given as ``option`` ("" for none), checked as the agent
+    checks its configuration: a file it would refuse stops the benchmark before any run."""
     if not path:
         return ""
     try:
         text = Path(path).read_text()
         parse_toml(Config, text, path)
     except (OSError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"--agent-config: cannot read {path}: {exc}") from exc
+        raise SystemExit(f"{option}: cannot read {path}: {exc}") from exc
     except ConfigError as exc:
-        raise SystemExit(f"--agent-config: {exc}") from exc
+        raise SystemExit(f"{option}: {exc}") from exc
     return text
+
+
+def variants_from(given: list[str]) -> dict[str, str]:
+    """``--variant NAME=TOML`` options: name -> the file's text, each file checked."""
+    variants: dict[str, str] = {}
+    for option in given:
+        name, sep, path = option.partition("=")
+        if not sep or not path:
+            raise SystemExit(f"--variant {option}: expected NAME=TOML")
+        variants[name] = agent_drop_in(path, f"--variant {name}")
+    return variants
 
 
 def list_scenarios() -> str:
@@ -145,17 +160,21 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
            f"so it {'fits unmanaged' if fits else 'does not fit even unmanaged (it streams)'}; "
            f"it does not fit once the offline tier is capped below "
            f"{input_mib + scenario.offline_pods * peak} MiB")
+    wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
+    # The names checked (a ValueError) before the files are read.
+    modes = modes_for(wanted, v2, [option.partition("=")[0] for option in args.variant])
+    variants = variants_from(args.variant)
     settings = Settings(
         duration_s=duration, reps=1 if args.quick else args.reps, node_mib=node_mib,
         reserved_mib=args.reserved_mib, online_files_mib=online_files,
         online_anon_mib=online_anon, offline_anon_mib=anon, offline_grow_mib_s=grow,
         offline_task_s=task, offline_input_mib=input_mib,
         offline_write_every=args.offline_write_every,
-        modes=modes_for([m.strip() for m in args.modes.split(",") if m.strip()], v2),
+        modes=modes,
         seed=args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31),
         idle_s=2.0 if args.quick else args.idle_s,
         agent_source=str(Path(args.agent_from).resolve()) if args.agent_from else "",
-        agent_config=agent_drop_in(args.agent_config),
+        agent_config=agent_drop_in(args.agent_config), variants=variants,
         scenario=scenario.name, offline_pods=scenario.offline_pods,
         offline_work_rounds=args.offline_work_rounds, online_rps=args.online_rps,
         service_timeout_ms=args.service_timeout_ms)

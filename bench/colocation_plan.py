@@ -124,8 +124,11 @@ class Settings:
     modes: tuple[str, ...]
     # The source tree the agent runs from ("" for this one).
     agent_source: str = ""
-    # Settings over the defaults for both agent modes: the text of a TOML drop-in ("" for none).
+    # Settings over the defaults for every agent mode: the text of a TOML drop-in ("" for none).
     agent_config: str = ""
+    # Each variant's settings over those (name -> the text of a TOML drop-in): its mode is
+    # ``agent:NAME``, the full agent with them.
+    variants: dict[str, str] = dataclasses.field(default_factory=dict)
     # Of the blocks' order (printed, so that a run can be repeated).
     seed: int = 0
     # Before each repetition: caches dropped, then this long idle.

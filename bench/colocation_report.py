@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.baselines import AGENT_MODES, MODES, bootstrap_interval
+from bench.baselines import bootstrap_interval, in_order, runs_agent
 from bench.colocation_plan import Repetition, Settings
 from bench.kubelet_node import MIB
 
@@ -223,7 +223,7 @@ def table_rows(reps: Sequence[Repetition], duration_s: float) -> list[list[str]]
             fmt(ind.get("psi_memory_ms_s"), 1), fmt(ind.get("psi_io_ms_s"), 1),
             fmt(ind.get("psi_cpu_ms_s"), 1),
             fmt(mb, 0), fmt(mb / duration_s, 0),
-            actions_text(actions, len(group)) if mode in AGENT_MODES else "-",
+            actions_text(actions, len(group)) if runs_agent(mode) else "-",
         ])
     return rows
 
@@ -363,9 +363,9 @@ def print_intervals(reps: Sequence[Repetition], seed: int) -> None:
 
 def final_line(reps: Sequence[Repetition]) -> str:
     """``online p99 ms: unmanaged=… static=… …; offline MiB: unmanaged=… …`` over the modes
-    that ran, in the order of MODES (pooled p99: the online service's when it ran, else the
-    probe's; mean offline MiB per repetition)."""
-    ran = [m for m in MODES if any(r.mode == m for r in reps)]
+    that ran, in the order of MODES and variants after them (pooled p99: the online service's
+    when it ran, else the probe's; mean offline MiB per repetition)."""
+    ran = in_order(r.mode for r in reps)
 
     def p99(mode: str) -> float:
         return mode_p99(reps, mode)
@@ -390,6 +390,9 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
 
     colours = {"unmanaged": "tab:red", "static": "tab:orange", "kubelet-memoryqos": "tab:olive",
                "agent-creation": "tab:cyan", "agent": "tab:blue"}
+    spare = iter(("tab:purple", "tab:green", "tab:brown", "tab:pink", "black"))
+    colours |= {m: next(spare, "tab:gray") for m in in_order(r.mode for r in reps)
+                if m not in colours}
     fig, (cdf, progress) = plt.subplots(1, 2, figsize=(12, 4.8))
     for mode, colour in colours.items():
         lat = sorted(v for r in reps if r.mode == mode for v in r.latencies_ms)

@@ -64,7 +64,8 @@ def test_the_variant_goes_over_the_shared_settings_and_the_benchmarks_own(
         agent = Agent(KubeletNode.__new__(KubeletNode), work, Path("."),
                       drop_in=settings.agent_config, variant=variant)
         config = agent.write_config(tmp_path, tmp_path / "kubeconfig")
-        return load_layers(Config, [config, *drop_ins(config)]).config
+        loaded: Config = load_layers(Config, [config, *drop_ins(config)]).config
+        return loaded
 
     plain = loaded(settings.variants.get(variant_of("agent"), ""), tmp_path / "agent")
     throttled = loaded(settings.variants[variant_of("agent:throttle")], tmp_path / "variant")

@@ -240,7 +240,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         for i, (plan, offline) in enumerate(zip(plans, offlines, strict=True)):
             process, _ = await start(plan, offline, [
                 "offline", "--input", str(data / input_name(i)), "--output",
-                str(work / f"output-{i}.bin"), "--anon-mib", str(settings.offline_anon_mib),
+                str(output_file(work, i)), "--anon-mib", str(settings.offline_anon_mib),
                 "--grow-mib-s", str(settings.offline_grow_mib_s), "--task-s",
                 str(settings.offline_task_s), "--write-every",
                 str(settings.offline_write_every), "--work-rounds",
@@ -362,9 +362,25 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
             for problem in rep.problems:
                 print(f"  {problem}", flush=True)
         finally:
-            if not keep:
-                shutil.rmtree(work, ignore_errors=True)
+            tidy(work, keep=keep, pods=settings.offline_pods)
     return reps
+
+
+def output_file(work: Path, pod: int) -> Path:
+    """Offline pod ``pod``'s output in a work directory: bulk data, up to the size at which the
+    job's output wraps (512 MiB), and no result."""
+    return work / f"output-{pod}.bin"
+
+
+def tidy(work: Path, *, keep: bool, pods: int) -> None:
+    """After a repetition: its work directory removed, or with ``keep`` all of it but the
+    ``pods`` offline pods' outputs (kept, a fast machine's outputs filled a guest's 8 GiB
+    scratch disk within a run)."""
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+        return
+    for pod in range(pods):
+        output_file(work, pod).unlink(missing_ok=True)
 
 
 RUN_DIRS = Path("/var/tmp")

@@ -76,7 +76,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--data-dir", help="where the data files are kept (reused when there); "
                                       "default: this run's directory under /var/tmp")
     p.add_argument("--keep", help="keep each repetition's work directory (agent log, audit "
-                                  "trail, raw samples) under this directory")
+                                  "trail, raw samples; not the offline pods' output) under "
+                                  "this directory")
     p.add_argument("--plot", help="draw the latency CDFs and offline progress into this PNG")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from-json", help="print (and --plot) earlier raw results; no run")

@@ -1,5 +1,6 @@
 """``bench/colocation.py --variant NAME=TOML``: a mode ``agent:NAME``, the agent with a file's
-settings over the defaults (and over ``--agent-config``), run in the same blocks as the others."""
+settings over the defaults (and over ``--agent-config``), run in the same blocks as the others;
+and what ``--keep`` keeps of a repetition's work directory."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench.baselines import MODES, block_order, in_order, modes_for, runs_agent, variant_of
+from bench.colocation import output_file, tidy
 from bench.colocation_agent import Agent
 from bench.colocation_cli import parser, settings_from
 from bench.colocation_plan import Repetition, Settings
@@ -136,3 +138,21 @@ def test_the_report_puts_variants_after_the_modes_and_keeps_them_in_json(
     raw = json.loads(as_json(reps, settings, {"kernel": "k"}))
     del raw["settings"]["variants"]
     assert from_json(json.dumps(raw))[1].variants == {}
+
+
+def test_a_kept_work_directory_loses_only_the_offline_outputs(tmp_path: Path) -> None:
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in ("audit.jsonl", "agent.log", "service.bin", "offline-0.txt", "offline-1.txt"):
+        (kept / name).write_text("x")
+    for pod in range(2):
+        output_file(kept, pod).write_bytes(b"\0" * 4096)
+    tidy(kept, keep=True, pods=2)
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "agent.log", "audit.jsonl", "offline-0.txt", "offline-1.txt", "service.bin"]
+    tidy(kept, keep=True, pods=2)  # nothing left to remove: no error
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    output_file(gone, 0).write_bytes(b"\0")
+    tidy(gone, keep=False, pods=1)
+    assert not gone.exists()

@@ -10,6 +10,8 @@ import pytest
 from kubernetes import client as k8s_client
 from structlog.testing import capture_logs
 
+from nri_plugin.config.loader import ConfigError, parse_toml
+from nri_plugin.config.schema import Config
 from reconciler.kube import KubernetesConfig, build_api_client, node_name
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 
@@ -89,3 +91,19 @@ def test_default_kubeconfig(
         assert [p.metadata.name for p in pods.items if p.metadata] == ["a"]
     finally:
         client.close()
+
+
+def test_a_kubeconfig_path_with_a_colon_is_refused_at_load(tmp_path: Path,
+                                                           fake: FakeApiServer) -> None:
+    with pytest.raises(ConfigError, match=r"kubernetes\.kubeconfig: must be one path without ':'"):
+        parse_toml(Config, '[kubernetes]\nkubeconfig = "/var/lib/a:b/kubeconfig"\n', "x.toml")
+    # Why: the client splits the path at ':' and loads nothing from a real file so named.
+    named = tmp_path / "a:b"
+    write_kubeconfig(named, fake.url)
+    with capture_logs():
+        assert build_api_client(KubernetesConfig(kubeconfig=str(named))) is None
+    plain = tmp_path / "plain"
+    write_kubeconfig(plain, fake.url)
+    assert build_api_client(KubernetesConfig(kubeconfig=str(plain))) is not None
+    assert parse_toml(Config, f'[kubernetes]\nkubeconfig = "{plain}"\n', "x.toml") \
+        .kubernetes.kubeconfig == str(plain)

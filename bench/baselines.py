@@ -15,7 +15,7 @@ The modes (every one runs the same workloads on the same kubelet-shaped node):
 * ``agent-creation``: the real agent with detection and the mitigation ladder off: its creation
   answers, the memory guard, drift repair;
 * ``agent``: the real agent with every default, enforcing;
-* ``agent:NAME`` (``--variant NAME=FILE``): the real agent with the settings of FILE over the
+* ``agent+NAME`` (``--variant NAME=FILE``): the real agent with the settings of FILE over the
   defaults, beside ``agent`` in the same run, so that a setting is judged against the defaults
   on the same machine, in the same blocks.
 
@@ -35,8 +35,10 @@ from collections.abc import Callable, Iterable, Sequence
 MODES = ("unmanaged", "static", "kubelet-memoryqos", "agent-creation", "agent")
 AGENT_MODES = frozenset({"agent-creation", "agent"})
 V2_ONLY = frozenset({"kubelet-memoryqos"})
-VARIANT = "agent:"
-"""The prefix of a variant's mode: the agent with a variant's settings over the defaults."""
+VARIANT = "agent+"
+"""The prefix of a variant's mode: the agent with a variant's settings over the defaults. Not
+':', which a repetition's work directory takes from the mode's name into the agent's kubeconfig
+path, where the Kubernetes client reads ':' as a list separator."""
 VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 THROTTLING_FACTOR = 0.9
 """kubelet's default memoryThrottlingFactor."""
@@ -46,7 +48,7 @@ BOOTSTRAP_SAMPLES = 2000
 
 def modes_for(wanted: Sequence[str], v2: bool, variants: Sequence[str] = ()) -> tuple[str, ...]:
     """The wanted modes this cgroup version can run, in MODES order, then a mode per variant
-    name (``agent:NAME``, in the order given); unknown modes and malformed names refused."""
+    name (``agent+NAME``, in the order given); unknown modes and malformed names refused."""
     unknown = [m for m in wanted if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes: {', '.join(MODES)}")

@@ -30,7 +30,7 @@ them: RunPodSandbox, CreateContainer (its answer applied to the container as the
 and StartContainer over the NRI protocol from the runtime simulator. Eviction stays in dry-run,
 as by default. ``--agent-config FILE`` puts an operator's settings over the defaults of every
 agent mode (a drop-in of the agent's configuration, refused before any run if the agent would
-refuse it; printed at the top); ``--variant NAME=FILE`` adds a mode ``agent:NAME``, the agent
+refuse it; printed at the top); ``--variant NAME=FILE`` adds a mode ``agent+NAME``, the agent
 with FILE's settings over those, so that a setting is measured against the defaults in the
 same blocks.
 
@@ -440,7 +440,7 @@ def main() -> int:
             print("the agent modes' configuration: the defaults, and over them (--agent-config): "
                   + settings_text(settings.agent_config))
         for name, text in settings.variants.items():
-            print(f"mode agent:{name}: the agent with, over that: {settings_text(text)}")
+            print(f"mode agent+{name}: the agent with, over that: {settings_text(text)}")
         print(f"node: {settings.node_mib} MiB (kubepods {settings.node_mib - settings.reserved_mib}"
               f" MiB); online: {settings.online_anon_mib} MiB anonymous + "
               f"{settings.online_files_mib} MiB of files"

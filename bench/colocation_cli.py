@@ -70,7 +70,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="a TOML file of settings over the defaults for every agent mode (a "
                         "drop-in of the agent's configuration); checked before the run")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=TOML",
-                   help="one more mode, agent:NAME: the full agent with the settings of this "
+                   help="one more mode, agent+NAME: the full agent with the settings of this "
                         "file over the defaults (and over --agent-config), run in the same "
                         "blocks as the others; checked before the run; may be repeated")
     p.add_argument("--data-dir", help="where the data files are kept (reused when there); "

@@ -127,7 +127,7 @@ class Settings:
     # Settings over the defaults for every agent mode: the text of a TOML drop-in ("" for none).
     agent_config: str = ""
     # Each variant's settings over those (name -> the text of a TOML drop-in): its mode is
-    # ``agent:NAME``, the full agent with them.
+    # ``agent+NAME``, the full agent with them.
     variants: dict[str, str] = dataclasses.field(default_factory=dict)
     # Of the blocks' order (printed, so that a run can be repeated).
     seed: int = 0

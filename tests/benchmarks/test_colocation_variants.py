@@ -1,4 +1,4 @@
-"""``bench/colocation.py --variant NAME=TOML``: a mode ``agent:NAME``, the agent with a file's
+"""``bench/colocation.py --variant NAME=TOML``: a mode ``agent+NAME``, the agent with a file's
 settings over the defaults (and over ``--agent-config``), run in the same blocks as the others;
 and what ``--keep`` keeps of a repetition's work directory."""
 
@@ -38,12 +38,14 @@ def test_a_variant_is_one_more_agent_mode_after_the_others(tmp_path: Path) -> No
     settings = settings_of("--modes", "agent,unmanaged", "--variant",
                            f"throttle={tmp_path / 'throttle.toml'}", "--variant",
                            f"quiet={tmp_path / 'quiet.toml'}")
-    assert settings.modes == ("unmanaged", "agent", "agent:throttle", "agent:quiet")
+    assert settings.modes == ("unmanaged", "agent", "agent+throttle", "agent+quiet")
     assert settings.variants == {"throttle": THROTTLE,
                                  "quiet": "[detection]\nenabled = false\n"}
     assert [m for m in settings.modes if runs_agent(m)] == [
-        "agent", "agent:throttle", "agent:quiet"]
+        "agent", "agent+throttle", "agent+quiet"]
     assert [variant_of(m) for m in settings.modes] == ["", "", "throttle", "quiet"]
+    # a mode's name goes into its work directory's path, the agent's kubeconfig's among them
+    assert not any(":" in m for m in settings.modes)
     # every block holds every mode once, the variants included
     order = block_order(settings.modes, 3, seed=5)
     for block in range(3):
@@ -70,7 +72,7 @@ def test_the_variant_goes_over_the_shared_settings_and_the_benchmarks_own(
         return loaded
 
     plain = loaded(settings.variants.get(variant_of("agent"), ""), tmp_path / "agent")
-    throttled = loaded(settings.variants[variant_of("agent:throttle")], tmp_path / "variant")
+    throttled = loaded(settings.variants[variant_of("agent+throttle")], tmp_path / "variant")
     assert not plain.mitigation.tune.throttle_anonymous
     assert throttled.mitigation.tune.throttle_anonymous  # the variant wins over --agent-config
     # what only --agent-config sets reaches the variant; the benchmark's own settings stay
@@ -92,7 +94,7 @@ def test_a_malformed_name_is_refused(tmp_path: Path, option: str, error: str) ->
         settings_of("--variant=" + option.format(file=tmp_path / "v.toml"))
     # the longest name taken
     assert settings_of("--variant", f"{'a' * 32}={tmp_path / 'v.toml'}").modes[-1] == \
-        "agent:" + "a" * 32
+        "agent+" + "a" * 32
 
 
 def test_a_name_twice_is_refused(tmp_path: Path) -> None:
@@ -101,7 +103,7 @@ def test_a_name_twice_is_refused(tmp_path: Path) -> None:
         settings_of("--variant", f"t={tmp_path / 'v.toml'}", "--variant",
                     f"t={tmp_path / 'v.toml'}")
     with pytest.raises(ValueError, match="unknown mode"):
-        modes_for(["agent:t"], v2=True)  # a variant comes from --variant only
+        modes_for(["agent+t"], v2=True)  # a variant comes from --variant only
 
 
 @pytest.mark.parametrize(("text", "error"), [
@@ -122,12 +124,12 @@ def test_a_file_the_agent_would_refuse_stops_the_benchmark(tmp_path: Path, text:
 
 def test_the_report_puts_variants_after_the_modes_and_keeps_them_in_json(
         tmp_path: Path) -> None:
-    reps = [rep("agent:throttle", 2.0, 300.0), rep("agent", 4.0, 900.0),
+    reps = [rep("agent+throttle", 2.0, 300.0), rep("agent", 4.0, 900.0),
             rep("unmanaged", 8.0, 1000.0)]
-    assert in_order(r.mode for r in reps) == ["unmanaged", "agent", "agent:throttle"]
+    assert in_order(r.mode for r in reps) == ["unmanaged", "agent", "agent+throttle"]
     assert final_line(reps) == (
-        "online p99 ms: unmanaged=8.00 agent=4.00 agent:throttle=2.00; offline MiB: "
-        "unmanaged=1000 agent=900 agent:throttle=300")
+        "online p99 ms: unmanaged=8.00 agent=4.00 agent+throttle=2.00; offline MiB: "
+        "unmanaged=1000 agent=900 agent+throttle=300")
     (tmp_path / "v.toml").write_text(THROTTLE)
     settings = settings_of("--variant", f"throttle={tmp_path / 'v.toml'}")
     again, settings_again, _ = from_json(as_json(reps, settings, {"kernel": "k"}))

@@ -69,7 +69,7 @@ class TuneRung:
         "online pods stall is throttled where it is until the rung is released (the kernel "
         "throttles at memory.high and never OOM-kills there; without swap the squeeze can "
         "otherwise take only page cache). Off because of what it costs: the offline tier makes "
-        "next to no progress while any online pod stalls (28 % of its unmanaged work in "
+        "next to no progress while any online pod stalls (27-28 % of its unmanaged work in "
         "docs/effectiveness.md, held-anon). Ignored on cgroup v1, where the squeeze is a hard "
         "limit.")
     wmark_ratio: int = setting(

@@ -30,6 +30,7 @@ from reconciler.host.watermarks import Watermarks
 from reconciler.kube import PodWatcher
 from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache, requested_outside
+from reconciler.loops.cpu_idle import CpuIdleLoop, CpuIdleSections, restore_idle
 from reconciler.loops.drift import DriftLoop, DriftSections
 from reconciler.loops.memory_guard import (
     GuardSqueeze,
@@ -54,7 +55,7 @@ from reconciler.mitigation.actions import restore_wmark
 log = structlog.get_logger("nri_qos.reconciler")
 
 
-class ReconcilerSections(DriftSections, MemoryGuardSections, NumaBindingSections,
+class ReconcilerSections(DriftSections, MemoryGuardSections, CpuIdleSections, NumaBindingSections,
                          NumaBalanceSections, OffloadSections, Protocol):
     """Every section some loop reads (the node configuration has them all)."""
 
@@ -95,6 +96,7 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
                         requests=lambda: requested_outside(managed.get(state.snapshot()),
                                                            BESTEFFORT),
                         watermarks=watermarks),
+        CpuIdleLoop(config, sysfs, layout, notes),
         NumaBindingLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
                         watermarks=watermarks),
         NumaBalanceLoop(config, state, sysfs, layout, audit, managed=managed, notes=notes,
@@ -149,9 +151,10 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
 
 def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
     """Writes back every host file the state file says the agent changed: the memory guard's
-    tier files, tuned memory.wmark_ratio, NUMA bindings and balancing, the protection of the pod
-    and tier cgroups."""
+    tier files, the tier's cpu.idle, tuned memory.wmark_ratio, NUMA bindings and balancing, the
+    protection of the pod and tier cgroups."""
     restore_tier(sysfs, notes, reason)
+    restore_idle(sysfs, notes, reason)
     restore_protection(sysfs, notes, reason)
     restore_wmark(sysfs, notes, reason)
     restore_bindings(sysfs, notes, reason, NUMA_BALANCE_NOTES)

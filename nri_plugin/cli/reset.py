@@ -42,6 +42,8 @@ from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
+from reconciler.loops.cpu_idle import NOTES as CPU_IDLE_NOTES
+from reconciler.loops.cpu_idle import restore_idle
 from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
 from reconciler.loops.memory_guard import restore_tier
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings
@@ -85,6 +87,11 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
         steps.append(Step(
             "memory guard: restore " + ", ".join(f"{p} to {v}" for p, v in sorted(guard.items())),
             lambda: f"restored {len(restore_tier(sysfs, notes, REASON))} file(s)"))
+    idle = notes.entries(CPU_IDLE_NOTES)
+    if idle:
+        steps.append(Step(
+            "cpu idle: restore " + ", ".join(f"{p} to {v}" for p, v in sorted(idle.items())),
+            lambda: f"restored {restore_idle(sysfs, notes, REASON)} file(s)"))
     protection = notes.entries(PROTECTION_NOTES)
     if protection:
         steps.append(Step(

@@ -32,6 +32,7 @@ from reconciler.eviction.choice import READ_ANNOTATIONS as EVICTION_ANNOTATIONS
 from reconciler.eviction.config import EvictionConfig
 from reconciler.kube import KubernetesConfig
 from reconciler.loops.base import ReconcilerConfig
+from reconciler.loops.cpu_idle import CpuIdleConfig
 from reconciler.loops.memory_guard import MemoryGuardConfig
 from reconciler.loops.numa_balance import NumaBalanceConfig
 from reconciler.loops.numa_binding import NumaConfig
@@ -181,6 +182,8 @@ class Config:
     memory_guard: MemoryGuardConfig = section(
         MemoryGuardConfig, "Cap on the memory of the reclaimed tier."
     )
+    cpu_idle: CpuIdleConfig = section(
+        CpuIdleConfig, "Idle CPU priority for the reclaimed tier (off by default).")
     numa: NumaConfig = section(NumaConfig, "NUMA binding of reclaimed pods.")
     numa_balance: NumaBalanceConfig = section(
         NumaBalanceConfig, "Moving reclaimed pods' memory off a NUMA node under its watermark.")

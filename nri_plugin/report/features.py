@@ -94,6 +94,17 @@ def _memory_guard(cfg: Config, host: HostInfo) -> Feature:
     return Feature(True, f"caps the BestEffort tier from the free memory of {where}")
 
 
+def _cpu_idle(cfg: Config, host: HostInfo) -> Feature:
+    base = _loop(lambda c: c.cpu_idle.enabled, "idle CPU for the reclaimed tier")(cfg, host)
+    if not base.runs:
+        return base
+    if not host.cpu_idle:
+        return Feature(False, "the BestEffort tier's cgroup has no cpu.idle (a kernel before "
+                              "5.15, the cpu controller not enabled there, or no tier yet)")
+    return Feature(True, "cpu.idle = 1 on the BestEffort tier: offline tasks run on CPU time "
+                         "nothing else wants")
+
+
 def _numa_binding(cfg: Config, host: HostInfo) -> Feature:
     base = _loop(lambda c: c.numa.enabled, "NUMA binding")(cfg, host)
     if base.runs and len(host.numa_nodes) < 2:
@@ -299,6 +310,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "reconciler.drift": _loop(lambda c: c.memory.enabled or c.oom.enabled, "drift repair"),
     "reconciler.resctrl_tasks": _resctrl_tasks,
     "reconciler.memory_guard": _memory_guard,
+    "reconciler.cpu_idle": _cpu_idle,
     "reconciler.numa_binding": _numa_binding,
     "reconciler.numa_balance": _numa_balance,
     "reconciler.offload": _offload,

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 
 from hooks.resctrl import ResctrlInfo
-from reconciler.host.cgroups import CGROUP_MOUNT, CgroupLayout, layout_for
+from reconciler.host.cgroups import BESTEFFORT, CGROUP_MOUNT, CgroupLayout, layout_for
 from reconciler.host.numa import (
     NumaFormatError,
     NumaNode,
@@ -89,6 +89,8 @@ class HostInfo:
     swap_total_bytes: int = 0
     # zswap is on (it compresses into RAM what is swapped out; it needs a swap device too).
     zswap: bool = False
+    # The BestEffort tier's cgroup has cpu.idle (Linux 5.15+, the cpu controller there).
+    cpu_idle: bool = False
 
     @property
     def memory_total_bytes(self) -> int:
@@ -136,6 +138,7 @@ def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str
         psi=_psi(sysfs, layout), warnings=tuple(warnings),
         swap_total_bytes=meminfo.get("SwapTotal", 0),
         zswap=(sysfs.read(ZSWAP_ENABLED) or "").strip() in ("Y", "1"),
+        cpu_idle=sysfs.exists(f"{layout.tier_dir('cpu', BESTEFFORT)}/cpu.idle"),
     )
 
 

@@ -21,6 +21,7 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubernetesConfig
+from reconciler.loops.cpu_idle import CpuIdleLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
@@ -49,8 +50,9 @@ class Node:
 
 @pytest.fixture
 def node(tmp_path: Path) -> Node:
-    """A v2 node an agent ran on: the guard's cap, a wmark_ratio, a protected kubepods, two
-    resctrl groups of the agent's and one of someone else's, its status socket."""
+    """A v2 node an agent ran on: the guard's cap, the tier's cpu.idle, a wmark_ratio, a
+    protected kubepods, two resctrl groups of the agent's and one of someone else's, its status
+    socket."""
     host = FakeHost(tmp_path / "host", version=2, driver="systemd")
     host.set_numa([(8 * GIB, 32 * GIB, 0)])
     host.set_tier_usage("besteffort", 2 * GIB, per_node=[2 * GIB])
@@ -66,6 +68,10 @@ def node(tmp_path: Path) -> Node:
     sysfs = SysFs(host.root, AuditLog(sink))
     MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), AuditLog(sink),
                     notes=state_file(cfg.reconciler.state_dir)).cycle(0.0)
+    (host.tier_dir("besteffort") / "cpu.idle").write_text("0\n")
+    idle = dataclasses.replace(cfg, cpu_idle=dataclasses.replace(cfg.cpu_idle, enabled=True))
+    CpuIdleLoop(lambda: idle, sysfs, layout_for(sysfs),
+                state_file(cfg.reconciler.state_dir)).cycle(0.0)
     wmark = host.tier_dir("besteffort") / "memory.wmark_ratio"
     wmark.write_text("80\n")
     state_file(cfg.reconciler.state_dir).remember(
@@ -90,6 +96,8 @@ def test_dry_run_says_everything_and_changes_nothing(node: Node) -> None:
     assert lines[0].startswith("would memory guard: restore /sys/fs/cgroup/kubepods.slice/"
                                "kubepods-besteffort.slice/memory.high to max, ")
     assert lines[1:] == [
+        "would cpu idle: restore /sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/"
+        "cpu.idle to 0",
         "would memory QoS: restore memory.min/memory.low of 1 pod or tier file(s)",
         "would tune: restore memory.wmark_ratio of 1 pod(s)",
         "would resctrl: remove group nriqos-pod-1234",
@@ -108,6 +116,7 @@ def test_reset_takes_everything_away_and_a_second_reset_finds_nothing(node: Node
     assert (tier / "memory.max").read_text().strip() == "max"
     assert (tier / "memory.high").read_text().strip() == "max"
     assert (tier / "memory.wmark_ratio").read_text().strip() == "95"
+    assert (tier / "cpu.idle").read_text().strip() == "0"
     assert (node.host.tier_dir("guaranteed") / "memory.min").read_text().strip() == "0"
     resctrl = node.host.root / "sys/fs/resctrl"
     assert not (resctrl / "nriqos-shared_cores").exists()

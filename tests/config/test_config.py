@@ -103,7 +103,7 @@ def test_unknown_keys_name_the_full_path_and_the_known_keys() -> None:
     ]
     top = errors_of("[metrcis]\nport = 1")
     assert len(top) == 1
-    assert top[0].startswith("metrcis: unknown key (known keys: agent, detection, ")
+    assert top[0].startswith("metrcis: unknown key (known keys: agent, cpu_idle, detection, ")
     nested = errors_of("[resctrl.monitor_hook]\ntimeout = 3")
     assert nested[0].startswith("resctrl.monitor_hook.timeout: unknown key (known keys: ")
 

@@ -112,7 +112,7 @@ def file_is_a_fifo(t: Tree) -> Expected:
 
 def unknown_top_level_key(t: Tree) -> Expected:
     t.put("[metrcis]\nport = 1\n")
-    return [Starts("metrcis: unknown key (known keys: agent, detection, ")]
+    return [Starts("metrcis: unknown key (known keys: agent, cpu_idle, detection, ")]
 
 
 def unknown_nested_key(t: Tree) -> Expected:

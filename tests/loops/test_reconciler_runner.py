@@ -211,7 +211,8 @@ def test_build_loops_without_resctrl(tmp_path: Path) -> None:
     _, state, sysfs, _, sink = make_host(tmp_path)
     names = [loop.name for loop in build_loops(Store(Config()).get, state, sysfs,
                                                host_of(sysfs), None, AuditLog(sink))]
-    assert names == ["drift", "memory_guard", "numa_binding", "numa_balance", "offload"]
+    assert names == ["drift", "memory_guard", "cpu_idle", "numa_binding", "numa_balance",
+                     "offload"]
 
 
 def test_the_memory_guard_of_build_loops_keeps_what_the_node_state_requested(

@@ -74,7 +74,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
     config.write_text(
         '[agent]\nmode = "enforce"\n'
         f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
-        "[memory_guard]\ninterval_s = 0.1\n[numa]\ninterval_s = 0.1\n"
+        "[memory_guard]\ninterval_s = 0.1\n[cpu_idle]\ninterval_s = 1\n[numa]\ninterval_s = 0.1\n"
         "[numa_balance]\ninterval_s = 0.1\n"
         f'[kubernetes]\nenabled = false\n[status]\nsocket = "{sock}"\n')
     pod_a, containers_a = nri_messages(existing)
@@ -92,7 +92,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
             while True:
                 doc = await document(sock)
                 loops = doc["reconciler"]["loops"]
-                if len(loops) == 6 and all(loop["cycles"] >= 2 for loop in loops.values()):
+                if len(loops) == 7 and all(loop["cycles"] >= 2 for loop in loops.values()):
                     break
                 await asyncio.sleep(0.05)
 
@@ -122,8 +122,8 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
         assert doc["node"]["running_containers"] == 2
         assert doc["node"]["pods_by_level"] == {"reclaimed_cores": 1, "shared_cores": 1}
         assert doc["reconciler"]["running"] is True
-        assert set(loops) == {"resctrl_tasks", "drift", "memory_guard", "numa_binding",
-                              "numa_balance", "offload"}
+        assert set(loops) == {"resctrl_tasks", "drift", "memory_guard", "cpu_idle",
+                              "numa_binding", "numa_balance", "offload"}
         assert all(loop["failures"] == 0 and loop["ago_s"] < 30 for loop in loops.values())
         # The fake host has no /proc/vmstat: the detector says it does not know, and why.
         kswapd = {(r["detector"], r["scope"]): r for r in doc["detection"]}[("kswapd", "node")]

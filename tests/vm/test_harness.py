@@ -132,7 +132,7 @@ def test_a_v1_guest_with_a_scratch_disk() -> None:
                     " && echo socket"])
     assert done.status == 0, done.output
     lines = done.output.split()
-    assert {"memory", "cpu,cpuacct", "cpuset", "pids", "unified"} <= set(lines)
+    assert {"memory", "cpu,cpuacct", "cpu", "cpuacct", "cpuset", "pids", "unified"} <= set(lines)
     assert "ext2/ext3" in lines
     assert lines[-2:] == ["/var/tmp", "socket"]
 

@@ -1,0 +1,87 @@
+"""Idle CPU priority on this machine's cgroup v1 kernel: the agent's loop, reading and writing
+the real ``cpu`` hierarchy (a fresh child of it stands for the node's), sets ``cpu.idle`` on the
+BestEffort tier; a busy offline task then gets next to none of a CPU an online one wants (half
+of it before), and the tier has its value back when the agent stops. Skipped without root or
+without ``cpu.idle`` (Linux 5.15+) in the v1 cpu hierarchy."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.audit import AuditLog, MemoryAuditSink
+from nri_plugin.config.schema import Config
+from reconciler.host.cgroups import layout_for
+from reconciler.host.statefile import StateFile
+from reconciler.host.sysfs import SysFs
+from reconciler.loops.cpu_idle import CpuIdleLoop
+from tests.support.realroot import end
+from tests.support.spinners import shares
+
+CPU_V1 = Path("/sys/fs/cgroup/cpu")
+SPIN_S = 3.0
+
+
+def unavailable() -> str:
+    if os.geteuid() != 0:
+        return "needs root"
+    if not (CPU_V1 / "cpu.idle").is_file():
+        return "needs cpu.idle in the cgroup v1 cpu hierarchy (Linux 5.15+)"
+    return ""
+
+
+pytestmark = [pytest.mark.real_kernel,
+              pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    """A host root whose cpu hierarchy is a fresh child of the machine's, with kubelet's tiers."""
+    node = CPU_V1 / f"nriqos-test-{os.getpid()}-{tmp_path.name}"
+    made = [node]
+    node.mkdir()
+    for rel in ("kubepods", "kubepods/burstable", "kubepods/besteffort",
+                "kubepods/burstable/podonline", "kubepods/besteffort/podoffline"):
+        (node / rel).mkdir()
+        made.append(node / rel)
+    root = tmp_path / "root"
+    (root / "sys/fs/cgroup").mkdir(parents=True)
+    (root / "sys/fs/cgroup/cpu").symlink_to(node)
+    try:
+        yield root
+    finally:
+        end([], made)
+
+
+def spawn(cgroup: Path, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"',
+                             "sh", str(cgroup), *argv], **kwargs)
+
+
+@pytest.mark.timeout(60)
+def test_the_idle_tier_yields_the_cpu_and_gets_its_priority_back(root: Path) -> None:
+    node = root / "sys/fs/cgroup/cpu"
+    pods = [node / "kubepods/burstable/podonline", node / "kubepods/besteffort/podoffline"]
+    tier = node / "kubepods/besteffort/cpu.idle"
+    assert tier.read_text().strip() == "0"
+    before = shares(spawn, pods, SPIN_S)
+    assert min(before) > 0.3, before  # equal shares: about half each
+
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, cpu_idle=dataclasses.replace(cfg.cpu_idle, enabled=True))
+    sysfs = SysFs(root, AuditLog(MemoryAuditSink()))
+    loop = CpuIdleLoop(lambda: cfg, sysfs, layout_for(sysfs), StateFile(None))
+    loop.cycle(0.0)
+    assert tier.read_text().strip() == "1"
+    online, offline = shares(spawn, pods, SPIN_S)
+    assert online > 0.8, (online, offline)
+    assert offline < 0.25, (online, offline)
+
+    loop.close()
+    assert tier.read_text().strip() == "0"

@@ -39,11 +39,13 @@ class CpuIdleConfig:
     enabled: bool = setting(
         False, "Set cpu.idle = 1 on the reclaimed (BestEffort) tier's cgroup: its tasks run "
         "only on CPU time no other task wants, and a waking online task preempts them at once "
-        "(Linux 5.15+). Off because of what it costs: on a node whose CPUs are busy the "
-        "offline tier gets next to no CPU (43 % of its unmanaged work in docs/effectiveness.md, "
-        "main); an idle-priority task holding something an online task waits for (a lock in "
-        "a shared file system, a pipe) is preempted too; and BestEffort pods' exec probes run "
-        "at the same priority and may time out on a saturated node.")
+        "(Linux 5.15+). Off: in docs/effectiveness.md (main) it halved the online pod's CPU "
+        "stall but its tail stayed inside the other modes' intervals, and on a node whose CPUs "
+        "are busy the offline tier gets only what online pods leave (43 % of its unmanaged work "
+        "with the tier set idle by hand); an idle-priority task holding something an online "
+        "task waits for (a lock in a shared file system, a pipe) is preempted too; and "
+        "BestEffort pods' exec probes run at the same priority and may time out on a saturated "
+        "node.")
     interval_s: float = setting(
         10.0, "How often the tier's cpu.idle is checked and set again (a kubelet restart "
         "makes the tier cgroup anew).", unit="seconds", minimum=1, maximum=3600)

@@ -27,7 +27,7 @@ import os
 import socket
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -80,17 +80,22 @@ def agent_answers(path: str) -> bool:
     return True
 
 
+def _listed(notes: Mapping[str, str]) -> str:
+    """Noted files and the values they go back to, in path order."""
+    return ", ".join(f"{path} to {value}" for path, value in sorted(notes.items()))
+
+
 def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) -> list[Step]:
     steps = []
     guard = notes.entries(GUARD_NOTES)
     if guard:
         steps.append(Step(
-            "memory guard: restore " + ", ".join(f"{p} to {v}" for p, v in sorted(guard.items())),
+            f"memory guard: restore {_listed(guard)}",
             lambda: f"restored {len(restore_tier(sysfs, notes, REASON))} file(s)"))
     idle = notes.entries(CPU_IDLE_NOTES)
     if idle:
         steps.append(Step(
-            "cpu idle: restore " + ", ".join(f"{p} to {v}" for p, v in sorted(idle.items())),
+            f"cpu idle: restore {_listed(idle)}",
             lambda: f"restored {restore_idle(sysfs, notes, REASON)} file(s)"))
     protection = notes.entries(PROTECTION_NOTES)
     if protection:

@@ -21,7 +21,7 @@ from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.cpu_idle import NOTES, CpuIdleLoop
 from reconciler.runner import restore_host
-from tests.support.fakesys import FakeHost
+from tests.support.fakesys import READ_ONLY_NUMBER, FakeHost, refuse_writes
 
 LAYOUTS = [(1, "cgroupfs"), (1, "systemd"), (2, "cgroupfs"), (2, "systemd")]
 
@@ -173,3 +173,17 @@ def test_probe_says_whether_it_runs_and_why_not(tmp_path: Path) -> None:
     assert found(config()) == (
         False, "the BestEffort tier's cgroup has no cpu.idle (a kernel before 5.15, the cpu "
                "controller not enabled there, or no tier yet)")
+
+
+@pytest.mark.skipif(not READ_ONLY_NUMBER.exists(), reason=f"no {READ_ONLY_NUMBER} here")
+def test_a_refused_write_is_audited_and_tried_again_each_cycle(tmp_path: Path) -> None:
+    host, loop, sink, _ = make(tmp_path)
+    refuse_writes(idle_file(host))
+    loop.cycle(0.0)
+    loop.cycle(10.0)
+    path = f"/{idle_file(host).relative_to(tmp_path)}"
+    assert [r["path"] for r in sink.named("cgroup_write_failed")] == [path, path]
+    idle_file(host).unlink()  # the kernel takes the value again
+    idle_file(host).write_text("0\n")
+    loop.cycle(20.0)
+    assert idle_file(host).read_text().strip() == "1"

@@ -6,7 +6,6 @@ without ``cpu.idle`` (Linux 5.15+) in the v1 cpu hierarchy."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 from collections.abc import Iterator
@@ -15,14 +14,8 @@ from typing import Any
 
 import pytest
 
-from common.audit import AuditLog, MemoryAuditSink
-from nri_plugin.config.schema import Config
-from reconciler.host.cgroups import layout_for
-from reconciler.host.statefile import StateFile
-from reconciler.host.sysfs import SysFs
-from reconciler.loops.cpu_idle import CpuIdleLoop
-from tests.support.realroot import end
-from tests.support.spinners import shares
+from tests.support.realroot import end, in_cgroup
+from tests.support.spinners import idle_tier_yields
 
 CPU_V1 = Path("/sys/fs/cgroup/cpu")
 SPIN_S = 3.0
@@ -60,28 +53,12 @@ def root(tmp_path: Path) -> Iterator[Path]:
 
 
 def spawn(cgroup: Path, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
-    return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"',
-                             "sh", str(cgroup), *argv], **kwargs)
+    return subprocess.Popen(in_cgroup(cgroup, argv), **kwargs)
 
 
 @pytest.mark.timeout(60)
 def test_the_idle_tier_yields_the_cpu_and_gets_its_priority_back(root: Path) -> None:
     node = root / "sys/fs/cgroup/cpu"
-    pods = [node / "kubepods/burstable/podonline", node / "kubepods/besteffort/podoffline"]
-    tier = node / "kubepods/besteffort/cpu.idle"
-    assert tier.read_text().strip() == "0"
-    before = shares(spawn, pods, SPIN_S)
-    assert min(before) > 0.3, before  # equal shares: about half each
-
-    cfg = Config()
-    cfg = dataclasses.replace(cfg, cpu_idle=dataclasses.replace(cfg.cpu_idle, enabled=True))
-    sysfs = SysFs(root, AuditLog(MemoryAuditSink()))
-    loop = CpuIdleLoop(lambda: cfg, sysfs, layout_for(sysfs), StateFile(None))
-    loop.cycle(0.0)
-    assert tier.read_text().strip() == "1"
-    online, offline = shares(spawn, pods, SPIN_S)
-    assert online > 0.8, (online, offline)
-    assert offline < 0.25, (online, offline)
-
-    loop.close()
-    assert tier.read_text().strip() == "0"
+    idle_tier_yields(spawn, node / "kubepods/burstable/podonline",
+                     node / "kubepods/besteffort/podoffline",
+                     node / "kubepods/besteffort/cpu.idle", root, SPIN_S)

@@ -18,7 +18,7 @@ from typing import Any
 
 from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
-from tests.support.realroot import WORKER, Worker, end
+from tests.support.realroot import WORKER, Worker, end, in_cgroup
 
 CGROUP = Path("/sys/fs/cgroup")
 MIB = 1 << 20
@@ -58,9 +58,7 @@ class Node:
 
     def spawn(self, cgroup: Path, argv: list[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """``argv`` started inside ``cgroup`` (the shell moves itself before it execs)."""
-        process = subprocess.Popen(
-            ["/bin/sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh",
-             str(cgroup), *argv], **kwargs)
+        process = subprocess.Popen(in_cgroup(cgroup, argv), **kwargs)
         self._processes.append(process)
         return process
 

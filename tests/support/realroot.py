@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,13 @@ MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 WORKER = Path(__file__).with_name("pressure_worker.py")
 MIB = 1 << 20
+
+
+def in_cgroup(cgroup: Path, argv: Sequence[str]) -> list[str]:
+    """``argv`` wrapped so that it starts inside ``cgroup``: the shell moves itself there before
+    it execs, so the process runs no code of its own outside it."""
+    return ["/bin/sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh",
+            str(cgroup), *argv]
 
 
 def unavailable() -> str:
@@ -101,11 +109,10 @@ class RealRoot:
     def spawn_worker(self, memcg: Path) -> Worker:
         """A pressure worker (:mod:`tests.support.pressure_worker`) in ``memcg``, pushing this
         root's limit."""
-        # The shell puts itself into the memcg before it becomes the worker.
         process = subprocess.Popen(
-            ["/bin/sh", "-c", 'echo $$ > "$1/cgroup.procs" && shift && exec "$@"', "sh",
-             str(memcg), sys.executable, "-I", str(WORKER),
-             str(self.memcg / ("memory.events" if self.v2 else "memory.failcnt"))],
+            in_cgroup(memcg, [sys.executable, "-I", str(WORKER),
+                              str(self.memcg / ("memory.events" if self.v2
+                                                else "memory.failcnt"))]),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._workers.append(process)
         return Worker(process)

@@ -77,6 +77,13 @@ class MemoryLevel:
     )
 
 
+# The online levels' default: their requests protected by memory.low, the soft protection (the
+# kernel takes it back only when nothing unprotected is left, so it never OOM-kills for it, as an
+# over-committed memory.min can), and no memory.high. Without it, reclaim at kubepods' limit or the
+# machine's takes online pages as readily as offline ones, wherever kubelet's MemoryQoS is off.
+ONLINE_LEVEL = MemoryLevel(policy="ratios", low_ratio=100, high_ratio=0)
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryConfig:
     enabled: bool = setting(True, "Set memcg QoS values at container creation.")
@@ -94,8 +101,8 @@ class MemoryConfig:
     )
     levels: Mapping[str, MemoryLevel] = setting(
         frozen_map({
-            "dedicated_cores": MemoryLevel(),
-            "shared_cores": MemoryLevel(),
+            "dedicated_cores": ONLINE_LEVEL,
+            "shared_cores": ONLINE_LEVEL,
             "reclaimed_cores": MemoryLevel(
                 policy="ratios", high_ratio=95,
                 annotation_max_min_ratio=0, annotation_max_low_ratio=0,

@@ -90,8 +90,9 @@ def test_disabled_features_are_not_built(tmp_path: Path) -> None:
 
 
 def test_memory_capability_off_when_nothing_to_do(tmp_path: Path) -> None:
-    w = World(tmp_path, "[memory]\nvolcano_annotation = false\n"
-                        "[memory.levels.reclaimed_cores]\npolicy = \"none\"\n")
+    w = World(tmp_path, "[memory]\nvolcano_annotation = false\n" + "".join(
+        f"[memory.levels.{level}]\npolicy = \"none\"\n"
+        for level in ("reclaimed_cores", "shared_cores", "dedicated_cores")))
     assert "memory_qos" not in [h.name for h in w.capabilities()]
 
 

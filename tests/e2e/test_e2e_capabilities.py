@@ -153,9 +153,12 @@ def container(uid: str, limit: int = 512 * MI, request: int = 256 * MI) -> api.C
     return message
 
 
+# The online levels' default memory.low is the request (256 MiB); system_cores sets none.
 EXPECTED: dict[str, dict[str, Any]] = {
-    "dedicated_cores": {"linux": {"rdt": {"closId": {"value": "nriqos-dedicated_cores"}}}},
-    "shared_cores": {"linux": {"rdt": {"closId": {"value": "nriqos-shared_cores"}}}},
+    "dedicated_cores": {"linux": {"resources": {"unified": {"memory.low": str(256 * MI)}},
+                                  "rdt": {"closId": {"value": "nriqos-dedicated_cores"}}}},
+    "shared_cores": {"linux": {"resources": {"unified": {"memory.low": str(256 * MI)}},
+                               "rdt": {"closId": {"value": "nriqos-shared_cores"}}}},
     "system_cores": {"linux": {"rdt": {"closId": {"value": "nriqos-system_cores"}}}},
 }
 
@@ -195,7 +198,8 @@ async def test_pod_group_lifecycle_through_the_runtime(session: tuple[Session, P
     assert adjust == {
         "hooks": {"prestart": [{"path": str(tool), "timeout": {"value": "2"}, "args": [
             "nri-qos-hook", "resctrl-join", "--root", plugin.fs.mount, "--group", group]}]},
-        "linux": {"rdt": {"closId": {"value": group}}},
+        "linux": {"resources": {"unified": {"memory.low": str(256 * MI)}},
+                  "rdt": {"closId": {"value": group}}},
     }
     schemata = (Path(plugin.fs.mount) / group / "schemata").read_text()
     assert schemata == "L3:0=1fc;1=1fc\nMB:0=20;1=20\n"
@@ -235,7 +239,8 @@ async def test_old_runtime_gets_rdt_class(tmp_path: Path, tool: Path,
         sess = Session(simulator, await simulator.wait_ready())
         adjust = await sess.create(pod("u1", "shared_cores"), container("u1"))
         assert adjust == {"linux": {"resources": {
-            "rdtClass": {"value": "nriqos-shared_cores"}}}}
+            "rdtClass": {"value": "nriqos-shared_cores"},
+            "unified": {"memory.low": str(256 * MI)}}}}
     finally:
         stub.close()
         await serving

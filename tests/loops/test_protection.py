@@ -228,14 +228,20 @@ def test_drift_protects_the_ancestors_and_undoes_it_when_switched_off(tmp_path: 
     assert tree.notes.entries(PROTECTION_NOTES) == {}
 
 
-def test_the_default_policies_protect_nothing_so_nothing_is_written(tmp_path: Path) -> None:
+def test_the_default_policies_carry_memory_low_up_and_no_memory_min(tmp_path: Path) -> None:
     tree = Tree(tmp_path)
     tree.host.add_pod(ONLINE, tier="burstable", memory_limit=GIB, memory_request=256 * MIB)
+    tree.host.add_pod(OFFLINE, tier="besteffort")
     state, loop = drift(tree, Config())
     state.replace_all(*tree.host.nri())
     loop.cycle(0.0)
-    assert tree.value("kubepods") == 0
-    assert tree.notes.entries(PROTECTION_NOTES) == {}
+    for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods"):
+        assert tree.value(rel, "memory.low") == 256 * MIB
+        assert tree.value(rel) == 0
+    assert tree.value("kubepods/besteffort", "memory.low") == 0
+    assert set(tree.notes.entries(PROTECTION_NOTES)) == {
+        tree.noted(rel, "memory.low")
+        for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods")}
 
 
 def test_cgroup_v1_has_no_protection_files_to_write(tmp_path: Path) -> None:

@@ -29,8 +29,10 @@ def ctr(limit: int | None = 512 * MI, request: int | None = 256 * MI) -> Contain
 
 
 def with_level(level: str, **fields: object) -> MemoryConfig:
+    """The defaults with ``level`` replaced by a level of these fields only (the rest as the
+    class declares them: policy none)."""
     levels = dict(CFG.levels)
-    levels[level] = dataclasses.replace(levels[level], **fields)  # type: ignore[arg-type]
+    levels[level] = MemoryLevel(**fields)  # type: ignore[arg-type]
     return dataclasses.replace(CFG, levels=frozen_map(levels))
 
 
@@ -46,9 +48,24 @@ def test_reclaimed_default_is_95_percent_of_limit() -> None:
     assert unified("reclaimed_cores") == {"memory.high": "510025728"}
 
 
-def test_online_levels_default_to_nothing() -> None:
-    for level in ("dedicated_cores", "shared_cores", "system_cores"):
-        d = memory_settings(pod(), ctr(), level, CFG, cgroup_v2=True, node_allocatable=8 * GI)
+def test_online_levels_default_to_their_request_as_memory_low() -> None:
+    """memory.low = the request, to the byte, and nothing else (no memory.min, no memory.high)."""
+    for level in ("dedicated_cores", "shared_cores"):
+        assert unified(level) == {"memory.low": str(256 * MI)}
+        assert unified(level, c=ctr(limit=None, request=256 * MI + 4095)) == {
+            "memory.low": str(256 * MI)}
+        assert unified(level, c=ctr(request=None)) == {}
+
+
+def test_system_cores_defaults_to_nothing() -> None:
+    d = memory_settings(pod(), ctr(), "system_cores", CFG, cgroup_v2=True,
+                        node_allocatable=8 * GI)
+    assert d.settings.is_empty()
+
+
+def test_online_levels_default_to_nothing_on_cgroup_v1() -> None:
+    for level in ("dedicated_cores", "shared_cores"):
+        d = memory_settings(pod(), ctr(), level, CFG, cgroup_v2=False, node_allocatable=8 * GI)
         assert d.settings.is_empty()
 
 
@@ -123,20 +140,25 @@ def test_volcano_defaults_for_missing_ratios() -> None:
 
 def test_volcano_without_memory_qos_changes_nothing() -> None:
     p = pod({VOLCANO_ANNOTATION: '{"selector":{}}'})
-    assert unified("shared_cores", p=p) == {}
+    assert unified("shared_cores", p=p) == unified("shared_cores") == {
+        "memory.low": str(256 * MI)}
+    assert unified("shared_cores", cfg=with_level("shared_cores"), p=p) == {}
 
 
 def test_empty_annotation_resets() -> None:
     p = pod({VOLCANO_ANNOTATION: ""})
-    assert unified("shared_cores", p=p) == {
+    assert unified("shared_cores", cfg=with_level("shared_cores"), p=p) == {
         "memory.high": "max", "memory.low": "0", "memory.min": "0"}
+    # The default online level's protection stays: the level sets memory.low.
+    assert unified("shared_cores", p=p) == {
+        "memory.high": "max", "memory.low": str(256 * MI), "memory.min": "0"}
     # The level's own policy still holds: a reset never lifts the admin's throttling.
     assert unified("reclaimed_cores", p=pod({VOLCANO_ANNOTATION: "  "})) == {
         "memory.high": "510025728", "memory.low": "0", "memory.min": "0"}
 
 
 def test_annotation_ignored_when_disabled() -> None:
-    cfg = dataclasses.replace(CFG, volcano_annotation=False)
+    cfg = dataclasses.replace(with_level("shared_cores"), volcano_annotation=False)
     assert unified("shared_cores", cfg=cfg, p=pod({VOLCANO_ANNOTATION: ""})) == {}
 
 

@@ -31,6 +31,7 @@ low_ratio = 50
 [memory.levels.dedicated_cores]
 policy = "ratios"
 min_ratio = 100
+low_ratio = 0
 high_ratio = 90
 [memory.levels.reclaimed_cores]
 policy = "ratios"

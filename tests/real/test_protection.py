@@ -1,5 +1,6 @@
-"""Memory protection on a real cgroup v2 kernel: a container's ``memory.min`` keeps nothing while
-its pod and tier cgroups are at 0, and keeps its page cache once drift gave them the sum below.
+"""Memory protection on a real cgroup v2 kernel: a container's ``memory.min``, or the default
+policy's ``memory.low``, keeps nothing while its pod and tier cgroups are at 0, and keeps its page
+cache once drift gave them the sum below.
 
 ``kubepods`` is capped (node-allocatable), an online container holds page cache under its own
 ``memory.min``, and an offline pod streams a file larger than ``kubepods`` over and over: the
@@ -45,12 +46,15 @@ host, and a fixed time of streaming presses a slow one too little)."""
 PRESSURE_ROUNDS = 12
 
 
-def protecting() -> Config:
-    """The defaults, with shared_cores protecting its requests in full."""
+def protecting(key: str) -> Config:
+    """shared_cores protecting its requests in full with ``key``: memory.low is the default
+    policy's, memory.min the opt-in one's."""
+    if key == "memory.low":
+        return Config()
     memory = Config().memory
     levels = dict(memory.levels)
     levels["shared_cores"] = dataclasses.replace(levels["shared_cores"], policy="ratios",
-                                                 min_ratio=100)
+                                                 min_ratio=100, low_ratio=0)
     return dataclasses.replace(Config(), memory=dataclasses.replace(
         memory, levels=frozen_map(levels)))
 
@@ -77,15 +81,16 @@ def kept_after_pressure(node: Node, online: Path, data: Path, name: str) -> int:
 
 # Two phases of at least PRESSURE_MIB each: 100 s in a guest 28 times slower than its host.
 @pytest.mark.timeout(300)
-def test_a_containers_protection_holds_only_with_its_ancestors(node: Node, tmp_path: Path
-                                                               ) -> None:
+@pytest.mark.parametrize("key", ["memory.min", "memory.low"])
+def test_a_containers_protection_holds_only_with_its_ancestors(node: Node, tmp_path: Path,
+                                                               key: str) -> None:
     (CGROUP / "kubepods/memory.max").write_text(str(KUBEPODS_MIB * MIB))
     data = data_file(tmp_path / "stream.bin", STREAM_MIB)
     online, cgroups_path = node.container("burstable", ONLINE, ONLINE_CID)
-    # what the CreateContainer answer gives the container (min_ratio 100 of its request)
-    (online / "memory.min").write_text(str(REQUEST_MIB * MIB))
+    # what the CreateContainer answer gives the container (100 % of its request)
+    (online / key).write_text(str(REQUEST_MIB * MIB))
 
-    # The container's own memory.min alone: its pod, tier and kubepods at 0, as kubelet leaves
+    # The container's own protection alone: its pod, tier and kubepods at 0, as kubelet leaves
     # them without MemoryQoS. The kernel takes its page cache like anyone's.
     unprotected = kept_after_pressure(node, online, data, "first")
     assert unprotected < CACHE_MIB * MIB // 2, unprotected
@@ -102,12 +107,14 @@ def test_a_containers_protection_holds_only_with_its_ancestors(node: Node, tmp_p
                        memory_limit=4 * REQUEST_MIB * MIB)])
     sysfs = SysFs("/", AuditLog(MemoryAuditSink()))
     notes = StateFile(str(tmp_path / "state.json"))
-    cfg = [protecting()]
+    cfg = [protecting(key)]
     loop = DriftLoop(lambda: cfg[0], state, sysfs, layout_for(sysfs), 2048 * MIB, notes=notes)
     loop.cycle(0.0)
     for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods"):
-        assert read_int(CGROUP / rel / "memory.min") == REQUEST_MIB * MIB, rel
-    assert read_int(online / "memory.min") == REQUEST_MIB * MIB
+        assert read_int(CGROUP / rel / key) == REQUEST_MIB * MIB, rel
+    assert read_int(online / key) == REQUEST_MIB * MIB
+    other = "memory.low" if key == "memory.min" else "memory.min"
+    assert read_int(CGROUP / "kubepods" / other) == 0
 
     protected = kept_after_pressure(node, online, data, "second")
     assert protected >= (CACHE_MIB - 8) * MIB, (protected, unprotected)
@@ -117,5 +124,5 @@ def test_a_containers_protection_holds_only_with_its_ancestors(node: Node, tmp_p
                                                                      enabled=False))
     loop.cycle(10.0)
     for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods"):
-        assert read_int(CGROUP / rel / "memory.min") == 0, rel
+        assert read_int(CGROUP / rel / key) == 0, rel
     assert notes.entries(PROTECTION_NOTES) == {}

@@ -12,7 +12,7 @@ import pytest
 
 from tests.vm.image import Image
 from tests.vm.machine import NO_STATUS, Guest, Result, keep_files, qemu_argv, run
-from tests.vm.tier import GuestFailure, GuestRun
+from tests.vm.tier import GUEST_DEADLINE_S, GuestFailure, GuestRun, host_markers
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = Image(Path("/k/vmlinuz"), Path("/k/initramfs.gz"), "6.1.0-test")
@@ -90,6 +90,16 @@ def report(nodeid: str, when: str, outcome: str, longrepr: str = "") -> str:
     import json
     return json.dumps({"nodeid": nodeid, "when": when, "outcome": outcome,
                        "longrepr": longrepr, "duration": 0.1})
+
+
+def test_the_host_waits_for_a_guest_under_its_deadline_not_a_tests_timeout() -> None:
+    """The first test of a guest boots it and waits for all its tests: a test's own
+    timeout of 120 s cut a guest of eight tests short."""
+    vm = pytest.mark.vm(numa=2).mark
+    markers = host_markers([pytest.mark.timeout(120).mark, vm])
+    assert [m for m in markers if m.name == "timeout"] == [
+        pytest.mark.timeout(GUEST_DEADLINE_S + 120).mark]
+    assert vm in markers
 
 
 def test_a_guest_report_is_the_tests_verdict() -> None:

@@ -75,14 +75,21 @@ def replace_items(config: pytest.Config, items: list[pytest.Item]) -> None:
             items[index] = GuestTest.from_parent(item.parent, name=item.name, twin=item)
 
 
+def host_markers(twin: list[pytest.Mark]) -> list[pytest.Mark]:
+    """The markers of a test's stand-in on the host: the test's own, but its timeout. The
+    first stand-in of a guest boots it and waits for all of that guest's tests, so the guest's
+    own deadline bounds the wait and pytest-timeout must not cut it short with one test's
+    budget (each test keeps its own timeout inside the guest)."""
+    deadline = pytest.mark.timeout(GUEST_DEADLINE_S + 120).mark
+    return [deadline, *(mark for mark in twin if mark.name != "timeout")]
+
+
 class GuestTest(pytest.Item):
     def __init__(self, *, twin: pytest.Item, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.guest = guest_of(twin)
         self.path_and_line = twin.reportinfo()
-        self.own_markers.extend(twin.own_markers)
-        # The guest's own deadline bounds the wait; pytest-timeout must not cut a boot short.
-        self.add_marker(pytest.mark.timeout(GUEST_DEADLINE_S + 120))
+        self.own_markers.extend(host_markers(twin.own_markers))
 
     def runtest(self) -> None:
         runs: dict[Guest, GuestRun] = self.config.stash[_RUNS]

@@ -191,10 +191,18 @@ async def test_creation_sees_the_requests_the_pod_watch_knows(executor) -> None:
     assert seen.seen == [256 << 20, None]
 
 
-async def test_a_policy_from_requests_protects_at_creation(executor) -> None:
-    cfg = parse_toml(Config, "".join(
-        f'[memory.levels.{level}]\npolicy = "ratios"\nmin_ratio = 100\nlow_ratio = 0\n'
-        'high_ratio = 0\n' for level in LEVEL_NAMES))
+MIN_FOR_EVERY_LEVEL = "".join(
+    f'[memory.levels.{level}]\npolicy = "ratios"\nmin_ratio = 100\nlow_ratio = 0\n'
+    'high_ratio = 0\n' for level in LEVEL_NAMES)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    (MIN_FOR_EVERY_LEVEL, "memory.min"),
+    ("", "memory.low"),  # the default: the online levels' memory.low
+])
+async def test_a_policy_from_requests_protects_at_creation(executor, text: str,
+                                                           key: str) -> None:
+    cfg = parse_toml(Config, text)
     memory = MemoryQosCapability(cfg.memory, AuditLog(MemoryAuditSink()), strict=False,
                                  cgroup_v2=True, memory_total=8 << 30)
     world = World(executor, [memory], cfg)
@@ -202,16 +210,4 @@ async def test_a_policy_from_requests_protects_at_creation(executor) -> None:
     answer = world.handler.handle(Event.CREATE_CONTAINER, sandbox(), ctr(), CONTAINERD)
     assert isinstance(answer, bytes)
     unified = api.CreateContainerResponse.FromString(answer).adjust.linux.resources.unified
-    assert dict(unified) == {"memory.min": str(256 << 20)}
-
-
-async def test_the_default_policy_protects_an_online_request_with_memory_low(executor) -> None:
-    cfg = Config()
-    memory = MemoryQosCapability(cfg.memory, AuditLog(MemoryAuditSink()), strict=False,
-                                 cgroup_v2=True, memory_total=8 << 30)
-    world = World(executor, [memory], cfg)
-    world.state.apply_meta(pod_meta("uid-1", {"name-c1": 256 << 20}))
-    answer = world.handler.handle(Event.CREATE_CONTAINER, sandbox(), ctr(), CONTAINERD)
-    assert isinstance(answer, bytes)
-    unified = api.CreateContainerResponse.FromString(answer).adjust.linux.resources.unified
-    assert dict(unified) == {"memory.low": str(256 << 20)}
+    assert dict(unified) == {key: str(256 << 20)}

@@ -3,7 +3,7 @@ policy's ``memory.low``, keeps nothing while its pod and tier cgroups are at 0, 
 cache once drift gave them the sum below.
 
 ``kubepods`` is capped (node-allocatable), an online container holds page cache under its own
-``memory.min``, and an offline pod streams a file larger than ``kubepods`` over and over: the
+protection, and an offline pod streams a file larger than ``kubepods`` over and over: the
 kernel reclaims at ``kubepods``' limit, and what the online container keeps is read from its
 ``memory.stat``. Page cache comes from files on the guest's scratch ext4 disk.
 """

@@ -57,7 +57,6 @@ def shares(spawn: Spawn, cgroups: Sequence[Path], seconds: float) -> list[float]
     return [(b - a) / TICKS / elapsed for a, b in zip(before, after, strict=True)]
 
 
-
 def idle_tier_yields(spawn: Spawn, online: Path, offline: Path, tier: Path, root: str | Path,
                      seconds: float) -> None:
     """Busy loops in ``online`` and ``offline`` share a CPU about evenly; once the agent's loop

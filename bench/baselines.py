@@ -9,9 +9,10 @@ The modes (every one runs the same workloads on the same kubelet-shaped node):
   tier at allocatable minus the Guaranteed pods' requests (v1 ``memory.limit_in_bytes``, v2
   ``memory.max``);
 * ``kubelet-memoryqos`` (cgroup v2 only): kubelet's MemoryQoS feature: ``memory.min`` = the
-  request on the container, its pod and the tier (sum), ``memory.high`` = ``request + factor x
-  (limit - request)`` on the container (``factor`` = ``memoryThrottlingFactor``, 0.9), with node
-  allocatable in place of a missing limit, rounded down to pages;
+  request on the container, its pod, the tier and ``kubepods`` (sums), ``memory.high`` =
+  ``request + factor x (limit - request)`` on the container (``factor`` =
+  ``memoryThrottlingFactor``, 0.9), with node allocatable in place of a missing limit, rounded
+  down to pages;
 * ``agent-creation``: the real agent with detection and the mitigation ladder off: its creation
   answers, the memory guard, drift repair;
 * ``agent``: the real agent with every default, enforcing;

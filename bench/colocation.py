@@ -127,12 +127,13 @@ SETTLE_S = 3.0
 """The online pod alone before the offline one starts: its warm baseline."""
 def memory_qos(node: KubeletNode, plan: PodPlan, container: Container) -> list[str]:
     """What kubelet's MemoryQoS writes for a container (cgroup v2): memory.min = the request on
-    the container, its pod and its tier (the tier's is the sum; one pod of each here), and
-    memory.high on the container unless request = limit (Guaranteed)."""
+    the container, its pod, its tier and ``kubepods`` (the tier's and ``kubepods``' are sums of
+    requests: one pod has a request here), and memory.high on the container unless request =
+    limit (Guaranteed)."""
     request = plan.memory_request or 0
     applied = []
     if request:
-        for rel in (container.rel, container.pod_rel, f"kubepods/{plan.tier}"):
+        for rel in (container.rel, container.pod_rel, f"kubepods/{plan.tier}", "kubepods"):
             (node.memory / rel / "memory.min").write_text(str(request))
         applied.append(f"memory.min={request}")
     if plan.memory_limit is None or request != plan.memory_limit:
@@ -233,6 +234,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             if (await read_line(load_process)).strip() != "ready":
                 raise RuntimeError("the load generator did not start")
         await asyncio.sleep(SETTLE_S)
+        node.pass_protection()
         before = snapshot(node, online)
         cpu0 = agent.cpu_seconds() if agent is not None else 0.0
         own0 = time.process_time()
@@ -249,6 +251,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         deadline = time.monotonic() + settings.duration_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
+            node.pass_protection()  # the agent's reconciler may have changed kubepods'
             for name, process in watched:
                 if process.poll() is not None:
                     problems.append(f"{name} workload ended early (status {process.returncode})")

@@ -5,7 +5,9 @@ The node is one child cgroup of the machine's memory hierarchy with a memory lim
 cgroupfs layout: ``kubepods`` (limited to node allocatable: the node's memory less what is
 reserved for the system, as kubelet's ``enforce-node-allocatable=pods`` does),
 ``kubepods/burstable``, ``kubepods/besteffort``, and a cgroup per pod and container
-(:meth:`KubeletNode.add_pod`), with kubelet's memory limits and CPU shares.
+(:meth:`KubeletNode.add_pod`), with kubelet's memory limits and CPU shares. On cgroup v2 the
+node carries ``kubepods``' ``memory.min`` and ``memory.low`` (:meth:`KubeletNode.pass_protection`):
+it stands for a machine's root cgroup, which bounds no protection below it.
 
 * **cgroup v2** where the unified hierarchy at ``/sys/fs/cgroup`` has the memory controller:
   ``memory.max``, ``cpu.weight``, and each cgroup's own ``memory.pressure``/``io.pressure``.
@@ -45,6 +47,7 @@ GIB = 1 << 30
 MAX_NODE_BYTES = 4 * GIB
 """No node may be larger: the machine's own memory is never at risk."""
 PREFIX = "nriqos-"
+PROTECTION = ("memory.min", "memory.low")
 _JOIN = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 125; shift; '
          'n=$((n - 1)); done; [ "$1" = - ] || echo "$1" > /proc/self/oom_score_adj || exit 125; '
          'shift; exec "$@"')
@@ -204,6 +207,23 @@ class KubeletNode:
 
     def set_limit(self, rel: str, limit: int) -> None:
         self._write(self.memory / rel, self._limit_file, str(limit))
+
+    def pass_protection(self) -> None:
+        """cgroup v2: give the node ``kubepods``' ``memory.min`` and ``memory.low``, as they are
+        now (called again whenever they may have changed).
+
+        The node stands for a machine's root cgroup, which bounds no one's protection. A child
+        cgroup of the root does: the kernel bounds each cgroup's effective protection by its
+        parent's, so under the machine's own reclaim (kswapd, direct reclaim) a node left at 0
+        would void every ``memory.min`` and ``memory.low`` below it, kubelet's MemoryQoS's and
+        the agent's alike. Carrying exactly ``kubepods``' values passes its protection through
+        unchanged (with ``memory_recursiveprot`` too: nothing is left over to hand down)."""
+        if not self.v2:
+            return
+        for key in PROTECTION:
+            wanted = (self.memory / "kubepods" / key).read_text()
+            if (self.memory / key).read_text() != wanted:
+                self._write(self.memory, key, wanted)
 
     def agent_root(self, directory: Path) -> Path:
         """A host root for the agent (``reconciler.root``) whose cgroups are this node's."""

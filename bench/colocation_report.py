@@ -251,9 +251,20 @@ def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
     for r in reps:
         for problem in r.problems:
             print(f"{r.mode} rep {r.index}: {problem}")
-    applied = sorted({a for r in reps for a in r.adjustments})
-    if applied:
-        print(f"applied from the agent's CreateContainer answers: {'; '.join(applied)}")
+    for line in applied_lines(reps):
+        print(line)
+
+
+def applied_lines(reps: Sequence[Repetition]) -> list[str]:
+    """What each mode wrote on the containers at creation beside kubelet's defaults: an agent
+    mode's CreateContainer answers, kubelet's MemoryQoS values."""
+    lines = []
+    for mode in dict.fromkeys(r.mode for r in reps):
+        applied = sorted({a for r in reps if r.mode == mode for a in r.adjustments})
+        if applied:
+            source = "its CreateContainer answers" if runs_agent(mode) else "kubelet's values"
+            lines.append(f"{mode} applied at creation ({source}): {'; '.join(applied)}")
+    return lines
 
 
 SERVICE_COLUMNS = ("mode", "rep", "requests", "p50", "p99", "p99.9", "missed", "offline MiB",

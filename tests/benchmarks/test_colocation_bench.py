@@ -39,6 +39,7 @@ from bench.colocation_plan import (
     online_held_mib,
 )
 from bench.colocation_report import (
+    applied_lines,
     as_json,
     final_line,
     from_json,
@@ -460,6 +461,17 @@ def test_a_repetitions_line_says_the_agents_cpu_only_where_an_agent_ran() -> Non
     managed.agent_cpu_s = 2.56
     assert rep_line(managed).endswith("agent: -, 2.6 CPU s")
 
+
+def test_what_each_mode_applied_at_creation_is_said_per_mode() -> None:
+    reps = [rep("unmanaged", [1.0], 1.0), rep("kubelet-memoryqos", [1.0], 1.0),
+            rep("agent", [1.0], 1.0), rep("agent", [1.0], 1.0)]
+    reps[1].adjustments = ["web-0: memory.min=512"]
+    reps[2].adjustments = ["web-0: memory.low=512", "etl-0: oom_score_adj=1000"]
+    reps[3].adjustments = ["web-0: memory.low=512"]
+    assert applied_lines(reps) == [
+        "kubelet-memoryqos applied at creation (kubelet's values): web-0: memory.min=512",
+        "agent applied at creation (its CreateContainer answers): etl-0: oom_score_adj=1000; "
+        "web-0: memory.low=512"]
 
 
 def test_the_machine_facts_say_how_fast_it_runs_python_and_grows_memory() -> None:

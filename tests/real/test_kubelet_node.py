@@ -14,6 +14,7 @@ from bench.colocation import memory_qos
 from bench.colocation_indicators import vmstat
 from bench.colocation_plan import ONLINE
 from bench.kubelet_node import MIB, Container, KubeletNode
+from tests.support.guest_node import read_int
 from tests.support.realroot import data_file
 
 pytestmark = pytest.mark.vm(numa=1, mem_mib=1024)
@@ -25,10 +26,6 @@ LOW_MIB = 160
 """Its ``memory.low``, on it and every cgroup above it up to ``kubepods``: above what it holds."""
 STREAM_MIB = 2048
 """What an offline pod reads once: twice the guest's memory, so the machine must reclaim."""
-
-
-def read_int(path: Path) -> int:
-    return int(path.read_text())
 
 
 def test_a_root_that_enables_nothing_is_set_up_as_systemd_does() -> None:
@@ -81,8 +78,8 @@ def kept_after_stream(node: KubeletNode, online: Container, offline: Container, 
     """The online container reads its files (what it held of them before dropped first), an
     offline pod then streams more than the machine has; the online container's file bytes
     after."""
-    for path in (cache, stream):
-        data_file(path, CACHE_MIB if path == cache else STREAM_MIB)
+    data_file(cache, CACHE_MIB)
+    data_file(stream, STREAM_MIB)
     run_in(node, online, cache)
     assert node.stat(online.rel)["file"] >= (CACHE_MIB - 8) * MIB
     hits, scanned = node.limit_hits("kubepods"), scan()

@@ -46,6 +46,7 @@ def snapshot(node: KubeletNode, online: Container) -> dict[str, int | None]:
         "pgscan": stat.get("pgscan") if node.v2 else None,  # v1 memory.stat has none
         "kubepods_hits": node.limit_hits("kubepods"),
         "offline_tier_hits": node.limit_hits(OFFLINE_TIER),
+        "offline_tier_throttled": node.throttle_hits(OFFLINE_TIER),
         "psi_memory_us": node.stall_us(online.rel, "memory"),
         "psi_io_us": node.stall_us(online.rel, "io"),
         "psi_cpu_us": node.stall_us(online.rel, "cpu"),

@@ -301,8 +301,8 @@ def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
     print_aligned(SERVICE_COLUMNS, service_rows(reps))
 
 
-COST_COLUMNS = ("mode", "rep", "tier max hits", "tier refault MiB", "tier majflt",
-                "tier PSI mem", "tier PSI io", "kswapd scan MiB", "agent peak MiB",
+COST_COLUMNS = ("mode", "rep", "tier max hits", "tier high hits", "tier refault MiB",
+                "tier majflt", "tier PSI mem", "tier PSI io", "kswapd scan MiB", "agent peak MiB",
                 "bench CPU s")
 PAGE_MIB = 4096 / (1 << 20)
 
@@ -318,6 +318,7 @@ def cost_rows(reps: Sequence[Repetition]) -> list[list[str]]:
 
         rows.append([
             mode, label, fmt(avg("offline_tier_hits"), 0),
+            fmt(avg("offline_tier_throttled"), 0),
             fmt(avg("offline_refault", PAGE_MIB), 0), fmt(avg("offline_majfault"), 0),
             fmt(avg("offline_psi_memory_ms_s"), 1), fmt(avg("offline_psi_io_ms_s"), 1),
             fmt(avg("kswapd_scan", PAGE_MIB), 0),
@@ -328,7 +329,8 @@ def cost_rows(reps: Sequence[Repetition]) -> list[list[str]]:
 
 def print_cost_table(reps: Sequence[Repetition]) -> None:
     print("offline cost: the offline tier (kubepods/besteffort) over the window: charges that "
-          "hit its limit, file pages read again after reclaim, major faults, PSI 'some' ms/s; "
+          "hit its limit, times it went over memory.high (v2), file pages read again after "
+          "reclaim, major faults, PSI 'some' ms/s; "
           "the machine's kswapd scanning; the agent pod's peak memory; the benchmark process's CPU "
           "(the runtime simulator and API server stand-in the agents talk to) (mean per "
           "repetition)")

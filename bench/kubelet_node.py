@@ -298,9 +298,18 @@ class KubeletNode:
         of ``memory.events``."""
         if not self.v2:
             return int((self.memory / rel / "memory.failcnt").read_text())
+        return self.memory_event(rel, "max")
+
+    def throttle_hits(self, rel: str) -> int | None:
+        """How often ``rel``'s usage went over its ``memory.high`` and it was reclaimed and
+        throttled for it: v2's ``high`` count of ``memory.events``; None on v1, which has no
+        such bound."""
+        return self.memory_event(rel, "high") if self.v2 else None
+
+    def memory_event(self, rel: str, name: str) -> int:
         for line in (self.memory / rel / "memory.events").read_text().splitlines():
             key, _, value = line.partition(" ")
-            if key == "max":
+            if key == name:
                 return int(value)
         return 0
 

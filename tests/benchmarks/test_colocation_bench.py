@@ -91,6 +91,8 @@ def test_a_node_is_laid_out_as_kubelet_does_and_removed_with_its_processes(
     made = [node.memory, *(p for p in (node.cpu, node.psi) if p is not None)]
     try:
         assert node.limit_hits("kubepods") == 0
+        # v1 has no memory.high to go over
+        assert node.throttle_hits("kubepods") == (0 if node.v2 else None)
         limit = "memory.max" if node.v2 else "memory.limit_in_bytes"
         assert int((node.memory / limit).read_text()) == 256 * MIB
         assert int((node.memory / "kubepods" / limit).read_text()) == 192 * MIB

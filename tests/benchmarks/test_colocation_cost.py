@@ -34,7 +34,8 @@ def rep(mode: str, index: int = 1) -> Repetition:
 
 def test_the_cost_table_says_what_the_offline_tier_and_the_machine_paid() -> None:
     agent = rep("agent")
-    agent.indicators = {"offline_tier_hits": 3, "offline_refault": 512, "offline_majfault": 7,
+    agent.indicators = {"offline_tier_hits": 3, "offline_tier_throttled": 5,
+                        "offline_refault": 512, "offline_majfault": 7,
                         "offline_psi_memory_ms_s": 1.25, "offline_psi_io_ms_s": 40.0,
                         "kswapd_scan": 2560}
     agent.agent_peak_mib, agent.bench_cpu_s = 97.4, 1.5
@@ -45,9 +46,9 @@ def test_the_cost_table_says_what_the_offline_tier_and_the_machine_paid() -> Non
     alone.indicators = {"offline_refault": 0}
     rows = cost_rows([agent, other, alone])
     # pages are MiB at 4 KiB a page; an unknown reading is left out of the mean
-    assert rows[0] == ["agent", "1", "3", "2", "7", "1.2", "40.0", "10", "97", "1.5"]
-    assert rows[2] == ["agent", "all", "3", "4", "7", "1.2", "40.0", "10", "100", "2.0"]
-    assert rows[4] == ["unmanaged", "all", "-", "0", "-", "-", "-", "-", "-", "-"]
+    assert rows[0] == ["agent", "1", "3", "5", "2", "7", "1.2", "40.0", "10", "97", "1.5"]
+    assert rows[2] == ["agent", "all", "3", "5", "4", "7", "1.2", "40.0", "10", "100", "2.0"]
+    assert rows[4] == ["unmanaged", "all", "-", "-", "0", "-", "-", "-", "-", "-", "-"]
     text = as_json([agent], *_settings_and_machine())
     assert json.loads(text)["summary"]["agent"]["agent_peak_mib"] == 97.4
     assert from_json(text)[0] == [agent]

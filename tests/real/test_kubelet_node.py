@@ -114,3 +114,21 @@ def test_protection_below_the_node_holds_under_the_machines_reclaim_once_passed(
         assert protected >= (CACHE_MIB - 8) * MIB, (protected, unprotected)
     finally:
         node.close()
+
+
+def test_going_over_memory_high_counts_as_throttled_and_not_as_a_limit_hit(
+        tmp_path: Path) -> None:
+    node = KubeletNode("high", 512 * MIB, 16 * MIB, 1)
+    try:
+        offline = node.add_pod("besteffort", "0c010c01-0000-4000-8000-0000000000fd", "e" * 64,
+                               memory_limit=None, cpu_request_milli=0)
+        assert node.throttle_hits(offline.rel) == 0
+        (node.memory / offline.rel / "memory.high").write_text(str(32 * MIB))
+        data_file(tmp_path / "d", 64)
+        run_in(node, offline, tmp_path / "d")
+        # twice its memory.high read through it: reclaimed back under it, never at a limit
+        assert node.throttle_hits(offline.rel) > 0
+        assert node.limit_hits(offline.rel) == 0
+        assert node.stat(offline.rel)["file"] <= 32 * MIB
+    finally:
+        node.close()

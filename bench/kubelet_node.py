@@ -277,7 +277,11 @@ class KubeletNode:
 
     def stat(self, rel: str) -> dict[str, int]:
         """``memory.stat`` of ``rel`` as numbers."""
-        text = (self.memory / rel / "memory.stat").read_text()
+        return self.keyed(rel, "memory.stat")
+
+    def keyed(self, rel: str, name: str) -> dict[str, int]:
+        """A flat-keyed memory file of ``rel`` (``key value`` lines) as numbers."""
+        text = (self.memory / rel / name).read_text()
         return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
 
     def usage(self, rel: str) -> int:
@@ -298,20 +302,13 @@ class KubeletNode:
         of ``memory.events``."""
         if not self.v2:
             return int((self.memory / rel / "memory.failcnt").read_text())
-        return self.memory_event(rel, "max")
+        return self.keyed(rel, "memory.events").get("max", 0)
 
     def throttle_hits(self, rel: str) -> int | None:
         """How often ``rel``'s usage went over its ``memory.high`` and it was reclaimed and
         throttled for it: v2's ``high`` count of ``memory.events``; None on v1, which has no
         such bound."""
-        return self.memory_event(rel, "high") if self.v2 else None
-
-    def memory_event(self, rel: str, name: str) -> int:
-        for line in (self.memory / rel / "memory.events").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == name:
-                return int(value)
-        return 0
+        return self.keyed(rel, "memory.events").get("high", 0) if self.v2 else None
 
     def stall_us(self, rel: str, resource: str) -> int | None:
         """Cumulative 'some' stall (µs) of ``rel`` on ``resource`` (memory, io); None without

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.kubelet_node import Container, KubeletNode
+from reconciler.host.parse import parse_counters, parse_psi
 
 OFFLINE_TIER = "kubepods/besteffort"
 """Where kubelet puts the offline (BestEffort) pods."""
@@ -17,7 +18,7 @@ def system_stall_us(resource: str) -> int | None:
         text = Path(f"/proc/pressure/{resource}").read_text()
     except OSError:
         return None
-    return int(text.splitlines()[0].rsplit("total=", 1)[1])
+    return parse_psi(text).some_total_us
 
 
 def vmstat(key: str) -> int | None:
@@ -26,11 +27,7 @@ def vmstat(key: str) -> int | None:
         text = Path("/proc/vmstat").read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            return int(value)
-    return None
+    return parse_counters(text).get(key)
 
 
 def snapshot(node: KubeletNode, online: Container) -> dict[str, int | None]:

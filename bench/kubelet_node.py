@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from reconciler.host.parse import parse_counters, parse_psi
+
 CGROUP = Path("/sys/fs/cgroup")
 MEMORY_V1 = CGROUP / "memory"
 CPU_V1 = CGROUP / "cpu"
@@ -281,8 +283,7 @@ class KubeletNode:
 
     def keyed(self, rel: str, name: str) -> dict[str, int]:
         """A flat-keyed memory file of ``rel`` (``key value`` lines) as numbers."""
-        text = (self.memory / rel / name).read_text()
-        return {k: int(v) for k, v in (line.split() for line in text.splitlines())}
+        return parse_counters((self.memory / rel / name).read_text())
 
     def usage(self, rel: str) -> int:
         name = "memory.current" if self.v2 else "memory.usage_in_bytes"
@@ -319,10 +320,7 @@ class KubeletNode:
             text = (self.psi / rel / f"{resource}.pressure").read_text()
         except OSError:
             return None
-        for line in text.splitlines():
-            if line.startswith("some "):
-                return int(line.rsplit("total=", 1)[1])
-        return None
+        return parse_psi(text).some_total_us
 
     # -- cleaning up ---------------------------------------------------------------------------
 

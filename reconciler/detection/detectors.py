@@ -24,13 +24,6 @@ from reconciler.detection.config import (
     SYSTEM_FREE,
     DetectionConfig,
 )
-from reconciler.detection.parse import (
-    ParseError,
-    parse_counters,
-    parse_int,
-    parse_psi,
-    require,
-)
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
 from reconciler.host.memstat import ANON_KEYS
 from reconciler.host.numa import (
@@ -38,6 +31,13 @@ from reconciler.host.numa import (
     VMSTAT,
     NumaFormatError,
     parse_meminfo,
+)
+from reconciler.host.parse import (
+    ParseError,
+    parse_counters,
+    parse_int,
+    parse_psi,
+    require,
 )
 from reconciler.host.values import parse_bytes
 

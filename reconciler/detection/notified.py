@@ -23,11 +23,11 @@ import structlog
 from common.aio import sleep_until
 from reconciler.detection import detectors as d
 from reconciler.detection.config import PRESSURE_LEVEL, PSI, DetectionConfig
-from reconciler.detection.parse import ParseError
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.sections import DetectionSections, active, paced, period
 from reconciler.detection.signals import NODE, Level, tier_scope
 from reconciler.host.cgroups import BURSTABLE, GUARANTEED
+from reconciler.host.parse import ParseError
 from reconciler.host.pressure import PRESSURE_LEVELS, PressureLevelWatch, PsiWatch
 from reconciler.host.probe import PSI_MEMORY, HostInfo
 from reconciler.host.sysfs import SysFs

@@ -48,7 +48,6 @@ from reconciler.detection.config import (
     DetectionConfig,
 )
 from reconciler.detection.notified import NodePsi, PressureLevels
-from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.sections import DetectionSections, active, paced
@@ -59,6 +58,7 @@ from reconciler.host.numa import (
     NODE_DIR,
     VMSTAT,
 )
+from reconciler.host.parse import ParseError
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
 from reconciler.host.watermarks import Reading, Watermarks

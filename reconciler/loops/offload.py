@@ -68,6 +68,7 @@ import structlog
 
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
+from reconciler.host import parse
 from reconciler.host.probe import HostInfo
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.base import ReconcilerConfig
@@ -260,25 +261,15 @@ def share(asks: Sequence[tuple[str, int]], total: int) -> dict[str, int]:
     return granted
 
 
-class CounterError(ValueError):
-    """A container's memory.stat or memory.pressure that does not say what is needed."""
-
-
 def parse_counters(stat: str, pressure: str) -> Counters:
-    """The readings from the text of ``memory.stat`` and ``memory.pressure``."""
-    values = stat_values(stat)
-    stall = None
-    for line in pressure.splitlines():
-        words = line.split()
-        if words and words[0] == "some":
-            total = dict(w.partition("=")[::2] for w in words[1:]).get("total", "")
-            stall = int(total) if total.isdigit() else None
-    if stall is None:
-        raise CounterError("memory.pressure has no 'some ... total=<µs>' line")
+    """The readings from the text of ``memory.stat`` and ``memory.pressure``; a
+    :class:`ParseError` where either does not say what is needed."""
+    values = parse.parse_counters(stat)
+    stall = parse.parse_psi(pressure).some_total_us
     missing = [k for k in ("pgscan", "pgsteal", "inactive_file", "inactive_anon")
                if k not in values]
     if missing:
-        raise CounterError(f"memory.stat lacks {', '.join(missing)}")
+        raise parse.ParseError(f"memory.stat lacks {', '.join(missing)}")
     # Linux 5.9 split the refault counter by LRU; older kernels have one.
     refault = (values.get("workingset_refault_anon", 0) + values.get("workingset_refault_file", 0)
                if "workingset_refault_file" in values else values.get("workingset_refault", 0))
@@ -293,12 +284,3 @@ def offload_problem(host: HostInfo) -> str:
     if not host.memcg.reclaim:
         return "the kernel has no memory.reclaim (Linux 5.19+)"
     return ""
-
-
-def stat_values(text: str) -> dict[str, int]:
-    values = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            values[key] = int(value)
-    return values

@@ -16,6 +16,8 @@ from common.audit import AuditLog
 from common.state import NodeState
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import MEMINFO, meminfo_values
+from reconciler.host.parse import ParseError
+from reconciler.host.parse import parse_counters as counter_values
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
 from reconciler.host.values import PAGE_SIZE
@@ -23,7 +25,6 @@ from reconciler.loops.base import Loop
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.offload import (
     MIN_PERCENT,
-    CounterError,
     Counters,
     Decision,
     OffloadConfig,
@@ -36,7 +37,6 @@ from reconciler.loops.offload import (
     offload_problem,
     parse_counters,
     share,
-    stat_values,
 )
 from reconciler.metrics import ReconcilerMetrics
 
@@ -155,7 +155,7 @@ class OffloadLoop(Loop):
             return None
         try:
             counters = parse_counters(stat, pressure)
-        except CounterError as exc:
+        except ParseError as exc:
             log.warning("offload_unreadable", container=item.view.info.name, error=str(exc))
             return None
         anon = anon_allowed(off, swap, self._sysfs.read(f"{cgroup}/memory.swap.max"))
@@ -228,7 +228,10 @@ def _freed(before: str | None, after: str | None) -> dict[str, int]:
     bytes), ``file`` and ``anon`` (bytes less; growth counts as 0)."""
     if before is None or after is None:
         return {}
-    old, new = stat_values(before), stat_values(after)
+    try:
+        old, new = counter_values(before), counter_values(after)
+    except ParseError:
+        return {}
     found: dict[str, int] = {}
     for key in ("pgsteal", "file", "anon"):
         if key in old and key in new:

@@ -24,8 +24,8 @@ import structlog
 
 from common.audit import AuditLog
 from hooks.levels import QosLevel
-from reconciler.detection.parse import ParseError, parse_counters
 from reconciler.detection.pods import PodIndex, PodMemory
+from reconciler.host.parse import ParseError, parse_counters
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
 from reconciler.metrics import ReconcilerMetrics

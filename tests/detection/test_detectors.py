@@ -10,9 +10,9 @@ import pytest
 
 from reconciler.detection import detectors as d
 from reconciler.detection.config import DetectionConfig
-from reconciler.detection.parse import ParseError, parse_counters, parse_psi
 from reconciler.detection.signals import NODE, Level, numa_scope, pod_scope
 from reconciler.host.numa import NumaFormatError, parse_zoneinfo
+from reconciler.host.parse import ParseError, parse_counters, parse_psi
 from tests.support.paths import KERNEL_FIXTURES
 
 PAGE = 4096

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from reconciler.host.parse import ParseError
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.offload import (
     FAST_GROW,
@@ -16,7 +17,6 @@ from reconciler.loops.offload import (
     REFAULT,
     SCAN,
     STALL,
-    CounterError,
     Counters,
     OffloadConfig,
     Track,
@@ -167,7 +167,9 @@ def test_counters_from_memory_stat_and_memory_pressure() -> None:
     assert found == Counters(1234, 7, 5, 5, INACTIVE, MIB)
     older = "pgscan 1\npgsteal 1\ninactive_file 0\ninactive_anon 0\nworkingset_refault 9\n"
     assert parse_counters(older, PRESSURE.format(some=0)).refault == 9
-    with pytest.raises(CounterError, match="pgscan"):
+    with pytest.raises(ParseError, match="pgscan"):
         parse_counters("pgsteal 1\ninactive_file 0\ninactive_anon 0\n", PRESSURE.format(some=0))
-    with pytest.raises(CounterError, match="some"):
+    with pytest.raises(ParseError, match="some"):
         parse_counters(stat_text(), "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    with pytest.raises(ParseError, match="counter line"):  # a value that is not a number
+        parse_counters(stat_text() + "pgscan many\n", PRESSURE.format(some=0))

@@ -18,9 +18,9 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.detection.parse import ParseError
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.signals import Level
+from reconciler.host.parse import ParseError
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.metrics import ReconcilerMetrics

@@ -1,8 +1,8 @@
-"""Parsers of the kernel files the detectors read; pure, and strict about what they accept.
+"""Parsers of the kernel's pressure and counter files; pure, and strict about what they accept.
 
 Each raises :class:`ParseError` (a :class:`ValueError`) with a short reason when the text is not
 what the kernel writes: a detector turns that into an ``unknown`` reading, never into "no
-pressure".
+pressure"; offloading skips the container for that cycle.
 
 * ``/proc/pressure/memory`` and cgroup v2 ``memory.pressure``::
 

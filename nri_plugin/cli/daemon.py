@@ -12,12 +12,14 @@ import asyncio
 import functools
 import os
 import signal
+import sys
 
 import structlog
 
 from common.aio import Backoff
 from nri_plugin.agent import Connection, build_agent, load_store, probe, run_agent
 from nri_plugin.allocator import return_large_blocks
+from nri_plugin.code_pages import release_code_pages
 from nri_plugin.config.schema import Config
 from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
 from nri_plugin.obs.logs import LoggingSetup
@@ -69,6 +71,8 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
         host, sysfs = probe(cfg, audit)
         agent = build_agent(store, audit, host, sysfs, identity_for(cfg, prelaunched),
                             run_background=True, metrics_address=metrics_address)
+        # Every module the agent runs is loaded by now (see nri_plugin.code_pages).
+        log.info("code_pages_released", files=release_code_pages(list(sys.modules.values())))
         log.info("mode", mode="pre-launched" if prelaunched else "external")
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGHUP, store.request_reload)

@@ -39,6 +39,7 @@ OWN_FILES = {
     ("nri_plugin/report/status.py", "unlink"): "replaces a stale status socket, removes its own",
     ("nri_plugin/cli/reset.py", "lstat"): "finds the status socket an agent left behind",
     ("nri_plugin/cli/reset.py", "unlink"): "removes the status socket an agent left behind",
+    ("nri_plugin/code_pages.py", "open"): "drops the cached pages of the agent's own code",
 }
 
 

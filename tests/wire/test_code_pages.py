@@ -1,0 +1,90 @@
+"""The page cache of loaded code goes back: the files named, and, on this machine's kernel, the
+pages a memory cgroup was charged for them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import cast
+
+import pytest
+
+from nri_plugin.code_pages import code_files, release_code_pages
+from tests.support.paths import REPO
+
+MIB = 1 << 20
+
+
+def module(**files: object) -> ModuleType:
+    return cast(ModuleType, SimpleNamespace(**files))
+
+
+def test_a_module_names_its_source_and_its_compiled_file(tmp_path: Path) -> None:
+    source, compiled = tmp_path / "m.py", tmp_path / "m.pyc"
+    found = code_files([module(__file__=str(source), __cached__=str(compiled)),
+                        module(__file__=None), module(), module(__file__=str(source))])
+    assert found == {str(source), str(compiled)}
+
+
+def test_files_gone_since_they_were_loaded_are_passed_over(tmp_path: Path) -> None:
+    kept = tmp_path / "kept.py"
+    kept.write_text("x = 1\n")
+    modules = [module(__file__=str(kept), __cached__=str(tmp_path / "gone.pyc"))]
+    assert release_code_pages(modules) == 1
+    assert release_code_pages([]) == 0
+
+
+def memory_cgroup() -> Path | None:
+    """A memory cgroup hierarchy this process may make a child in (v1's, else v2's)."""
+    for root, probe in ((Path("/sys/fs/cgroup/memory"), "memory.usage_in_bytes"),
+                        (Path("/sys/fs/cgroup"), "cgroup.subtree_control")):
+        if ((root / probe).exists() and os.access(root, os.W_OK)
+                and (probe == "memory.usage_in_bytes" or "memory" in (root / probe).read_text())):
+            return root
+    return None
+
+
+CHILD = """
+import os
+import sys
+from types import SimpleNamespace
+from nri_plugin.code_pages import release_code_pages
+
+cgroup, path = sys.argv[1], sys.argv[2]
+with open(cgroup + "/cgroup.procs", "w") as procs:
+    procs.write(str(os.getpid()))
+def cached():
+    stat = dict(line.split() for line in open(cgroup + "/memory.stat"))
+    return int(stat["cache"] if "cache" in stat else stat["file"])
+with open(path, "rb") as f:
+    while f.read(1 << 20):
+        pass
+loaded = cached()
+assert release_code_pages([SimpleNamespace(__file__=path)]) == 1
+print(loaded, cached())
+"""
+
+
+@pytest.mark.skipif(memory_cgroup() is None, reason="needs a memory cgroup it may write (root)")
+def test_the_pages_a_cgroup_was_charged_for_a_loaded_file_go_back(tmp_path: Path) -> None:
+    root = memory_cgroup()
+    assert root is not None
+    data = tmp_path / "code.bin"
+    with open(data, "wb") as f:
+        f.write(os.urandom(32 * MIB))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # not cached before the child
+    cgroup = root / f"nri-qos-code-pages-{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        done = subprocess.run([sys.executable, "-c", CHILD, str(cgroup), str(data)], cwd=REPO,
+                              check=True, capture_output=True, text=True, timeout=60)
+        loaded, after = (int(v) for v in done.stdout.split())
+        assert loaded >= 32 * MIB  # the child's read was charged to its cgroup
+        assert after <= loaded - 30 * MIB
+    finally:
+        cgroup.rmdir()

@@ -282,6 +282,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done),
             agent_cpu_s=cpu1 - cpu0 if agent is not None else None,
             bench_cpu_s=own1 - own0,
+            agent_mib=agent.usage_mib() if agent is not None else None,
             agent_peak_mib=agent.peak_mib() if agent is not None else None)
 
 

@@ -175,6 +175,13 @@ class Agent:
         peak = self.node.peak(self.pod_rel)
         return None if peak is None else peak / MIB
 
+    def usage_mib(self) -> float | None:
+        """The memory the agent's pod holds now (its processes and the page cache they charged
+        that the kernel has not taken back), MiB."""
+        if self.pod_rel is None:
+            return None
+        return self.node.usage(self.pod_rel) / MIB
+
     def records(self) -> list[tuple[float, str, dict[str, Any]]]:
         """The audit trail so far: (unix time, event, fields)."""
         if not self.audit_file.exists():

@@ -165,6 +165,8 @@ class Repetition:
     agent_cpu_s: float | None = None
     # The most memory the agent's pod held (MiB; None: no agent, or the kernel does not say).
     agent_peak_mib: float | None = None
+    # The agent pod's memory at the window's end: the peak also counts what starting it read.
+    agent_mib: float | None = None
     # The benchmark process's own CPU seconds in the window: the runtime simulator and the API
     # server stand-in work for the agent, so they count against the agent modes.
     bench_cpu_s: float | None = None

@@ -161,6 +161,8 @@ def rep_line(rep: Repetition) -> str:
     service = (f"service p99 {fmt(rep_p99(rep), 2)} ms ({rep.service_missed} missed); "
                if rep.service_ms or rep.service_missed else "")
     cpu = "" if rep.agent_cpu_s is None else f", {rep.agent_cpu_s:.1f} CPU s"
+    if rep.agent_mib is not None:
+        cpu += f", {rep.agent_mib:.0f} MiB at the end"
     if rep.agent_peak_mib is not None:
         cpu += f", peak {rep.agent_peak_mib:.0f} MiB"
     return (f"  online p50 {fmt(percentile(lat, 0.5), 2)} ms p99 "
@@ -302,7 +304,8 @@ def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
 
 
 COST_COLUMNS = ("mode", "rep", "tier max hits", "tier high hits", "tier refault MiB",
-                "tier majflt", "tier PSI mem", "tier PSI io", "kswapd scan MiB", "agent peak MiB",
+                "tier majflt", "tier PSI mem", "tier PSI io", "kswapd scan MiB", "agent MiB",
+                "agent peak MiB",
                 "bench CPU s")
 PAGE_MIB = 4096 / (1 << 20)
 
@@ -322,6 +325,7 @@ def cost_rows(reps: Sequence[Repetition]) -> list[list[str]]:
             fmt(avg("offline_refault", PAGE_MIB), 0), fmt(avg("offline_majfault"), 0),
             fmt(avg("offline_psi_memory_ms_s"), 1), fmt(avg("offline_psi_io_ms_s"), 1),
             fmt(avg("kswapd_scan", PAGE_MIB), 0),
+            fmt(mean([g.agent_mib for g in group]), 0),
             fmt(mean([g.agent_peak_mib for g in group]), 0),
             fmt(mean([g.bench_cpu_s for g in group]), 1)])
     return rows
@@ -478,6 +482,7 @@ def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
             "work_mib": mean([r.work_mib for r in mine]),
             "work_cpu_s": mean([r.work_cpu_s for r in mine]),
             "agent_cpu_s": mean([r.agent_cpu_s for r in mine if r.agent_cpu_s is not None]),
+            "agent_mib": mean([r.agent_mib for r in mine]),
             "agent_peak_mib": mean([r.agent_peak_mib for r in mine])}
     return found
 

@@ -38,21 +38,23 @@ def test_the_cost_table_says_what_the_offline_tier_and_the_machine_paid() -> Non
                         "offline_refault": 512, "offline_majfault": 7,
                         "offline_psi_memory_ms_s": 1.25, "offline_psi_io_ms_s": 40.0,
                         "kswapd_scan": 2560}
-    agent.agent_peak_mib, agent.bench_cpu_s = 97.4, 1.5
+    agent.agent_mib, agent.agent_peak_mib, agent.bench_cpu_s = 61.2, 97.4, 1.5
     other = rep("agent", 2)
     other.indicators = {**agent.indicators, "offline_refault": 1536, "kswapd_scan": None}
-    other.agent_peak_mib, other.bench_cpu_s = 101.6, 2.5
+    other.agent_mib, other.agent_peak_mib, other.bench_cpu_s = 64.8, 101.6, 2.5
     alone = rep("unmanaged")
     alone.indicators = {"offline_refault": 0}
     rows = cost_rows([agent, other, alone])
     # pages are MiB at 4 KiB a page; an unknown reading is left out of the mean
-    assert rows[0] == ["agent", "1", "3", "5", "2", "7", "1.2", "40.0", "10", "97", "1.5"]
-    assert rows[2] == ["agent", "all", "3", "5", "4", "7", "1.2", "40.0", "10", "100", "2.0"]
-    assert rows[4] == ["unmanaged", "all", "-", "-", "0", "-", "-", "-", "-", "-", "-"]
+    assert rows[0] == ["agent", "1", "3", "5", "2", "7", "1.2", "40.0", "10", "61", "97", "1.5"]
+    assert rows[2] == ["agent", "all", "3", "5", "4", "7", "1.2", "40.0", "10", "63", "100",
+                       "2.0"]
+    assert rows[4] == ["unmanaged", "all", "-", "-", "0", "-", "-", "-", "-", "-", "-", "-"]
     text = as_json([agent], *_settings_and_machine())
     assert json.loads(text)["summary"]["agent"]["agent_peak_mib"] == 97.4
+    assert json.loads(text)["summary"]["agent"]["agent_mib"] == 61.2
     assert from_json(text)[0] == [agent]
-    assert rep_line(agent).endswith("agent: -, peak 97 MiB")
+    assert rep_line(agent).endswith("agent: -, 61 MiB at the end, peak 97 MiB")
 
 
 def _settings_and_machine() -> tuple[Any, dict[str, str]]:

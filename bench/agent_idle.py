@@ -13,9 +13,13 @@ whatever else the machine does falls on both alike:
 
 After ``--settle`` seconds the process's CPU time (all threads, user and system) and its context
 switches (voluntary ones are its wake-ups) are read over ``--window`` seconds, and its memory at
-the end of it (anonymous, mapped files, peak resident set). Prints the median of the rounds per
-configuration. ``--against SOURCE_TREE`` runs the agent of that checkout too
-(``before``; this one is ``after``), in the same rounds, each round in the other order.
+the end of it (anonymous, mapped files, peak resident set). As root, each round also starts the
+agent in a memory cgroup of its own, after dropping the machine's page cache so that every round
+reads its code from disk, and reads what the cgroup holds at the window's end (``cgroup MiB``:
+the agent's pages and the page cache charged for what it read, as its pod is charged inside
+``kubepods``). Prints the median of the rounds per configuration. ``--against SOURCE_TREE`` runs
+the agent of that checkout too (``before``; this one is ``after``), in the same rounds, each
+round in the other order.
 
     python bench/agent_idle.py [--rounds 3] [--settle 15] [--window 30] [--against TREE]
 """
@@ -39,6 +43,7 @@ from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.paths import REPO
 from tests.support.processes import cpu_seconds
 from tests.support.raw_runtime import status_kib
+from tests.support.realroot import CGROUP_V2, MEMORY_V1, in_cgroup, unavailable, unavailable_any
 
 NODE_NAME = "idle-node"
 READY_TIMEOUT_S = 60.0
@@ -68,6 +73,22 @@ def switches(pid: int) -> tuple[int, int]:
     return voluntary, involuntary
 
 
+def own_cgroup(name: str) -> Path | None:
+    """A fresh memory cgroup for one round's agent, the page cache dropped first; None where no
+    memory cgroup can be made (not root)."""
+    if unavailable_any():
+        return None
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    cgroup = (MEMORY_V1 if not unavailable() else CGROUP_V2) / f"nriqos-idle-{name}-{os.getpid()}"
+    cgroup.mkdir()
+    return cgroup
+
+
+def cgroup_mib(cgroup: Path) -> float:
+    usage = cgroup / "memory.usage_in_bytes"
+    return int((usage if usage.exists() else cgroup / "memory.current").read_text()) / (1 << 20)
+
+
 async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
                     window_s: float, source: Path = REPO) -> dict[str, float]:
     config = work / f"{name}.toml"
@@ -79,9 +100,11 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
     simulator = RuntimeSimulator(socket)
     await simulator.start()
     log = os.open(work / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    argv = [sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
+            str(socket), "--log-level", "warning"]
+    cgroup = own_cgroup(name)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
-        str(socket), "--log-level", "warning", stdout=log, stderr=log,
+        *(argv if cgroup is None else in_cgroup(cgroup, argv)), stdout=log, stderr=log,
         cwd=source)
     try:
         await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
@@ -93,11 +116,15 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
         elapsed = time.monotonic() - started
         cpu1, (vol1, inv1) = cpu_seconds(process.pid), switches(process.pid)
         memory = {key: status_kib(process.pid, field) / 1024 for key, field in MEMORY.items()}
+        if cgroup is not None:
+            memory["cgroup_mib"] = cgroup_mib(cgroup)
     finally:
         process.terminate()
         await process.wait()
         os.close(log)
         await simulator.stop()
+        if cgroup is not None:
+            cgroup.rmdir()
     return {"cpu_percent": (cpu1 - cpu0) / elapsed * 100, "wakeups_s": (vol1 - vol0) / elapsed,
             "preempted_s": (inv1 - inv0) / elapsed, "threads": float(threads), **memory}
 
@@ -142,12 +169,14 @@ def main() -> int:
     print(f"idle agent on this machine, {args.rounds} rounds of {args.window:g} s (median):")
     width = max(len(name) for name in results) + 1
     print(f"{'config':<{width}} {'CPU % of one core':>18} {'wake-ups/s':>11} "
-          f"{'preempted/s':>12} {'threads':>8} {'anon MiB':>9} {'file MiB':>9} {'peak MiB':>9}")
+          f"{'preempted/s':>12} {'threads':>8} {'anon MiB':>9} {'file MiB':>9} {'peak MiB':>9} "
+          f"{'cgroup MiB':>11}")
     for name, rounds in results.items():
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         print(f"{name:<{width}} {med['cpu_percent']:>18.2f} {med['wakeups_s']:>11.1f} "
               f"{med['preempted_s']:>12.1f} {med['threads']:>8.0f} {med['anon_mib']:>9.1f} "
-              f"{med['file_mib']:>9.1f} {med['peak_mib']:>9.1f}")
+              f"{med['file_mib']:>9.1f} {med['peak_mib']:>9.1f} "
+              f"{med.get('cgroup_mib', float('nan')):>11.1f}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from bench.agent_idle import switches
 from tests.support.paths import REPO
+from tests.support.realroot import unavailable_any
 
 
 def test_switches_counts_every_thread_of_a_process() -> None:
@@ -25,10 +27,10 @@ def test_one_short_round_of_each_configuration() -> None:
     lines = done.stdout.splitlines()
     assert lines[-3].split() == ["config", "CPU", "%", "of", "one", "core", "wake-ups/s",
                                  "preempted/s", "threads", "anon", "MiB", "file", "MiB",
-                                 "peak", "MiB"]
+                                 "peak", "MiB", "cgroup", "MiB"]
     rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[-2:]}
     assert set(rows) == {"creation", "agent"}
-    for cpu, wakeups, _, threads, anon, mapped, peak in rows.values():
+    for cpu, wakeups, _, threads, anon, mapped, peak, cgroup in rows.values():
         assert cpu >= 0
         assert wakeups > 0  # its loops woke in the window
         assert threads >= 2
@@ -36,6 +38,8 @@ def test_one_short_round_of_each_configuration() -> None:
         assert anon > 1
         assert mapped > 1
         assert peak >= anon + mapped - 1
+        # as root, its own memory cgroup holds at least its anonymous pages; else not measured
+        assert cgroup >= anon - 1 if not unavailable_any() else math.isnan(cgroup)
 
 
 def test_against_another_checkout_runs_both_in_the_same_rounds(tmp_path: Path) -> None:

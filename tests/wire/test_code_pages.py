@@ -14,6 +14,7 @@ import pytest
 
 from nri_plugin.code_pages import code_files, release_code_pages
 from tests.support.paths import REPO
+from tests.support.realroot import CGROUP_V2, MEMORY_V1, in_cgroup, unavailable, unavailable_any
 
 MIB = 1 << 20
 
@@ -37,25 +38,12 @@ def test_files_gone_since_they_were_loaded_are_passed_over(tmp_path: Path) -> No
     assert release_code_pages([]) == 0
 
 
-def memory_cgroup() -> Path | None:
-    """A memory cgroup hierarchy this process may make a child in (v1's, else v2's)."""
-    for root, probe in ((Path("/sys/fs/cgroup/memory"), "memory.usage_in_bytes"),
-                        (Path("/sys/fs/cgroup"), "cgroup.subtree_control")):
-        if ((root / probe).exists() and os.access(root, os.W_OK)
-                and (probe == "memory.usage_in_bytes" or "memory" in (root / probe).read_text())):
-            return root
-    return None
-
-
 CHILD = """
-import os
 import sys
 from types import SimpleNamespace
 from nri_plugin.code_pages import release_code_pages
 
 cgroup, path = sys.argv[1], sys.argv[2]
-with open(cgroup + "/cgroup.procs", "w") as procs:
-    procs.write(str(os.getpid()))
 def cached():
     stat = dict(line.split() for line in open(cgroup + "/memory.stat"))
     return int(stat["cache"] if "cache" in stat else stat["file"])
@@ -68,10 +56,9 @@ print(loaded, cached())
 """
 
 
-@pytest.mark.skipif(memory_cgroup() is None, reason="needs a memory cgroup it may write (root)")
+@pytest.mark.skipif(bool(unavailable_any()), reason=unavailable_any() or "-")
 def test_the_pages_a_cgroup_was_charged_for_a_loaded_file_go_back(tmp_path: Path) -> None:
-    root = memory_cgroup()
-    assert root is not None
+    root = MEMORY_V1 if not unavailable() else CGROUP_V2
     data = tmp_path / "code.bin"
     with open(data, "wb") as f:
         f.write(os.urandom(32 * MIB))
@@ -81,8 +68,9 @@ def test_the_pages_a_cgroup_was_charged_for_a_loaded_file_go_back(tmp_path: Path
     cgroup = root / f"nri-qos-code-pages-{os.getpid()}"
     cgroup.mkdir()
     try:
-        done = subprocess.run([sys.executable, "-c", CHILD, str(cgroup), str(data)], cwd=REPO,
-                              check=True, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(in_cgroup(cgroup, [sys.executable, "-c", CHILD, str(cgroup),
+                                                 str(data)]),
+                              cwd=REPO, check=True, capture_output=True, text=True, timeout=60)
         loaded, after = (int(v) for v in done.stdout.split())
         assert loaded >= 32 * MIB  # the child's read was charged to its cgroup
         assert after <= loaded - 30 * MIB

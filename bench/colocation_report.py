@@ -305,8 +305,7 @@ def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
 
 COST_COLUMNS = ("mode", "rep", "tier max hits", "tier high hits", "tier refault MiB",
                 "tier majflt", "tier PSI mem", "tier PSI io", "kswapd scan MiB", "agent MiB",
-                "agent peak MiB",
-                "bench CPU s")
+                "agent peak MiB", "bench CPU s")
 PAGE_MIB = 4096 / (1 << 20)
 
 
@@ -384,13 +383,10 @@ def final_line(reps: Sequence[Repetition]) -> str:
     when it ran, else the probe's; mean offline MiB per repetition)."""
     ran = in_order(r.mode for r in reps)
 
-    def p99(mode: str) -> float:
-        return mode_p99(reps, mode)
-
     def mib(mode: str) -> float:
         return mean([r.offline_mb for r in reps if r.mode == mode]) or 0.0
 
-    return ("online p99 ms: " + " ".join(f"{m}={fmt(p99(m), 2)}" for m in ran)
+    return ("online p99 ms: " + " ".join(f"{m}={fmt(mode_p99(reps, m), 2)}" for m in ran)
             + "; offline MiB: " + " ".join(f"{m}={mib(m):.0f}" for m in ran))
 
 
@@ -465,8 +461,8 @@ def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
 
 def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:
     """Per mode, pooled: the probe's and the service's p50/p99/p99.9 (ms), the service's
-    requests and misses, the offline MiB, work MiB and work CPU seconds, the agent's CPU seconds
-    and peak MiB (mean per repetition)."""
+    requests and misses, the offline MiB, work MiB and work CPU seconds, the agent's CPU seconds,
+    MiB at the window's end and peak MiB (mean per repetition)."""
     found: dict[str, dict[str, Any]] = {}
     for mode in dict.fromkeys(r.mode for r in reps):
         mine = [r for r in reps if r.mode == mode]

@@ -4,9 +4,10 @@ Starting the agent reads some 1,500 files: its modules, its libraries' and their
 Python keeps what it loaded, so those pages are never read again, but the kernel charges them
 to the memory cgroup of the agent's pod, inside ``kubepods``, and reclaim at ``kubepods``' limit
 takes from every cgroup in proportion to its size, not the agent's cold pages first. On a small
-node they take room the pods' working sets need (about 25 of the 100 MiB the agent's cgroup held
-after start, measured with ``memory.stat``'s ``cache`` on cgroup v1). ``POSIX_FADV_DONTNEED`` on
-each file drops its clean pages that nothing maps; the shared libraries' mapped pages stay.
+node they take room the pods' working sets need: an idle agent's cgroup held 88 MiB with them
+and 63 without on cgroup v1, 72-76 and 54-55 in a v2 guest (``bench/agent_idle.py``,
+``docs/operations.md``). ``POSIX_FADV_DONTNEED`` on each file drops its clean pages that nothing
+maps; the shared libraries' mapped pages stay.
 """
 
 from __future__ import annotations

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,7 +45,7 @@ from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.paths import REPO
 from tests.support.processes import cpu_seconds
 from tests.support.raw_runtime import status_kib
-from tests.support.realroot import CGROUP_V2, MEMORY_V1, in_cgroup, unavailable, unavailable_any
+from tests.support.realroot import in_cgroup, memory_hierarchy, unavailable_any, usage
 
 NODE_NAME = "idle-node"
 READY_TIMEOUT_S = 60.0
@@ -73,20 +75,20 @@ def switches(pid: int) -> tuple[int, int]:
     return voluntary, involuntary
 
 
-def own_cgroup(name: str) -> Path | None:
-    """A fresh memory cgroup for one round's agent, the page cache dropped first; None where no
-    memory cgroup can be made (not root)."""
+@contextlib.contextmanager
+def own_cgroup(name: str) -> Iterator[Path | None]:
+    """A fresh memory cgroup for one round's agent, the page cache dropped first, removed when
+    left; None where no memory cgroup can be made (not root)."""
     if unavailable_any():
-        return None
+        yield None
+        return
     Path("/proc/sys/vm/drop_caches").write_text("3")
-    cgroup = (MEMORY_V1 if not unavailable() else CGROUP_V2) / f"nriqos-idle-{name}-{os.getpid()}"
+    cgroup = memory_hierarchy() / f"nriqos-idle-{name}-{os.getpid()}"
     cgroup.mkdir()
-    return cgroup
-
-
-def cgroup_mib(cgroup: Path) -> float:
-    usage = cgroup / "memory.usage_in_bytes"
-    return int((usage if usage.exists() else cgroup / "memory.current").read_text()) / (1 << 20)
+    try:
+        yield cgroup
+    finally:
+        cgroup.rmdir()
 
 
 async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
@@ -102,29 +104,27 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
     log = os.open(work / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     argv = [sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
             str(socket), "--log-level", "warning"]
-    cgroup = own_cgroup(name)
-    process = await asyncio.create_subprocess_exec(
-        *(argv if cgroup is None else in_cgroup(cgroup, argv)), stdout=log, stderr=log,
-        cwd=source)
-    try:
-        await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
-        await asyncio.sleep(settle_s)
-        cpu0, (vol0, inv0), threads = (cpu_seconds(process.pid), switches(process.pid),
-                                       len(os.listdir(f"/proc/{process.pid}/task")))
-        started = time.monotonic()
-        await asyncio.sleep(window_s)
-        elapsed = time.monotonic() - started
-        cpu1, (vol1, inv1) = cpu_seconds(process.pid), switches(process.pid)
-        memory = {key: status_kib(process.pid, field) / 1024 for key, field in MEMORY.items()}
-        if cgroup is not None:
-            memory["cgroup_mib"] = cgroup_mib(cgroup)
-    finally:
-        process.terminate()
-        await process.wait()
-        os.close(log)
-        await simulator.stop()
-        if cgroup is not None:
-            cgroup.rmdir()
+    with own_cgroup(name) as cgroup:
+        process = await asyncio.create_subprocess_exec(
+            *(argv if cgroup is None else in_cgroup(cgroup, argv)), stdout=log, stderr=log,
+            cwd=source)
+        try:
+            await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
+            await asyncio.sleep(settle_s)
+            cpu0, (vol0, inv0), threads = (cpu_seconds(process.pid), switches(process.pid),
+                                           len(os.listdir(f"/proc/{process.pid}/task")))
+            started = time.monotonic()
+            await asyncio.sleep(window_s)
+            elapsed = time.monotonic() - started
+            cpu1, (vol1, inv1) = cpu_seconds(process.pid), switches(process.pid)
+            memory = {key: status_kib(process.pid, field) / 1024 for key, field in MEMORY.items()}
+            if cgroup is not None:
+                memory["cgroup_mib"] = usage(cgroup) / (1 << 20)
+        finally:
+            process.terminate()
+            await process.wait()
+            os.close(log)
+            await simulator.stop()
     return {"cpu_percent": (cpu1 - cpu0) / elapsed * 100, "wakeups_s": (vol1 - vol0) / elapsed,
             "preempted_s": (inv1 - inv0) / elapsed, "threads": float(threads), **memory}
 

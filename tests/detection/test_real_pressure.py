@@ -34,7 +34,7 @@ from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
 from tests.support.polling import eventually
 from tests.support.pressure_worker import REACH_S
-from tests.support.realroot import MIB, RealRoot, Worker, unavailable
+from tests.support.realroot import MIB, RealRoot, Worker, unavailable, usage
 
 pytestmark = [pytest.mark.real_kernel,
               pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")]
@@ -215,7 +215,7 @@ async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path:
     worker = root.spawn_worker(memcg)
     await asyncio.to_thread(worker.ask, f"write {tmp_path / 'cache.bin'} 48")
     pod = memcg.parent
-    before = root.usage(pod)
+    before = usage(pod)
     assert before >= 40 * MIB
     agent = Agent(root)
     assert agent.host.memcg.force_empty
@@ -232,7 +232,7 @@ async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path:
     finally:
         action.close()
     assert result.result == "done", result
-    after = root.usage(pod)
+    after = usage(pod)
     assert before - after >= 32 * MIB
     [finished] = agent.sink.named("drop_cache_finished")
     assert finished["path"] == f"/sys/fs/cgroup/memory/kubepods/besteffort/pod{UID}/" \

@@ -64,13 +64,25 @@ def v2_unavailable() -> str:
     return ""
 
 
+def memory_hierarchy() -> Path:
+    """Where memory cgroups are made: the v1 memory controller's hierarchy where it is mounted,
+    else the v2 one (which of them :func:`unavailable_any` found usable)."""
+    return MEMORY_V1 if not unavailable() else CGROUP_V2
+
+
+def usage(memcg: Path) -> int:
+    """The bytes charged to a memory cgroup of either version."""
+    v1 = memcg / "memory.usage_in_bytes"
+    return int((v1 if v1.exists() else memcg / "memory.current").read_text())
+
+
 class RealRoot:
     def __init__(self, directory: Path, name: str, limit_bytes: int) -> None:
         if limit_bytes > 4 << 30:
             raise ValueError("memory experiments stay under a 4 GiB limit")
         self.v2 = bool(unavailable()) and not v2_unavailable()
         self.root = directory / "root"
-        self.memcg = (CGROUP_V2 if self.v2 else MEMORY_V1) / f"nriqos-{name}-{os.getpid()}"
+        self.memcg = memory_hierarchy() / f"nriqos-{name}-{os.getpid()}"
         self.memcg.mkdir()
         self._made = [self.memcg]
         self._workers: list[subprocess.Popen[str]] = []
@@ -116,9 +128,6 @@ class RealRoot:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._workers.append(process)
         return Worker(process)
-
-    def usage(self, memcg: Path) -> int:
-        return int((memcg / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
 
     def close(self) -> None:
         end(self._workers, self._made)

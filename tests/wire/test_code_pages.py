@@ -14,7 +14,7 @@ import pytest
 
 from nri_plugin.code_pages import code_files, release_code_pages
 from tests.support.paths import REPO
-from tests.support.realroot import CGROUP_V2, MEMORY_V1, in_cgroup, unavailable, unavailable_any
+from tests.support.realroot import in_cgroup, memory_hierarchy, unavailable_any
 
 MIB = 1 << 20
 
@@ -58,14 +58,13 @@ print(loaded, cached())
 
 @pytest.mark.skipif(bool(unavailable_any()), reason=unavailable_any() or "-")
 def test_the_pages_a_cgroup_was_charged_for_a_loaded_file_go_back(tmp_path: Path) -> None:
-    root = MEMORY_V1 if not unavailable() else CGROUP_V2
     data = tmp_path / "code.bin"
     with open(data, "wb") as f:
         f.write(os.urandom(32 * MIB))
         f.flush()
         os.fsync(f.fileno())
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # not cached before the child
-    cgroup = root / f"nri-qos-code-pages-{os.getpid()}"
+    cgroup = memory_hierarchy() / f"nri-qos-code-pages-{os.getpid()}"
     cgroup.mkdir()
     try:
         done = subprocess.run(in_cgroup(cgroup, [sys.executable, "-c", CHILD, str(cgroup),

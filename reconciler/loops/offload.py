@@ -266,15 +266,12 @@ def parse_counters(stat: str, pressure: str) -> Counters:
     :class:`ParseError` where either does not say what is needed."""
     values = parse.parse_counters(stat)
     stall = parse.parse_psi(pressure).some_total_us
-    missing = [k for k in ("pgscan", "pgsteal", "inactive_file", "inactive_anon")
-               if k not in values]
-    if missing:
-        raise parse.ParseError(f"memory.stat lacks {', '.join(missing)}")
+    scan, steal, inactive_file, inactive_anon = parse.require(
+        values, ("pgscan", "pgsteal", "inactive_file", "inactive_anon"), "memory.stat")
     # Linux 5.9 split the refault counter by LRU; older kernels have one.
     refault = (values.get("workingset_refault_anon", 0) + values.get("workingset_refault_file", 0)
                if "workingset_refault_file" in values else values.get("workingset_refault", 0))
-    return Counters(stall, values["pgscan"], values["pgsteal"], refault,
-                    values["inactive_file"], values["inactive_anon"])
+    return Counters(stall, scan, steal, refault, inactive_file, inactive_anon)
 
 
 def offload_problem(host: HostInfo) -> str:

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.colocation_plan import OFFLINE, ONLINE, PodPlan
+from bench.colocation_plan import AGENT, OFFLINE, ONLINE, PodPlan
 from bench.kubelet_node import MIB, Container, KubeletNode
 from hooks.events import Event
 from nri_plugin.config.loader import drop_in_dir
@@ -29,7 +29,6 @@ from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconf
 from tests.support.processes import cpu_seconds
 
 NODE_NAME = "colocation-node"
-AGENT_POD_UID = "0c010c01-0000-4000-8000-00000000a6e7"
 READY_TIMEOUT_S = 120.0
 """For the agent to be synchronized, and for the online pod to have read its files."""
 CREATION_ONLY = "[detection]\nenabled = false\n[mitigation]\nenabled = false\n"
@@ -93,7 +92,7 @@ class Agent:
         async with contextlib.AsyncExitStack() as stack:
             server = stack.enter_context(FakeApiServer(poll_interval_s=API_POLL_S))
             server.add_node(NODE_NAME)
-            for plan in self.plans:
+            for plan in (AGENT, *self.plans):
                 memory = {"main": (_quantity(plan.memory_request), _quantity(plan.memory_limit))}
                 server.add_pod(make_pod(plan.name, namespace=plan.namespace, node=NODE_NAME,
                                         uid=plan.uid, memory=memory))
@@ -105,12 +104,13 @@ class Agent:
             stack.callback(os.close, log)
             # As deploy/ runs it: a DaemonSet pod of the node (a run killed outright does not
             # leave it behind: the next run's sweep ends what is left in the node), Burstable
-            # with the manifest's 50m CPU request and 256 MiB limit, so its CPU weight is the
-            # request's, as on a node (in a cgroup of the system's weight its bursts of work
-            # preempted the online pod). Its oom_score_adj is inherited: lowering it needs
-            # CAP_SYS_RESOURCE, which a test machine may lack.
-            pod = self.node.add_pod("burstable", AGENT_POD_UID, "nri-qos",
-                                    memory_limit=256 * MIB, cpu_request_milli=50)
+            # with the manifest's requests and limit, so its CPU weight is the request's, as on
+            # a node (in a cgroup of the system's weight its bursts of work preempted the online
+            # pod). Its oom_score_adj is inherited: lowering it needs CAP_SYS_RESOURCE, which a
+            # test machine may lack.
+            pod = self.node.add_pod(AGENT.tier, AGENT.uid, AGENT.container_id,
+                                    memory_limit=AGENT.memory_limit,
+                                    cpu_request_milli=AGENT.cpu_request_milli)
             process = await asyncio.create_subprocess_exec(
                 *self.node.inside(pod.rel, [
                     sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
@@ -119,6 +119,12 @@ class Agent:
             stack.push_async_callback(_terminate, process)
             self.pid = process.pid
             self.pod_rel = pod.rel
+            # The runtime lists the agent's own container, running, when it connects: the
+            # agent's reconciler gives it what its level gives any running container.
+            sandbox, own = _messages(AGENT, pod, api.CONTAINER_RUNNING)
+            own.pid = process.pid
+            self.simulator.pods.append(sandbox)
+            self.simulator.containers.append(own)
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             # Settled: the ladder's release of every rung at start (four records), detection's
             # first cycle (the memcg event registrations) after that; without the ladder, the

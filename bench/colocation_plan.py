@@ -34,6 +34,11 @@ OFFLINE = PodPlan("etl-0", "batch", "0c010c01-0000-4000-8000-000000000002", "b2"
 OFFLINE_2 = PodPlan("etl-1", "batch", "0c010c01-0000-4000-8000-000000000003", "c3" * 32,
                     "besteffort", None, None, 0)
 OFFLINE_PODS = (OFFLINE, OFFLINE_2)
+AGENT = PodPlan("nri-qos-bench", "kube-system", "0c010c01-0000-4000-8000-00000000a6e7",
+                "d4" * 32, "burstable", 96 * MIB, 256 * MIB, 50)
+"""The agent's own pod in the agent modes, with the requests and limit of the DaemonSet in
+``deploy/kustomize/base/daemonset.yaml``: on a node the runtime lists its container at
+Synchronize and the API server its pod, so the agent protects it as it does any online pod."""
 INTERPRETER_MIB = 16
 """What one workload process holds beside its data (the interpreter, its heap)."""
 

@@ -121,8 +121,7 @@ class Agent:
             self.pod_rel = pod.rel
             # The runtime lists the agent's own container, running, when it connects: the
             # agent's reconciler gives it what its level gives any running container.
-            sandbox, own = _messages(AGENT, pod, api.CONTAINER_RUNNING)
-            own.pid = process.pid
+            sandbox, own = own_messages(pod, process.pid)
             self.simulator.pods.append(sandbox)
             self.simulator.containers.append(own)
             self.connection = await self.simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
@@ -215,6 +214,14 @@ async def _terminate(process: asyncio.subprocess.Process) -> None:
 
 def _quantity(value: int | None) -> str | None:
     return None if value is None else f"{value // MIB}Mi"
+
+
+def own_messages(container: Container, pid: int) -> tuple[api.PodSandbox, api.Container]:
+    """The agent's own pod and container (running, ``pid``) as the runtime lists them at
+    Synchronize."""
+    sandbox, own = _messages(AGENT, container, api.CONTAINER_RUNNING)
+    own.pid = pid
+    return sandbox, own
 
 
 def _messages(plan: PodPlan, container: Container,

@@ -10,18 +10,11 @@ import yaml
 
 from bench.colocation_agent import own_messages
 from bench.colocation_plan import AGENT
-from bench.kubelet_node import MIB, Container
+from bench.kubelet_node import Container
+from common.podmeta import parse_quantity
 from protos import nri_api_pb2 as api
 
 DAEMONSET = Path(__file__).parents[2] / "deploy/kustomize/base/daemonset.yaml"
-UNITS = {"Mi": MIB, "m": 1}
-
-
-def quantity(text: str) -> int:
-    for suffix, unit in UNITS.items():
-        if text.endswith(suffix):
-            return int(text.removesuffix(suffix)) * unit
-    raise ValueError(text)
 
 
 def test_the_agents_pod_has_the_daemonsets_namespace_requests_and_limit() -> None:
@@ -30,12 +23,12 @@ def test_the_agents_pod_has_the_daemonsets_namespace_requests_and_limit() -> Non
                      if c["name"] == "nri-qos")
     resources = container["resources"]
     assert AGENT.namespace == daemonset["metadata"]["namespace"]
-    assert AGENT.memory_request == quantity(resources["requests"]["memory"])
-    assert AGENT.memory_limit == quantity(resources["limits"]["memory"])
-    assert AGENT.cpu_request_milli == quantity(resources["requests"]["cpu"])
+    assert AGENT.memory_request == parse_quantity(resources["requests"]["memory"])
+    assert AGENT.memory_limit == parse_quantity(resources["limits"]["memory"])
+    # parse_quantity rounds to whole cores, as the API's Value() does: the milli form is kept.
+    assert resources["requests"]["cpu"] == f"{AGENT.cpu_request_milli}m"
     # Burstable (a request below the limit): kubelet puts it in that tier's cgroup.
     assert AGENT.tier == "burstable"
-
 
 
 def test_the_runtime_lists_the_agents_container_running_in_its_pods_cgroup() -> None:

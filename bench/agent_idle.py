@@ -39,6 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.agent_env import agent_command
 from bench.colocation_agent import CREATION_ONLY
 from nri_plugin.sim.simulator import RuntimeSimulator
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
@@ -102,12 +103,13 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
     simulator = RuntimeSimulator(socket)
     await simulator.start()
     log = os.open(work / f"{name}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    argv = [sys.executable, "-m", "nri_plugin", "run", "--config", str(config), "--socket",
-            str(socket), "--log-level", "warning"]
+    command, env = agent_command(source, work / "agent-env")
+    argv = [*command, "run", "--config", str(config), "--socket", str(socket), "--log-level",
+            "warning"]
     with own_cgroup(name) as cgroup:
         process = await asyncio.create_subprocess_exec(
             *(argv if cgroup is None else in_cgroup(cgroup, argv)), stdout=log, stderr=log,
-            cwd=source)
+            cwd=source, env=env)
         try:
             await simulator.wait_ready(timeout_s=READY_TIMEOUT_S)
             await asyncio.sleep(settle_s)

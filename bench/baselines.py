@@ -38,8 +38,8 @@ AGENT_MODES = frozenset({"agent-creation", "agent"})
 V2_ONLY = frozenset({"kubelet-memoryqos"})
 VARIANT = "agent+"
 """The prefix of a variant's mode: the agent with a variant's settings over the defaults. Not
-':', which a repetition's work directory takes from the mode's name into the agent's kubeconfig
-path, where the Kubernetes client reads ':' as a list separator."""
+':', which a repetition's work directory would take from the mode's name into every path under
+it, and a ``KUBECONFIG`` or ``PATH`` list reads as a separator."""
 VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
 THROTTLING_FACTOR = 0.9
 """kubelet's default memoryThrottlingFactor."""

@@ -7,12 +7,12 @@ import asyncio
 import contextlib
 import json
 import os
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.agent_env import agent_command
 from bench.colocation_plan import AGENT, OFFLINE, ONLINE, PodPlan
 from bench.kubelet_node import MIB, Container, KubeletNode
 from hooks.events import Event
@@ -111,11 +111,13 @@ class Agent:
             pod = self.node.add_pod(AGENT.tier, AGENT.uid, AGENT.container_id,
                                     memory_limit=AGENT.memory_limit,
                                     cpu_request_milli=AGENT.cpu_request_milli)
+            # With only the packages the image installs (bench/agent_env.py says why).
+            command, env = agent_command(self.source, self.work / "agent-env")
             process = await asyncio.create_subprocess_exec(
                 *self.node.inside(pod.rel, [
-                    sys.executable, "-m", "nri_plugin", "run", "--config", str(config),
-                    "--socket", str(self.socket)], None),
-                cwd=self.source, stdout=log, stderr=log)
+                    *command, "run", "--config", str(config), "--socket", str(self.socket)],
+                    None),
+                cwd=self.source, stdout=log, stderr=log, env=env)
             stack.push_async_callback(_terminate, process)
             self.pid = process.pid
             self.pod_rel = pod.rel

@@ -68,9 +68,8 @@ def parse_size(text: str) -> int:
     Not ``kubernetes.utils.parse_quantity``, which reads Kubernetes quantities, not byte sizes:
     it refuses ``"512MiB"`` and ``"7 B"``, takes ``"100m"`` as 0.1 (milli) and ``"0.5"`` as a
     fraction of a byte, accepts ``"-1Gi"`` and ``"1e3"``, and returns a ``Decimal`` that would
-    still need checking for a whole non-negative number. Importing it also costs some 150 ms
-    (``python -X importtime``) in commands that otherwise never load the Kubernetes client, and
-    only the API client module may import ``kubernetes`` (import-linter's ``one-api-client``).
+    still need checking for a whole non-negative number; and the agent does not install the
+    ``kubernetes`` package (``reconciler/kube/transport.py`` says why).
     """
     m = _SIZE_RE.match(text)
     if not m:

@@ -3,8 +3,6 @@ pod), node taints and node status conditions."""
 
 from __future__ import annotations
 
-from kubernetes.client import ApiClient
-
 from common.audit import AuditLog
 from common.podmeta import OwnerRef
 from reconciler.kube.config import KubernetesConfig
@@ -13,6 +11,7 @@ from reconciler.kube.evictions import EvictionResult, Evictions
 from reconciler.kube.node import NodeOutcome, NodeWriter
 from reconciler.kube.rest import Rest
 from reconciler.kube.threads import ApiThreads
+from reconciler.kube.transport import Api
 
 # The writes one pressure episode makes at once (an eviction, its Event, a taint, a condition)
 # run side by side; more would only queue at the API server.
@@ -23,7 +22,7 @@ class KubeActions:
     """Writes to the API: evictions (with an Event on the pod), node taints and node status
     conditions; evictions and taints are audited here, conditions by their owner."""
 
-    def __init__(self, api: ApiClient | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
+    def __init__(self, api: Api | None, cfg: KubernetesConfig, audit: AuditLog) -> None:
         # One API handle for every write; None in degraded mode.
         rest = None if api is None else Rest(api)
         threads = ApiThreads("kube-actions", ACTION_THREADS)

@@ -1,34 +1,35 @@
-"""Building the API client from the credentials at hand, and reading its raw responses.
+"""Building the agent's connection to the API server from the credentials at hand, and
+reading its raw responses.
 
-Every answer (:mod:`.rest`) is read as JSON, never deserialized into the client's models, and
-its connection handed back to the pool here.
+Every answer (:mod:`.rest`) is read as JSON and its connection handed back to the pool here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import structlog
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
-from kubernetes.client import ApiClient
+import urllib3
 
 from reconciler.kube.config import KubernetesConfig
+from reconciler.kube.credentials import SERVICE_ACCOUNT, Credentials, CredentialsError, in_cluster
+from reconciler.kube.kubeconfig import from_kubeconfig
+from reconciler.kube.transport import Api
 
 log = structlog.get_logger("nri_qos.kube")
 
-Api = ApiClient
-"""The client handle :func:`build_api_client` returns, for callers that pass it on."""
-
 
 def build_api_client(
-    cfg: KubernetesConfig, environ: Mapping[str, str] | None = None
-) -> ApiClient | None:
-    """A client from the configured kubeconfig, else in-cluster config, else the default kubeconfig.
+    cfg: KubernetesConfig, environ: Mapping[str, str] | None = None,
+    service_account: Path = SERVICE_ACCOUNT,
+) -> Api | None:
+    """A connection from the configured kubeconfig, else in-cluster config, else the default
+    kubeconfig.
 
     Returns ``None`` (degraded mode, one warning) when access is disabled or nothing works.
     """
@@ -36,39 +37,48 @@ def build_api_client(
     if not cfg.enabled:
         log.info("kubernetes_disabled", detail="kubernetes.enabled is false; NRI data only")
         return None
+    attempts: list[tuple[str, Callable[[], Credentials]]]
     if cfg.kubeconfig:
-        attempts = [("kubeconfig", cfg.kubeconfig)]
+        path = Path(os.path.expanduser(cfg.kubeconfig))
+        attempts = [(f"kubeconfig {path}",
+                     lambda: from_kubeconfig(path, cfg.request_timeout_s))]
     else:
-        default = env.get("KUBECONFIG") or os.path.join(env.get("HOME", "~"), ".kube", "config")
-        attempts = [("in-cluster", ""), ("default kubeconfig", default)]
+        default = _default_kubeconfig(env)
+        attempts = [("in-cluster", lambda: in_cluster(env, service_account)),
+                    (f"default kubeconfig {default}",
+                     lambda: from_kubeconfig(default, cfg.request_timeout_s))]
     failures: list[str] = []
-    for source, path in attempts:
-        # A fresh object per source: a loader that fails halfway must leave nothing behind.
-        configuration = k8s_client.Configuration()
+    for source, load in attempts:
         try:
-            if path:
-                k8s_config.load_kube_config(  # type: ignore[no-untyped-call]
-                    config_file=os.path.expanduser(path),
-                    client_configuration=configuration,
-                    persist_config=False,
-                )
-            else:
-                k8s_config.load_incluster_config(  # type: ignore[no-untyped-call]
-                    client_configuration=configuration
-                )
-        # Loaders fail in many ways (missing file, bad YAML, missing fields, exec plugins);
-        # each only means this source is unusable.
-        except Exception as exc:
-            failures.append(f"{source}{' ' + path if path else ''}: {exc}")
+            credentials = load()
+            api = Api(credentials)
+        # A CA or client certificate that does not load (ssl.SSLError is an OSError) only
+        # means this source is unusable.
+        except (CredentialsError, OSError, ValueError) as exc:
+            failures.append(f"{source}: {exc}")
             continue
-        log.info("kubernetes_config", source=source, path=path or None, host=configuration.host)
-        return ApiClient(configuration=configuration)
+        log.info("kubernetes_config", source=credentials.source, host=credentials.server)
+        if not credentials.verify:
+            # urllib3 would otherwise warn on every request; the operator chose this once.
+            urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
+            log.warning("kubernetes_unverified", source=credentials.source,
+                        detail="insecure-skip-tls-verify: the API server's certificate is "
+                               "not checked")
+        return api
     log.warning(
         "kubernetes_unavailable",
         detail="no usable API credentials; running degraded on NRI data only",
         tried=failures,
     )
     return None
+
+
+def _default_kubeconfig(env: Mapping[str, str]) -> Path:
+    """``KUBECONFIG``'s first file that exists (kubectl's list, split at ':'), else
+    ``~/.kube/config``."""
+    listed = [Path(os.path.expanduser(p)) for p in env.get("KUBECONFIG", "").split(":") if p]
+    home = Path(os.path.expanduser(os.path.join(env.get("HOME", "~"), ".kube", "config")))
+    return next((p for p in listed if p.is_file()), listed[0] if listed else home)
 
 
 def read_json(response: Any) -> Any:

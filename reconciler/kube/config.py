@@ -10,22 +10,12 @@ from dataclasses import dataclass
 from hooks.config_fields import setting
 
 
-def _one_file(value: str) -> str | None:
-    # The client library reads its path as KUBECONFIG's list of files, split at ':', and skips
-    # the parts that are no file: a path with ':' loaded nothing and left the agent without
-    # the API, with only a warning.
-    if ":" in value:
-        return (f"must be one path without ':' (the Kubernetes client splits a path at ':'), "
-                f"got {value!r}")
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class KubernetesConfig:
     enabled: bool = setting(True, "Watch this node's pods and use the Eviction and Node APIs.")
     kubeconfig: str = setting(
-        "", "Path of a kubeconfig (one file, no ':' in it); empty means in-cluster config, "
-        "then KUBECONFIG or ~/.kube/config.", check=_one_file,
+        "", "Path of one kubeconfig file; empty means in-cluster config, then the first "
+        "file of KUBECONFIG that exists, or ~/.kube/config.",
     )
     node_name: str = setting(
         "", "This node's name; empty means the NODE_NAME variable, then the hostname."

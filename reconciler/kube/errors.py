@@ -8,21 +8,35 @@ from collections.abc import Mapping
 from typing import Any
 
 import urllib3
-from kubernetes.client.exceptions import ApiException
+
+from reconciler.kube.credentials import CredentialsError
 
 HTTP_NOT_FOUND = 404
 HTTP_CONFLICT = 409
 HTTP_GONE = 410
 HTTP_TOO_MANY_REQUESTS = 429
 
-TRANSPORT = (urllib3.exceptions.HTTPError, OSError)
-"""The request did not get an answer (connection refused or dropped, timeout)."""
-TRANSIENT = (ApiException, *TRANSPORT, ValueError)
+
+class ApiError(Exception):
+    """The API server answered outside 2xx: its ``status``, ``reason`` (the HTTP reason
+    phrase) and ``body`` (the Status object it sent, as text)."""
+
+    def __init__(self, status: int, reason: str, body: str) -> None:
+        super().__init__(f"HTTP {status} {reason}")
+        self.status = status
+        self.reason = reason
+        self.body = body
+
+
+TRANSPORT = (urllib3.exceptions.HTTPError, OSError, CredentialsError)
+"""The request did not get an answer (connection refused or dropped, timeout), or could not
+be sent (its token could not be read)."""
+TRANSIENT = (ApiError, *TRANSPORT, ValueError)
 """Errors a list or watch attempt, or a read-modify-write of the node, may end with; everything
 else is a bug and propagates."""
 
 
-def status_body(exc: ApiException) -> dict[str, Any] | None:
+def status_body(exc: ApiError) -> dict[str, Any] | None:
     """The Status object the API sent with an error; None when the body is not one."""
     try:
         body = json.loads(exc.body or "")
@@ -31,7 +45,7 @@ def status_body(exc: ApiException) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def status_message(exc: ApiException, body: Mapping[str, Any] | None) -> str:
+def status_message(exc: ApiError, body: Mapping[str, Any] | None) -> str:
     """The ``message`` of the Status the API sent (``body``), else the HTTP reason."""
     if body is not None and isinstance(body.get("message"), str):
         return str(body["message"])
@@ -39,6 +53,6 @@ def status_message(exc: ApiException, body: Mapping[str, Any] | None) -> str:
 
 
 def describe(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
+    if isinstance(exc, ApiError):
         return f"HTTP {exc.status}: {status_message(exc, status_body(exc))}"
     return f"{type(exc).__name__}: {exc}"

@@ -7,11 +7,10 @@ import time
 from typing import Any
 
 import structlog
-from kubernetes.client.exceptions import ApiException
 
 from reconciler.kube.client import finish, rfc3339_now
 from reconciler.kube.config import KubernetesConfig
-from reconciler.kube.errors import TRANSPORT, describe
+from reconciler.kube.errors import TRANSPORT, ApiError, describe
 from reconciler.kube.rest import Rest, segment
 from reconciler.kube.threads import ApiThreads
 
@@ -63,7 +62,7 @@ class PodEvents:
 
         try:
             await self._threads.run(post)
-        except (ApiException, *TRANSPORT) as exc:
+        except (ApiError, *TRANSPORT) as exc:
             log.warning("pod_event_failed", pod=f"{pod.namespace}/{pod.name}", reason=reason,
                         error=describe(exc))
             return False

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import structlog
-from kubernetes.client.exceptions import ApiException
 
 from common.audit import AuditLog
 from common.podmeta import OwnerRef
@@ -19,6 +18,7 @@ from reconciler.kube.errors import (
     HTTP_NOT_FOUND,
     HTTP_TOO_MANY_REQUESTS,
     TRANSPORT,
+    ApiError,
     describe,
     status_body,
     status_message,
@@ -98,7 +98,7 @@ class Evictions:
 
         try:
             status = await self._threads.run(post)
-        except ApiException as exc:
+        except ApiError as exc:
             sent = status_body(exc)
             message = status_message(exc, sent)
             if exc.status == HTTP_NOT_FOUND or (exc.status == HTTP_CONFLICT and uid is not None):
@@ -139,7 +139,7 @@ class Evictions:
 
         try:
             return await self._threads.run(read)
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status == HTTP_NOT_FOUND:
                 return False
             log.warning("owner_check_failed", namespace=namespace, owner=owner.name,

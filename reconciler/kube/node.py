@@ -12,12 +12,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
-from kubernetes.client.exceptions import ApiException
 
 from common.audit import AuditLog
 from reconciler.kube.client import finish, read_json, resource_version, rfc3339_now
 from reconciler.kube.config import KubernetesConfig
-from reconciler.kube.errors import HTTP_CONFLICT, TRANSIENT, describe
+from reconciler.kube.errors import HTTP_CONFLICT, TRANSIENT, ApiError, describe
 from reconciler.kube.rest import MERGE_PATCH, Rest, segment
 from reconciler.kube.threads import ApiThreads
 
@@ -169,7 +168,7 @@ class NodeWriter:
             try:
                 written = rest.request("PATCH", f"{path}/status" if status else path,
                                        body=patch, content_type=MERGE_PATCH, timeout=timeout)
-            except ApiException as exc:
+            except ApiError as exc:
                 if exc.status == HTTP_CONFLICT:
                     return None
                 raise

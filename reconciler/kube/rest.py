@@ -1,30 +1,23 @@
-"""Requests to the API server: method, path, query and JSON body, sent through the client's
-connection pool and credentials, answered raw.
+"""Requests to the API server: method, path, query and JSON body, sent through the agent's
+connection (:mod:`.transport`), answered raw.
 
-Not through the client's generated API classes: building ``CoreV1Api`` and ``AppsV1Api`` adds
-about 24 MiB of anonymous memory to the agent on every node (a pydantic validator for each of
-their 536 methods, and the models they name), for the seven requests the agent makes, whose
-answers it reads as JSON anyway (``bench/agent_idle.py`` prints the agent's memory). Paths and
-query parameters are the API's own names.
+The agent makes seven requests, and reads every answer as JSON; paths and query parameters
+are the API's own names.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
-from kubernetes.client import ApiClient
-from kubernetes.client.exceptions import ApiException
+from reconciler.kube.errors import ApiError
+from reconciler.kube.transport import Api, Timeout
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
-# The client's name for bearer-token credentials (a service account's token, a kubeconfig's
-# token or exec plugin); client certificates go with its connection pool.
-AUTH = ["BearerToken"]
 
-Timeout = float | tuple[float, float]
-"""Seconds for the whole request, or (to connect, to read) for a stream."""
 Query = Sequence[tuple[str, str | int | bool]]
 
 
@@ -33,12 +26,18 @@ def segment(name: str) -> str:
     return quote(name, safe="")
 
 
+def _query(query: Query) -> str:
+    # The API reads booleans as the words Go writes.
+    pairs = [(k, str(v).lower() if isinstance(v, bool) else str(v)) for k, v in query]
+    return "?" + urlencode(pairs) if pairs else ""
+
+
 class Rest:
     """The API server behind ``api``. :meth:`request` returns the response with its body
     unread; the caller reads it (``read_json``, ``finish`` or a stream reader) and so hands its
     connection back."""
 
-    def __init__(self, api: ApiClient) -> None:
+    def __init__(self, api: Api) -> None:
         self._api = api
 
     def request(
@@ -51,19 +50,19 @@ class Rest:
         body: Mapping[str, Any] | None = None,
         content_type: str = JSON,
     ) -> Any:
-        """Sends one request; an answer outside 2xx raises the client's ``ApiException`` (its
-        ``status``, and the Status object the API sent as its ``body``)."""
+        """Sends one request; an answer outside 2xx raises :class:`ApiError` (its ``status``,
+        and the Status object the API sent as its ``body``)."""
         headers = {"Accept": JSON}
+        data = None
         if body is not None:
             headers["Content-Type"] = content_type
-        sent = self._api.param_serialize(method, path, query_params=list(query),
-                                         header_params=headers, body=body, auth_settings=AUTH)
-        answer: Any = self._api.call_api(*sent, _request_timeout=timeout)
-        raw = answer.response
+            data = json.dumps(body).encode()
+        answer = self._api.send(method, path + _query(query), headers=headers, body=data,
+                                timeout=timeout)
         if not 200 <= answer.status <= 299:
             try:
-                answer.read()
+                text = answer.read().decode(errors="replace")
             finally:
-                raw.release_conn()
-            raise ApiException.from_response(http_resp=answer, body=None, data=None)
-        return raw
+                answer.release_conn()
+            raise ApiError(answer.status, answer.reason or "", text)
+        return answer

@@ -26,16 +26,15 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import structlog
-from kubernetes.client import ApiClient
-from kubernetes.client.exceptions import ApiException
 
 from common.aio import Backoff, done_or_stopped, sleep_until
 from common.podmeta import PodMeta, pod_meta_from_object
 from reconciler.kube.client import read_json, resource_version
 from reconciler.kube.config import KubernetesConfig
-from reconciler.kube.errors import HTTP_GONE, TRANSIENT, describe
+from reconciler.kube.errors import HTTP_GONE, TRANSIENT, ApiError, describe
 from reconciler.kube.rest import Rest
 from reconciler.kube.threads import ApiThreads
+from reconciler.kube.transport import Api
 
 log = structlog.get_logger("nri_qos.kube")
 
@@ -143,7 +142,7 @@ class PodWatcher:
 
     def __init__(
         self,
-        api: ApiClient | None,
+        api: Api | None,
         cfg: KubernetesConfig,
         node: str,
         *,
@@ -293,7 +292,7 @@ class PodWatcher:
             stream = await self._call(
                 open_stream, threads, stop, discard=lambda late: late.close()
             )
-        except ApiException as exc:
+        except ApiError as exc:
             if exc.status == HTTP_GONE:
                 raise _Gone from exc
             raise

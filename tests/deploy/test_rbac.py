@@ -54,6 +54,15 @@ async def _build_api_client(d: Drive) -> None:
     d.api = build_api_client(d.cfg)
 
 
+async def _send(d: Drive) -> None:
+    # The raw request under every other one; here what reading this node's taints sends.
+    d.api.send("GET", f"/api/v1/nodes/{NODE}", headers={}, body=None, timeout=5.0).read()
+
+
+async def _close(d: Drive) -> None:
+    d.api.close()
+
+
 async def _node_name(d: Drive) -> None:
     d.node = node_name(d.cfg)
 
@@ -112,9 +121,11 @@ DRIVERS: dict[str, Callable[[Drive], Awaitable[None]]] = {
     "KubeActions.create_pod_event": _create_pod_event,
     "KubeActions.owner_exists": _owner_exists,
     "KubeActions.remove_node_condition": _remove_node_condition,
+    "Api.send": _send,
+    "Api.close": _close,
 }
 """Every public function and method of reconciler.kube, in an order that works (the client
-first)."""
+first, closing it last)."""
 
 
 def public_api() -> set[str]:

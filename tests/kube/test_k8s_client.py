@@ -7,12 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kubernetes import client as k8s_client
 from structlog.testing import capture_logs
 
-from nri_plugin.config.loader import ConfigError, parse_toml
+from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
 from reconciler.kube import KubernetesConfig, build_api_client, node_name
+from reconciler.kube.client import read_json
+from reconciler.kube.rest import Rest
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 
 
@@ -87,23 +88,31 @@ def test_default_kubeconfig(
     client = build_api_client(KubernetesConfig(), environ)
     assert client is not None
     try:
-        pods = k8s_client.CoreV1Api(client).list_pod_for_all_namespaces()
-        assert [p.metadata.name for p in pods.items if p.metadata] == ["a"]
+        pods = read_json(Rest(client).request("GET", "/api/v1/pods", timeout=5.0))
+        assert [p["metadata"]["name"] for p in pods["items"]] == ["a"]
     finally:
         client.close()
 
 
-def test_a_kubeconfig_path_with_a_colon_is_refused_at_load(tmp_path: Path,
-                                                           fake: FakeApiServer) -> None:
-    with pytest.raises(ConfigError, match=r"kubernetes\.kubeconfig: must be one path without ':'"):
-        parse_toml(Config, '[kubernetes]\nkubeconfig = "/var/lib/a:b/kubeconfig"\n', "x.toml")
-    # Why: the client splits the path at ':' and loads nothing from a real file so named.
+def test_a_configured_kubeconfig_is_one_file_even_with_a_colon_in_its_name(
+        tmp_path: Path, fake: FakeApiServer) -> None:
     named = tmp_path / "a:b"
     write_kubeconfig(named, fake.url)
-    with capture_logs():
-        assert build_api_client(KubernetesConfig(kubeconfig=str(named))) is None
-    plain = tmp_path / "plain"
-    write_kubeconfig(plain, fake.url)
-    assert build_api_client(KubernetesConfig(kubeconfig=str(plain))) is not None
-    assert parse_toml(Config, f'[kubernetes]\nkubeconfig = "{plain}"\n', "x.toml") \
-        .kubernetes.kubeconfig == str(plain)
+    cfg = parse_toml(Config, f'[kubernetes]\nkubeconfig = "{named}"\n', "x.toml").kubernetes
+    assert cfg.kubeconfig == str(named)
+    client = build_api_client(cfg)
+    assert client is not None
+    client.close()
+
+
+def test_kubeconfig_variable_is_a_list_whose_first_existing_file_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake: FakeApiServer) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    path = write_kubeconfig(tmp_path / "second", fake.url)
+    with capture_logs() as logs:
+        client = build_api_client(KubernetesConfig(),
+                                  {"KUBECONFIG": f"{tmp_path / 'first'}:{path}"})
+    assert client is not None
+    client.close()
+    (line,) = [e for e in logs if e["event"] == "kubernetes_config"]
+    assert line["source"] == f"kubeconfig {path}"

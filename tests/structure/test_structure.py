@@ -40,6 +40,10 @@ OWN_FILES = {
     ("nri_plugin/cli/reset.py", "lstat"): "finds the status socket an agent left behind",
     ("nri_plugin/cli/reset.py", "unlink"): "removes the status socket an agent left behind",
     ("nri_plugin/code_pages.py", "open"): "drops the cached pages of the agent's own code",
+    ("reconciler/kube/kubeconfig.py", "open"): "reads the kubeconfig",
+    ("reconciler/kube/credentials.py", "read_text"): "reads the API token for each request",
+    ("reconciler/kube/transport.py", "open"): "hands a kubeconfig's client certificate to the "
+                                              "TLS library through a private temporary file",
 }
 
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import socket
+import ssl
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -113,13 +114,16 @@ def make_pod(
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
-def write_kubeconfig(path: Path, server: str, token: str | None = None) -> Path:
-    """A kubeconfig pointing at ``server`` (plain HTTP), with bearer-token auth when given."""
-    user: dict[str, Any] = {"token": token} if token else {}
+def write_kubeconfig(path: Path, server: str, token: str | None = None, *,
+                     cluster: Mapping[str, Any] | None = None,
+                     user: Mapping[str, Any] | None = None) -> Path:
+    """A kubeconfig pointing at ``server``, with bearer-token auth when given; ``cluster`` and
+    ``user`` add fields to its cluster and user."""
+    user = {**({"token": token} if token else {}), **(user or {})}
     doc = {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "fake", "cluster": {"server": server}}],
+        "clusters": [{"name": "fake", "cluster": {"server": server, **(cluster or {})}}],
         "users": [{"name": "tester", "user": user}],
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester"}}],
         "current-context": "fake",
@@ -151,17 +155,19 @@ def api_client(cfg: KubernetesConfig) -> Iterator[Any]:
 class FakeApiServer:
     """Start with ``with FakeApiServer() as api:``; ``api.url`` is the server address."""
 
-    def __init__(self, *, token: str | None = None, poll_interval_s: float = 0.02) -> None:
+    def __init__(self, *, token: str | None = None, poll_interval_s: float = 0.02,
+                 tls: ssl.SSLContext | None = None) -> None:
         # How often the serving thread looks for a shutdown: short for the tests, which start
         # and stop many servers; a benchmark passes a long one, as the thread's wake-ups take
         # CPU on the machine measured, where a real API server runs elsewhere.
         self.token = token
+        self._tls = tls
         self._poll_interval_s = poll_interval_s
         self._lock = threading.Condition()
         self._state = _State()
         self._closing = False
         self._handler = type("Handler", (Handler,), {"api": self})
-        self._server = _Server(("127.0.0.1", 0), self._handler)
+        self._server = _Server(("127.0.0.1", 0), self._handler, tls)
         self._thread = self._serving_thread()
         self._up = False
 
@@ -174,7 +180,7 @@ class FakeApiServer:
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{'https' if self._tls else 'http'}://{host!s}:{port}"
 
     def __enter__(self) -> FakeApiServer:
         self._thread.start()
@@ -208,7 +214,7 @@ class FakeApiServer:
         address = self._server.server_address[:2]
         with self._lock:
             self._closing = False
-        self._server = _Server((str(address[0]), int(address[1])), self._handler)
+        self._server = _Server((str(address[0]), int(address[1])), self._handler, self._tls)
         self._thread = self._serving_thread()
         self._thread.start()
         self._up = True
@@ -427,8 +433,14 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 tls: ssl.SSLContext | None) -> None:
         super().__init__(address, handler)
+        if tls is not None:
+            # The handshake runs in the handler's thread, not in accept(): a client that
+            # fails it must not stall the serving thread.
+            self.socket = tls.wrap_socket(self.socket, server_side=True,
+                                          do_handshake_on_connect=False)
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
         self.errors: list[str] = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,6 +30,14 @@ class Recorded:
     headers: dict[str, str]
     body: Any = None
     status: int = 0
+    peer: str = ""
+    """The common name of the client certificate the request came with, over TLS."""
+
+
+def _peer(connection: Any) -> str:
+    getpeercert = getattr(connection, "getpeercert", None)
+    subject = (getpeercert() or {}).get("subject", ()) if getpeercert else ()
+    return next((value for rdn in subject for key, value in rdn if key == "commonName"), "")
 
 
 def status_body(code: int, reason: str, message: str, **extra: Any) -> dict[str, Any]:
@@ -83,6 +92,12 @@ class Handler(BaseHTTPRequestHandler):
     api: FakeApiServer
     protocol_version = "HTTP/1.1"
 
+    def setup(self) -> None:
+        # Over TLS the server leaves the handshake to the connection's own thread.
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()
+        super().setup()
+
     def log_message(self, format: str, *args: Any) -> None:
         """Quiet: tests read the recorded requests instead."""
 
@@ -107,7 +122,7 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = raw.decode(errors="replace")
         headers = {k.lower(): v for k, v in self.headers.items()}
-        record = Recorded(method, parts.path, query, headers, body)
+        record = Recorded(method, parts.path, query, headers, body, peer=_peer(self.connection))
         api = self.api
         with api._lock:
             api._state.requests.append(record)

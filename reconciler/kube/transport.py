@@ -46,8 +46,6 @@ class Api:
             if credentials.tls_server_name:
                 pool["server_hostname"] = credentials.tls_server_name
                 pool["assert_hostname"] = credentials.tls_server_name
-            if not credentials.verify:
-                pool["cert_reqs"] = ssl.CERT_NONE
         # One server; the agent's request threads (four for the writes, one for the watch)
         # each hold at most one connection, so none is ever opened only to be thrown away.
         self._pool = urllib3.PoolManager(num_pools=1, maxsize=8, **pool)
@@ -69,8 +67,9 @@ class Api:
 
 
 def tls_context(credentials: Credentials) -> ssl.SSLContext:
-    """Server checked against the cluster's CA (the system's where none is named); a client
-    certificate given as data loaded once, from a private temporary file removed at once."""
+    """Server checked against the cluster's CA (the system's where none is named), or not at
+    all (urllib3 takes its own check's setting from the context's); a client certificate given
+    as data loaded once, from a private temporary file removed at once."""
     context = ssl.create_default_context(
         cafile=None if credentials.ca_file is None else str(credentials.ca_file),
         cadata=None if credentials.ca_data is None else credentials.ca_data.decode("ascii"),

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from structlog.testing import capture_logs
 
 from reconciler.kube import KubernetesConfig, build_api_client
@@ -285,8 +286,6 @@ def test_fields_that_would_change_who_the_agent_is_are_refused_by_name(
 ])
 def test_a_kubeconfig_that_cannot_be_used_says_where(tmp_path: Path, edit: Any,
                                                      reason: str) -> None:
-    import yaml
-
     kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "https://127.0.0.1:6443")
     doc = yaml.safe_load(kubeconfig.read_text())
     edit(doc)

@@ -27,9 +27,8 @@ class Authority:
     def __init__(self, directory: Path, name: str = "cluster-ca") -> None:
         self.directory = directory
         self._key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        self._name = subject
-        self._cert = (self._builder(subject, self._key.public_key())
+        self._name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        self._cert = (self._builder(self._name, self._key.public_key())
                       .add_extension(x509.BasicConstraints(ca=True, path_length=None),
                                      critical=True)
                       .sign(self._key, hashes.SHA256()))
@@ -38,11 +37,10 @@ class Authority:
     def _builder(self, subject: x509.Name, public: ec.EllipticCurvePublicKey
                  ) -> x509.CertificateBuilder:
         now = datetime.datetime.now(datetime.UTC)
-        return (x509.CertificateBuilder().subject_name(subject).issuer_name(
-            getattr(self, "_name", subject)).public_key(public)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1)))
+        return (x509.CertificateBuilder().subject_name(subject).issuer_name(self._name)
+                .public_key(public).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=1)))
 
     def _write(self, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Pair:
         pair = Pair(self.directory / f"{name}.crt", self.directory / f"{name}.key")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from nri_plugin.config.schema import Config
+from reconciler.detection.counting import Counting
 from reconciler.detection.signals import Board, Level, Reading, pod_scope
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.builtin import in_tree_plugins
@@ -72,7 +73,7 @@ async def bench_rounds(pods: int, rounds: int, tmp: Path) -> str:
     manager = EvictionManager(
         lambda: cfg, state, KubeActions(None, KubernetesConfig(), audit), "node", audit,
         SysFs(host.root), CgroupLayout(1, "cgroupfs"),
-        in_tree_plugins(board, lambda: cfg.eviction, lambda: True), clock=lambda: clock[0])
+        in_tree_plugins(board, lambda: cfg.eviction, Counting), clock=lambda: clock[0])
     samples = []
     for _ in range(rounds):
         # Past the re-eviction window every round: each round decides afresh.

@@ -54,7 +54,7 @@ from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_guard import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
-from reconciler.mitigation.service import Mitigation, build_mitigation, node_signals_alone
+from reconciler.mitigation.service import Mitigation, build_mitigation, counting_on
 from reconciler.runner import build_loops, restore_host, run_reconciler
 
 CAPABILITY_THREADS = 4
@@ -213,7 +213,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
             in_tree_plugins(board, lambda: store.in_force.eviction,
-                            node_signals_alone(lambda: store.in_force, host)),
+                            counting_on(lambda: store.in_force, host)),
             metrics=reconciler_metrics, changes=board.subscribe)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,

@@ -20,14 +20,16 @@ from reconciler.detection.config import (
     NUMA_FREE,
     PRESSURE_LEVEL,
     PSI,
+    REFAULT,
     RSS_OVERUSE,
     SYSTEM_FREE,
 )
+from reconciler.detection.counting import Counting
 from reconciler.detection.notified import pressure_level_problem, psi_path
 from reconciler.host.probe import HostInfo
 from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
-from reconciler.mitigation.service import node_signals_drive
+from reconciler.mitigation.service import counting
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,14 +209,26 @@ def _psi(cfg: Config, host: HostInfo) -> Feature:
     return Feature(path != "off", f"{reason}{pods}{_ladder_note(cfg, host, 'the node')}")
 
 
+def _counting(cfg: Config, host: HostInfo) -> Counting:
+    return counting(cfg, not pressure_level_problem(host), host.pod_psi, host.pod_refaults)
+
+
+def _finer(host: HostInfo) -> str:
+    """What tells here what online pods feel, finer than the coarser readings."""
+    if host.pod_psi:
+        return "the online pods' own PSI tells"
+    if host.pod_refaults:
+        return "the online pods' own refaults tell"
+    return "memory.pressure_level tells"
+
+
 def _ladder_note(cfg: Config, host: HostInfo, what: str) -> str:
     """Why a node-wide reading does not drive the ladder here ("" where it does)."""
-    if node_signals_drive(cfg, not pressure_level_problem(host), host.pod_psi):
+    if _counting(cfg, host).node:
         return ""
-    apart = "the online pods' own PSI tells" if host.pod_psi else "memory.pressure_level tells"
     return (f"; {what}'s reading is reported but does not drive the ladder "
-            f"(mitigation.node_signals {cfg.mitigation.node_signals}: {apart} what online pods "
-            "feel from the offline tier's own reclaim)")
+            f"(mitigation.node_signals {cfg.mitigation.node_signals}: {_finer(host)} what "
+            "online pods feel from the offline tier's own reclaim)")
 
 
 def _node_wide(check: Callable[[Config, HostInfo], Feature], what: str
@@ -232,8 +246,21 @@ def _pressure_level(cfg: Config, host: HostInfo) -> Feature:
     problem = pressure_level_problem(host)
     if problem:
         return Feature(False, problem)
+    note = "" if _counting(cfg, host).memcg else (
+        "; reported and waking the detectors, but not driving the ladder (mitigation."
+        f"node_signals {cfg.mitigation.node_signals}: {_finer(host)} whether the reclaim "
+        "took online pods' memory)")
     return Feature(True, "eventfds on the root memcg and kubelet's pods and burstable cgroups "
-                         f"({cfg.detection.pressure_level_mode})")
+                         f"({cfg.detection.pressure_level_mode}){note}")
+
+
+def _refault(cfg: Config, host: HostInfo) -> Feature:
+    if host.pod_psi:
+        return Feature(False, "each online pod's PSI counts its stalls on refaults (cgroup v2)")
+    if not host.pod_refaults:
+        return Feature(False, "memory.stat has no workingset_refault counters (Linux 5.9+)")
+    return Feature(True, "each online pod's working-set refaults per second from its "
+                         f"memory.stat, over {cfg.detection.refault_window_s:g} s")
 
 
 def _always(detail: str) -> Callable[[Config, HostInfo], Feature]:
@@ -320,6 +347,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
     "detection.numa_free": _detector(NUMA_FREE, _node_wide(_numa_free, "each NUMA node")),
     "detection.psi": _detector(PSI, _psi),
     "detection.pressure_level": _detector(PRESSURE_LEVEL, _pressure_level),
+    "detection.refault": _detector(REFAULT, _refault),
     "detection.kswapd": _detector(KSWAPD, _node_wide(
         _always("pgsteal_kswapd rate from /proc/vmstat"), "kswapd")),
     "detection.rss_overuse": _detector(RSS_OVERUSE, _always(

@@ -18,7 +18,9 @@ PRESSURE_LEVEL = "pressure_level"
 KSWAPD = "kswapd"
 RSS_OVERUSE = "rss_overuse"
 FULFILLMENT = "fulfillment"
-DETECTORS = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, RSS_OVERUSE, FULFILLMENT)
+REFAULT = "refault"
+DETECTORS = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, REFAULT, RSS_OVERUSE,
+             FULFILLMENT)
 """Every detector's name, as it appears on the readings board and in the audit trail."""
 MIN_RSS_OVERUSE_FACTOR = 0.1
 """The smallest RSS overuse factor, the node's or a pod's own (a pod flagged at a tenth of its
@@ -135,6 +137,27 @@ class DetectionConfig:
         0.0, "Level high at this rate; 0: never (background reclaim alone does not justify "
         "eviction).", unit="pages/s", minimum=0, maximum=1e9)
 
+    # -- online pods' working-set refaults (cgroup v1) ---------------------------------------------
+    refault_window_s: float = setting(
+        10.0, "Window of an online pod's refault rate: a pod that reads a file again in a burst "
+        "is not taken for one losing its working set steadily.",
+        unit="seconds", minimum=1, maximum=3600)
+    refault_low_pages_per_s: float = setting(
+        512.0, "Level low when an online pod reads this many pages of its working set again "
+        "per second after reclaim took them (2 MiB/s with 4 KiB pages). cgroup v1 only: there "
+        "a pod has no PSI of its own. Measured on this scenario's v1 node "
+        "(docs/effectiveness.md): 12-26 pages/s with no agent, 104-112 beside the agent "
+        "without its ladder (the probe's p99 1.2-1.3 times unmanaged's, while squeezing the "
+        "offline tier cost 23 points of its work and 2.6 times the service's tail), 723-1,260 "
+        "where the online pod's probe p99 was 2.6-4 times unmanaged's.",
+        unit="pages/s", minimum=0, maximum=1e9)
+    refault_medium_pages_per_s: float = setting(
+        5120.0, "Level medium at this rate (20 MiB/s).", unit="pages/s", minimum=0,
+        maximum=1e9)
+    refault_high_pages_per_s: float = setting(
+        51200.0, "Level high at this rate (200 MiB/s: the pod's working set no longer stays "
+        "in memory); 0: never.", unit="pages/s", minimum=0, maximum=1e9)
+
     # -- RSS overuse -----------------------------------------------------------------------------
     rss_overuse_factor: float = setting(
         1.05, "A shared_cores or reclaimed_cores pod whose anonymous memory exceeds its "
@@ -162,6 +185,10 @@ class DetectionConfig:
             + _ordered((("kswapd_low_pages_per_s", self.kswapd_low_pages_per_s),
                         ("kswapd_medium_pages_per_s", self.kswapd_medium_pages_per_s),
                         ("kswapd_high_pages_per_s", self.kswapd_high_pages_per_s)), rising=True)
+            + _ordered((("refault_low_pages_per_s", self.refault_low_pages_per_s),
+                        ("refault_medium_pages_per_s", self.refault_medium_pages_per_s),
+                        ("refault_high_pages_per_s", self.refault_high_pages_per_s)),
+                       rising=True)
             + _ordered((("fulfillment_low_ratio", self.fulfillment_low_ratio),
                         ("fulfillment_medium_ratio", self.fulfillment_medium_ratio),
                         ("fulfillment_high_ratio", self.fulfillment_high_ratio)), rising=False)

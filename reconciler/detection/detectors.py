@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from hooks.untrusted import bounded_repr
 from reconciler.detection.config import (
@@ -20,12 +21,13 @@ from reconciler.detection.config import (
     NUMA_FREE,
     PRESSURE_LEVEL,
     PSI,
+    REFAULT,
     RSS_OVERUSE,
     SYSTEM_FREE,
     DetectionConfig,
 )
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope
-from reconciler.host.memstat import ANON_KEYS
+from reconciler.host.memstat import ANON_KEYS, refault_pages
 from reconciler.host.numa import (
     MEMINFO,
     VMSTAT,
@@ -243,6 +245,16 @@ def pressure_quiet_sample(scope: str, at: float) -> Sample:
 
 # -- kswapd ---------------------------------------------------------------------------------------
 
+class Counted(Protocol):
+    """Cumulative counters read at one moment."""
+
+    @property
+    def at(self) -> float: ...
+
+    @property
+    def counters(self) -> tuple[int, ...]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Reclaim:
     """kswapd's cumulative reclaim counters (pages) at one moment."""
@@ -250,6 +262,10 @@ class Reclaim:
     at: float
     steal: int
     scan: int
+
+    @property
+    def counters(self) -> tuple[int, ...]:
+        return (self.steal, self.scan)
 
 
 def read_reclaim(vmstat: str, at: float) -> Reclaim:
@@ -263,12 +279,19 @@ def read_reclaim(vmstat: str, at: float) -> Reclaim:
     return Reclaim(at, sum(steal), sum(scan))
 
 
-def kswapd_sample(history: Sequence[Reclaim], cfg: DetectionConfig) -> Sample | None:
-    """kswapd's reclaim rate (pages/s) over the last ``kswapd_window_s``. A counter that went
-    back (a reset or wrap) starts the history afresh: never a spike. None without two samples."""
+def rates_used(low: float, medium: float, high: float) -> Thresholds:
+    """Rate thresholds of LOW, MEDIUM and HIGH; a level whose rate is 0 is not used."""
+    return (low or None, medium or None, high or None)
+
+
+def window_rates(history: Sequence[Counted], window_s: float
+                 ) -> tuple[float, tuple[float, ...]] | None:
+    """The seconds covered and each counter's rate per second over the last ``window_s`` of
+    ``history`` (oldest first). A counter that went back (a reset, a wrap, a cgroup made anew)
+    starts the history afresh: never a spike. None without two usable samples."""
     start = 0
     for i in range(1, len(history)):
-        if history[i].steal < history[i - 1].steal or history[i].scan < history[i - 1].scan:
+        if any(b < a for a, b in zip(history[i - 1].counters, history[i].counters, strict=True)):
             start = i
     usable = history[start:]
     if len(usable) < 2:
@@ -276,23 +299,65 @@ def kswapd_sample(history: Sequence[Reclaim], cfg: DetectionConfig) -> Sample | 
     last = usable[-1]
     base = usable[0]
     for sample in usable[:-1]:
-        if sample.at <= last.at - cfg.kswapd_window_s:
+        if sample.at <= last.at - window_s:
             base = sample
     elapsed = last.at - base.at
     if elapsed <= 0:
         return None
-    steal = (last.steal - base.steal) / elapsed
-    scan = (last.scan - base.scan) / elapsed
+    return elapsed, tuple((b - a) / elapsed
+                          for a, b in zip(base.counters, last.counters, strict=True))
 
-    def used(value: float) -> float | None:
-        return value if value > 0 else None
 
-    thresholds: Thresholds = (used(cfg.kswapd_low_pages_per_s),
-                              used(cfg.kswapd_medium_pages_per_s),
-                              used(cfg.kswapd_high_pages_per_s))
+def kswapd_sample(history: Sequence[Reclaim], cfg: DetectionConfig) -> Sample | None:
+    """kswapd's reclaim rate (pages/s) over the last ``kswapd_window_s`` (see
+    :func:`window_rates`). None without two samples."""
+    found = window_rates(history, cfg.kswapd_window_s)
+    if found is None:
+        return None
+    elapsed, (steal, scan) = found
+    thresholds = rates_used(cfg.kswapd_low_pages_per_s, cfg.kswapd_medium_pages_per_s,
+                            cfg.kswapd_high_pages_per_s)
     return Sample(KSWAPD, NODE, grade_rising(steal, thresholds), round(steal, 1), "pages/s",
                   thresholds, f"kswapd stole {steal:.0f} and scanned {scan:.0f} pages/s over "
-                  f"{elapsed:.1f} s", at=last.at)
+                  f"{elapsed:.1f} s", at=history[-1].at)
+
+
+# -- online pods' working-set refaults -------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Refaults:
+    """A pod's cumulative working-set refaults (pages) at one moment."""
+
+    at: float
+    pages: int
+
+    @property
+    def counters(self) -> tuple[int, ...]:
+        return (self.pages,)
+
+
+def read_refaults(stat: str, v2: bool, at: float) -> Refaults:
+    """From the pod cgroup's ``memory.stat`` (:func:`~reconciler.host.memstat.refault_pages`).
+    Raises :class:`ParseError`."""
+    pages = refault_pages(parse_counters(stat), v2)
+    if pages is None:
+        raise ParseError("memory.stat has no workingset_refault counters")
+    return Refaults(at, pages)
+
+
+def refault_sample(scope: str, history: Sequence[Refaults], cfg: DetectionConfig,
+                   pod_uid: str) -> Sample | None:
+    """An online pod's refault rate (pages/s) over the last ``refault_window_s`` (see
+    :func:`window_rates`); None without two samples."""
+    found = window_rates(history, cfg.refault_window_s)
+    if found is None:
+        return None
+    elapsed, (rate,) = found
+    thresholds = rates_used(cfg.refault_low_pages_per_s, cfg.refault_medium_pages_per_s,
+                            cfg.refault_high_pages_per_s)
+    return Sample(REFAULT, scope, grade_rising(rate, thresholds), round(rate, 1), "pages/s",
+                  thresholds, f"read {rate:.0f} pages/s of its working set again over "
+                  f"{elapsed:.1f} s", pod_uid, history[-1].at)
 
 
 # -- RSS overuse ----------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ Three paths feed the readings board (through :class:`~.publisher.Publisher`):
 * **periodic** (:class:`DetectorsLoop`, in a worker thread, every ``detection.interval_s``
   while memory is short, else every ``detection.quiet_interval_s`` and at once when another
   path enters a level): free memory of the system and of each NUMA node, kswapd's reclaim rate,
-  RSS overuse of pods, the reclaimed tier's fulfillment, and on cgroup v2 the PSI of each online
-  pod;
+  RSS overuse of pods, the reclaimed tier's fulfillment, and each online pod's own sign of
+  pressure: its PSI on cgroup v2, its working-set refaults on cgroup v1;
 * **node PSI** (:class:`~.notified.NodePsi`, on the event loop): a PSI trigger on
   ``/proc/pressure/memory`` when the kernel accepts the configured (sub-second) window, else
   the cumulative stall counter polled every ``psi_poll_interval_ms``;
@@ -43,6 +43,7 @@ from reconciler.detection.config import (
     NUMA_FREE,
     PRESSURE_LEVEL,
     PSI,
+    REFAULT,
     RSS_OVERUSE,
     SYSTEM_FREE,
     DetectionConfig,
@@ -67,9 +68,11 @@ from reconciler.loops.common import ManagedCache
 
 log = structlog.get_logger("nri_qos.detection")
 
-PERIODIC = (SYSTEM_FREE, NUMA_FREE, KSWAPD, RSS_OVERUSE, FULFILLMENT, PSI)
+PERIODIC = (SYSTEM_FREE, NUMA_FREE, KSWAPD, RSS_OVERUSE, FULFILLMENT, PSI, REFAULT)
 """The detectors :class:`DetectorsLoop` reads files for (PSI: the pods' own pressure files)."""
-PRESSURE = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD)
+POD_SCOPED = (PSI, REFAULT)
+"""Detectors whose readings this loop publishes per pod (the node's PSI comes from elsewhere)."""
+PRESSURE = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, REFAULT)
 """The detectors whose level says memory is short now (free memory, stalls, reclaim): while none
 is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s``. RSS
 overuse and fulfillment say how memory is shared out, which changes slowly and can stay so for
@@ -101,6 +104,7 @@ class DetectorsLoop(Loop):
         self._pods = PodIndex(state, host.cgroup, managed)
         self._reclaim: deque[d.Reclaim] = deque()
         self._pod_stalls: dict[str, d.Stall] = {}
+        self._pod_refaults: dict[str, deque[d.Refaults]] = {}
         self._said: set[str] = set()
         self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._factor_problems: dict[str, str] = {}
@@ -135,10 +139,11 @@ class DetectorsLoop(Loop):
             (NUMA_FREE, lambda c, t: self._numa_free(c, t, self._watermarks.at(t))),
             (KSWAPD, self._kswapd), (RSS_OVERUSE, self._rss_overuse),
             (FULFILLMENT, self._fulfillment), (PSI, self._pod_psi),
+            (REFAULT, self._refaults),
         ]
         for name, run in runs:
             if not active(cfg, name):
-                self._publisher.withdraw(name, "pod:" if name == PSI else "")
+                self._publisher.withdraw(name, "pod:" if name in POD_SCOPED else "")
                 continue
             try:
                 run(cfg.detection, now)
@@ -257,6 +262,38 @@ class DetectorsLoop(Loop):
                 samples.append(sample)
         self._pod_stalls = seen
         self._publisher.offer(PSI, samples, covers="pod:")
+
+
+    def _refaults(self, cfg: DetectionConfig, now: float) -> None:
+        """Each online pod's working-set refault rate, where its PSI is not read (cgroup v1)."""
+        if not self._host.pod_refaults:
+            self._say_once(REFAULT, "refault is off: " + (
+                "each online pod's PSI counts its stalls on refaults" if self._host.pod_psi
+                else "memory.stat has no workingset_refault counters (Linux 5.9+)"))
+            return
+        samples: list[d.Sample] = []
+        kept: dict[str, deque[d.Refaults]] = {}
+        for pod in self._pods.pods():
+            if pod.level not in ONLINE_LEVELS:
+                continue
+            scope = pod_scope(pod.uid)
+            text = self._stat(pod)
+            try:
+                if text is None:
+                    raise ParseError("memory.stat is gone")
+                found = d.read_refaults(text, self._host.cgroup.v2, now)
+            except ParseError as exc:
+                samples.append(d.unknown(REFAULT, scope, str(exc), now, pod.uid))
+                continue
+            history = kept[pod.uid] = self._pod_refaults.get(pod.uid, deque())
+            history.append(found)
+            while len(history) > 2 and history[1].at <= now - cfg.refault_window_s:
+                history.popleft()
+            sample = d.refault_sample(scope, list(history), cfg, pod.uid)
+            if sample is not None:
+                samples.append(sample)
+        self._pod_refaults = kept
+        self._publisher.offer(REFAULT, samples, covers="pod:")
 
 
 class Detection:

@@ -15,11 +15,12 @@ levels (default reclaimed_cores only), largest anonymous memory first. The detec
 their own levels; UNKNOWN readings never count as pressure (nor as its absence: they are skipped).
 
 The node-wide readings count on their own only where ``mitigation.node_signals`` lets them drive
-the ladder (the caller says so through ``node_alone``). Elsewhere the online pods' own signals
-(a pod's PSI, the memcg pressure events) run, and ``system_pressure`` and ``numa_pressure``
-take the lower of the two levels: free memory that page cache took, or the offline tier's
-reclaim at its own cap, fills the node-wide readings on any busy node while no online pod
-feels it, and must not evict offline pods for nothing.
+the ladder (the caller says so through ``counted``,
+:class:`~reconciler.detection.counting.Counting`). Elsewhere ``system_pressure`` and
+``numa_pressure`` take the lower of their level and what the online pods feel (their own PSI or
+refaults, and the memcg pressure events where those count): free memory that page cache took,
+or the offline tier's reclaim at its own cap, fills the node-wide readings on any busy node
+while no online pod feels it, and must not evict offline pods for nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hooks.levels import QosLevel
-from reconciler.detection.config import PRESSURE_LEVEL, PSI
+from reconciler.detection.counting import Counting
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.eviction.api import (
     NOT_MET,
@@ -63,9 +64,9 @@ class PressurePlugin:
                  config: Callable[[], EvictionConfig],
                  wants: Callable[[Reading, EvictionConfig], bool],
                  levels: Callable[[EvictionConfig], Sequence[str]],
-                 node_alone: Callable[[], bool] | None = None) -> None:
+                 counted: Callable[[], Counting] | None = None) -> None:
         # None: the plugin's readings are not node-wide and always count on their own.
-        self._node_alone = node_alone
+        self._counted = counted
         self._name = name
         self._condition = condition
         self._board = board
@@ -85,8 +86,10 @@ class PressurePlugin:
         if worst is None:
             return ThresholdMet(MetType.NOT_MET, condition=Condition(self._condition, False))
         level = worst.level
-        if self._node_alone is not None and not self._node_alone():
-            level = min(level, online_level(current))
+        if self._counted is not None:
+            counted = self._counted()
+            if not counted.node:
+                level = min(level, counted.online_level(current))
         soft, hard = LEVEL_BY_NAME[cfg.soft_level], LEVEL_BY_NAME[cfg.hard_level]
         met = MetType.HARD_MET if level >= hard else \
             MetType.SOFT_MET if level >= soft else MetType.NOT_MET
@@ -145,13 +148,6 @@ class RssOverusePlugin:
         return EvictPods(tuple(found))
 
 
-def online_level(readings: Sequence[Reading]) -> Level:
-    """The worst level of the online pods' own signals: a pod's PSI, the memcg pressure events."""
-    return max((r.level for r in readings if r.level is not Level.UNKNOWN and (
-        r.detector == PRESSURE_LEVEL or (r.detector == PSI and r.scope != NODE))),
-        default=Level.NONE)
-
-
 def _system(reading: Reading, cfg: EvictionConfig) -> bool:
     return reading.scope == NODE and reading.detector in cfg.system_detectors
 
@@ -172,18 +168,18 @@ IN_TREE_CONDITIONS = (SYSTEM_CONDITION, NUMA_CONDITION, RECLAIMED_CONDITION)
 
 
 def in_tree_plugins(board: Board, config: Callable[[], EvictionConfig],
-                    node_alone: Callable[[], bool]) -> dict[str, EvictionPlugin]:
+                    counted: Callable[[], Counting]) -> dict[str, EvictionPlugin]:
     """Every in-tree plugin by name; ``[eviction] plugins`` says which of them run.
-    ``node_alone``: whether node-wide readings count on their own now (see the module doc)."""
+    ``counted``: which kinds of reading count now (see the module doc)."""
 
     def pressure_levels(cfg: EvictionConfig) -> Sequence[str]:
         return cfg.pressure_levels
 
     plugins: list[EvictionPlugin] = [
         PressurePlugin("system_pressure", SYSTEM_CONDITION, board, config, _system,
-                       pressure_levels, node_alone),
+                       pressure_levels, counted),
         PressurePlugin("numa_pressure", NUMA_CONDITION, board, config, _numa,
-                       pressure_levels, node_alone),
+                       pressure_levels, counted),
         RssOverusePlugin(board, config),
         # The reclaimed tier's own shortage is only ever solved by its own pods.
         PressurePlugin("reclaimed_pressure", RECLAIMED_CONDITION, board, config,

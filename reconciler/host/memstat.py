@@ -7,6 +7,11 @@ reads files is not ranked as a memory hog. The pod cgroup's counters cover its c
 * cgroup v1: ``total_rss`` (the hierarchical ``rss``; transparent huge pages are already part
   of it, ``rss_huge`` only says how much of it is huge), falling back to ``rss``;
 * cgroup v2: ``anon`` (hierarchical by nature).
+
+Working-set refaults (pages evicted and read again while still in use) come from the same file:
+``workingset_refault_anon`` + ``workingset_refault_file`` (Linux 5.9 split the one
+``workingset_refault`` of older kernels by LRU); cgroup v1 prefixes the hierarchical counters
+with ``total_``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ from reconciler.host.sysfs import SysFs
 ANON_KEYS: Mapping[bool, tuple[str, ...]] = {True: ("anon",), False: ("total_rss", "rss")}
 """The ``memory.stat`` keys of anonymous memory, by cgroup v2 or not: the first one present
 counts (see the module doc)."""
+
+
+def refault_pages(values: Mapping[str, int], v2: bool) -> int | None:
+    """Working-set refaults (pages) from parsed ``memory.stat`` counters; None when the kernel
+    does not count them."""
+    prefix = "" if v2 else "total_"
+    split = (f"{prefix}workingset_refault_anon", f"{prefix}workingset_refault_file")
+    if split[1] in values:
+        return values.get(split[0], 0) + values[split[1]]
+    return values.get(f"{prefix}workingset_refault")
 
 
 def anon_bytes(stat: str, v2: bool) -> int | None:

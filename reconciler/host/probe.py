@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hooks.resctrl import ResctrlInfo
 from reconciler.host.cgroups import BESTEFFORT, CGROUP_MOUNT, CgroupLayout, layout_for
+from reconciler.host.memstat import refault_pages
 from reconciler.host.numa import (
     NumaFormatError,
     NumaNode,
@@ -23,6 +24,7 @@ from reconciler.host.numa import (
     read_meminfo,
     read_nodes,
 )
+from reconciler.host.parse import ParseError, parse_counters
 from reconciler.host.resctrl_files import ResctrlUnavailable
 from reconciler.host.resctrlfs import read_info
 from reconciler.host.sysfs import SysFs
@@ -48,6 +50,7 @@ class MemcgKnobs:
     force_empty: bool = False  # v1 memory.force_empty: reclaim everything reclaimable
     pressure_level: bool = False  # v1 memory.pressure_level: eventfd notifications
     numa_stat: bool = False  # memory.numa_stat: usage per NUMA node
+    refaults: bool = False  # memory.stat counts working-set refaults (v1: Linux 5.9+ or so)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,12 @@ class HostInfo:
     def pod_psi(self) -> bool:
         """Each cgroup has its own memory.pressure: cgroup v2 with PSI on."""
         return self.cgroup.v2 and self.psi.readable
+
+    @property
+    def pod_refaults(self) -> bool:
+        """Each online pod's working-set refaults are read as its own sign of pressure: where
+        its PSI is not (cgroup v1), since a pod's PSI already counts its stalls on refaults."""
+        return self.memcg.refaults and not self.pod_psi
 
 
 def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str = "auto",
@@ -159,13 +168,22 @@ def _memcg_knobs(sysfs: SysFs, layout: CgroupLayout) -> MemcgKnobs:
     def has(name: str) -> bool:
         return sysfs.exists(f"{where}/{name}")
 
+    refaults = _counts_refaults(sysfs.read(f"{where}/memory.stat"), layout.v2)
     if layout.v2:
         return MemcgKnobs(where, reclaim=has("memory.reclaim"), high=has("memory.high"),
-                          wmark_ratio=has("memory.wmark_ratio"), numa_stat=has("memory.numa_stat"))
+                          wmark_ratio=has("memory.wmark_ratio"), numa_stat=has("memory.numa_stat"),
+                          refaults=refaults)
     return MemcgKnobs(where, wmark_ratio=has("memory.wmark_ratio"),
                       force_empty=has("memory.force_empty"),
                       pressure_level=sysfs.exists(f"{CGROUP_MOUNT}/memory/memory.pressure_level"),
-                      numa_stat=has("memory.numa_stat"))
+                      numa_stat=has("memory.numa_stat"), refaults=refaults)
+
+
+def _counts_refaults(stat: str | None, v2: bool) -> bool:
+    try:
+        return stat is not None and refault_pages(parse_counters(stat), v2) is not None
+    except ParseError:
+        return False
 
 
 def _psi(sysfs: SysFs, layout: CgroupLayout) -> PsiSupport:

@@ -69,6 +69,7 @@ import structlog
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
 from reconciler.host import parse
+from reconciler.host.memstat import refault_pages
 from reconciler.host.probe import HostInfo
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.base import ReconcilerConfig
@@ -268,9 +269,7 @@ def parse_counters(stat: str, pressure: str) -> Counters:
     stall = parse.parse_psi(pressure).some_total_us
     scan, steal, inactive_file, inactive_anon = parse.require(
         values, ("pgscan", "pgsteal", "inactive_file", "inactive_anon"), "memory.stat")
-    # Linux 5.9 split the refault counter by LRU; older kernels have one.
-    refault = (values.get("workingset_refault_anon", 0) + values.get("workingset_refault_file", 0)
-               if "workingset_refault_file" in values else values.get("workingset_refault", 0))
+    refault = refault_pages(values, v2=True) or 0
     return Counters(stall, scan, steal, refault, inactive_file, inactive_anon)
 
 

@@ -16,6 +16,7 @@ from reconciler.detection.config import (
     NUMA_FREE,
     PRESSURE_LEVEL,
     PSI,
+    REFAULT,
     SYSTEM_FREE,
 )
 from reconciler.detection.signals import SETTING_LEVEL_NAMES
@@ -123,28 +124,31 @@ class EvictRung:
 class MitigationConfig:
     enabled: bool = setting(True, "Act on detected interference through the rungs below.")
     detectors: tuple[str, ...] = setting(
-        (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD),
+        (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, REFAULT),
         "Detectors whose worst level drives the ladder. rss_overuse (one pod's overuse) and "
         "fulfillment (the reclaimed tier's own shortage) are not node pressure: the eviction "
         "manager reads them.", choices=DETECTORS)
     node_signals: str = setting(
-        "auto", "Whether the node-wide detectors (the node's PSI, system_free, numa_free, "
-        "kswapd) drive the ladder, and make the eviction manager's system_pressure and "
-        "numa_pressure plugins met on their own: on, off, or auto: only where neither the "
-        "memcg pressure events (pressure_level, cgroup v1) nor the online pods' own PSI "
-        "(cgroup v2) run (elsewhere those plugins take the lower of their level and the online "
-        "pods' own). "
-        "Those tell what online pods feel; the node-wide ones also count the offline tier's "
-        "own reclaim at its cap and squeeze, and free memory that page cache took, as it does "
-        "on any busy node. Measured on a cgroup v1 VM, an offline job reclaiming at its "
-        "squeezed limit stalled 70-90 ms/s (node PSI 'some' up to 45 % in 100 ms samples) "
-        "while the online pods were untouched, and with the node's PSI driving, the ladder "
-        "dropped the job's cache and squeezed it again; on a cgroup v2 node of 4 GiB, "
-        "numa_free (a NUMA node's free memory under twice its watermark while page cache "
-        "filled it) or the node's PSI engaged the ladder in every repetition while the online "
-        "pod never stalled on memory, and its p99 was worse than with no agent "
-        "(bench/colocation.py). They are still read, reported and given to the eviction "
-        "manager; online pods' own PSI always counts.",
+        "auto", "Whether readings that do not say which pods feel the pressure drive the "
+        "ladder: the node-wide detectors (the node's PSI, system_free, numa_free, kswapd; with "
+        "them counting, the eviction manager's system_pressure and numa_pressure plugins are "
+        "met on their own, else they take the lower of their level and what online pods "
+        "feel) and cgroup v1's memcg pressure events. on: all of them. auto: each only where "
+        "nothing finer drives: the memcg pressure events where no online pod's own reading "
+        "runs (its PSI on cgroup v2, its working-set refaults on cgroup v1), the node-wide "
+        "ones where the memcg events do not run either. off: never the node-wide ones, the "
+        "memcg events as with auto. "
+        "The coarser readings also count the offline tier's own reclaim at its cap and "
+        "squeeze, and free memory that page cache took, as on any busy node. Measured on a "
+        "cgroup v1 VM, an offline job reclaiming at its squeezed limit stalled 70-90 ms/s "
+        "(node PSI 'some' up to 45 % in 100 ms samples) while the online pods were untouched; "
+        "on a cgroup v2 node of 4 GiB, numa_free or the node's PSI engaged the ladder in every "
+        "repetition while the online pod never stalled on memory, and its p99 was worse than "
+        "with no agent; on the v1 VM, kubepods' memcg pressure events engaged the ladder in "
+        "every repetition while its reclaim took the offline job's pages, and the squeeze that "
+        "followed cost the key-value service 2.6 times its tail and the offline job 23 % of "
+        "its work (bench/colocation.py, docs/effectiveness.md). They are still read, reported "
+        "and given to the eviction manager; the memcg events still wake the detectors.",
         choices=("auto", "on", "off"))
     cooldown_s: float = setting(
         60.0, "A rung is undone after the level stayed below it this long, so pressure that "

@@ -28,17 +28,11 @@ import structlog
 from common.aio import sleep_until, waker
 from common.audit import AuditLog
 from common.state import NodeState
-from reconciler.detection.config import (
-    KSWAPD,
-    NUMA_FREE,
-    PRESSURE_LEVEL,
-    PSI,
-    SYSTEM_FREE,
-    DetectionConfig,
-)
+from reconciler.detection.config import PRESSURE_LEVEL, PSI, REFAULT, DetectionConfig
+from reconciler.detection.counting import Counting
 from reconciler.detection.notified import pressure_level_problem
 from reconciler.detection.pods import PodIndex
-from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
+from reconciler.detection.signals import LEVEL_BY_NAME, Board, Level, Reading
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
@@ -90,39 +84,35 @@ class LadderSections(Protocol):
     def memory_guard(self) -> MemoryGuardConfig: ...
 
 
-NODE_WIDE = frozenset({SYSTEM_FREE, NUMA_FREE, KSWAPD})
-"""Detectors whose readings are all node-wide (the PSI detector's are when scoped to the node)."""
-
-
-def node_wide(reading: Reading) -> bool:
-    """A reading of the whole node or of a NUMA node, not of an online pod or a cgroup."""
-    return reading.detector in NODE_WIDE or (reading.detector == PSI and reading.scope == NODE)
-
-
-def node_signals_drive(cfg: LadderSections, memcg_events: bool, pod_psi: bool) -> bool:
-    """Whether node-wide readings count for the ladder (``mitigation.node_signals``);
-    ``memcg_events``: the host has memcg pressure notifications (cgroup v1); ``pod_psi``: each
-    online pod's own PSI is readable (cgroup v2). ``auto``: only where neither drives the ladder
-    (absent, or switched off for detection or for the ladder): both tell the online pods'
-    stalls from the offline tier's own reclaim, which the node-wide readings count too."""
+def counting(cfg: LadderSections, memcg_events: bool, pod_psi: bool,
+             pod_refaults: bool) -> Counting:
+    """Which kinds of reading count for the ladder (``mitigation.node_signals``; the kinds:
+    :mod:`reconciler.detection.counting`). ``memcg_events``: the host has memcg pressure
+    notifications (cgroup v1); ``pod_psi``: each online pod's PSI is read (cgroup v2);
+    ``pod_refaults``: each online pod's refaults are read (cgroup v1). ``on``: every kind.
+    ``auto``: each coarser kind only where no finer one drives the ladder (absent, or switched
+    off for detection or for the ladder). ``off``: never the node-wide readings, the memcg
+    events as with ``auto``."""
     choice = cfg.mitigation.node_signals
-    if choice != "auto":
-        return choice == "on"
+    if choice == "on":
+        return Counting(memcg=True, node=True)
     detection = cfg.detection
 
     def driving(detector: str, present: bool) -> bool:
         return (present and detection.enabled and detector not in detection.disabled
                 and detector in cfg.mitigation.detectors)
 
-    return not (driving(PRESSURE_LEVEL, memcg_events) or driving(PSI, pod_psi))
+    own = driving(PSI, pod_psi) or driving(REFAULT, pod_refaults)
+    memcg = not own
+    node = choice == "auto" and not own and not driving(PRESSURE_LEVEL, memcg_events)
+    return Counting(memcg=memcg, node=node)
 
 
-def node_signals_alone(config: Callable[[], LadderSections],
-                       host: HostInfo) -> Callable[[], bool]:
-    """Whether node-wide readings count on their own now (:func:`node_signals_drive` on this
-    host), for the eviction manager's node-wide plugins as for the ladder."""
-    memcg_events, pod_psi = not pressure_level_problem(host), host.pod_psi
-    return lambda: node_signals_drive(config(), memcg_events, pod_psi)
+def counting_on(config: Callable[[], LadderSections], host: HostInfo) -> Callable[[], Counting]:
+    """:func:`counting` on this host with the configuration read each time, for the eviction
+    manager's node-wide plugins as for the ladder."""
+    memcg_events = not pressure_level_problem(host)
+    return lambda: counting(config(), memcg_events, host.pod_psi, host.pod_refaults)
 
 
 def rungs_of(cfg: LadderSections) -> list[Rung]:
@@ -193,12 +183,11 @@ class Mitigation:
                  close: Callable[[], None] = lambda: None,
                  metrics: ReconcilerMetrics | None = None,
                  taints: Callable[[], list[PlacedTaint]] = list,
-                 node_alone: Callable[[], bool] | None = None) -> None:
+                 counted: Callable[[], Counting] | None = None) -> None:
         self._config = config
-        # Whether node-wide readings count now (node_signals_alone for the host; None: a host
-        # with neither the memcg pressure events nor per-pod PSI).
-        self._node_alone = node_alone or (
-            lambda: node_signals_drive(config(), memcg_events=False, pod_psi=False))
+        # Which kinds of reading count now (counting_on for the host; None: a host with
+        # none of the memcg pressure events, per-pod PSI or per-pod refaults).
+        self._counted = counted or (lambda: counting(config(), False, False, False))
         self._metrics = metrics
         # The taints the ladder has on the node now (for status).
         self.taints = taints
@@ -231,12 +220,12 @@ class Mitigation:
         one held there by hysteresis: a repeated step acts on fresh pressure only."""
         cfg = self._config()
         wanted = set(cfg.mitigation.detectors)
-        node_signals = self._node_alone()
+        counted = self._counted()
         worst: Reading | None = None
         worst_rank = (Level.NONE, False)
         readings = self._board.current()
         for reading in readings:
-            if reading.detector not in wanted or (not node_signals and node_wide(reading)):
+            if reading.detector not in wanted or not counted.counts(reading):
                 continue
             level = reading.level
             fresh = reading.fresh
@@ -352,4 +341,4 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
         "evict": EvictAction(evictor),
     }
     return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
-                      taints=taint.placed, node_alone=node_signals_alone(config, host))
+                      taints=taint.placed, counted=counting_on(config, host))

@@ -25,7 +25,7 @@ from tests.support.fakesys import GIB, FakeHost
 
 
 def host_of(root: Path, version: int, *, reclaim: bool = True,
-            pressure_level: bool = True) -> HostInfo:
+            pressure_level: bool = True, refaults: bool = False) -> HostInfo:
     host = FakeHost(root, version=version, driver="systemd" if version == 2 else "cgroupfs")
     host.set_numa([(40 * GIB, 64 * GIB, 1000), (40 * GIB, 64 * GIB, 1000)])
     (root / "proc/pressure").mkdir(parents=True, exist_ok=True)
@@ -37,6 +37,10 @@ def host_of(root: Path, version: int, *, reclaim: bool = True,
         (tier / "memory.force_empty").write_text("")
         if pressure_level:
             (root / "sys/fs/cgroup/memory/memory.pressure_level").write_text("")
+    if refaults:
+        prefix = "" if version == 2 else "total_"
+        (tier / "memory.stat").write_text(f"{prefix}workingset_refault_anon 0\n"
+                                          f"{prefix}workingset_refault_file 7\n")
     return probe_host(SysFs(root, AuditLog(MemoryAuditSink())))
 
 
@@ -50,7 +54,7 @@ def test_every_detector_and_rung_is_reported(tmp_path: Path) -> None:
     found = features(Config(), host_of(tmp_path, 1))
     assert sorted(found) == sorted(
         [f"detection.{d}" for d in ("system_free", "numa_free", "psi", "pressure_level",
-                                    "kswapd", "rss_overuse", "fulfillment")]
+                                    "kswapd", "refault", "rss_overuse", "fulfillment")]
         + [f"mitigation.{r}" for r in ("taint", "tune", "drop_cache", "evict")])
 
 
@@ -124,6 +128,29 @@ def test_whether_the_node_wide_detectors_drive_the_ladder_is_reported(tmp_path: 
     no_psi = features(Config(), dataclasses.replace(host, psi=dataclasses.replace(
         host.psi, readable=False)))
     assert not any("drive the ladder" in detail for _, detail in no_psi.values())
+
+
+def test_where_the_online_pods_refaults_are_read_they_drive_instead_of_memcg_events(
+        tmp_path: Path) -> None:
+    v1 = features(Config(), host_of(tmp_path / "v1", 1, refaults=True))
+    assert v1["detection.refault"] == (
+        True, "each online pod's working-set refaults per second from its memory.stat, over "
+              "10 s")
+    assert v1["detection.pressure_level"] == (
+        True, "eventfds on the root memcg and kubelet's pods and burstable cgroups (local); "
+              "reported and waking the detectors, but not driving the ladder "
+              "(mitigation.node_signals auto: the online pods' own refaults tell whether the "
+              "reclaim took online pods' memory)")
+    assert v1["detection.psi"][1].endswith(
+        "(mitigation.node_signals auto: the online pods' own refaults tell what online pods "
+        "feel from the offline tier's own reclaim)")
+    old = features(Config(), host_of(tmp_path / "old", 1))
+    assert old["detection.refault"] == (
+        False, "memory.stat has no workingset_refault counters (Linux 5.9+)")
+    assert old["detection.pressure_level"][1].endswith("(local)")
+    v2 = features(Config(), host_of(tmp_path / "v2", 2, refaults=True))
+    assert v2["detection.refault"] == (
+        False, "each online pod's PSI counts its stalls on refaults (cgroup v2)")
 
 
 def test_switches_are_reported(tmp_path: Path) -> None:

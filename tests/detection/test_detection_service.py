@@ -283,6 +283,49 @@ def test_v1_has_no_pod_psi(tmp_path: Path) -> None:
     assert [r for r in s.board.current() if r.detector == "psi"] == []
 
 
+def test_v1_online_pods_refaults(tmp_path: Path) -> None:
+    s = Setup(tmp_path, refaults=True)
+    web = s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
+    batch = s.pod("batch", "reclaimed_cores", request=GIB, anon=MIB)
+    loop = s.loop()
+    for t in range(3):
+        for d in (web, batch):
+            s.refaults(d, t * 600)  # 600 pages a second read again
+        loop.cycle(float(t))
+        if t == 1:  # one rate: one sample does not enter a level
+            assert s.level("refault", pod_scope(uid("web"))) is Level.NONE
+    reading = s.reading("refault", pod_scope(uid("web")))
+    assert reading is not None
+    assert (reading.level, reading.value, reading.threshold, reading.unit) == (
+        Level.LOW, 600.0, 512.0, "pages/s")
+    assert reading.pod_uid == uid("web")
+    assert s.reading("refault", pod_scope(uid("batch"))) is None  # reclaimed pods: not online
+    assert [r for r in s.board.current() if r.detector == "psi"] == []
+    # the pod's memory.stat gone: unknown, with the reason
+    (web / "memory.stat").unlink()
+    loop.cycle(3.0)
+    assert s.level("refault", pod_scope(uid("web"))) is Level.UNKNOWN
+    assert s.reading("refault", pod_scope(uid("web"))).reason == (  # type: ignore[union-attr]
+        "memory.stat is gone")
+
+
+@pytest.mark.parametrize(("version", "refaults", "why"), [
+    (2, True, "refault is off: each online pod's PSI counts its stalls on refaults"),
+    (1, False, "refault is off: memory.stat has no workingset_refault counters (Linux 5.9+)")])
+def test_refaults_are_read_only_where_pods_have_no_psi_and_the_kernel_counts_them(
+        tmp_path: Path, version: int, refaults: bool, why: str) -> None:
+    s = Setup(tmp_path, version, refaults=refaults)
+    web = s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
+    loop = s.loop()
+    with capture_logs() as logs:
+        for t in range(3):
+            s.refaults(web, t * 100_000)
+            loop.cycle(float(t))
+    assert [r for r in s.board.current() if r.detector == "refault"] == []
+    assert [e["reason"] for e in logs if e["event"] == "detector_unavailable"
+            and e["detector"] == "refault"] == [why]
+
+
 async def test_node_psi_poll_enters_and_leaves(tmp_path: Path) -> None:
     s = Setup(tmp_path, psi_poll_interval_ms=20, exit_cooldown_s=0.2)
     host = dataclasses.replace(s.host_info(), psi=dataclasses.replace(

@@ -9,6 +9,7 @@ import pytest
 
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
+from reconciler.detection.counting import Counting
 from reconciler.detection.signals import Board, Level, Reading
 from reconciler.eviction.api import Condition, MetType, Operator
 from reconciler.eviction.builtin import in_tree_plugins
@@ -70,9 +71,9 @@ def reading(detector: str, scope: str, level: Level, value: float = 1.0,
     return Reading(detector, scope, level, value, threshold, "bytes", pod_uid=pod_uid)
 
 
-def ALONE() -> bool:
+def ALONE() -> Counting:
     """Node-wide readings count on their own (``mitigation.node_signals`` lets them drive)."""
-    return True
+    return Counting()
 
 
 @pytest.fixture
@@ -201,8 +202,8 @@ def test_probe_reports_the_eviction_manager() -> None:
 ])
 async def test_where_online_pods_have_their_own_signals_node_readings_need_them(
         board: Board, name: str, detector: str, scope: str, condition: str) -> None:
-    alone = [False]
-    plugin = in_tree_plugins(board, EvictionConfig, lambda: alone[0])[name]
+    counted = [Counting(memcg=True, node=False)]
+    plugin = in_tree_plugins(board, EvictionConfig, lambda: counted[0])[name]
     # page cache took the node's free memory: node-wide HIGH, no online pod feels anything
     board.publish(detector, [reading(detector, scope, Level.HIGH, 3, 4)])
     board.publish("psi", [reading("psi", "pod:web", Level.NONE, 0.0, 10.0, pod_uid="web"),
@@ -223,13 +224,20 @@ async def test_where_online_pods_have_their_own_signals_node_readings_need_them(
     assert (await plugin.threshold_met()).met is MetType.NOT_MET
     board.publish("pressure_level", [reading("pressure_level", "node", Level.HIGH, 1, 1)])
     assert (await plugin.threshold_met()).met is MetType.HARD_MET
+    # but not where the online pods' refaults are read instead (cgroup v1): those count
+    counted[0] = Counting(memcg=False, node=False)
+    assert (await plugin.threshold_met()).met is MetType.NOT_MET
+    board.publish("refault", [reading("refault", "pod:web", Level.MEDIUM, 6000, 5120,
+                                      pod_uid="web")])
+    assert (await plugin.threshold_met()).met is MetType.SOFT_MET
     # where node-wide readings drive on their own, they are enough
     board.publish("pressure_level", [])
-    alone[0] = True
+    board.publish("refault", [])
+    counted[0] = Counting(memcg=True, node=True)
     assert (await plugin.threshold_met()).met is MetType.HARD_MET
 
 
 async def test_the_tier_plugin_never_waits_for_the_online_pods(board: Board) -> None:
-    found = in_tree_plugins(board, EvictionConfig, lambda: False)
+    found = in_tree_plugins(board, EvictionConfig, lambda: Counting(memcg=True, node=False))
     board.publish("fulfillment", [reading("fulfillment", "tier:reclaimed", Level.HIGH, 0.4, 0.5)])
     assert (await found["reclaimed_pressure"].threshold_met()).met is MetType.HARD_MET

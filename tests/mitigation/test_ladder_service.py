@@ -13,11 +13,12 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
+from reconciler.detection.counting import Counting
 from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.mitigation.actions import DONE, DRY_RUN, Cause, EvictAction, Result
-from reconciler.mitigation.service import Mitigation, node_signals_alone, node_signals_drive
+from reconciler.mitigation.service import Mitigation, counting, counting_on
 from tests.support.fakesys import FakeHost
 from tests.support.ladder import Running, config, reading
 
@@ -139,12 +140,12 @@ async def test_the_cause_is_fresh_pressure_rather_than_a_level_held() -> None:
 
 
 def assessed(cfg: Config, memcg_events: bool, *readings: Reading,
-             pod_psi: bool = False) -> Level:
+             pod_psi: bool = False, pod_refaults: bool = False) -> Level:
     board = Board()
     for r in readings:
         board.publish(r.detector, [r])
     return Mitigation(lambda: cfg, board, {}, AuditLog(MemoryAuditSink()),
-                      node_alone=lambda: node_signals_drive(cfg, memcg_events, pod_psi),
+                      counted=lambda: counting(cfg, memcg_events, pod_psi, pod_refaults),
                       ).assess().level
 
 
@@ -168,6 +169,36 @@ def test_node_signals_drive_the_ladder_where_neither_memcg_events_nor_pod_psi_do
     # an online pod's own PSI always counts
     pod = reading("psi", Level.LOW, pod_scope("web"))
     assert assessed(with_node_signals(choice), memcg_events, pod, pod_psi=pod_psi) is Level.LOW
+
+
+@pytest.mark.parametrize(("choice", "pod_refaults", "drives"), [
+    ("auto", True, False), ("auto", False, True), ("on", True, True), ("on", False, True),
+    ("off", True, False), ("off", False, True)])
+def test_memcg_events_drive_the_ladder_only_where_the_pods_refaults_are_not_read(
+        choice: str, pod_refaults: bool, drives: bool) -> None:
+    """cgroup v1: kubepods' reclaim raises its memcg event whether it takes the online pods'
+    pages or the offline tier's; the online pods' refaults tell which."""
+    event = reading("pressure_level", Level.MEDIUM, "tier:kubepods")
+    assert assessed(with_node_signals(choice), True, event, pod_refaults=pod_refaults) is (
+        Level.MEDIUM if drives else Level.NONE)
+    # an online pod's refaults always count, and the node-wide readings never with them
+    pod = reading("refault", Level.LOW, pod_scope("web"))
+    assert assessed(with_node_signals(choice), True, pod,
+                    pod_refaults=pod_refaults) is Level.LOW
+    node = reading("kswapd", Level.HIGH)
+    assert assessed(with_node_signals(choice), True, node, pod_refaults=pod_refaults) is (
+        Level.HIGH if choice == "on" else Level.NONE)
+
+
+def test_memcg_events_drive_when_the_pods_refaults_are_switched_off() -> None:
+    event = reading("pressure_level", Level.LOW, "tier:kubepods")
+    assert assessed(with_node_signals("auto"), True, event, pod_refaults=True) is Level.NONE
+    assert assessed(with_node_signals("auto", disabled=("refault",)), True, event,
+                    pod_refaults=True) is Level.LOW
+    cfg = with_node_signals("auto")
+    cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
+        cfg.mitigation, detectors=("pressure_level",)))
+    assert assessed(cfg, True, event, pod_refaults=True) is Level.LOW
 
 
 @pytest.mark.parametrize("detector", ["system_free", "numa_free", "kswapd"])
@@ -194,28 +225,36 @@ def test_node_signals_drive_when_the_memcg_events_are_switched_off() -> None:
     assert assessed(cfg, True, node) is Level.LOW
 
 
-def probed(root: Path, version: int, *, events: bool = False, psi: bool = False) -> HostInfo:
+def probed(root: Path, version: int, *, events: bool = False, psi: bool = False,
+           refaults: bool = False) -> HostInfo:
     FakeHost(root, version=version, driver="systemd" if version == 2 else "cgroupfs")
     host = probe_host(SysFs(str(root)))
     return dataclasses.replace(
-        host, memcg=dataclasses.replace(host.memcg, pressure_level=events),
+        host, memcg=dataclasses.replace(host.memcg, pressure_level=events, refaults=refaults),
         psi=dataclasses.replace(host.psi, readable=psi))
 
 
-@pytest.mark.parametrize(("version", "events", "psi", "alone"), [
-    (1, True, True, False), (1, False, True, True), (2, False, True, False),
-    (2, False, False, True)])
-def test_node_signals_alone_reads_the_host_and_the_config_in_force(
-        tmp_path: Path, version: int, events: bool, psi: bool, alone: bool) -> None:
-    """What the eviction manager's node-wide plugins are given: the ladder's rule on this
-    host (v1: the memcg pressure events; v2: the pods' PSI), the configuration read each time."""
+@pytest.mark.parametrize(("version", "events", "psi", "refaults", "counted"), [
+    (1, True, True, True, Counting(memcg=False, node=False)),
+    (1, True, True, False, Counting(memcg=True, node=False)),
+    (1, False, True, False, Counting(memcg=True, node=True)),
+    (2, False, True, True, Counting(memcg=False, node=False)),
+    (2, False, False, True, Counting(memcg=False, node=False)),
+    (2, False, False, False, Counting(memcg=True, node=True))])
+def test_counting_reads_the_host_and_the_config_in_force(
+        tmp_path: Path, version: int, events: bool, psi: bool, refaults: bool,
+        counted: Counting) -> None:
+    """What the ladder and the eviction manager's node-wide plugins are given: the rule on this
+    host (v1: the pods' refaults, else the memcg pressure events; v2: the pods' PSI, else their
+    refaults), the configuration read each time."""
     cfg = [with_node_signals("auto")]
-    ask = node_signals_alone(lambda: cfg[0], probed(tmp_path, version, events=events, psi=psi))
-    assert ask() is alone
+    ask = counting_on(lambda: cfg[0], probed(tmp_path, version, events=events, psi=psi,
+                                              refaults=refaults))
+    assert ask() == counted
     cfg[0] = with_node_signals("on")
-    assert ask() is True
+    assert ask() == Counting(memcg=True, node=True)
     cfg[0] = with_node_signals("off")
-    assert ask() is False
+    assert ask() == Counting(memcg=counted.memcg, node=False)
 
 
 def test_node_signals_drive_when_the_pods_psi_is_switched_off() -> None:

@@ -31,7 +31,7 @@ from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.host.values import PAGE_SIZE
 from reconciler.loops.numa_binding import NumaBindingLoop
-from reconciler.mitigation.service import node_signals_alone
+from reconciler.mitigation.service import counting_on
 from tests.support.guest_node import MIB, Node, numa_stat, one_pod
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
@@ -202,12 +202,12 @@ async def test_numa_pressure_waits_for_the_online_pods_own_pressure(node: Node) 
     host = probe_host(SysFs("/"))
     assert host.pod_psi
     plugin = in_tree_plugins(board, lambda: auto.eviction,
-                             node_signals_alone(lambda: auto, host))["numa_pressure"]
+                             counting_on(lambda: auto, host))["numa_pressure"]
     assert (await plugin.threshold_met()).met is MetType.NOT_MET
     on = dataclasses.replace(auto, mitigation=dataclasses.replace(
         auto.mitigation, node_signals="on"))
     plugin = in_tree_plugins(board, lambda: on.eviction,
-                             node_signals_alone(lambda: on, host))["numa_pressure"]
+                             counting_on(lambda: on, host))["numa_pressure"]
     assert (await plugin.threshold_met()).met in {MetType.SOFT_MET, MetType.HARD_MET}
     assert online.exists()
     holder.kill()

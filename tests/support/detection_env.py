@@ -29,9 +29,14 @@ def uid(name: str) -> str:
 
 
 class Setup:
-    def __init__(self, root: Path, version: int = 1, **detection: Any) -> None:
+    def __init__(self, root: Path, version: int = 1, *, refaults: bool = False,
+                 **detection: Any) -> None:
+        """``refaults``: the kernel's memory.stat counts working-set refaults."""
         self.host = FakeHost(root, version=version,
                              driver="systemd" if version == 2 else "cgroupfs")
+        self._refaults = refaults
+        if refaults:
+            self.refaults(self.host.tier_dir("guaranteed"), 0)
         self.host.set_numa([(40 * GIB, 64 * GIB, 1000), (40 * GIB, 64 * GIB, 1000)])
         self.vmstat(0)
         self.pressure(0, 0)
@@ -74,8 +79,23 @@ class Setup:
         v2 = self.host.version == 2
         (d / "memory.stat").write_text(f"anon {anon}\nfile {GIB}\n" if v2 else
                                        f"cache 0\nrss 0\ntotal_cache {GIB}\ntotal_rss {anon}\n")
+        if self._refaults:
+            self.refaults(d, 0)
         self.state.replace_all(*self.host.nri())
         return d
+
+    def refaults(self, cgroup: Path, pages: int) -> None:
+        """The cgroup's ``memory.stat`` as the kernel shapes it, with ``pages`` refaulted (file
+        pages, and one anonymous page in ten)."""
+        anon = pages // 10
+        if self.host.version == 2:
+            text = (f"anon {GIB}\nfile {GIB}\nworkingset_refault_anon {anon}\n"
+                    f"workingset_refault_file {pages - anon}\n")
+        else:
+            text = (f"cache 0\nrss 0\nworkingset_refault_anon 0\nworkingset_refault_file 0\n"
+                    f"total_cache {GIB}\ntotal_rss {GIB}\ntotal_workingset_refault_anon {anon}\n"
+                    f"total_workingset_refault_file {pages - anon}\n")
+        (cgroup / "memory.stat").write_text(text)
 
     def host_info(self) -> HostInfo:
         return probe_host(self.sysfs)

@@ -45,17 +45,17 @@ class DetectionConfig:
         (), "Detectors that do not run (all run by default).", choices=DETECTORS)
     interval_s: float = setting(
         1.0, "Period of the detectors that read files (free memory, NUMA, kswapd, RSS, "
-        "fulfillment, per-pod PSI) while memory is short (else quiet_interval_s). 1 s: with "
-        "entry_samples = 2 a level is entered within 2 s (PSI and pressure events have their "
-        "own faster paths).",
+        "fulfillment, per-pod PSI or refaults) while memory is short (else "
+        "quiet_interval_s). 1 s: with entry_samples = 2 a level is entered within 2 s (PSI "
+        "and pressure events have their own faster paths).",
         unit="seconds", minimum=0.1, maximum=3600)
     quiet_interval_s: float = setting(
-        5.0, "Period of the same detectors while no free-memory, PSI, memcg pressure or kswapd "
-        "reading is at a level or entering one (never shorter than interval_s): a calm node's "
-        "files, every pod's among them, are not read every second. A level entered on the "
-        "node's PSI or a memcg pressure event wakes them at once; free memory that falls "
-        "under its watermark without a stall is seen within this plus interval_s x "
-        "(entry_samples - 1). Also the period of cgroup v1's memcg pressure events' quiet "
+        5.0, "Period of the same detectors while no free-memory, PSI, memcg pressure, kswapd or "
+        "refault reading is at a level or entering one (never shorter than interval_s): a "
+        "calm node's files, every pod's among them, are not read every second. A level "
+        "entered on the node's PSI or a memcg pressure event wakes them at once; free memory "
+        "that falls under its watermark without a stall is seen within this plus interval_s "
+        "x (entry_samples - 1). Also the period of cgroup v1's memcg pressure events' quiet "
         "samples and registrations while none of them holds a level (an event comes at once "
         "all the same). 5 s: Katalyst's memory advisor and eviction manager look every 5 s.",
         unit="seconds", minimum=0.1, maximum=3600)
@@ -144,12 +144,12 @@ class DetectionConfig:
         unit="seconds", minimum=1, maximum=3600)
     refault_low_pages_per_s: float = setting(
         512.0, "Level low when an online pod reads this many pages of its working set again "
-        "per second after reclaim took them (2 MiB/s with 4 KiB pages). cgroup v1 only: there "
-        "a pod has no PSI of its own. Measured on this scenario's v1 node "
-        "(docs/effectiveness.md): 12-26 pages/s with no agent, 104-112 beside the agent "
-        "without its ladder (the probe's p99 1.2-1.3 times unmanaged's, while squeezing the "
-        "offline tier cost 23 points of its work and 2.6 times the service's tail), 723-1,260 "
-        "where the online pod's probe p99 was 2.6-4 times unmanaged's.",
+        "per second after reclaim took them (2 MiB/s with 4 KiB pages). Read only where a pod "
+        "has no PSI of its own (cgroup v1). Measured on a cgroup v1 VM (bench/colocation.py, "
+        "docs/detection.md): 6-26 pages/s with no agent; 104-112 beside an agent that pressed "
+        "the online pod a little (its probe's p99 1.2-1.3 times unmanaged's), where squeezing "
+        "the offline tier cost more than it spared; 723-1,260 where the probe's p99 was 2.6-4 "
+        "times unmanaged's.",
         unit="pages/s", minimum=0, maximum=1e9)
     refault_medium_pages_per_s: float = setting(
         5120.0, "Level medium at this rate (20 MiB/s).", unit="pages/s", minimum=0,

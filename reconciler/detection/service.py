@@ -263,7 +263,6 @@ class DetectorsLoop(Loop):
         self._pod_stalls = seen
         self._publisher.offer(PSI, samples, covers="pod:")
 
-
     def _refaults(self, cfg: DetectionConfig, now: float) -> None:
         """Each online pod's working-set refault rate, where its PSI is not read (cgroup v1)."""
         if not self._host.pod_refaults:

@@ -16,9 +16,11 @@ drop-cache write), taken from the audit trail on the same clock (CLOCK_MONOTONIC
   memcg limited to 256 MiB (:mod:`tests.support.realroot`); a reclaimed pod in it streams a file
   larger than the limit through the page cache; the onset is the first charge that hits the limit
   (failcnt moves). ``--paths`` adds the same with ``memory.pressure_level`` switched off (what a
-  host without it gets: the PSI path), with dirty page cache so that reclaim stalls. On cgroup
-  v2 the node's PSI drives the ladder only with ``mitigation.node_signals = on`` (by default the
-  online pods' own PSI does, and no online pod runs here): that series says so in its name.
+  host without it gets: the PSI path), with dirty page cache so that reclaim stalls. No online
+  pod runs here, and by default only what online pods feel drives the ladder (their own PSI on
+  cgroup v2, their refaults on cgroup v1 from Linux 5.9): the series therefore runs with
+  ``mitigation.node_signals = on``, which lets the node's PSI (v2) and the memcg pressure events
+  (v1) drive, and says so in its name.
 
 The last line is ``reaction p50=<ms> ms p99=<ms> ms n=<count>`` for the default configuration on
 the real kernel (``n=0`` where it cannot run).
@@ -377,15 +379,13 @@ async def main_async(args: argparse.Namespace) -> int:
             # cgroup v2 has no memory.pressure_level: the node's PSI is the path, and clean
             # reads stall too little for it; dirty page cache makes reclaim wait for writeback,
             # for 2 s so that a slow machine still stalls a trigger's window's worth. By default
-            # the node's PSI does not drive there (online pods' own PSI does, and here no online
-            # pod runs): the series says it switches it on.
+            # neither the node's PSI nor the memcg events drive (the online pods' own readings
+            # do, and here no online pod runs): the series says it switches them on.
             dirty = bool(unavailable())
-            name = ("real kernel, default configuration but mitigation.node_signals = on" if dirty
-                    else "real kernel, default configuration")
-            default = await series(name, args.onsets,
-                                   lambda d: real(d, kubeconfig, data, dirty=dirty,
-                                                  seconds=2.0 if dirty else 0.6,
-                                                  node_signals="on" if dirty else None))
+            default = await series(
+                "real kernel, default configuration but mitigation.node_signals = on",
+                args.onsets, lambda d: real(d, kubeconfig, data, dirty=dirty,
+                                            seconds=2.0 if dirty else 0.6, node_signals="on"))
             results.append(default)
             if dirty and not args.skip_online:
                 results.extend(await alternating(args.online_onsets, [

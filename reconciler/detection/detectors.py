@@ -9,9 +9,10 @@ not parse gives an ``unknown`` sample with the reason, never ``none``. Formulas 
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from hooks.untrusted import bounded_repr
 from reconciler.detection.config import (
@@ -255,6 +256,9 @@ class Counted(Protocol):
     def counters(self) -> tuple[int, ...]: ...
 
 
+_C = TypeVar("_C", bound=Counted)
+
+
 @dataclass(frozen=True, slots=True)
 class Reclaim:
     """kswapd's cumulative reclaim counters (pages) at one moment."""
@@ -282,6 +286,13 @@ def read_reclaim(vmstat: str, at: float) -> Reclaim:
 def rates_used(low: float, medium: float, high: float) -> Thresholds:
     """Rate thresholds of LOW, MEDIUM and HIGH; a level whose rate is 0 is not used."""
     return (low or None, medium or None, high or None)
+
+
+def keep_window(history: deque[_C], now: float, window_s: float) -> None:
+    """Drop from ``history`` (oldest first) the samples :func:`window_rates` no longer needs:
+    all before the last one at or older than ``now - window_s``, keeping at least two."""
+    while len(history) > 2 and history[1].at <= now - window_s:
+        history.popleft()
 
 
 def window_rates(history: Sequence[Counted], window_s: float

@@ -105,6 +105,8 @@ class DetectorsLoop(Loop):
         self._reclaim: deque[d.Reclaim] = deque()
         self._pod_stalls: dict[str, d.Stall] = {}
         self._pod_refaults: dict[str, deque[d.Refaults]] = {}
+        # Each pod's memory.stat as read in this cycle (RSS overuse and refaults both read it).
+        self._stats: dict[str, str | None] = {}
         self._said: set[str] = set()
         self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._factor_problems: dict[str, str] = {}
@@ -133,6 +135,7 @@ class DetectorsLoop(Loop):
 
     def cycle(self, now: float) -> None:
         self._quiet = False
+        self._stats = {}
         cfg = self._config()
         runs: list[tuple[str, Callable[[DetectionConfig, float], None]]] = [
             (SYSTEM_FREE, lambda c, t: self._system_free(c, t, self._watermarks.at(t))),
@@ -195,14 +198,16 @@ class DetectorsLoop(Loop):
             self._reclaim.clear()
             self._publisher.offer(KSWAPD, [d.unknown(KSWAPD, NODE, str(exc), now)])
             return
-        while len(self._reclaim) > 2 and self._reclaim[1].at <= now - cfg.kswapd_window_s:
-            self._reclaim.popleft()
+        d.keep_window(self._reclaim, now, cfg.kswapd_window_s)
         sample = d.kswapd_sample(list(self._reclaim), cfg)
         if sample is not None:
             self._publisher.offer(KSWAPD, [sample])
 
     def _stat(self, pod: PodMemory) -> str | None:
-        return self._sysfs.read(f"{pod.cgroup}/memory.stat")
+        """The pod's memory.stat, read once a cycle."""
+        if pod.cgroup not in self._stats:
+            self._stats[pod.cgroup] = self._sysfs.read(f"{pod.cgroup}/memory.stat")
+        return self._stats[pod.cgroup]
 
     def _rss_overuse(self, cfg: DetectionConfig, now: float) -> None:
         samples = []
@@ -286,8 +291,7 @@ class DetectorsLoop(Loop):
                 continue
             history = kept[pod.uid] = self._pod_refaults.get(pod.uid, deque())
             history.append(found)
-            while len(history) > 2 and history[1].at <= now - cfg.refault_window_s:
-                history.popleft()
+            d.keep_window(history, now, cfg.refault_window_s)
             sample = d.refault_sample(scope, list(history), cfg, pod.uid)
             if sample is not None:
                 samples.append(sample)

@@ -309,6 +309,21 @@ def test_v1_online_pods_refaults(tmp_path: Path) -> None:
         "memory.stat is gone")
 
 
+def test_a_pods_memory_stat_is_read_once_a_cycle(tmp_path: Path) -> None:
+    """RSS overuse and refaults both want a shared_cores pod's memory.stat: one read serves."""
+    s = Setup(tmp_path, refaults=True)
+    web = s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
+    counting = CountingSysFs(tmp_path, AuditLog(s.sink))
+    loop = DetectorsLoop(lambda: s.cfg, s.publisher, s.state, counting, s.host_info())
+    stat = f"/{web.relative_to(tmp_path)}/memory.stat"
+    for t in range(2):
+        s.refaults(web, t * 6000)
+        loop.cycle(float(t))
+        assert counting.reads[stat] == t + 1
+    assert s.reading("rss_overuse", pod_scope(uid("web"))) is not None
+    assert s.reading("refault", pod_scope(uid("web"))) is not None
+
+
 @pytest.mark.parametrize(("version", "refaults", "why"), [
     (2, True, "refault is off: each online pod's PSI counts its stalls on refaults"),
     (1, False, "refault is off: memory.stat has no workingset_refault counters (Linux 5.9+)")])

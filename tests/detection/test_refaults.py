@@ -4,6 +4,7 @@ rate over a window, graded at its thresholds."""
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 
 import pytest
 
@@ -71,3 +72,12 @@ def test_refault_high_level_can_be_switched_off() -> None:
                               cfg, "web")
     assert sample is not None
     assert sample.level is Level.MEDIUM
+
+
+def test_the_history_keeps_what_the_window_needs() -> None:
+    history = deque(d.Refaults(at, 0) for at in (0.0, 3.0, 5.0, 12.0, 14.0))
+    d.keep_window(history, 15.0, 10.0)
+    # 5.0 is the last sample at or before 15 - 10: the window's base
+    assert [r.at for r in history] == [5.0, 12.0, 14.0]
+    d.keep_window(history, 100.0, 10.0)
+    assert [r.at for r in history] == [12.0, 14.0]  # never fewer than two

@@ -19,12 +19,14 @@ from hooks.levels import QosLevel
 from hooks.units import quantity
 from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import Level, Reading
+from reconciler.host.parse import ParseError
 from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.kube import KubeActions, NodeOutcome
 from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
 from reconciler.metrics import ReconcilerMetrics
+from reconciler.mitigation import relief
 from reconciler.mitigation.config import MitigationConfig
 
 log = structlog.get_logger("nri_qos.mitigation")
@@ -205,13 +207,23 @@ class TaintAction:
 
 class TuneAction:
     """Tune memcg: squeeze the reclaimed tier through the memory guard (v1 limit, v2
-    memory.high) and, where the kernel has it, lower memory.wmark_ratio of reclaimed pods."""
+    memory.high) and, where the kernel has it, lower memory.wmark_ratio of reclaimed pods.
+
+    A squeeze engaged by an online pod's own reading is judged ``judge_s`` later
+    (:mod:`reconciler.mitigation.relief`): one that did not relieve the pod is released and
+    held off for ``futile_hold_s`` while the rung stays engaged."""
 
     def __init__(self, config: Callable[[], MitigationSections], squeeze: GuardSqueeze,
                  sysfs: SysFs, host: HostInfo, pods: PodIndex,
                  reconciler_enabled: Callable[[], bool],
-                 notes: StateFile | None = None) -> None:
+                 notes: StateFile | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self._config = config
+        self._clock = clock
+        # The squeeze's start as the pod that engaged it saw it, until it is judged.
+        self._mark: relief.Mark | None = None
+        # A squeeze judged futile is not tried again before this time (the loop's clock).
+        self._held_off_until: float | None = None
         self._squeeze = squeeze
         self._sysfs = sysfs
         self._pods = pods
@@ -232,8 +244,63 @@ class TuneAction:
     def _guard_on(self) -> bool:
         return self._reconciler_enabled() and self._config().memory_guard.enabled
 
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
     async def engage(self, cause: Cause, dry_run: bool) -> Result:
-        return await self._tighten(cause, dry_run, "below its usage")
+        self._held_off_until = None
+        return await self._start(cause, dry_run)
+
+    async def _start(self, cause: Cause, dry_run: bool) -> Result:
+        """A squeeze from the tier's usage, noted for judgment when a pod's reading asks."""
+        result = await self._tighten(cause, dry_run, "below its usage")
+        self._mark = None
+        if result.result != DONE or not self._guard_on() or \
+                self._config().mitigation.tune.judge_s <= 0 or not relief.judged(cause.reading):
+            return result
+        assert cause.reading is not None
+        pod = self._pod_cgroup(cause.reading.pod_uid)
+        file = relief.pod_file(cause.reading.detector)
+        text = None if pod is None else await asyncio.to_thread(self._sysfs.read,
+                                                                  f"{pod}/{file}")
+        try:
+            if text is None:
+                raise ParseError(f"the pod's {file} is not readable")
+            self._mark = relief.mark(cause.reading, text, self._v2, self._now())
+        except ParseError as exc:
+            return Result(DONE, f"{result.detail}; not judged: {exc}")
+        return result
+
+    def _pod_cgroup(self, uid: str | None) -> str | None:
+        return next((p.cgroup for p in self._pods.pods() if p.uid == uid), None)
+
+    async def _judge(self, start: relief.Mark) -> Result | None:
+        """The verdict on the squeeze ``start`` began: None to keep it (relieved, or no
+        verdict possible), else the result of releasing it."""
+        rung = self._config().mitigation.tune
+        now = self._now()
+        self._mark = None
+        pod = self._pod_cgroup(start.pod_uid)
+        text = None if pod is None else await asyncio.to_thread(self._sysfs.read,
+                                                                  f"{pod}/{start.file}")
+        try:
+            squeezed = None if text is None else relief.during(start, text, self._v2, now)
+        except ParseError as exc:
+            log.info("squeeze_not_judged", pod=start.pod_uid, reason=str(exc))
+            return None
+        if squeezed is None:
+            return None
+        ok = relief.relieved(start.before, squeezed, rung.min_relief_percent)
+        said = relief.verdict_text(start, squeezed, ok, rung.min_relief_percent,
+                                   now - start.at)
+        if ok:
+            log.info("squeeze_relieved", detail=said)
+            return None
+        self._held_off_until = now + rung.futile_hold_s
+        self._squeeze.set(None)
+        await asyncio.to_thread(self._restore_wmark, f"squeeze futile: {said}")
+        return Result(DONE, f"squeeze released for {rung.futile_hold_s:g} s: it did not "
+                            f"relieve the pod: {said}")
 
     async def _tighten(self, cause: Cause, dry_run: bool, where: str) -> Result:
         rung = self._config().mitigation.tune
@@ -266,10 +333,28 @@ class TuneAction:
         return Result(DONE, what)
 
     async def repeat(self, cause: Cause, dry_run: bool) -> Result:
-        """Tighten again only while the pressure is fresh: once the signal has dropped (its
-        level only held by hysteresis), the tier stays where it is (a squeeze renewed every
-        period would take the offline tier down to its floor after the pressure ended)."""
-        if cause.reading is not None and not cause.reading.fresh:
+        """Judge the squeeze once it has held ``judge_s``; then tighten again only while the
+        pressure is fresh: once the signal has dropped (its level only held by hysteresis), the
+        tier stays where it is (a squeeze renewed every period would take the offline tier down
+        to its floor after the pressure ended). A squeeze held off starts anew after the hold,
+        on fresh pressure."""
+        fresh = cause.reading is None or cause.reading.fresh
+        if self._held_off_until is not None:
+            if self._now() < self._held_off_until:
+                return Result(UNCHANGED, "squeeze held off: it did not relieve the pod that "
+                                         "engaged it")
+            if not fresh:
+                return Result(UNCHANGED, "squeeze held off until the pressure is fresh")
+            self._held_off_until = None
+            return await self._start(cause, dry_run)
+        start = self._mark
+        if start is not None and not dry_run and \
+                self._now() - start.at >= self._config().mitigation.tune.judge_s:
+            released = await self._judge(start)
+            if released is not None:
+                return released
+        if not fresh:
+            assert cause.reading is not None
             return Result(UNCHANGED, "held where it is: the pressure is no longer fresh "
                                      f"({cause.reading.reason})")
         return await self._tighten(cause, dry_run, "below the limit held")
@@ -277,6 +362,7 @@ class TuneAction:
     async def release(self, cause: Cause, dry_run: bool) -> Result:
         if dry_run:
             return Result(DRY_RUN, "would release the squeeze and restore memory.wmark_ratio")
+        self._mark, self._held_off_until = None, None
         released = self._squeeze.set(None)
         restored = await asyncio.to_thread(self._restore_wmark, cause.text())
         left = len(self._notes.entries(WMARK_NOTES))

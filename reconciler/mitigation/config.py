@@ -73,6 +73,31 @@ class TuneRung:
         "next to no progress while any online pod stalls (27-28 % of its unmanaged work in "
         "docs/effectiveness.md, held-anon). Ignored on cgroup v1, where the squeeze is a hard "
         "limit.")
+    cooldown_s: float = setting(
+        0.0, "The squeeze is released once the level stayed below the rung's this long (the "
+        "other rungs wait mitigation.cooldown_s). The detectors already hold a level "
+        "detection.exit_cooldown_s after the signal went quiet; a squeeze held a minute more "
+        "took page cache the offline job needed while no online pod stalled: on a cgroup v2 "
+        "node, in the four repetitions where the level fell back to none soon after the "
+        "offline job's growth engaged the rung, the job did 19-32 % less work than with no "
+        "agent (bench/colocation.py, held-anon, --seed 485). Engaging again takes "
+        "entry_samples samples.", unit="seconds", minimum=0, maximum=86_400)
+    judge_s: float = setting(
+        15.0, "After the squeeze has held this long, compare what the online pod whose "
+        "reading engaged it felt before (that reading: its PSI stall share on cgroup v2, its "
+        "refault rate on cgroup v1) with the same over the squeeze (from its cumulative "
+        "counters). Not relieved by min_relief_percent: the squeeze is released and not tried "
+        "again for futile_hold_s while the rung stays engaged. A squeeze engaged by a reading "
+        "that names no pod (node-wide, memcg events) is not judged. 0: never judge.",
+        unit="seconds", minimum=0, maximum=3600)
+    min_relief_percent: float = setting(
+        25.0, "How much lower the pod's reading must be over the squeeze for it to be kept. "
+        "The engaging reading is the one that crossed the threshold, so it errs high: a "
+        "doubtful squeeze is kept.", unit="percent", minimum=0, maximum=100)
+    futile_hold_s: float = setting(
+        300.0, "How long a squeeze judged futile is not tried again while the rung stays "
+        "engaged (what presses the pod is then not the tier's page cache, and may change).",
+        unit="seconds", minimum=0, maximum=86_400)
     wmark_ratio: int = setting(
         80, "memory.wmark_ratio written on reclaimed pods where the kernel has it (veLinux, "
         "Anolis): background reclaim from 80 % of their limit (Koordinator's normal value is "
@@ -151,7 +176,8 @@ class MitigationConfig:
         "and given to the eviction manager; the memcg events still wake the detectors.",
         choices=("auto", "on", "off"))
     cooldown_s: float = setting(
-        60.0, "A rung is undone after the level stayed below it this long, so pressure that "
+        60.0, "A rung is undone after the level stayed below it this long (the tune rung: "
+        "tune.cooldown_s), so pressure that "
         "comes back within a minute does not toggle the node. kubelet and Katalyst hold "
         "conditions 5 min; these actions are milder and detection is faster.",
         unit="seconds", minimum=0, maximum=86_400)

@@ -128,6 +128,10 @@ class ReconcilerMetrics:
         self._drop_cache_freed = Counter(
             f"{PREFIX}_drop_cache_freed_bytes_total",
             "Memory freed by drop-cache actions.", registry=r)
+        self._squeeze_judgments = Counter(
+            f"{PREFIX}_squeeze_judgments_total",
+            "Squeezes of the reclaimed tier judged, per verdict (relieved: kept; futile: "
+            "released and held off).", ["verdict"], registry=r)
         self._balance_steps = Counter(
             f"{PREFIX}_numa_balance_steps_total",
             "NUMA balance steps, per result (done, timeout, failed).", ["result"], registry=r)
@@ -166,6 +170,10 @@ class ReconcilerMetrics:
         self._drop_cache_runs.labels(result).inc()
         if freed_bytes > 0:
             self._drop_cache_freed.inc(freed_bytes)
+
+    def squeeze_judged(self, relieved: bool) -> None:
+        """The tune rung judged its squeeze: it relieved the pod that engaged it, or not."""
+        self._squeeze_judgments.labels("relieved" if relieved else "futile").inc()
 
     def numa_balance_step(self, result: str, moved_bytes: int, seconds: float) -> None:
         """One NUMA balance step ended with ``result`` (``done``, ``timeout``, ``failed``; held

@@ -217,9 +217,11 @@ class TuneAction:
                  sysfs: SysFs, host: HostInfo, pods: PodIndex,
                  reconciler_enabled: Callable[[], bool],
                  notes: StateFile | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None,
+                 metrics: ReconcilerMetrics | None = None) -> None:
         self._config = config
         self._clock = clock
+        self._metrics = metrics
         # The squeeze's start as the pod that engaged it saw it, until it is judged.
         self._mark: relief.Mark | None = None
         # A squeeze judged futile is not tried again before this time (the loop's clock).
@@ -259,10 +261,8 @@ class TuneAction:
                 self._config().mitigation.tune.judge_s <= 0 or not relief.judged(cause.reading):
             return result
         assert cause.reading is not None
-        pod = self._pod_cgroup(cause.reading.pod_uid)
         file = relief.pod_file(cause.reading.detector)
-        text = None if pod is None else await asyncio.to_thread(self._sysfs.read,
-                                                                  f"{pod}/{file}")
+        text = await self._read_pod(cause.reading.pod_uid, file)
         try:
             if text is None:
                 raise ParseError(f"the pod's {file} is not readable")
@@ -271,8 +271,11 @@ class TuneAction:
             return Result(DONE, f"{result.detail}; not judged: {exc}")
         return result
 
-    def _pod_cgroup(self, uid: str | None) -> str | None:
-        return next((p.cgroup for p in self._pods.pods() if p.uid == uid), None)
+    async def _read_pod(self, uid: str | None, file: str) -> str | None:
+        """A file of the pod's memory cgroup; None when the pod or the file is gone."""
+        pod = next((p.cgroup for p in self._pods.pods() if p.uid == uid), None)
+        return None if pod is None else await asyncio.to_thread(self._sysfs.read,
+                                                                  f"{pod}/{file}")
 
     async def _judge(self, start: relief.Mark) -> Result | None:
         """The verdict on the squeeze ``start`` began: None to keep it (relieved, or no
@@ -280,9 +283,7 @@ class TuneAction:
         rung = self._config().mitigation.tune
         now = self._now()
         self._mark = None
-        pod = self._pod_cgroup(start.pod_uid)
-        text = None if pod is None else await asyncio.to_thread(self._sysfs.read,
-                                                                  f"{pod}/{start.file}")
+        text = await self._read_pod(start.pod_uid, start.file)
         try:
             squeezed = None if text is None else relief.during(start, text, self._v2, now)
         except ParseError as exc:
@@ -293,6 +294,8 @@ class TuneAction:
         ok = relief.relieved(start.before, squeezed, rung.min_relief_percent)
         said = relief.verdict_text(start, squeezed, ok, rung.min_relief_percent,
                                    now - start.at)
+        if self._metrics is not None:
+            self._metrics.squeeze_judged(ok)
         if ok:
             log.info("squeeze_relieved", detail=said)
             return None

@@ -337,7 +337,7 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
     actions: dict[str, Action] = {
         "taint": taint,
         "tune": TuneAction(config, squeeze, sysfs, host, pods,
-                           lambda: config().reconciler.enabled, notes),
+                           lambda: config().reconciler.enabled, notes, metrics=metrics),
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),
     }

@@ -17,6 +17,7 @@ from reconciler.detection.signals import NODE, Level, Reading, pod_scope
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import GuardSqueeze
+from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause, TuneAction
 from tests.support.fakesys import FakeHost
 
@@ -45,9 +46,14 @@ class Judged:
             cfg.mitigation, tune=dataclasses.replace(cfg.mitigation.tune, **tune)))
         self.squeeze = GuardSqueeze()
         self.now = 100.0
+        self.metrics = ReconcilerMetrics()
         self.action = TuneAction(lambda: cfg, self.squeeze, sysfs, info,
                                  PodIndex(state, info.cgroup), lambda: True,
-                                 clock=lambda: self.now)
+                                 clock=lambda: self.now, metrics=self.metrics)
+
+    def judgments(self, verdict: str) -> float | None:
+        return self.metrics.registry.get_sample_value("nri_qos_squeeze_judgments_total",
+                                                      {"verdict": verdict})
 
     def counter(self, value: int) -> None:
         """The online pod's stall (µs, v2) or refaults (pages, v1) so far."""
@@ -91,6 +97,7 @@ async def test_a_squeeze_that_did_not_relieve_the_pod_is_released_and_held_off(
                                     f"psi of pod {WEB} 20 percent when the squeeze began, "
                                     "20 percent over its 15 s (above 15 percent")
     assert j.squeeze.current() is None
+    assert (j.judgments("futile"), j.judgments("relieved")) == (1.0, None)
     j.now = 414.9
     result = await j.action.repeat(j.cause(20.0), dry_run=False)
     assert (result.result, j.squeeze.current()) == ("unchanged", None)
@@ -111,6 +118,7 @@ async def test_a_squeeze_at_exactly_the_relief_wanted_is_kept(tmp_path: Path) ->
     result = await j.action.repeat(j.cause(20.0, fresh=False), dry_run=False)
     assert result.detail.startswith("held where it is")
     assert j.squeeze.current() is not None
+    assert (j.judgments("futile"), j.judgments("relieved")) == (None, 1.0)
     # judged once: a later stall does not undo a kept squeeze
     j.at(200.0, 90_000_000)
     await j.action.repeat(j.cause(20.0), dry_run=False)

@@ -77,11 +77,8 @@ class TuneRung:
         0.0, "The squeeze is released once the level stayed below the rung's this long (the "
         "other rungs wait mitigation.cooldown_s). The detectors already hold a level "
         "detection.exit_cooldown_s after the signal went quiet; a squeeze held a minute more "
-        "took page cache the offline job needed while no online pod stalled: on a cgroup v2 "
-        "node, in the four repetitions where the level fell back to none soon after the "
-        "offline job's growth engaged the rung, the job did 19-32 % less work than with no "
-        "agent (bench/colocation.py, held-anon, --seed 485). Engaging again takes "
-        "entry_samples samples.", unit="seconds", minimum=0, maximum=86_400)
+        "takes page cache the offline job needs while no online pod stalls. Engaging again "
+        "takes entry_samples samples.", unit="seconds", minimum=0, maximum=86_400)
     judge_s: float = setting(
         15.0, "After the squeeze has held this long, compare what the online pod whose "
         "reading engaged it felt before (that reading: its PSI stall share on cgroup v2, its "

@@ -111,6 +111,8 @@ def summarize_actions(records: Sequence[tuple[float, str, dict[str, Any]]], star
             counts["squeeze limit writes"] += 1
         elif event == "mitigation_level":
             counts[f"ladder level {fields['ladder_level']}"] += 1
+        elif event == "squeeze_judged":
+            counts[f"squeeze {fields['verdict']}"] += 1
         elif event in ("drop_cache_finished", "eviction_dry_run", "eviction_chosen",
                        "taint_added", "taint_removed"):
             counts[event] += 1

@@ -100,6 +100,11 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "A rung of the ladder was engaged, repeated or released, with its cause "
                "(detector, scope, value, threshold) and result (done, unchanged, dry_run, "
                "skipped, failed, timeout)."),
+    AuditEvent("squeeze_judged", ("pod_uid", "detector", "before", "during", "verdict"),
+               "The tune rung judged its squeeze judge_s after it began: the reading of the "
+               "online pod that engaged it (before) against the same over the squeeze "
+               "(during, with elapsed_s and unit); verdict relieved (kept) or futile (released "
+               "and held off for hold_s)."),
     AuditEvent("offload_step", ("path", "pod_uid", "container", "asked_bytes", "verdict",
                                 "result", "dry_run"),
                "An offloading step: what memory.reclaim was asked (asked_bytes, of wanted_bytes "

@@ -218,8 +218,10 @@ class TuneAction:
                  reconciler_enabled: Callable[[], bool],
                  notes: StateFile | None = None,
                  clock: Callable[[], float] | None = None,
-                 metrics: ReconcilerMetrics | None = None) -> None:
+                 metrics: ReconcilerMetrics | None = None,
+                 audit: AuditLog | None = None) -> None:
         self._config = config
+        self._audit = audit
         self._clock = clock
         self._metrics = metrics
         # The squeeze's start as the pod that engaged it saw it, until it is judged.
@@ -296,8 +298,14 @@ class TuneAction:
                                    now - start.at)
         if self._metrics is not None:
             self._metrics.squeeze_judged(ok)
+        if self._audit is not None:
+            self._audit.record("squeeze_judged", pod_uid=start.pod_uid,
+                               detector=start.detector, before=start.before,
+                               during=round(squeezed, 3), unit=start.unit,
+                               elapsed_s=round(now - start.at, 3),
+                               verdict="relieved" if ok else "futile",
+                               hold_s=0.0 if ok else rung.futile_hold_s)
         if ok:
-            log.info("squeeze_relieved", detail=said)
             return None
         self._held_off_until = now + rung.futile_hold_s
         self._squeeze.set(None)

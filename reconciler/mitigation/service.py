@@ -337,7 +337,8 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
     actions: dict[str, Action] = {
         "taint": taint,
         "tune": TuneAction(config, squeeze, sysfs, host, pods,
-                           lambda: config().reconciler.enabled, notes, metrics=metrics),
+                           lambda: config().reconciler.enabled, notes, metrics=metrics,
+                           audit=audit),
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),
     }

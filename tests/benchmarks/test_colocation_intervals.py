@@ -7,7 +7,7 @@ import math
 
 from bench.baselines import bootstrap_interval
 from bench.colocation_plan import Repetition
-from bench.colocation_report import intervals, percentile
+from bench.colocation_report import intervals, percentile, summarize_actions
 
 
 def rep(mode: str, index: int, service_ms: list[float], missed: int) -> Repetition:
@@ -37,3 +37,19 @@ def test_repetitions_with_unanswered_requests_give_an_ordered_interval() -> None
     low, high = intervals(reps, seed=3)["static"]["p99"]
     assert 50.0 <= low <= high
     assert high == inf  # 3 of 8 infinite: a resample's median can be too
+
+
+def test_the_agents_actions_in_the_window_are_counted() -> None:
+    records = [
+        (0.5, "mitigation_action", {"action": "tune", "step": "engage", "result": "done"}),
+        (1.0, "mitigation_action", {"action": "tune", "step": "engage", "result": "done"}),
+        (2.0, "memory_guard_cap", {"squeezed": True}),
+        (2.5, "memory_guard_cap", {"squeezed": False}),
+        (3.0, "squeeze_judged", {"verdict": "futile"}),
+        (4.0, "mitigation_level", {"ladder_level": "low"}),
+        (5.0, "taint_added", {}),
+        (9.0, "squeeze_judged", {"verdict": "relieved"}),
+    ]
+    assert summarize_actions(records, 1.0, 5.0) == {
+        "tune engage done": 1, "squeeze limit writes": 1, "squeeze futile": 1,
+        "ladder level low": 1, "taint_added": 1}

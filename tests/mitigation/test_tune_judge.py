@@ -37,7 +37,8 @@ class Judged:
         self.host.add_pod(WEB, tier="burstable", name="web",
                           annotations={LEVEL: "shared_cores"})
         self.web = self.host.cg("memory", self.host.pod_rel("burstable", WEB))
-        sysfs = SysFs(tmp_path, AuditLog(MemoryAuditSink()))
+        self.sink = MemoryAuditSink()
+        sysfs = SysFs(tmp_path, AuditLog(self.sink))
         state = NodeState()
         state.replace_all(*self.host.nri())
         info = probe_host(sysfs)
@@ -49,7 +50,8 @@ class Judged:
         self.metrics = ReconcilerMetrics()
         self.action = TuneAction(lambda: cfg, self.squeeze, sysfs, info,
                                  PodIndex(state, info.cgroup), lambda: True,
-                                 clock=lambda: self.now, metrics=self.metrics)
+                                 clock=lambda: self.now, metrics=self.metrics,
+                                 audit=AuditLog(self.sink))
 
     def judgments(self, verdict: str) -> float | None:
         return self.metrics.registry.get_sample_value("nri_qos_squeeze_judgments_total",
@@ -98,6 +100,11 @@ async def test_a_squeeze_that_did_not_relieve_the_pod_is_released_and_held_off(
                                     "20 percent over its 15 s (above 15 percent")
     assert j.squeeze.current() is None
     assert (j.judgments("futile"), j.judgments("relieved")) == (1.0, None)
+    [judged] = j.sink.named("squeeze_judged")
+    assert {k: judged[k] for k in ("pod_uid", "detector", "before", "during", "unit",
+                                   "elapsed_s", "verdict", "hold_s")} == {
+        "pod_uid": WEB, "detector": "psi", "before": 20.0, "during": 20.0, "unit": "percent",
+        "elapsed_s": 15.0, "verdict": "futile", "hold_s": 300.0}
     j.now = 414.9
     result = await j.action.repeat(j.cause(20.0), dry_run=False)
     assert (result.result, j.squeeze.current()) == ("unchanged", None)
@@ -119,6 +126,7 @@ async def test_a_squeeze_at_exactly_the_relief_wanted_is_kept(tmp_path: Path) ->
     assert result.detail.startswith("held where it is")
     assert j.squeeze.current() is not None
     assert (j.judgments("futile"), j.judgments("relieved")) == (None, 1.0)
+    assert [r["verdict"] for r in j.sink.named("squeeze_judged")] == ["relieved"]
     # judged once: a later stall does not undo a kept squeeze
     j.at(200.0, 90_000_000)
     await j.action.repeat(j.cause(20.0), dry_run=False)

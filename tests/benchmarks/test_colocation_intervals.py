@@ -4,6 +4,7 @@ requests unanswered (an infinite p99)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from bench.baselines import bootstrap_interval
 from bench.colocation_plan import Repetition
@@ -40,7 +41,7 @@ def test_repetitions_with_unanswered_requests_give_an_ordered_interval() -> None
 
 
 def test_the_agents_actions_in_the_window_are_counted() -> None:
-    records = [
+    records: list[tuple[float, str, dict[str, Any]]] = [
         (0.5, "mitigation_action", {"action": "tune", "step": "engage", "result": "done"}),
         (1.0, "mitigation_action", {"action": "tune", "step": "engage", "result": "done"}),
         (2.0, "memory_guard_cap", {"squeezed": True}),

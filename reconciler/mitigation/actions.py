@@ -209,9 +209,9 @@ class TuneAction:
     """Tune memcg: squeeze the reclaimed tier through the memory guard (v1 limit, v2
     memory.high) and, where the kernel has it, lower memory.wmark_ratio of reclaimed pods.
 
-    A squeeze engaged by an online pod's own reading is judged ``judge_s`` later
-    (:mod:`reconciler.mitigation.relief`): one that did not relieve the pod is released and
-    held off for ``futile_hold_s`` while the rung stays engaged."""
+    With ``judge_s`` set, a squeeze engaged by an online pod's own reading is judged that long
+    after (:mod:`reconciler.mitigation.relief`): one that did not relieve the pod is released
+    and held off for ``futile_hold_s`` while the rung stays engaged."""
 
     def __init__(self, config: Callable[[], MitigationSections], squeeze: GuardSqueeze,
                  sysfs: SysFs, host: HostInfo, pods: PodIndex,

@@ -3,9 +3,8 @@
 A rung acts from its level up: it is **engaged** as soon as the level reaches it (escalation
 is never delayed: the detectors already smoothed their signals), **repeated** every
 ``repeat_s`` while the level holds (for actions whose effect wears off, such as dropped caches
-refilling), and **released** once the level has stayed below it for the cooldown, the ladder's
-or the rung's own (so a level that flaps faster than the cooldown keeps the rung engaged
-instead of toggling it). Rungs are
+refilling), and **released** once the level has stayed below it for the cooldown (so a level
+that flaps faster than the cooldown keeps the rung engaged instead of toggling it). Rungs are
 engaged least harmful first and released most harmful first. A rung that disappears from the
 configuration (switched off) is released at once, and then forgotten.
 
@@ -37,11 +36,6 @@ class Rung:
     level: Level
     # Run again this often while engaged and the level holds; None: once per engagement.
     repeat_s: float | None = None
-    # Released after the level stayed below the rung this long; None: the ladder's cooldown.
-    cooldown_s: float | None = None
-
-    def cooldown(self, ladder_s: float) -> float:
-        return ladder_s if self.cooldown_s is None else self.cooldown_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +123,7 @@ class Ladder:
             elif state is not None:
                 if state.below_since is None:
                     state.below_since = now
-                if now - state.below_since >= rung.cooldown(cooldown_s):
+                if now - state.below_since >= cooldown_s:
                     self._release(rung.name, release)
             else:
                 waiting = self._releasing.get(rung.name)
@@ -175,7 +169,7 @@ class Ladder:
             if state is None:
                 continue
             if state.below_since is not None:
-                times.append(state.below_since + rung.cooldown(cooldown_s))
+                times.append(state.below_since + cooldown_s)
             elif state.retry_at is not None:
                 times.append(state.retry_at)
             elif rung.repeat_s is not None:

@@ -2,14 +2,14 @@
 
 The tune rung's squeeze can take only the reclaimed tier's page cache (it stays a step above
 the tier's anonymous memory). Where something else presses the online pod (the tier's
-anonymous memory filling ``kubepods``), the squeeze costs the offline work and gives the pod
-nothing: on a cgroup v2 node whose offline job held more anonymous memory than the node had, it
-cost the job 24 % of its work while the online pod stalled as long as beside no squeeze
-(``docs/effectiveness.md``, ``held-anon``). So the rung notes the pod of the reading that
+anonymous memory filling ``kubepods``), a squeeze can cost the offline work and give the pod
+nothing. With ``mitigation.tune.judge_s`` set, the rung notes the pod of the reading that
 engaged it, that reading's value and the pod's cumulative counter (its PSI stall on cgroup v2,
-its working-set refaults on cgroup v1); after ``judge_s`` it computes the same quantity over the
+its working-set refaults on cgroup v1); ``judge_s`` later it computes the same quantity over the
 squeeze from the counter and compares. The engaging reading is the one that crossed the
-threshold, so it errs high: a squeeze is kept on a doubtful verdict, never dropped.
+threshold, so it errs high: a squeeze is kept on a doubtful verdict. The comparison is with
+before the squeeze, not with no squeeze: a stall that falls by itself counts as relief (why the
+judgment is off by default: ``docs/detection.md``).
 """
 
 from __future__ import annotations

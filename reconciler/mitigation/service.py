@@ -120,13 +120,12 @@ def rungs_of(cfg: LadderSections) -> list[Rung]:
     m = cfg.mitigation
     if not (cfg.reconciler.enabled and m.enabled):
         return []
-    specs = {"taint": (m.taint.enabled, m.taint.level, None, None),
-             "tune": (m.tune.enabled, m.tune.level, m.tune.repeat_s, m.tune.cooldown_s),
-             "drop_cache": (m.drop_cache.enabled, m.drop_cache.level, m.drop_cache.repeat_s,
-                            None),
-             "evict": (m.evict.enabled, m.evict.level, m.evict.repeat_s, None)}
-    return [Rung(name, LEVEL_BY_NAME[level], repeat, cooldown) for name in RUNGS
-            for enabled, level, repeat, cooldown in [specs[name]] if enabled]
+    specs = {"taint": (m.taint.enabled, m.taint.level, None),
+             "tune": (m.tune.enabled, m.tune.level, m.tune.repeat_s),
+             "drop_cache": (m.drop_cache.enabled, m.drop_cache.level, m.drop_cache.repeat_s),
+             "evict": (m.evict.enabled, m.evict.level, m.evict.repeat_s)}
+    return [Rung(name, LEVEL_BY_NAME[level], repeat) for name in RUNGS
+            for enabled, level, repeat in [specs[name]] if enabled]
 
 
 def dry_run_of(cfg: MitigationConfig, rung: str) -> bool:

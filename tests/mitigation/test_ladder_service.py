@@ -73,8 +73,8 @@ async def test_a_hanging_action_stalls_neither_the_ladder_nor_the_other_rungs() 
         assert [c for c in run.calls if c[0] == "taint"] == [("taint", "engage", False)]
         # the ladder still de-escalates the other rungs while taint hangs
         run.board.publish("psi", [reading("psi", Level.NONE)])
-        await run.until(lambda: ("drop_cache", "release", False) in run.calls)
-        assert ("tune", "release", False) in run.calls
+        await run.until(lambda: ("tune", "release", False) in run.calls)
+        assert ("drop_cache", "release", False) in run.calls
         # taint's release waits behind its hung engage; stop cancels both
         assert ("taint", "release", False) not in run.calls
     assert run.task.done()

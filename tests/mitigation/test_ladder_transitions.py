@@ -9,7 +9,7 @@ from nri_plugin.config.schema import Config
 from reconciler.detection.signals import Level
 from reconciler.mitigation.ladder import Ladder, Step
 from reconciler.mitigation.service import rungs_of
-from tests.support.ladder import COOLDOWN, RUNGS, TAINT, TUNE
+from tests.support.ladder import COOLDOWN, RUNGS, TUNE
 
 # -- the ladder, pure -----------------------------------------------------------------------------
 
@@ -88,33 +88,11 @@ def test_a_rung_switched_off_is_released_at_once() -> None:
     assert ladder.next_due([TUNE], COOLDOWN) is None
 
 
-def test_a_rung_with_its_own_cooldown_is_released_on_it() -> None:
-    own = dataclasses.replace(TUNE, cooldown_s=10.0)
-    rungs = [TAINT, own]
-    ladder = Ladder()
-    ladder.step(Level.LOW, 0.0, rungs, COOLDOWN)
-    assert ladder.step(Level.NONE, 5.0, rungs, COOLDOWN) == []
-    assert ladder.next_due(rungs, COOLDOWN) == 15.0  # the rung's 10 s, before the ladder's 60
-    assert ladder.step(Level.NONE, 14.9, rungs, COOLDOWN) == []
-    assert ladder.step(Level.NONE, 15.0, rungs, COOLDOWN) == [("tune", Step.RELEASE)]
-    assert ladder.step(Level.NONE, 64.9, rungs, COOLDOWN) == []
-    assert ladder.step(Level.NONE, 65.0, rungs, COOLDOWN) == [("taint", Step.RELEASE)]
-
-
-def test_a_rung_with_no_cooldown_is_released_when_the_level_falls() -> None:
-    rungs = [dataclasses.replace(TUNE, cooldown_s=0.0)]
-    ladder = Ladder()
-    ladder.step(Level.LOW, 0.0, rungs, COOLDOWN)
-    assert ladder.step(Level.LOW, 3.0, rungs, COOLDOWN) == []
-    assert ladder.step(Level.NONE, 3.5, rungs, COOLDOWN) == [("tune", Step.RELEASE)]
-    assert ladder.step(Level.LOW, 4.0, rungs, COOLDOWN) == [("tune", Step.ENGAGE)]
-
-
 def test_rungs_come_from_the_configuration() -> None:
     cfg = Config()
-    assert [(r.name, r.level, r.repeat_s, r.cooldown_s) for r in rungs_of(cfg)] == [
-        ("taint", Level.LOW, None, None), ("tune", Level.LOW, 5.0, 0.0),
-        ("drop_cache", Level.MEDIUM, 30.0, None), ("evict", Level.HIGH, 5.0, None)]
+    assert [(r.name, r.level, r.repeat_s) for r in rungs_of(cfg)] == [
+        ("taint", Level.LOW, None), ("tune", Level.LOW, 5.0),
+        ("drop_cache", Level.MEDIUM, 30.0), ("evict", Level.HIGH, 5.0)]
     off = dataclasses.replace(cfg, mitigation=dataclasses.replace(
         cfg.mitigation, tune=dataclasses.replace(cfg.mitigation.tune, enabled=False),
         evict=dataclasses.replace(cfg.mitigation.evict, level="medium")))

@@ -43,6 +43,7 @@ class Judged:
         state.replace_all(*self.host.nri())
         info = probe_host(sysfs)
         cfg = Config()
+        tune = {"judge_s": 15.0, **tune}  # off by default
         cfg = dataclasses.replace(cfg, mitigation=dataclasses.replace(
             cfg.mitigation, tune=dataclasses.replace(cfg.mitigation.tune, **tune)))
         self.squeeze = GuardSqueeze()
@@ -184,7 +185,8 @@ async def test_the_pods_file_gone_at_the_judgment_keeps_the_squeeze(tmp_path: Pa
     assert j.squeeze.current() is not None
 
 
-async def test_judge_s_zero_never_judges(tmp_path: Path) -> None:
+async def test_judge_s_zero_the_default_never_judges(tmp_path: Path) -> None:
+    assert Config().mitigation.tune.judge_s == 0.0
     j = Judged(tmp_path, judge_s=0.0)
     j.counter(0)
     await j.action.engage(j.cause(20.0), dry_run=False)

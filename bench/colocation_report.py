@@ -102,9 +102,7 @@ def summarize_actions(records: Sequence[tuple[float, str, dict[str, Any]]], star
                       end: float) -> dict[str, int]:
     """What the agent did in the window, from its audit trail."""
     counts: Counter[str] = Counter()
-    for at, event, fields in records:
-        if not start <= at <= end:
-            continue
+    for _, event, fields in (r for r in records if start <= r[0] <= end):
         if event == "mitigation_action":
             counts[f"{fields['action']} {fields['step']} {fields['result']}"] += 1
         elif event == "memory_guard_cap" and fields.get("squeezed"):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 from hooks.units import quantity
 from reconciler.detection.config import PSI, REFAULT
+from reconciler.detection.detectors import read_refaults, read_stall
 from reconciler.detection.signals import Level, Reading
-from reconciler.host.memstat import refault_pages
-from reconciler.host.parse import ParseError, parse_counters, parse_psi
+from reconciler.host.parse import ParseError
 
 JUDGED = (PSI, REFAULT)
 """The detectors whose readings name a pod and count what the pod itself feels."""
@@ -57,18 +57,16 @@ def judged(reading: Reading | None) -> bool:
 
 
 def counter(text: str, detector: str, full: bool, v2: bool) -> int:
-    """The pod's cumulative counter from its file's text. Raises :class:`ParseError`."""
-    if detector == PSI:
-        psi = parse_psi(text)
-        if not full:
-            return psi.some_total_us
-        if psi.full_total_us is None:
-            raise ParseError("memory.pressure has no 'full' line")
-        return psi.full_total_us
-    pages = refault_pages(parse_counters(text), v2)
-    if pages is None:
-        raise ParseError("memory.stat has no workingset_refault counters")
-    return pages
+    """The pod's cumulative counter from its file's text, read as the detector reads it.
+    Raises :class:`ParseError`."""
+    if detector != PSI:
+        return read_refaults(text, v2, 0.0).pages
+    stall = read_stall(text, 0.0)
+    if not full:
+        return stall.some_us
+    if stall.full_us is None:
+        raise ParseError("memory.pressure has no 'full' line")
+    return stall.full_us
 
 
 def mark(reading: Reading, text: str, v2: bool, at: float) -> Mark:

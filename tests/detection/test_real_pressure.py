@@ -52,11 +52,8 @@ def data(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Iterator[RealRoot]:
-    real = RealRoot(tmp_path, "test", LIMIT)
-    try:
+    with RealRoot(tmp_path, "test", LIMIT) as real:
         yield real
-    finally:
-        real.close()
 
 
 class Agent:

@@ -48,11 +48,8 @@ while time.monotonic() < end:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Iterator[RealRoot]:
-    real = RealRoot(tmp_path, "refault", LIMIT)
-    try:
+    with RealRoot(tmp_path, "refault", LIMIT) as real:
         yield real
-    finally:
-        real.close()
 
 
 def reader(memcg: Path, path: Path, seconds: float) -> subprocess.Popen[bytes]:

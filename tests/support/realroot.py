@@ -132,6 +132,12 @@ class RealRoot:
     def close(self) -> None:
         end(self._workers, self._made)
 
+    def __enter__(self) -> RealRoot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def end(processes: list[subprocess.Popen[Any]], cgroups: list[Path]) -> None:
     """Kills ``processes``, then removes ``cgroups`` (deepest, i.e. last made, first)."""

@@ -1,9 +1,9 @@
 """The concurrency toolkit every long-running part uses: one stop-aware sleep, one backoff, one
 list of change callbacks, one thread-safe way to set an event.
 
-Waits never leave tasks behind: :func:`sleep_until` waits on its events in a task group of its
-own, which is gone when it returns (whether the time ran out, an event was set, or the caller was
-cancelled).
+Waits never leave tasks behind: :func:`sleep_until` waits on one event in the caller's task, and
+on several in a task group of its own, which is gone when it returns (whether the time ran out,
+an event was set, or the caller was cancelled).
 """
 
 from __future__ import annotations
@@ -51,6 +51,14 @@ async def sleep_until(seconds: float, *events: asyncio.Event) -> bool:
     if not events:
         await asyncio.sleep(seconds)
         return False
+    if len(events) == 1:
+        # Most sleeps wait on the stop event alone, some ten times a second (the node's PSI
+        # polled under pressure): awaited in this task under a timeout, with no task group and
+        # no waiter task, a wake costs half the event loop's work.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await events[0].wait()
+        return events[0].is_set()
     async with asyncio.TaskGroup() as group:
         waiters = [group.create_task(event.wait()) for event in events]
         try:

@@ -137,6 +137,27 @@ async def test_sleep_returns_on_stop_or_wake() -> None:
     assert await sleep_until(0.001, asyncio.Event()) is False
 
 
+async def test_a_sleep_on_one_event_ends_on_it_or_on_time_and_leaves_no_task() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    assert await sleep_until(0.05, stop) is False
+    assert loop.time() - started >= 0.05
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+    task = asyncio.create_task(sleep_until(3600, stop))
+    await asyncio.sleep(0)
+    stop.set()
+    assert await asyncio.wait_for(task, 5) is True
+    # set before: no wait at all; cancelled: the cancellation reaches the caller
+    assert await sleep_until(3600, stop) is True
+    stop.clear()
+    task = asyncio.create_task(sleep_until(3600, stop))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_wake_runs_a_cycle_at_once_and_stop_ends_the_loop() -> None:
     signal = Signal()
     loop, stop, wake = Counting(signal), asyncio.Event(), asyncio.Event()

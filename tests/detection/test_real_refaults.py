@@ -92,8 +92,9 @@ def test_an_online_pod_losing_its_working_set_to_reclaim_is_rated(
          ContainerInfo(id="b" * 64, pod_sandbox_id="batch", name="c", cgroups_path=batch_path)])
     # the default threshold (512 pages/s) lies between what was measured here pressed (hundreds
     # of pages/s in the first seconds, thousands after; 13,000 in a guest) and alone: 0, but now
-    # and then one large folio (512 pages) of the reader's own interpreter, read back because an
-    # earlier test's memcg dropped it, which over the 7 s window is 73 pages/s
+    # and then 512-528 pages at once while the memcg reclaimed nothing (most likely a large
+    # folio of the reader's interpreter that an earlier test's memcg dropped), which over the
+    # 7 s window is 73 pages/s
     cfg = Config()
     sysfs = SysFs(root.root, AuditLog(MemoryAuditSink()))
     host = probe_host(sysfs)

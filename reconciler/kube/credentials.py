@@ -28,6 +28,11 @@ class Token(Protocol):
 
     def value(self) -> str: ...
 
+    def refused(self, token: str) -> bool:
+        """The server answered 401 to a request that carried ``token``; True when the token
+        may be another one if asked for again."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class FixedToken:
@@ -37,6 +42,9 @@ class FixedToken:
 
     def value(self) -> str:
         return self.token
+
+    def refused(self, token: str) -> bool:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,10 @@ class TokenFile:
         if not token:
             raise CredentialsError(f"token file {self.path} is empty")
         return token
+
+    def refused(self, token: str) -> bool:
+        # Its owner may have rewritten it since it was read for the refused request.
+        return True
 
 
 @dataclass(frozen=True, slots=True)

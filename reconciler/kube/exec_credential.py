@@ -3,8 +3,9 @@ command the cloud provider ships (``aws eks get-token``, ``gke-gcloud-auth-plugi
 ``kubelogin``) prints an ExecCredential, whose token is kept until its
 ``expirationTimestamp`` and fetched again after it.
 
-A credential without an expiry is kept for the life of the process, as the plugins the
-agent is run with all set one. A plugin that returns a client certificate instead of a token
+A token the server refuses (401) is dropped and the plugin run again at once, as kubectl
+does: a token revoked before its expiry, or one without an expiry, is replaced without a
+restart. A plugin that returns a client certificate instead of a token
 is refused when the credentials are built: the agent would have to rebuild its connection
 pool on every renewal.
 """
@@ -20,12 +21,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import structlog
+
 from reconciler.kube.credentials import CredentialsError
 
 API_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
 # Fetched again this long before it expires, so that no request leaves with a token the
 # server will find expired on arrival.
 EARLY = timedelta(seconds=30)
+
+log = structlog.get_logger("nri_qos.kube")
 
 
 def _now() -> datetime:
@@ -55,6 +60,15 @@ class ExecToken:
                                    and self.clock() >= self._expires - EARLY):
                 self._token, self._expires = self._fetch()
             return self._token
+
+    def refused(self, token: str) -> bool:
+        with self._lock:
+            # Several requests may come back refused with one token: one plugin run for all.
+            if token == self._token:
+                self._token, self._expires = "", None
+                log.info("kubernetes_token_refused", plugin=self.command,
+                         detail="the API server answered 401; the exec plugin runs again")
+        return True
 
     def _fetch(self) -> tuple[str, datetime | None]:
         spec: dict[str, Any] = {"interactive": False}

@@ -22,6 +22,8 @@ from reconciler.kube.credentials import Credentials
 Timeout = float | tuple[float, float]
 """Seconds for the whole request, or (to connect, to read) for a stream."""
 
+HTTP_UNAUTHORIZED = 401
+
 
 def user_agent() -> str:
     try:
@@ -52,10 +54,34 @@ class Api:
 
     def send(self, method: str, path_and_query: str, *, headers: Mapping[str, str],
              body: bytes | None, timeout: Timeout) -> urllib3.BaseHTTPResponse:
-        """One request, its answer's body left unread (a watch streams it)."""
+        """One request, its answer's body left unread (a watch streams it).
+
+        Sent once more when the server refuses its token (401) and the token's source then
+        gives another: the server never acted on the refused one, so even a POST is safe to
+        repeat."""
+        token = self.credentials.token
+        used = None if token is None else token.value()
+        answer = self._send(method, path_and_query, headers, body, timeout, used)
+        if (answer.status != HTTP_UNAUTHORIZED or token is None or used is None
+                or not token.refused(used)):
+            return answer
+        try:
+            fresh = token.value()
+        except BaseException:
+            answer.release_conn()
+            raise
+        if fresh == used:
+            return answer
+        answer.drain_conn()
+        answer.release_conn()
+        return self._send(method, path_and_query, headers, body, timeout, fresh)
+
+    def _send(self, method: str, path_and_query: str, headers: Mapping[str, str],
+              body: bytes | None, timeout: Timeout,
+              token: str | None) -> urllib3.BaseHTTPResponse:
         sent = {"User-Agent": self._agent, **headers}
-        if self.credentials.token is not None:
-            sent["Authorization"] = f"Bearer {self.credentials.token.value()}"
+        if token is not None:
+            sent["Authorization"] = f"Bearer {token}"
         limit = (urllib3.Timeout(total=timeout) if isinstance(timeout, (int, float))
                  else urllib3.Timeout(connect=timeout[0], read=timeout[1]))
         return self._pool.request(method, self.credentials.server + path_and_query,

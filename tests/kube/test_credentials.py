@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from reconciler.kube import KubernetesConfig, build_api_client
 from reconciler.kube.client import read_json
 from reconciler.kube.credentials import CredentialsError, in_cluster
-from reconciler.kube.errors import TRANSIENT, TRANSPORT
+from reconciler.kube.errors import TRANSIENT, TRANSPORT, ApiError
 from reconciler.kube.kubeconfig import MAX_BYTES, from_kubeconfig
 from reconciler.kube.rest import Rest
 from reconciler.kube.transport import Api
@@ -240,6 +240,21 @@ def test_a_token_file_named_in_the_kubeconfig_is_read_for_every_request(
     get_node(api)
     assert [r.headers["authorization"] for r in tls.requests("GET")] == [
         "Bearer one", "Bearer two"]
+
+
+@pytest.mark.parametrize("user", [{"token": "stale"}, {"tokenFile": "token"}])
+def test_a_refused_token_that_reads_the_same_again_gets_the_401_without_a_second_send(
+        tmp_path: Path, tls: FakeApiServer, user: dict[str, str]) -> None:
+    (tmp_path / "pki" / "token").write_text("stale")
+    kubeconfig = write_kubeconfig(tmp_path / "pki" / "kubeconfig", tls.url, user=user,
+                                  cluster={"certificate-authority": "cluster-ca.crt"})
+    api = connect(kubeconfig)
+    tls.token = "fresh"
+    with pytest.raises(ApiError) as raised:
+        get_node(api)
+    assert raised.value.status == 401
+    assert [(r.headers["authorization"], r.status) for r in tls.requests("GET")] == [
+        ("Bearer stale", 401)]
 
 
 # ---- what a kubeconfig may not say --------------------------------------------------------------

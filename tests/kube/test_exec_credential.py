@@ -1,5 +1,6 @@
 """Tokens from a kubeconfig's exec plugin: a real command run as kubectl runs it, its token sent,
-kept until 30 s before its expiry and fetched again then; each way a plugin fails, named."""
+kept until 30 s before its expiry and fetched again then, or at once when the server refuses
+it; each way a plugin fails, named."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from structlog.testing import capture_logs
 from reconciler.kube import KubernetesConfig, build_api_client
 from reconciler.kube.client import read_json
 from reconciler.kube.credentials import CredentialsError
+from reconciler.kube.errors import ApiError
 from reconciler.kube.exec_credential import EARLY, ExecToken, parse
 from reconciler.kube.rest import Rest
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
@@ -37,8 +39,13 @@ if mode == "fail":
     sys.exit(3)
 if mode == "slow":
     time.sleep(5)
+if (here / "fail-next").exists():
+    (here / "fail-next").unlink()
+    print("role revoked", file=sys.stderr)
+    sys.exit(4)
+token = "tok-cached" if mode == "cached" else f"tok-{{n}}"
 print(json.dumps({{"apiVersion": "{version}", "kind": "ExecCredential",
-                   "status": {{"token": f"tok-{{n}}", "expirationTimestamp": "{expiry}"}}}}))
+                   "status": {{"token": token, "expirationTimestamp": "{expiry}"}}}}))
 """
 
 
@@ -152,3 +159,86 @@ def test_what_a_plugin_prints_is_checked(output: bytes, said: str) -> None:
 def test_a_credential_without_expiry_is_kept(tmp_path: Path) -> None:
     out = json.dumps({"kind": "ExecCredential", "apiVersion": V1, "status": {"token": "t"}})
     assert parse(out.encode(), V1, "p") == ("t", None)
+
+
+def served(tmp_path: Path, server: FakeApiServer, mode: str = "ok") -> Rest:
+    plugin(tmp_path)
+    server.add_node("node-a")
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", server.url, user=exec_user(mode))
+    api = build_api_client(KubernetesConfig(kubeconfig=str(kubeconfig)))
+    assert api is not None
+    return Rest(api)
+
+
+def runs(tmp_path: Path) -> int:
+    return len((tmp_path / "bin" / "runs").read_text().splitlines())
+
+
+def seen(server: FakeApiServer, method: str) -> list[tuple[str, int]]:
+    return [(r.headers["authorization"], r.status) for r in server.requests(method)]
+
+
+def test_a_token_the_server_refuses_is_fetched_again_and_the_request_sent_once_more(
+        tmp_path: Path) -> None:
+    with FakeApiServer(token="tok-1") as server:
+        rest = served(tmp_path, server)
+        read_json(rest.request("GET", "/api/v1/nodes/node-a", timeout=5.0))
+        server.token = "tok-2"  # revoked long before its expiry in 2030
+        with capture_logs() as logs:
+            node = read_json(rest.request("GET", "/api/v1/nodes/node-a", timeout=5.0))
+        assert node["metadata"]["name"] == "node-a"
+        assert seen(server, "GET") == [("Bearer tok-1", 200), ("Bearer tok-1", 401),
+                                       ("Bearer tok-2", 200)]
+        assert runs(tmp_path) == 2
+        assert [e["event"] for e in logs] == ["kubernetes_token_refused"]
+        read_json(rest.request("GET", "/api/v1/nodes/node-a", timeout=5.0))
+        assert runs(tmp_path) == 2
+
+
+def test_a_refused_post_is_sent_again_with_its_body(tmp_path: Path) -> None:
+    event = {"metadata": {"name": "e1", "namespace": "default"},
+             "involvedObject": {"kind": "Pod", "namespace": "default", "name": "p"},
+             "reason": "Evicted"}
+    with FakeApiServer(token="tok-2") as server:
+        rest = served(tmp_path, server)
+        created = read_json(rest.request("POST", "/api/v1/namespaces/default/events",
+                                         timeout=5.0, body=event))
+        assert created["reason"] == "Evicted"
+        assert seen(server, "POST") == [("Bearer tok-1", 401), ("Bearer tok-2", 201)]
+        assert [r.body for r in server.requests("POST")] == [event, event]
+
+
+def test_a_plugin_that_hands_back_the_refused_token_gets_the_401_without_a_second_send(
+        tmp_path: Path) -> None:
+    # kubelogin, for one, answers from its own cache until the token's expiry.
+    with FakeApiServer(token="another") as server:
+        rest = served(tmp_path, server, mode="cached")
+        with pytest.raises(ApiError) as raised:
+            rest.request("GET", "/api/v1/nodes/node-a", timeout=5.0)
+        assert raised.value.status == 401
+        assert seen(server, "GET") == [("Bearer tok-cached", 401)]
+        assert runs(tmp_path) == 2
+
+
+def test_a_plugin_that_fails_after_a_refusal_fails_the_request_and_runs_again_on_the_next(
+        tmp_path: Path) -> None:
+    with FakeApiServer(token="tok-3") as server:
+        rest = served(tmp_path, server)
+        (tmp_path / "bin" / "fail-next").touch()
+        with pytest.raises(CredentialsError, match="exited with 4: role revoked"):
+            rest.request("GET", "/api/v1/nodes/node-a", timeout=5.0)
+        read_json(rest.request("GET", "/api/v1/nodes/node-a", timeout=5.0))
+        assert seen(server, "GET") == [("Bearer tok-1", 401), ("Bearer tok-3", 200)]
+        assert runs(tmp_path) == 3
+
+
+def test_requests_refused_with_one_token_run_the_plugin_once(tmp_path: Path) -> None:
+    token = ExecToken(command=str(plugin(tmp_path)), args=(), env={"MODE": "ok"},
+                      api_version=V1, timeout_s=10.0)
+    assert token.value() == "tok-1"
+    assert token.refused("tok-1")
+    assert token.refused("tok-1")
+    assert token.value() == "tok-2"
+    assert token.refused("tok-1")  # a late answer to a request sent with the old one
+    assert token.value() == "tok-2"
+    assert runs(tmp_path) == 2

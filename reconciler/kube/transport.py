@@ -60,20 +60,20 @@ class Api:
         gives another: the server never acted on the refused one, so even a POST is safe to
         repeat."""
         token = self.credentials.token
-        used = None if token is None else token.value()
+        if token is None:
+            return self._send(method, path_and_query, headers, body, timeout, None)
+        used = token.value()
         answer = self._send(method, path_and_query, headers, body, timeout, used)
-        if (answer.status != HTTP_UNAUTHORIZED or token is None or used is None
-                or not token.refused(used)):
+        if answer.status != HTTP_UNAUTHORIZED or not token.refused(used):
             return answer
         try:
             fresh = token.value()
         except BaseException:
-            answer.release_conn()
+            _discard(answer)
             raise
         if fresh == used:
             return answer
-        answer.drain_conn()
-        answer.release_conn()
+        _discard(answer)
         return self._send(method, path_and_query, headers, body, timeout, fresh)
 
     def _send(self, method: str, path_and_query: str, headers: Mapping[str, str],
@@ -90,6 +90,13 @@ class Api:
 
     def close(self) -> None:
         self._pool.clear()
+
+
+def _discard(answer: urllib3.BaseHTTPResponse) -> None:
+    """The connection of an answer nobody reads back to the pool, its body read first (an
+    unread body would be taken for the next request's answer)."""
+    answer.drain_conn()
+    answer.release_conn()
 
 
 def tls_context(credentials: Credentials) -> ssl.SSLContext:

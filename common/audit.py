@@ -73,7 +73,8 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "A pod-level group could not be had; the level's class group is used."),
     AuditEvent("tasks_moved", ("group", "count"), "Task ids were written into a resctrl group."),
     AuditEvent("memory_guard_cap", ("path", "cap_bytes", "previous_bytes"),
-               "The reclaimed tier's memory cap changed."),
+               "The reclaimed tier's memory cap or squeeze changed (cap_bytes null: no cap, "
+               "the squeeze's memory.high alone)."),
     AuditEvent("numa_view_inconsistent", ("nodes_total_bytes", "system_total_bytes"),
                "The NUMA nodes' memory does not add up to the machine's (hot-added or ballooned "
                "memory); node-wide limits use /proc/meminfo."),

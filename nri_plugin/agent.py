@@ -51,7 +51,7 @@ from reconciler.host.watermarks import Watermarks
 from reconciler.kube import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
-from reconciler.loops.memory_guard import GuardSqueeze
+from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
 from reconciler.mitigation.service import Mitigation, build_mitigation, counting_on

@@ -155,8 +155,9 @@ class ReconcilerMetrics:
         if failed:
             self._cycle_failures.labels(loop).inc()
 
-    def memory_guard(self, cap_bytes: int, usage_bytes: int) -> None:
-        """The guard's cap on the reclaimed tier and the tier's usage, after a cycle."""
+    def memory_guard(self, cap_bytes: int | None, usage_bytes: int) -> None:
+        """The guard's cap on the reclaimed tier (None: it holds none) and the tier's usage,
+        after a cycle."""
         self._guard_cap.value = cap_bytes
         self._tier_usage.set(usage_bytes)
 

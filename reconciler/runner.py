@@ -32,12 +32,8 @@ from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache, requested_outside
 from reconciler.loops.cpu_idle import CpuIdleLoop, CpuIdleSections, restore_idle
 from reconciler.loops.drift import DriftLoop, DriftSections
-from reconciler.loops.memory_guard import (
-    GuardSqueeze,
-    MemoryGuardLoop,
-    MemoryGuardSections,
-    restore_tier,
-)
+from reconciler.loops.memory_guard import MemoryGuardLoop, MemoryGuardSections, restore_tier
+from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.loops.numa_balance import NumaBalanceConfig, NumaBalanceLoop, NumaBalanceSections
 from reconciler.loops.numa_binding import (
     NUMA_BALANCE_NOTES,

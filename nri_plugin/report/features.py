@@ -91,6 +91,10 @@ def _memory_guard(cfg: Config, host: HostInfo) -> Feature:
     base = _loop(lambda c: c.memory_guard.enabled, "memory guard")(cfg, host)
     if not base.runs:
         return base
+    if not cfg.memory_guard.standing(host.cgroup.v2):
+        return Feature(True, "no standing cap on the BestEffort tier (memory_guard.standing_cap "
+                           f"= {cfg.memory_guard.standing_cap}); it is squeezed while the "
+                           "ladder's tune rung asks")
     where = "the machine (the NUMA view does not add up)" if not host.numa_view.consistent \
         else f"{len(host.numa_nodes)} NUMA node(s)"
     return Feature(True, f"caps the BestEffort tier from the free memory of {where}")

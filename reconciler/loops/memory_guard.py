@@ -8,8 +8,8 @@ Per NUMA node ``n``::
                        sum over n of ( reclaimed_used(n) + max(free(n) - watermark(n), 0) ))
     reserved     = allocatable - memory requests of the pods outside the BestEffort tier
 
-(the squeeze below may go under ``minimum_cap_bytes`` and ``reserved``, down to its own
-``floor_bytes``)
+(the ladder's squeeze, :mod:`reconciler.loops.memory_squeeze`, may go under
+``minimum_cap_bytes`` and ``reserved``, down to its own ``floor_bytes``)
 
 so the offline tier may keep what it uses and grow into the free memory above each node's
 watermark, never into the reserve kept for online pods. ``reclaimed_used(n)`` comes from the tier
@@ -40,26 +40,16 @@ and ``memory.high = max(high_ratio x cap, reserved)`` on v2 (at most the cap). A
 moves at most ``max_step_bytes`` per cycle, from the current limit and from the current usage,
 so the kernel reclaims gradually instead of OOM-killing the tier at once.
 
-While the mitigation ladder squeezes the tier (:class:`GuardSqueeze`, its "tune memcg" rung),
-the tier is held below the usage it had when the ladder first asked::
-
-    tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes,
-                anonymous memory of the tier + squeeze.step_bytes)
-
-a step lower on each later ask (every repeat on fresh pressure carries a new ``tightening``
-number: the same formula with the limit held in place of the usage), and at the cycles in
-between held where it is, raised only to stay ``step_bytes`` above the tier's anonymous memory
-(``tight = max(tight, anonymous + step_bytes)``). ``tight`` is the v1
-limit (``cap = min(cap, tight)``) or the v2 ``memory.high`` (``high = min(high, tight)``,
-``memory.max`` unchanged): the offline tier reclaims its own page cache (v1) or is throttled
-and reclaims (v2) instead of pushing the node into reclaim that hits online pods. The squeeze
-takes page cache, not anonymous memory (which without swap cannot be reclaimed: the kernel
-would refuse the limit, or OOM-kill offline pods for a rung meant to be mild): the tight value
-stays a step above it. It is not lowered again without an ask: lowered at every cycle, it took
-an offline job that kept growing its anonymous memory down to its limit after the pressure had
-ended, and the kernel killed it. A v2 squeeze without ``spare_anonymous`` drops that term: at
-``memory.high`` the kernel throttles and never kills, so a growing job is held where it is.
-Clearing the squeeze wakes the guard, which writes the unsqueezed values at once.
+That cap is the guard's *standing* cap, held whether or not anything presses the online pods.
+``standing_cap`` says where it applies: ``cgroup-v1`` (the default), ``always`` or ``never``. On
+cgroup v2 the online levels' ``memory.low`` has the kernel reclaim the unprotected tier first,
+at ``kubepods``' limit as in the machine's reclaim, so the cap only kept the tier out of memory
+that nobody used: on a 4 GiB v2 node with two offline pods it cost them 17-27 % of their work
+and bought the online pod nothing measurable (``docs/effectiveness.md``). v1 has no
+``memory.low``; there the cap is the one thing that keeps the tier off the online pods' pages.
+Without a standing cap the guard writes the ladder's squeeze alone
+(:mod:`reconciler.loops.memory_squeeze`): v2 ``memory.high`` (``memory.max`` left as it was),
+v1 the limit, and when the squeeze ends the tier's files get back what they had before.
 
 Before its first write to a tier file the guard notes the file's value in the state file
 (:mod:`reconciler.host.statefile`), and writes it back when the guard goes away: switched off by
@@ -71,14 +61,12 @@ computed from memory that nobody watches any more.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
-from common.aio import Callbacks
 from common.audit import AuditLog
 from hooks.config_fields import setting
 from reconciler.host.cgroups import BESTEFFORT, GUARANTEED, CgroupLayout
@@ -93,17 +81,30 @@ from reconciler.host.numa import (
 )
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.host.values import PAGE_SIZE, parse_bytes, same_bytes
+from reconciler.host.values import PAGE_SIZE, UNLIMITED_THRESHOLD, parse_bytes, same_bytes
 from reconciler.host.watermarks import Watermarks
 from reconciler.loops.base import Loop, ReconcilerConfig
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze, held, squeezed
 from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
 
 
+STANDING_CAP = ("always", "cgroup-v1", "never")
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryGuardConfig:
-    enabled: bool = setting(True, "Cap the memory of the reclaimed (BestEffort) tier.")
+    enabled: bool = setting(True, "Cap the memory of the reclaimed (BestEffort) tier: a "
+                            "standing cap where standing_cap says so, and the mitigation "
+                            "ladder's squeeze.")
+    standing_cap: str = setting(
+        "cgroup-v1", "Where the guard caps the tier outside the ladder's squeeze: always, on "
+        "cgroup v1 only, or never. On v2 the online levels' memory.low (memory.levels.*."
+        "low_ratio) has the kernel reclaim the unprotected tier first, at kubepods' limit as "
+        "in the machine's reclaim; a standing cap there held the offline pods below memory "
+        "nobody used and bought the online pod nothing measurable. v1 has no memory.low.",
+        choices=STANDING_CAP)
     interval_s: float = setting(5.0, "Period of the guard loop.", unit="seconds",
                                 minimum=0.1, maximum=3600)
     watermark_floor_bytes: int = setting(
@@ -142,6 +143,10 @@ class MemoryGuardConfig:
         "node-wide figures come from /proc/meminfo (hot-added or ballooned memory).",
         unit="percent", minimum=0, maximum=100,
     )
+
+    def standing(self, v2: bool) -> bool:
+        """Whether the guard holds a standing cap on a node of this cgroup version."""
+        return self.standing_cap == "always" or (self.standing_cap == "cgroup-v1" and not v2)
 
 
 _NODE_FIELD = re.compile(r"N(\d+)=(\d+)")
@@ -184,61 +189,6 @@ def bounded_cap(target: int, previous: int | None, usage: int, step: int) -> int
     if previous is not None:
         floor = max(floor, previous - step)
     return max(target, floor, 0)
-
-
-@dataclass(frozen=True, slots=True)
-class Squeeze:
-    """A tighter reclaimed tier, asked for by the mitigation ladder while interference lasts."""
-
-    # How far below its current usage the tier is held.
-    step_bytes: int
-    # Never below this.
-    floor_bytes: int
-    # Why (the detector and its reading), for the audit trail.
-    reason: str
-    # Which ask this is: a new number takes the tier a step lower (the first: below its usage).
-    tightening: int = 0
-    # Keep the tight limit a step above the tier's anonymous memory (always on v1: see the
-    # module doc).
-    spare_anonymous: bool = True
-
-
-class GuardSqueeze:
-    """The ladder's handle on the guard; safe from any thread. A change calls the subscribers
-    (the guard's wake-up), so it takes effect at once rather than at the next period."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._current: Squeeze | None = None
-        self._changed = Callbacks()
-
-    def current(self) -> Squeeze | None:
-        with self._lock:
-            return self._current
-
-    def set(self, squeeze: Squeeze | None) -> bool:
-        """Squeeze (or, with None, release) the tier; True when that changed something."""
-        with self._lock:
-            changed = self._current != squeeze
-            self._current = squeeze
-        if changed:
-            self._changed.call()
-        return changed
-
-    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
-        return self._changed.subscribe(callback)
-
-
-def squeezed(usage: int, anonymous: int, squeeze: Squeeze) -> int:
-    """The tier's tight limit when the ladder asks (see the module doc), in whole pages."""
-    tight = max(usage - squeeze.step_bytes, squeeze.floor_bytes, anonymous + squeeze.step_bytes)
-    return tight // PAGE_SIZE * PAGE_SIZE
-
-
-def held(previous: int, anonymous: int, squeeze: Squeeze) -> int:
-    """The tight limit at a cycle without a new ask: where it was, a step above the tier's
-    anonymous memory at least, in whole pages."""
-    return max(previous, (anonymous + squeeze.step_bytes) // PAGE_SIZE * PAGE_SIZE)
 
 
 class MemoryGuardSections(Protocol):
@@ -351,29 +301,41 @@ class MemoryGuardLoop(Loop):
         usage = sysfs.read_int(f"{tier}/{'memory.current' if v2 else 'memory.usage_in_bytes'}")
         if not nodes or usage is None:
             return
+        squeeze = self._squeeze.current() if self._squeeze is not None else None
+        if squeeze is None:
+            self._held = None
+        standing = guard.standing(v2)
+        if squeeze is None and not standing:
+            self._restore(f"no squeeze and no standing cap on cgroup v{2 if v2 else 1} "
+                          f"(memory_guard.standing_cap = {guard.standing_cap})")
+            if self._metrics is not None:
+                self._metrics.memory_guard(None, usage)
+            return
         stat = sysfs.read(f"{tier}/memory.numa_stat")
         per_node = parse_numa_stat(stat, v2, page) if stat else {}
         reclaimed = sum(per_node.values()) if per_node else usage
         view_nodes, floor = self._node_view(nodes, meminfo_values(meminfo), guard)
         target = target_cap(view_nodes, reclaimed, floor, guard.watermark_scale_factor,
                             guard.watermark_floor_percent)
-        reserved = self._reserved(meminfo) if guard.floor_from_requests else None
+        reserved = self._reserved(meminfo) if guard.floor_from_requests and standing else None
         limit_file = f"{tier}/{self._layout.limit_file}"
         current_text = sysfs.read(limit_file)
         if current_text is None:
             return
         previous = parse_bytes(current_text)
-        squeeze = self._squeeze.current() if self._squeeze is not None else None
-        if squeeze is None:
-            self._held = None
         # Anonymous memory counts 0 when memory.stat is unreadable (the floor still holds) or
         # a v2 squeeze need not spare it.
         spare = squeeze is not None and (squeeze.spare_anonymous or not v2)
         anonymous = (anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0) if spare else 0
         tight = None if squeeze is None else self._tight(usage, anonymous, squeeze)
-        # The minimum bounds the guard's own cap; a squeeze has its own floor (floor_bytes).
-        cap = max(bounded_cap(target, previous, usage, guard.max_step_bytes),
-                  guard.minimum_cap_bytes, reserved or 0)
+        if standing:
+            # The minimum bounds the guard's own cap; a squeeze has its own floor (floor_bytes).
+            cap = max(bounded_cap(target, previous, usage, guard.max_step_bytes),
+                      guard.minimum_cap_bytes, reserved or 0)
+        else:
+            # Squeezed, with no cap of the guard's own: the limit the tier had before the guard.
+            before = parse_bytes(self._notes.entries(NOTES).get(limit_file, current_text))
+            cap = UNLIMITED_THRESHOLD if before is None else before
         if tight is not None and not v2:
             # At once, not one step per cycle from the previous cap: only the usage bound (no
             # OOM cliff) still holds.
@@ -383,6 +345,10 @@ class MemoryGuardLoop(Loop):
         reason = f"memory guard: reclaimed {reclaimed} B + headroom over {where}"
         if reserved is not None and cap == reserved:
             reason = f"memory guard: allocatable - requests of the other pods ({reserved} B)"
+        if not standing:
+            reason = "memory guard: no standing cap"
+        capped = cap if cap < UNLIMITED_THRESHOLD else None
+        limit_text = "max" if capped is None else str(cap)
         if squeeze is not None:
             reason += f"; squeezed to {tight} B ({squeeze.reason})"
         if v2:
@@ -396,12 +362,12 @@ class MemoryGuardLoop(Loop):
             # Lower memory.high before memory.max so the tier is throttled before it is capped,
             # and raise memory.max first for the same reason.
             falling = previous is None or cap < previous
-            order = [(high_file, high), (limit_file, cap)] if falling \
-                else [(limit_file, cap), (high_file, high)]
+            order = [(high_file, str(high)), (limit_file, limit_text)] if falling \
+                else [(limit_file, limit_text), (high_file, str(high))]
             if not self._noted((high_file, limit_file), current_text):
                 return
-            outcomes = {path: sysfs.write_if_changed(path, str(value), reason, same=same_bytes)
-                        for path, value in order}
+            outcomes = {path: sysfs.write_if_changed(path, text, reason, same=same_bytes)
+                        for path, text in order}
             limit_outcome = outcomes[limit_file]
             # A cap is recorded once both files hold it: memory.high written beside a refused
             # memory.max is not the cap (the failed write has its own record).
@@ -411,13 +377,13 @@ class MemoryGuardLoop(Loop):
         else:
             if not self._noted((limit_file,), current_text):
                 return
-            limit_outcome = sysfs.write_if_changed(limit_file, str(cap), reason, same=same_bytes)
+            limit_outcome = sysfs.write_if_changed(limit_file, limit_text, reason, same=same_bytes)
             changed = limit_outcome == Outcome.WRITTEN
             extra = {}
         if self._metrics is not None and limit_outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
-            self._metrics.memory_guard(cap, usage)
+            self._metrics.memory_guard(capped, usage)
         if changed:
-            self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=cap,
+            self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=capped,
                                previous_bytes=previous, target_bytes=target,
                                reserved_bytes=reserved, usage_bytes=usage,
                                squeezed=squeeze is not None, **extra)

@@ -24,7 +24,8 @@ from reconciler.host.probe import HostInfo
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.kube import KubeActions, NodeOutcome
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig, Squeeze
+from reconciler.loops.memory_guard import MemoryGuardConfig
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation import relief
 from reconciler.mitigation.config import MitigationConfig

@@ -39,7 +39,8 @@ from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.common import ManagedCache
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardConfig
+from reconciler.loops.memory_guard import MemoryGuardConfig
+from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import (
     FAILED,

@@ -26,6 +26,7 @@ from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.fakesys import GIB, FakeHost
+from tests.support.guard_config import standing
 from tests.support.paths import REPO
 
 TAINT = "nri-qos.io/memory-pressure"
@@ -59,7 +60,7 @@ def node(tmp_path: Path) -> Node:
     host.make_resctrl()
     for group in ("nriqos-shared_cores", "nriqos-pod-1234", "other-tool"):
         host.add_resctrl_group(group)
-    cfg = Config()
+    cfg = standing()  # the v2 node's cap: a standing one
     cfg = dataclasses.replace(
         cfg, reconciler=dataclasses.replace(cfg.reconciler, root=str(host.root),
                                             state_dir=str(tmp_path / "state")),

@@ -13,14 +13,8 @@ from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.memory_guard import (
-    GuardSqueeze,
-    MemoryGuardLoop,
-    Squeeze,
-    bounded_cap,
-    parse_numa_stat,
-    target_cap,
-)
+from reconciler.loops.memory_guard import MemoryGuardLoop, bounded_cap, parse_numa_stat, target_cap
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze
 from reconciler.metrics import ReconcilerMetrics
 from tests.support.counting import CountingSysFs
 from tests.support.fakesys import (
@@ -32,6 +26,7 @@ from tests.support.fakesys import (
     refuse_writes,
     write,
 )
+from tests.support.guard_config import standing
 
 STEP = 1 * GIB
 
@@ -39,7 +34,7 @@ STEP = 1 * GIB
 def make(tmp_path: Path, version: int, driver: str, *, step: int = STEP,
          factor: float = 1.0) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
     host = FakeHost(tmp_path, version=version, driver=driver)
-    cfg = Config()
+    cfg = standing()
     # The floor unbounded by node size (tested on its own below): the whole 4 GiB applies.
     cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(
         cfg.memory_guard, max_step_bytes=step, watermark_scale_factor=factor,
@@ -322,8 +317,7 @@ def test_a_missing_limit_file_writes_nothing_until_it_is_back(tmp_path: Path) ->
 def guard_on(tmp_path: Path, version: int, **guard: Any
              ) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
     host = FakeHost(tmp_path, version=version, driver="cgroupfs")
-    base = Config()
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(base.memory_guard, **guard))
+    cfg = standing(**guard)
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(tmp_path, audit)

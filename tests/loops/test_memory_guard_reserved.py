@@ -11,12 +11,13 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
-from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import BESTEFFORT, layout_for
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.common import ManagedCache, requested_outside
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze, reserved_cap
+from reconciler.loops.memory_guard import MemoryGuardLoop, reserved_cap
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze
 from tests.support.fakesys import GIB, MIB, FakeHost
+from tests.support.guard_config import standing
 
 PAGE = 4096
 
@@ -35,9 +36,7 @@ def guard(tmp_path: Path, version: int, requests: Requests | None, *,
           squeeze: GuardSqueeze | None = None, **settings: Any
           ) -> tuple[FakeHost, MemoryGuardLoop, MemoryAuditSink]:
     host = FakeHost(tmp_path, version=version)
-    base = Config()
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, watermark_floor_percent=100.0, **settings))
+    cfg = standing(watermark_floor_percent=100.0, **settings)
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(tmp_path, audit)

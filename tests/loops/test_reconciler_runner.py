@@ -33,6 +33,7 @@ from reconciler.loops.base import Loop, run_loop
 from reconciler.loops.common import ManagedCache
 from reconciler.runner import build_loops, run_reconciler
 from tests.support.fakesys import GIB, FakeHost, read_ids
+from tests.support.guard_config import standing
 
 
 class Signal:
@@ -247,7 +248,7 @@ def test_the_memory_guard_of_build_loops_keeps_what_the_node_state_requested(
     pods, containers = host.nri()
     state.replace_all(pods, [dataclasses.replace(c, memory_request=3 * GIB) for c in containers])
     assert pod.containers
-    [guard] = [loop for loop in build_loops(Store(Config()).get, state, sysfs, host_of(sysfs),
+    [guard] = [loop for loop in build_loops(Store(standing()).get, state, sysfs, host_of(sysfs),
                                             None, AuditLog(sink)) if loop.name == "memory_guard"]
     guard.cycle(0.0)
     assert int((host.tier_dir("besteffort") / "memory.max").read_text()) == 7 * GIB
@@ -338,7 +339,7 @@ async def test_reconciler_runs_every_loop_and_reacts_to_nri_events(tmp_path: Pat
     signal = Signal()
     host, state, sysfs, resctrl, sink = make_host(tmp_path, SignallingSink(signal))
     stop = asyncio.Event()
-    loops = build_loops(Store(Config()).get, state, sysfs, host_of(sysfs), resctrl,
+    loops = build_loops(Store(standing()).get, state, sysfs, host_of(sysfs), resctrl,
                         AuditLog(sink))
     task = asyncio.create_task(run_reconciler(loops, state, stop, None,
                                               read_keys=Config().read_keys,

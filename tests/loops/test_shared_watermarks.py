@@ -3,12 +3,10 @@ NUMA balance, the periodic detectors) share one reading of ``/proc/zoneinfo`` a 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
-from nri_plugin.config.schema import Config
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
 from reconciler.detection.signals import Board
@@ -18,6 +16,7 @@ from reconciler.host.watermarks import Watermarks
 from reconciler.runner import build_loops
 from tests.support.counting import CountingSysFs
 from tests.support.fakesys import GIB, MIB, FakeHost
+from tests.support.guard_config import standing
 
 OFFLINE = "11111111-0000-0000-0000-000000000001"
 LOW = 1000  # pages: the guard's floor, not the zones' low watermark, decides
@@ -35,10 +34,8 @@ def test_one_reading_a_minute_for_every_loop_and_the_guard_follows_it(tmp_path: 
     host.set_numa([(20 * GIB, 32 * GIB, LOW), (20 * GIB, 32 * GIB, LOW)])
     state = NodeState()
     state.replace_all(*host.nri())
-    base = Config()
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, max_step_bytes=64 * GIB, watermark_scale_factor=1.0,
-        floor_from_requests=False))
+    cfg = standing(max_step_bytes=64 * GIB, watermark_scale_factor=1.0,
+                   floor_from_requests=False)
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = CountingSysFs(tmp_path, audit)

@@ -27,11 +27,13 @@ from reconciler.host.probe import probe_host
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop
-from reconciler.loops.memory_guard import NOTES, GuardSqueeze, MemoryGuardLoop, Squeeze
+from reconciler.loops.memory_guard import NOTES, MemoryGuardLoop
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze
 from reconciler.loops.numa_binding import NUMA_NOTES, NumaBindingLoop
 from reconciler.mitigation.actions import WMARK_NOTES, Cause, TuneAction
 from reconciler.runner import run_reconciler
 from tests.support.fakesys import GIB, MIB, UNLIMITED_V1, FakeHost, FakePod
+from tests.support.guard_config import standing
 
 # -- the state file -------------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ def guard(tmp_path: Path, version: int, notes: StateFile,
                     driver="systemd" if version == 2 else "cgroupfs")
     host.set_numa([(8 * GIB, 32 * GIB, 0)])
     host.set_tier_usage("besteffort", 2 * GIB, per_node=[2 * GIB])
-    cfg = [Config()]
+    cfg = [standing()]
     audit = AuditLog(MemoryAuditSink())
     sysfs = SysFs(host.root, audit)
     loop = MemoryGuardLoop(lambda: cfg[0], sysfs, layout_for(sysfs), audit, squeeze,
@@ -338,7 +340,7 @@ def test_switching_to_observe_gives_the_tier_back_and_holds_later_caps(tmp_path:
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(host.root, audit).observing(lambda: observing[0])
-    loop = MemoryGuardLoop(Config, sysfs, layout_for(sysfs), audit, notes=StateFile(None))
+    loop = MemoryGuardLoop(standing, sysfs, layout_for(sysfs), audit, notes=StateFile(None))
     loop.cycle(0.0)
     capped = tier_files(host)
     assert capped != ORIGINAL[version]

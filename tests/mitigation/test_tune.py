@@ -18,15 +18,12 @@ from reconciler.detection.signals import Level, Reading
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.memory_guard import (
-    GuardSqueeze,
-    MemoryGuardLoop,
-    Squeeze,
-    squeezed,
-)
+from reconciler.loops.memory_guard import MemoryGuardLoop
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze, squeezed
 from reconciler.mitigation.actions import Cause, TuneAction
 from reconciler.runner import run_reconciler
 from tests.support.fakesys import GIB, MIB, PAGE, READ_ONLY_NUMBER, FakeHost, refuse_writes
+from tests.support.guard_config import standing
 from tests.support.polling import eventually
 
 SQUEEZE = Squeeze(64 * MIB, 256 * MIB, "psi node 42 percent")
@@ -171,7 +168,7 @@ def test_v1_squeeze_keeps_the_no_oom_cliff_bound(tmp_path: Path) -> None:
 
 
 def test_v2_memory_high_is_squeezed_and_max_kept(tmp_path: Path) -> None:
-    host, loop, squeeze, sink = guard(tmp_path, 2, 4 * GIB)
+    host, loop, squeeze, sink = guard(tmp_path, 2, 4 * GIB, cfg=standing())
     loop.cycle(0.0)
     cap = tier_file(host, "memory.max")
     squeeze.set(SQUEEZE)
@@ -190,7 +187,8 @@ THROTTLE = dataclasses.replace(SQUEEZE, spare_anonymous=False)
 
 
 def test_v2_throttling_holds_memory_high_below_anonymous_memory(tmp_path: Path) -> None:
-    host, loop, squeeze, _ = guard(tmp_path, 2, 3 * GIB, anon=3 * GIB - 16 * MIB)
+    host, loop, squeeze, _ = guard(tmp_path, 2, 3 * GIB, anon=3 * GIB - 16 * MIB,
+                                  cfg=standing())
     loop.cycle(0.0)
     cap = tier_file(host, "memory.max")
     squeeze.set(THROTTLE)

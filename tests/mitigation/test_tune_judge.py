@@ -16,7 +16,7 @@ from reconciler.detection.pods import PodIndex
 from reconciler.detection.signals import NODE, Level, Reading, pod_scope
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.memory_guard import GuardSqueeze
+from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import Cause, TuneAction
 from tests.support.fakesys import FakeHost

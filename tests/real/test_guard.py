@@ -1,5 +1,7 @@
-"""The memory guard on a real cgroup v2 kernel, the guest being the whole node: its cap on the
-BestEffort tier (``memory.max`` and ``memory.high``) holds against a real writing process, a
+"""The memory guard on a real cgroup v2 kernel, the guest being the whole node: by default it
+holds no standing cap there (an offline pod takes more than the cap would have left it, and a
+squeeze is ``memory.high`` alone); where it holds one (``standing_cap = "always"``) its cap on
+the BestEffort tier (``memory.max`` and ``memory.high``) holds against a real writing process, a
 squeeze lowers ``memory.high`` and its end lifts it back, a squeeze that throttles anonymous
 memory holds a growing job where it is without killing it, the fulfillment detector reads the
 cap, no node size gives a cap under the minimum, and a node full of page cache still leaves the
@@ -13,6 +15,7 @@ import select
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,7 +27,8 @@ from reconciler.detection.signals import Board, Level
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop, Squeeze
+from reconciler.loops.memory_guard import MemoryGuardLoop
+from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze
 from tests.support.guest_node import CGROUP, MIB, Node, memory_stat, one_pod, read_int
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=1024)
@@ -46,9 +50,53 @@ def guard(cfg: Config, squeeze: GuardSqueeze | None = None, requests: int | None
                            requests=asked), sink
 
 
-def test_the_default_guard_on_a_small_node_leaves_the_tier_room(node: Node) -> None:
+def standing(**guard: Any) -> Config:
+    """The defaults, the guard holding a standing cap on this v2 node."""
+    base = Config()
+    return dataclasses.replace(base, memory_guard=dataclasses.replace(
+        base.memory_guard, standing_cap="always", **guard))
+
+
+def test_by_default_the_tier_has_no_standing_cap_and_a_squeeze_is_memory_high_alone(
+        node: Node) -> None:
+    """Settings under which the standing cap would be the 512 MiB minimum: by default nothing
+    is written, an offline pod of 700 MiB of anonymous memory runs, and a squeeze throttles
+    the tier at memory.high with memory.max left as it was."""
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, memory_guard=dataclasses.replace(
+        cfg.memory_guard, watermark_floor_bytes=1 << 40, watermark_floor_percent=100.0))
+    squeeze = GuardSqueeze()
+    loop, sink = guard(cfg, squeeze)
+    loop.cycle(0.0)
+    assert (TIER / "memory.max").read_text().strip() == "max"
+    assert (TIER / "memory.high").read_text().strip() == "max"
+    cgroup, _ = node.container("besteffort", UID, CID)
+    holder = node.holder(cgroup, 700)
+    loop.cycle(1.0)
+    assert holder.poll() is None
+    assert sink.records == []
+    usage = read_int(TIER / "memory.current")
+    # a step below the usage, the holder's anonymous memory not spared (at memory.high the
+    # kernel throttles, never kills)
+    squeeze.set(Squeeze(64 * MIB, 64 * MIB, "test", 1, spare_anonymous=False))
+    loop.cycle(2.0)
+    high = read_int(TIER / "memory.high")
+    assert high < usage
+    assert (TIER / "memory.max").read_text().strip() == "max"
+    [record] = sink.named("memory_guard_cap")
+    assert record["cap_bytes"] is None
+    assert record["high_bytes"] == high
+    squeeze.set(None)
+    loop.cycle(3.0)
+    assert (TIER / "memory.high").read_text().strip() == "max"
+    assert holder.poll() is None
+    events = dict(line.split() for line in (cgroup / "memory.events").read_text().splitlines())
+    assert events["oom_kill"] == "0", events
+
+
+def test_a_standing_cap_on_a_small_node_leaves_the_tier_room(node: Node) -> None:
     """Two NUMA nodes of 1 GiB: the fixed 4 GiB floor alone would cap the tier at 0."""
-    loop, sink = guard(Config())
+    loop, sink = guard(standing())
     loop.cycle(0.0)
     cap = read_int(TIER / "memory.max")
     high = read_int(TIER / "memory.high")
@@ -64,11 +112,9 @@ def test_the_default_guard_on_a_small_node_leaves_the_tier_room(node: Node) -> N
 
 
 def test_the_cap_holds_against_a_writing_process_and_a_squeeze_ends(node: Node) -> None:
-    base = Config()
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, minimum_cap_bytes=256 * MIB,
-        # the whole node but 256 MiB is kept from the tier: a cap well under the node's memory
-        watermark_floor_bytes=1 << 40, watermark_floor_percent=100.0))
+    # the whole node but 256 MiB is kept from the tier: a cap well under the node's memory
+    cfg = standing(minimum_cap_bytes=256 * MIB, watermark_floor_bytes=1 << 40,
+                   watermark_floor_percent=100.0)
     squeeze = GuardSqueeze()
     loop, sink = guard(cfg, squeeze)
     loop.cycle(0.0)
@@ -109,10 +155,8 @@ GROWER = (
 
 def test_a_squeeze_throttling_anonymous_memory_holds_a_growing_job_and_kills_nothing(
         node: Node) -> None:
-    base = Config()
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, minimum_cap_bytes=768 * MIB, watermark_floor_bytes=1 << 40,
-        watermark_floor_percent=100.0))
+    cfg = standing(minimum_cap_bytes=768 * MIB, watermark_floor_bytes=1 << 40,
+                   watermark_floor_percent=100.0)
     squeeze = GuardSqueeze()
     loop, _ = guard(cfg, squeeze)
     loop.cycle(0.0)
@@ -145,10 +189,8 @@ def test_a_squeeze_throttling_anonymous_memory_holds_a_growing_job_and_kills_not
 
 
 def test_fulfillment_reads_the_cap_against_the_tiers_requests(node: Node) -> None:
-    base = Config()
-    cfg = dataclasses.replace(base, memory_guard=dataclasses.replace(
-        base.memory_guard, minimum_cap_bytes=256 * MIB, watermark_floor_bytes=1 << 40,
-        watermark_floor_percent=100.0))
+    cfg = standing(minimum_cap_bytes=256 * MIB, watermark_floor_bytes=1 << 40,
+                   watermark_floor_percent=100.0)
     loop, _ = guard(cfg)
     loop.cycle(0.0)
     _, cgroups_path = node.container("besteffort", UID, CID)
@@ -173,7 +215,7 @@ def test_a_node_full_of_page_cache_leaves_the_tier_what_was_not_requested(
     (CGROUP / "kubepods/memory.max").write_text(str(1800 * MIB))
     online, _ = node.container("burstable", ONLINE_UID, ONLINE_CID)
     node.worker(online, CGROUP / "kubepods").ask(f"write {tmp_path / 'cache.bin'} 1400")
-    loop, sink = guard(Config(), requests=600 * MIB)
+    loop, sink = guard(standing(), requests=600 * MIB)
     loop.cycle(0.0)
     [record] = sink.named("memory_guard_cap")
     assert record["target_bytes"] < 1200 * MIB - 256 * MIB, record  # free memory is gone

@@ -22,7 +22,8 @@ from reconciler.detection.signals import Level, Reading, pod_scope
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.memory_guard import GuardSqueeze, MemoryGuardLoop
+from reconciler.loops.memory_guard import MemoryGuardLoop
+from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.mitigation.actions import Cause, TuneAction
 from tests.support.guest_node import CGROUP, MIB, Node, read_int
 from tests.support.realroot import Worker
@@ -39,7 +40,8 @@ def config(min_relief_percent: float) -> Config:
     base = Config()
     return dataclasses.replace(
         base,
-        memory_guard=dataclasses.replace(base.memory_guard, minimum_cap_bytes=256 * MIB),
+        memory_guard=dataclasses.replace(base.memory_guard, minimum_cap_bytes=256 * MIB,
+                                         standing_cap="always"),
         mitigation=dataclasses.replace(base.mitigation, tune=dataclasses.replace(
             base.mitigation.tune, judge_s=JUDGE_S, min_relief_percent=min_relief_percent)))
 

@@ -16,6 +16,7 @@ from bench.agent_env import agent_command
 from bench.colocation_plan import AGENT, OFFLINE, ONLINE, PodPlan
 from bench.kubelet_node import MIB, Container, KubeletNode
 from hooks.events import Event
+from nri_plugin.cli.status import NoAgent, fetch
 from nri_plugin.config.loader import drop_in_dir
 from nri_plugin.sim.scenario import ContainerSpec, PodSpec
 from nri_plugin.sim.simulator import (
@@ -131,7 +132,7 @@ class Agent:
             # first cycle (the memcg event registrations) after that; without the ladder, the
             # first memory guard cycle.
             deadline = time.monotonic() + READY_TIMEOUT_S
-            while not self._settled():
+            while not await self._settled():
                 if time.monotonic() > deadline or process.returncode is not None:
                     raise RuntimeError(f"the agent did not settle; see {self.log_file}")
                 await asyncio.sleep(0.05)
@@ -142,10 +143,17 @@ class Agent:
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
 
-    def _settled(self) -> bool:
-        events = [event for _, event, _ in self.records()]
+    async def _settled(self) -> bool:
         if self.creation_only:
-            return "memory_guard_cap" in events
+            # From the status socket, not the audit trail: a cycle may write nothing (on cgroup
+            # v2 the guard holds no standing cap by default).
+            try:
+                document = await asyncio.to_thread(fetch, str(self.work / "status.sock"))
+            except NoAgent:
+                return False
+            guard = document["reconciler"]["loops"].get("memory_guard")
+            return guard is not None and guard["cycles"] >= 1
+        events = [event for _, event, _ in self.records()]
         return events.count("mitigation_action") >= 4
 
     async def create(self, plan: PodPlan, container: Container) -> api.ContainerAdjustment:

@@ -267,6 +267,14 @@ def _refault(cfg: Config, host: HostInfo) -> Feature:
                          f"memory.stat, over {cfg.detection.refault_window_s:g} s")
 
 
+def _fulfillment(cfg: Config, host: HostInfo) -> Feature:
+    if cfg.memory_guard.enabled and cfg.memory_guard.standing(host.cgroup.v2):
+        return Feature(True, "the memory guard's cap vs the reclaimed pods' requests")
+    return Feature(True, "reads nothing here: the memory guard holds no standing cap on the "
+                         "BestEffort tier (memory_guard.standing_cap), so only an operator's "
+                         "own limit on it would be read")
+
+
 def _always(detail: str) -> Callable[[Config, HostInfo], Feature]:
     return lambda cfg, host: Feature(True, detail)
 
@@ -356,8 +364,7 @@ FEATURES: dict[str, Callable[[Config, HostInfo], Feature]] = {
         _always("pgsteal_kswapd rate from /proc/vmstat"), "kswapd")),
     "detection.rss_overuse": _detector(RSS_OVERUSE, _always(
         "anonymous memory of shared/reclaimed pods vs request x factor")),
-    "detection.fulfillment": _detector(FULFILLMENT, _always(
-        "the memory guard's cap vs the reclaimed pods' requests")),
+    "detection.fulfillment": _detector(FULFILLMENT, _fulfillment),
     "mitigation.taint": _rung("taint", _taint),
     "mitigation.tune": _rung("tune", _tune),
     "mitigation.drop_cache": _rung("drop_cache", _drop_cache),

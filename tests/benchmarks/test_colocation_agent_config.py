@@ -3,6 +3,8 @@ a drop-in of the agent's configuration, checked before any run."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,23 @@ def test_a_file_the_agent_would_refuse_stops_the_benchmark(tmp_path: Path, text:
     with pytest.raises(SystemExit, match="--agent-config: cannot read"):
         settings_from(parser("").parse_args(["--agent-config", str(tmp_path / "gone.toml")]),
                       23 * 1024, v2=True)
+
+
+async def test_the_creation_only_agent_is_settled_by_its_first_memory_guard_cycle(
+        tmp_path: Path) -> None:
+    """Read from the status socket: on cgroup v2 the guard's first cycle writes nothing."""
+    agent = Agent(KubeletNode.__new__(KubeletNode), tmp_path, Path("."), creation_only=True)
+    assert not await agent._settled()  # nothing answers yet
+    cycles = [0]
+
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loops = {"drift": {"cycles": 3}, "memory_guard": {"cycles": cycles[0]}}
+        writer.write(json.dumps({"reconciler": {"loops": loops}}).encode())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(answer, path=str(tmp_path / "status.sock"))
+    async with server:
+        assert not await agent._settled()
+        cycles[0] = 1
+        assert await agent._settled()

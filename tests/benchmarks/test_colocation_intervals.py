@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.baselines import bootstrap_interval
 from bench.colocation_plan import Repetition
-from bench.colocation_report import intervals, percentile, summarize_actions
+from bench.colocation_report import intervals, percentile, summarize_actions, timeline
 
 
 def rep(mode: str, index: int, service_ms: list[float], missed: int) -> Repetition:
@@ -54,3 +54,17 @@ def test_the_agents_actions_in_the_window_are_counted() -> None:
     assert summarize_actions(records, 1.0, 5.0) == {
         "tune engage done": 1, "squeeze limit writes": 1, "squeeze futile": 1,
         "ladder level low": 1, "taint_added": 1}
+
+
+def test_the_timeline_names_each_squeeze_by_what_holds_the_tier() -> None:
+    """v1: the limit; v2: memory.high, whether memory.max is a standing cap or none."""
+    records: list[tuple[float, str, dict[str, Any]]] = [
+        (1.0, "memory_guard_cap", {"squeezed": True, "cap_bytes": 2048 << 20}),
+        (2.0, "memory_guard_cap", {"squeezed": True, "cap_bytes": 3072 << 20,
+                                   "high_bytes": 1024 << 20}),
+        (3.0, "memory_guard_cap", {"squeezed": True, "cap_bytes": None,
+                                   "high_bytes": 512 << 20}),
+        (4.0, "memory_guard_cap", {"squeezed": False, "cap_bytes": None, "high_bytes": 0}),
+    ]
+    assert timeline(records, 0.5, 10.0) == [
+        (0.5, "squeeze to 2048 MiB"), (1.5, "squeeze to 1024 MiB"), (2.5, "squeeze to 512 MiB")]

@@ -175,3 +175,12 @@ def test_the_report_says_whether_the_guard_holds_a_standing_cap(
     feature = FEATURES["reconciler.memory_guard"](guard.cfg, host)
     assert feature.runs
     assert feature.detail == says
+
+
+@pytest.mark.parametrize(("version", "reads"), [(1, True), (2, False)])
+def test_the_report_says_whether_fulfillment_has_a_cap_to_read(
+        tmp_path: Path, version: int, reads: bool) -> None:
+    guard = Guard(tmp_path, version, "cgroup-v1")
+    feature = FEATURES["detection.fulfillment"](guard.cfg, probe_host(SysFs(tmp_path)))
+    assert feature.runs
+    assert feature.detail.startswith("reads nothing here") is not reads

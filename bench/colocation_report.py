@@ -128,8 +128,7 @@ def timeline(records: Sequence[tuple[float, str, dict[str, Any]]], start: float,
         if event == "mitigation_action" and fields["result"] not in ("unchanged", "skipped"):
             found.append((at - start, f"{fields['action']} {fields['step']}"))
         elif event == "memory_guard_cap" and fields.get("squeezed"):
-            # v2: the squeeze is memory.high (memory.max is the standing cap, or none)
-            squeeze = fields.get("high_bytes") or fields["cap_bytes"]
+            squeeze = fields.get("high_bytes") or fields["cap_bytes"]  # v2: memory.high holds
             found.append((at - start, f"squeeze to {squeeze >> 20} MiB"))
         elif event == "mitigation_level":
             found.append((at - start, f"level {fields['ladder_level']}"))

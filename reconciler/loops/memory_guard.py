@@ -296,20 +296,23 @@ class MemoryGuardLoop(Loop):
                 log.warning("memory_guard_idle", reason="no BestEffort cgroup", path=tier)
             return
         self._warned_missing = False
-        meminfo = sysfs.read(MEMINFO)
-        nodes = read_nodes(sysfs, page, meminfo, lows=self._watermarks.at(now).node_lows())
         usage = sysfs.read_int(f"{tier}/{'memory.current' if v2 else 'memory.usage_in_bytes'}")
-        if not nodes or usage is None:
+        if usage is None:
             return
         squeeze = self._squeeze.current() if self._squeeze is not None else None
         if squeeze is None:
             self._held = None
         standing = guard.standing(v2)
         if squeeze is None and not standing:
+            # Nothing to compute: the node's memory is read only for a cap or a squeeze.
             self._restore(f"no squeeze and no standing cap on cgroup v{2 if v2 else 1} "
                           f"(memory_guard.standing_cap = {guard.standing_cap})")
             if self._metrics is not None:
                 self._metrics.memory_guard(None, usage)
+            return
+        meminfo = sysfs.read(MEMINFO)
+        nodes = read_nodes(sysfs, page, meminfo, lows=self._watermarks.at(now).node_lows())
+        if not nodes:
             return
         stat = sysfs.read(f"{tier}/memory.numa_stat")
         per_node = parse_numa_stat(stat, v2, page) if stat else {}

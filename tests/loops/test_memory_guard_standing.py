@@ -19,6 +19,7 @@ from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import NOTES, MemoryGuardLoop
 from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze
 from reconciler.metrics import ReconcilerMetrics
+from tests.support.counting import CountingSysFs
 from tests.support.fakesys import GIB, MIB, UNLIMITED_V1, FakeHost
 
 SQUEEZE = Squeeze(64 * MIB, 256 * MIB, "psi node 42 percent")
@@ -184,3 +185,16 @@ def test_the_report_says_whether_fulfillment_has_a_cap_to_read(
     feature = FEATURES["detection.fulfillment"](guard.cfg, probe_host(SysFs(tmp_path)))
     assert feature.runs
     assert feature.detail.startswith("reads nothing here") is not reads
+
+
+def test_without_a_standing_cap_or_a_squeeze_the_nodes_memory_is_not_read(
+        tmp_path: Path) -> None:
+    guard = Guard(tmp_path, 2, "cgroup-v1")
+    sysfs = CountingSysFs(tmp_path, AuditLog(guard.sink))
+    loop = MemoryGuardLoop(lambda: guard.cfg, sysfs, layout_for(sysfs), AuditLog(guard.sink),
+                           guard.squeeze)
+    loop.cycle(0.0)
+    assert [p for p in sysfs.reads if "meminfo" in p or p == "/proc/zoneinfo"] == []
+    guard.squeeze.set(SQUEEZE)  # a squeeze reads them
+    loop.cycle(1.0)
+    assert sysfs.reads["/proc/meminfo"] == 1

@@ -34,7 +34,7 @@ from reconciler.mitigation.actions import Cause
 from reconciler.mitigation.drop_cache import DropCacheAction
 from tests.support.polling import eventually
 from tests.support.pressure_worker import REACH_S
-from tests.support.realroot import MIB, RealRoot, Worker, unavailable, usage
+from tests.support.realroot import MIB, RealRoot, Worker, cache_drops, unavailable, usage
 
 pytestmark = [pytest.mark.real_kernel,
               pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")]
@@ -210,10 +210,7 @@ async def test_node_psi_trigger(root: RealRoot, worker: Worker, data: Path) -> N
 async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path: Path) -> None:
     memcg, cgroups_path = root.container("besteffort", UID, CID)
     worker = root.spawn_worker(memcg)
-    await asyncio.to_thread(worker.ask, f"write {tmp_path / 'cache.bin'} 48")
     pod = memcg.parent
-    before = usage(pod)
-    assert before >= 40 * MIB
     agent = Agent(root)
     assert agent.host.memcg.force_empty
     state = NodeState()
@@ -225,7 +222,14 @@ async def test_drop_cache_frees_a_real_pods_page_cache(root: RealRoot, tmp_path:
     action = DropCacheAction(lambda: agent.cfg, agent.sysfs, agent.host,
                              PodIndex(state, agent.host.cgroup), agent.audit, metrics=metrics)
     try:
-        result = await action.engage(Cause(Level.MEDIUM), dry_run=False)
+        for attempt in range(3):  # again only if the machine's page cache was dropped meanwhile
+            drops = cache_drops()
+            await asyncio.to_thread(worker.ask, f"write {tmp_path / f'cache{attempt}.bin'} 48")
+            before = usage(pod)
+            assert before >= 40 * MIB
+            result = await action.engage(Cause(Level.MEDIUM), dry_run=False)
+            if cache_drops() == drops:
+                break
     finally:
         action.close()
     assert result.result == "done", result

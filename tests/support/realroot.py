@@ -76,6 +76,19 @@ def usage(memcg: Path) -> int:
     return int((v1 if v1.exists() else memcg / "memory.current").read_text())
 
 
+def cache_drops() -> int | None:
+    """How many times the machine's whole page cache was dropped (``drop_pagecache`` in
+    ``/proc/vmstat``; None where the kernel does not count them). On the machines the tests run
+    on something outside them drops it now and then (three times in the first hour of one),
+    emptying the page cache a test has just made: only a count that did not move lets that test
+    judge what it measured."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, value = line.split()
+        if name == "drop_pagecache":
+            return int(value)
+    return None
+
+
 class RealRoot:
     def __init__(self, directory: Path, name: str, limit_bytes: int) -> None:
         if limit_bytes > 4 << 30:

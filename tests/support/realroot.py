@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reconciler.host.parse import parse_counters
+
 MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")
 WORKER = Path(__file__).with_name("pressure_worker.py")
@@ -82,11 +84,7 @@ def cache_drops() -> int | None:
     on something outside them drops it now and then (three times in the first hour of one),
     emptying the page cache a test has just made: only a count that did not move lets that test
     judge what it measured."""
-    for line in Path("/proc/vmstat").read_text().splitlines():
-        name, value = line.split()
-        if name == "drop_pagecache":
-            return int(value)
-    return None
+    return parse_counters(Path("/proc/vmstat").read_text()).get("drop_pagecache")
 
 
 class RealRoot:

@@ -89,7 +89,7 @@ from bench.baselines import block_order, memory_high, runs_agent, static_limits,
 from bench.colocation_agent import READY_TIMEOUT_S, Agent, apply_adjustment
 from bench.colocation_cli import list_scenarios, parser, settings_from
 from bench.colocation_indicators import indicator_deltas, snapshot
-from bench.colocation_machine import describe, machine_facts
+from bench.colocation_machine import check_work_dirs, describe, machine_facts, work_prefix
 from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repetition, Settings
 from bench.colocation_report import (
     as_json,
@@ -354,7 +354,7 @@ async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> lis
     reps: list[Repetition] = []
     print(f"order: seed {settings.seed}; block 0 is a warm-up, not counted", flush=True)
     for mode, index in block_order(settings.modes, settings.reps + 1, settings.seed):
-        work = Path(tempfile.mkdtemp(prefix=f"coloc-{mode}-{index}-", dir=under))
+        work = Path(tempfile.mkdtemp(prefix=work_prefix(mode, index), dir=under))
         try:
             await asyncio.to_thread(quiet_machine, settings.idle_s)
             name = "warm-up" if index == 0 else f"repetition {index}/{settings.reps}"
@@ -425,6 +425,8 @@ def main() -> int:
             return 1
         try:
             settings, sizing = settings_from(args, machine_mib(), v2_memory())
+            if args.keep:
+                check_work_dirs(Path(args.keep).resolve(), settings.modes, settings.reps)
         except ValueError as exc:
             print(f"colocation: {exc}")
             print("online p99 ms: -; offline MiB: -")
@@ -461,7 +463,7 @@ def main() -> int:
             data = Path(args.data_dir) if args.data_dir else scratch / "data"
             data.mkdir(parents=True, exist_ok=True)
             prepare_data(data, settings)
-            work = Path(args.keep) if args.keep else scratch
+            work = Path(args.keep).resolve() if args.keep else scratch
             work.mkdir(parents=True, exist_ok=True)
             try:
                 reps = asyncio.run(run(settings, data, work, keep=bool(args.keep)))

@@ -77,7 +77,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
                                       "default: this run's directory under /var/tmp")
     p.add_argument("--keep", help="keep each repetition's work directory (agent log, audit "
                                   "trail, raw samples; not the offline pods' output) under "
-                                  "this directory")
+                                  "this directory; it holds the run's unix sockets, so it "
+                                  "must be on a local file system (checked before the run)")
     p.add_argument("--plot", help="draw the latency CDFs and offline progress into this PNG")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from-json", help="print (and --plot) earlier raw results; no run")

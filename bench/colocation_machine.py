@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import socket
+import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 # Steps of the loop that says how fast this machine runs Python; a scenario's timings assume a
@@ -55,3 +59,35 @@ def describe(machine: dict[str, str]) -> str:
             f"memory cgroup {machine['cgroup']}; a loop of {SPEED_STEPS:,} Python steps takes "
             f"{machine['loop']}, touching {TOUCH_MIB} MiB of new memory {machine['touch']} "
             "(compare runs of different machines by these)")
+
+
+SOCKETS = ("nri.sock", "status.sock", "kv.sock")
+"""The unix sockets a repetition's work directory holds: the runtime's, the agent's status
+socket, the key-value service's."""
+
+
+def work_prefix(mode: str, index: int) -> str:
+    """A repetition's work directory's name, before the random part ``mkdtemp`` adds."""
+    return f"coloc-{mode}-{index}-"
+
+
+def check_work_dirs(under: Path, modes: Sequence[str], reps: int) -> None:
+    """Raise ValueError, saying why, unless the work directories of a run of ``modes`` x
+    ``reps`` can be made under ``under`` and hold their unix sockets: checked before any data
+    is written. A directory as deep as the deepest of them is made and a socket bound in it,
+    because a socket's path has at most 107 bytes and some file systems refuse sockets (a
+    guest's 9p share, such as ``$NRIQOS_VM_ARTIFACTS``)."""
+    prefix = max((work_prefix(mode, reps) for mode in modes), key=len)
+    try:
+        under.mkdir(parents=True, exist_ok=True)
+        probe = Path(tempfile.mkdtemp(prefix=prefix, dir=under))
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.bind(str(probe / max(SOCKETS, key=len)))
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+    except OSError as exc:
+        raise ValueError(
+            f"{under}: a work directory there cannot hold the run's unix sockets "
+            f"({exc.strerror or exc}); give a shorter directory on a local file system, "
+            "e.g. /var/tmp/keep") from exc

@@ -89,7 +89,13 @@ from bench.baselines import block_order, memory_high, runs_agent, static_limits,
 from bench.colocation_agent import READY_TIMEOUT_S, Agent, apply_adjustment
 from bench.colocation_cli import list_scenarios, parser, settings_from
 from bench.colocation_indicators import indicator_deltas, snapshot
-from bench.colocation_machine import check_work_dirs, describe, machine_facts, work_prefix
+from bench.colocation_machine import (
+    SERVICE_SOCKET,
+    check_work_dirs,
+    describe,
+    machine_facts,
+    work_prefix,
+)
 from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repetition, Settings
 from bench.colocation_report import (
     as_json,
@@ -225,11 +231,11 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             service = node.spawn(online.rel, [
                 sys.executable, "-I", str(WORKLOADS), "serve", "--files", str(data / "online"),
                 "--anon-mib", str(settings.online_anon_mib), "--socket",
-                str(work / "kv.sock")], oom_score_adj=online_oom)
+                str(work / SERVICE_SOCKET)], oom_score_adj=online_oom)
             if (await read_line(service)).strip() != "ready":
                 raise RuntimeError("the online service did not start")
             watched.append(("online service", service))
-            load_process = start_load(work / "kv.sock", settings, service_out)
+            load_process = start_load(work / SERVICE_SOCKET, settings, service_out)
             stack.callback(stop_load, load_process)
             if (await read_line(load_process)).strip() != "ready":
                 raise RuntimeError("the load generator did not start")

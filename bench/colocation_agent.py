@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.agent_env import agent_command
+from bench.colocation_machine import RUNTIME_SOCKET, STATUS_SOCKET
 from bench.colocation_plan import AGENT, OFFLINE, ONLINE, PodPlan
 from bench.kubelet_node import MIB, Container, KubeletNode
 from hooks.events import Event
@@ -58,7 +59,7 @@ class Agent:
         self.work = work
         self.audit_file = work / "audit.jsonl"
         self.log_file = work / "agent.log"
-        self.socket = work / "nri.sock"
+        self.socket = work / RUNTIME_SOCKET
         self.simulator = RuntimeSimulator(self.socket)
         self.connection: PluginConnection | None = None
         self.pid: int | None = None
@@ -73,7 +74,7 @@ class Agent:
             f'[reconciler]\nroot = "{root}"\n'
             f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
             f'[logging]\naudit_file = "{self.audit_file}"\n'
-            f'[status]\nsocket = "{self.work / "status.sock"}"\n'
+            f'[status]\nsocket = "{self.work / STATUS_SOCKET}"\n'
             + (CREATION_ONLY if self.creation_only else "")
         )
 
@@ -148,7 +149,7 @@ class Agent:
             # From the status socket, not the audit trail: a cycle may write nothing (on cgroup
             # v2 the guard holds no standing cap by default).
             try:
-                document = await asyncio.to_thread(fetch, str(self.work / "status.sock"))
+                document = await asyncio.to_thread(fetch, str(self.work / STATUS_SOCKET))
             except NoAgent:
                 return False
             guard = document["reconciler"]["loops"].get("memory_guard")

@@ -1,6 +1,7 @@
 """What the colocation benchmark says of the machine it ran on: its kernel, CPUs, memory and
 memory cgroup version, and how fast it runs Python and grows memory, so that runs of different
-machines can be told apart (a guest under QEMU's TCG runs 5-30 times slower than its host)."""
+machines can be told apart (a guest under QEMU's TCG runs 5-30 times slower than its host); and
+whether a directory of it can hold a run's work directories."""
 
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def describe(machine: dict[str, str]) -> str:
             "(compare runs of different machines by these)")
 
 
-SOCKETS = ("nri.sock", "status.sock", "kv.sock")
+RUNTIME_SOCKET = "nri.sock"
+STATUS_SOCKET = "status.sock"
+SERVICE_SOCKET = "kv.sock"
+SOCKETS = (RUNTIME_SOCKET, STATUS_SOCKET, SERVICE_SOCKET)
 """The unix sockets a repetition's work directory holds: the runtime's, the agent's status
 socket, the key-value service's."""
 

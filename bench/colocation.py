@@ -429,10 +429,12 @@ def main() -> int:
             print(f"colocation: cannot run here ({problem})")
             print("online p99 ms: -; offline MiB: -")
             return 1
+        # Absolute: the agent runs from its source tree, and is given sockets in this directory.
+        keep = Path(args.keep).resolve() if args.keep else None
         try:
             settings, sizing = settings_from(args, machine_mib(), v2_memory())
-            if args.keep:
-                check_work_dirs(Path(args.keep).resolve(), settings.modes, settings.reps)
+            if keep is not None:
+                check_work_dirs(keep, settings.modes, settings.reps)  # makes it, too
         except ValueError as exc:
             print(f"colocation: {exc}")
             print("online p99 ms: -; offline MiB: -")
@@ -469,10 +471,8 @@ def main() -> int:
             data = Path(args.data_dir) if args.data_dir else scratch / "data"
             data.mkdir(parents=True, exist_ok=True)
             prepare_data(data, settings)
-            work = Path(args.keep).resolve() if args.keep else scratch
-            work.mkdir(parents=True, exist_ok=True)
             try:
-                reps = asyncio.run(run(settings, data, work, keep=bool(args.keep)))
+                reps = asyncio.run(run(settings, data, keep or scratch, keep=keep is not None))
             except (KeyboardInterrupt, asyncio.CancelledError):
                 print("interrupted: every cgroup and process made was removed")
                 return 130

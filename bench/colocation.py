@@ -38,10 +38,12 @@ Method: a warm-up block of every mode (not counted), then ``--reps`` blocks of e
 each block in an order drawn from ``--seed`` (printed); before each repetition the caches are
 dropped and the machine left idle (``--idle-s``); each repetition writes its output into a
 fresh directory. The window is the offline job's run: from its start for ``--duration``
-seconds. Printed: a table (online probe iteration latency p50/p99/p99.9 over the window; the
-kernel's reclaim indicators for the online container: major faults, refaults of evicted file
-pages, its stall on memory, io and cpu from PSI; how often ``kubepods`` hit its limit; offline
-progress in MiB; what the agent did, from its audit records), a second table (the service's
+seconds (with ``--offline-warm``, the ``streaming`` scenario's default, from once every offline
+pod has read its data set through, its page cache filling the node). Printed: a table
+(online probe iteration latency p50/p99/p99.9 over the window; the kernel's reclaim indicators
+for the online container: major faults, refaults of evicted file pages, its stall on memory,
+io and cpu from PSI; how often ``kubepods`` hit its limit; offline progress in MiB; what the
+agent did, from its audit records), a second table (the service's
 p50/p99/p99.9 and misses, the offline MiB, MiB checksummed and CPU seconds), a third (what
 the offline tier paid: charges hitting its limit, file pages read again after reclaim, major
 faults, its PSI memory and io stall; kswapd's scanning on the machine; the agent pod's peak
@@ -56,6 +58,7 @@ the latency CDFs and the offline progress over time (matplotlib, the ``bench`` e
     python bench/colocation.py [--scenario NAME] [--duration 90] [--reps 3] [--quick]
                                [--modes M,M] [--seed N] [--online-rps 200]
                                [--offline-input-mib N] [--offline-work-rounds 1]
+                               [--offline-warm | --no-offline-warm]
                                [--idle-s 5] [--plot PNG] [--json PATH] [--keep DIR]
                                [--data-dir DIR] [--agent-from SOURCE_TREE] [--agent-config TOML]
                                [--variant NAME=TOML ...]
@@ -79,7 +82,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -94,6 +96,9 @@ from bench.colocation_machine import (
     check_work_dirs,
     describe,
     machine_facts,
+    machine_mib,
+    quiet_machine,
+    run_dir,
     work_prefix,
 )
 from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repetition, Settings
@@ -131,6 +136,9 @@ WORKLOADS = Path(__file__).with_name("colocation_workloads.py")
 CPUS = os.cpu_count() or 1
 SETTLE_S = 3.0
 """The online pod alone before the offline one starts: its warm baseline."""
+WARM_TIMEOUT_S = 900.0
+"""For an offline pod to read its data set through (``--offline-warm``): some GiB on a slow
+guest's disk."""
 def memory_qos(node: KubeletNode, plan: PodPlan, container: Container) -> list[str]:
     """What kubelet's MemoryQoS writes for a container (cgroup v2): memory.min = the request on
     the container, its pod, its tier and ``kubepods`` (the tier's and ``kubepods``' are sums of
@@ -149,9 +157,9 @@ def memory_qos(node: KubeletNode, plan: PodPlan, container: Container) -> list[s
     return applied
 
 
-async def read_line(process: subprocess.Popen[str]) -> str:
+async def read_line(process: subprocess.Popen[str], timeout_s: float = READY_TIMEOUT_S) -> str:
     assert process.stdout is not None
-    return await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), READY_TIMEOUT_S)
+    return await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), timeout_s)
 
 
 def start_load(socket: Path, settings: Settings, out: Path) -> subprocess.Popen[str]:
@@ -240,11 +248,13 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             if (await read_line(load_process)).strip() != "ready":
                 raise RuntimeError("the load generator did not start")
         await asyncio.sleep(SETTLE_S)
-        node.pass_protection()
-        before = snapshot(node, online)
-        cpu0 = agent.cpu_seconds() if agent is not None else 0.0
-        own0 = time.process_time()
-        t0_ns, t0_unix = time.monotonic_ns(), time.time()
+
+        def open_window() -> tuple[dict[str, int | None], float, float, int, float]:
+            node.pass_protection()
+            return (snapshot(node, online), agent.cpu_seconds() if agent is not None else 0.0,
+                    time.process_time(), time.monotonic_ns(), time.time())
+
+        window = open_window()
         for i, (plan, offline) in enumerate(zip(plans, offlines, strict=True)):
             process, _ = await start(plan, offline, [
                 "offline", "--input", str(data / input_name(i)), "--output",
@@ -252,8 +262,16 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                 "--grow-mib-s", str(settings.offline_grow_mib_s), "--task-s",
                 str(settings.offline_task_s), "--write-every",
                 str(settings.offline_write_every), "--work-rounds",
-                str(settings.offline_work_rounds), "--out", str(offline_outs[i])])
+                str(settings.offline_work_rounds), "--out", str(offline_outs[i]),
+                *(["--warm"] if settings.offline_warm else [])])
             watched.append((f"offline {plan.name}", process))
+        if settings.offline_warm:
+            # The window opens on the node the offline pods' read-through left.
+            for name, process in watched[-len(plans):]:
+                if (await read_line(process, WARM_TIMEOUT_S)).strip() != "ready":
+                    raise RuntimeError(f"the {name} workload did not start")
+            window = open_window()
+        before, cpu0, own0, t0_ns, t0_unix = window
         deadline = time.monotonic() + settings.duration_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.5, max(deadline - time.monotonic(), 0)))
@@ -339,14 +357,6 @@ def prepare_data(data: Path, settings: Settings) -> None:
 # -- driving --------------------------------------------------------------------------------------
 
 
-def quiet_machine(idle_s: float) -> None:
-    """Between repetitions: the page cache dropped (what a run left charged to a removed node's
-    cgroup stays in memory otherwise), then an idle gap."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3")
-    time.sleep(idle_s)
-
-
 async def run(settings: Settings, data: Path, under: Path, *, keep: bool) -> list[Repetition]:
     """A warm-up block, then ``reps`` blocks of every mode once, each block in an order drawn
     from ``settings.seed`` (:func:`bench.baselines.block_order`); each repetition in a work
@@ -391,29 +401,6 @@ def tidy(work: Path, *, keep: bool, pods: int) -> None:
         return
     for pod in range(pods):
         output_file(work, pod).unlink(missing_ok=True)
-
-
-RUN_DIRS = Path("/var/tmp")
-RUN_PREFIX = "nri-qos-colocation-"
-
-
-@contextlib.contextmanager
-def run_dir() -> Iterator[Path]:
-    """This run's scratch directory (data files, work directories), removed at the end; one
-    left by a run that was killed outright is removed by the next run."""
-    for old in RUN_DIRS.glob(f"{RUN_PREFIX}*"):
-        pid = old.name[len(RUN_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            print(f"removed a directory left by an earlier run: {old}")
-            shutil.rmtree(old, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix=f"{RUN_PREFIX}{os.getpid()}-",
-                                     dir=RUN_DIRS) as tmp:
-        yield Path(tmp)
-
-
-def machine_mib() -> int:
-    """The machine's memory (MemTotal), MiB."""
-    return int(Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]) // 1024
 
 
 def main() -> int:
@@ -463,7 +450,9 @@ def main() -> int:
               + f"; offline: {settings.offline_pods} pod(s), tasks of "
               f"{settings.offline_task_s:g} s, each growing a {settings.offline_anon_mib} MiB "
               f"buffer at {settings.offline_grow_mib_s:g} MiB/s; streams "
-              f"{settings.offline_input_mib} MiB, writes 1 MiB per "
+              f"{settings.offline_input_mib} MiB"
+              + (" (read through once before each window)" if settings.offline_warm else "")
+              + ", writes 1 MiB per "
               f"{settings.offline_write_every} MiB read, SHA-256 x "
               f"{settings.offline_work_rounds} per MiB")
         print(sizing)

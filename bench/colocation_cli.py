@@ -61,6 +61,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
                         "(printed)")
     p.add_argument("--offline-work-rounds", type=int, default=1,
                    help="SHA-256 rounds per MiB the offline job reads (its CPU work)")
+    p.add_argument("--offline-warm", action=argparse.BooleanOptionalAction,
+                   help="open each window once every offline pod has read its data set through "
+                        "(its page cache filling the node); default: the scenario's")
     p.add_argument("--offline-write-every", type=int, default=8,
                    help="the offline job writes 1 MiB per this many MiB read")
     p.add_argument("--agent-from", default="",
@@ -178,6 +181,8 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
         agent_source=str(Path(args.agent_from).resolve()) if args.agent_from else "",
         agent_config=agent_drop_in(args.agent_config), variants=variants,
         scenario=scenario.name, offline_pods=scenario.offline_pods,
-        offline_work_rounds=args.offline_work_rounds, online_rps=args.online_rps,
+        offline_work_rounds=args.offline_work_rounds,
+        offline_warm=scenario.warm if args.offline_warm is None else args.offline_warm,
+        online_rps=args.online_rps,
         service_timeout_ms=args.service_timeout_ms)
     return settings, how

@@ -5,13 +5,14 @@ whether a directory of it can hold a run's work directories."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 # Steps of the loop that says how fast this machine runs Python; a scenario's timings assume a
@@ -95,3 +96,34 @@ def check_work_dirs(under: Path, modes: Sequence[str], reps: int) -> None:
             f"{under}: a work directory there cannot hold the run's unix sockets "
             f"({exc.strerror or exc}); give a shorter directory on a local file system, "
             "e.g. /var/tmp/keep") from exc
+
+
+def quiet_machine(idle_s: float) -> None:
+    """Between repetitions: the page cache dropped (what a run left charged to a removed node's
+    cgroup stays in memory otherwise), then an idle gap."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3")
+    time.sleep(idle_s)
+
+
+RUN_DIRS = Path("/var/tmp")
+RUN_PREFIX = "nri-qos-colocation-"
+
+
+@contextlib.contextmanager
+def run_dir() -> Iterator[Path]:
+    """This run's scratch directory (data files, work directories), removed at the end; one
+    left by a run that was killed outright is removed by the next run."""
+    for old in RUN_DIRS.glob(f"{RUN_PREFIX}*"):
+        pid = old.name[len(RUN_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            print(f"removed a directory left by an earlier run: {old}")
+            shutil.rmtree(old, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{RUN_PREFIX}{os.getpid()}-",
+                                     dir=RUN_DIRS) as tmp:
+        yield Path(tmp)
+
+
+def machine_mib() -> int:
+    """The machine's memory (MemTotal), MiB."""
+    return int(Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]) // 1024

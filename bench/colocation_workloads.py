@@ -7,7 +7,7 @@ not the benchmark's imports::
                                            --out FILE
     python colocation_workloads.py offline --input FILE --output FILE --output-mib 512 \\
                                            --anon-mib 2048 --grow-mib-s 1024 --task-s 6 \\
-                                           --write-every 8 --out FILE
+                                           --write-every 8 [--warm] --out FILE
     python colocation_workloads.py serve   --files DIR --anon-mib 64 --reads 4 --socket PATH
     python colocation_workloads.py load    --socket PATH --rps 200 --timeout-ms 1000 --out FILE
     python colocation_workloads.py write   --path FILE --mib N
@@ -26,6 +26,8 @@ not the benchmark's imports::
   <bytes written> <anonymous bytes>`` to ``--out``.
   Each MiB read is checksummed ``--work-rounds`` times (SHA-256: the job's CPU work per MiB);
   the progress line also carries ``<bytes checksummed> <CPU ns spent checksumming>``.
+  With ``--warm`` it first reads ``--input`` through once, unchecked and uncounted: the node's
+  page cache as a job that has streamed for a while leaves it.
 * **serve**: a key-value server on a unix socket: values live in its own anonymous memory
   (``--anon-mib``, in slots of ``--value-kib``) and in a file set read through the page cache.
   A request is a key (8 bytes, little-endian); serving it writes one byte into every page of
@@ -40,9 +42,9 @@ not the benchmark's imports::
 * **write**: write a file of ``--mib`` MiB, flush it to disk and drop it from the page cache
   (data for the others).
 
-``online`` and ``serve`` print ``ready`` once their files are cached, ``load`` once it is
-connected; all but ``write`` run until a line ``stop`` (or the end of input) arrives on stdin,
-then print ``done`` and exit.
+``online`` and ``serve`` print ``ready`` once their files are cached, ``offline`` once its job
+starts (after the read of ``--warm``), ``load`` once it is connected; all but ``write`` run
+until a line ``stop`` (or the end of input) arrives on stdin, then print ``done`` and exit.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def online(args: argparse.Namespace) -> None:
 def offline(args: argparse.Namespace) -> None:
     uncache(Path(args.input))
     source = os.open(args.input, os.O_RDONLY)
+    if args.warm:
+        # Read through once, nothing checksummed or counted: the page cache a job that has
+        # streamed its data set for a while leaves on the node.
+        while os.read(source, MIB):
+            pass
+        os.lseek(source, 0, os.SEEK_SET)
     sink = os.open(args.output, os.O_WRONLY | os.O_CREAT, 0o600)
     limit = args.anon_mib * MIB
     anon = mmap.mmap(-1, max(limit, mmap.PAGESIZE),
@@ -147,6 +155,7 @@ def offline(args: argparse.Namespace) -> None:
     task = time.monotonic()
     reported = 0.0
     with open(args.out, "a") as out:
+        say("ready")
         while not stop.is_set():
             now = time.monotonic()
             if now - task >= args.task_s:  # the task is done: its buffer goes back
@@ -350,6 +359,8 @@ def main() -> None:
     off.add_argument("--task-s", type=float, default=6.0)
     off.add_argument("--write-every", type=int, default=8)
     off.add_argument("--work-rounds", type=int, default=1)
+    off.add_argument("--warm", action="store_true",
+                     help="read the data set through once before the job starts")
     off.add_argument("--out", required=True)
     sv = commands.add_parser("serve")
     sv.add_argument("--files", required=True)

@@ -7,13 +7,11 @@ controller."""
 from __future__ import annotations
 
 import array
-import itertools
 import json
 import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,6 @@ from bench.baselines import (
     modes_for,
     static_limits,
 )
-from bench.colocation import WORKLOADS
 from bench.colocation_agent import apply_adjustment
 from bench.colocation_cli import list_scenarios, node_mib_for, parser, settings_from
 from bench.colocation_machine import describe, machine_facts
@@ -45,7 +42,6 @@ from bench.colocation_report import (
     from_json,
     merge_progress,
     percentile,
-    read_latencies,
     read_progress,
     read_service,
     read_work,
@@ -64,15 +60,10 @@ from bench.kubelet_node import (
     kubelet_oom_score_adj,
     shares_to_weight,
     sweep,
-    unavailable,
 )
 from protos import nri_api_pb2 as api
+from tests.support.colocation import kernel
 
-
-def kernel(test: Any) -> Any:
-    """A test of the real kernel: here, and once more in a cgroup v1 guest."""
-    return pytest.mark.real_kernel(pytest.mark.skipif(
-        bool(unavailable()), reason=unavailable() or "available")(test))
 UID = "0c010c01-0000-4000-8000-0000000000fe"
 
 
@@ -168,50 +159,6 @@ def test_sweep_removes_what_a_killed_run_left(tmp_path: Path) -> None:
         assert mine.memory.is_dir()
     finally:
         mine.close()
-
-
-@kernel
-def test_the_workloads_record_latency_and_progress(tmp_path: Path) -> None:
-    files = tmp_path / "online"
-    files.mkdir()
-    for name in ("a", "b"):
-        (files / name).write_bytes(b"\x01" * (1 * MIB))
-    (tmp_path / "input").write_bytes(b"\x02" * (4 * MIB))
-    node = KubeletNode("colocunit", 512 * MIB, 64 * MIB, 2)
-    try:
-        online = node.add_pod("burstable", UID, "d" * 64, memory_limit=None,
-                              cpu_request_milli=100)
-        offline = node.add_pod("besteffort", UID.replace("fe", "fd"), "e" * 64,
-                               memory_limit=None, cpu_request_milli=0)
-        on = node.spawn(online.rel, [sys.executable, "-I", str(WORKLOADS), "online", "--files",
-                                     str(files), "--anon-mib", "2", "--reads", "2",
-                                     "--out", str(tmp_path / "online.bin")], oom_score_adj=500)
-        assert on.stdout is not None
-        assert on.stdout.readline().strip() == "ready"
-        off = node.spawn(offline.rel, [
-            sys.executable, "-I", str(WORKLOADS), "offline", "--input", str(tmp_path / "input"),
-            "--output", str(tmp_path / "output"), "--output-mib", "2", "--anon-mib", "8",
-            "--grow-mib-s", "1000", "--task-s", "0.1", "--write-every", "2",
-            "--out", str(tmp_path / "offline.txt")], oom_score_adj=1000)
-        # until the offline job has reported some progress (four times a second)
-        report = tmp_path / "offline.txt"
-        deadline = time.monotonic() + 10
-        while len(report.read_text().splitlines() if report.exists() else []) < 2:
-            assert off.poll() is None
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        node.stop(off)
-        node.stop(on)
-        assert (on.returncode, off.returncode) == (0, 0)
-    finally:
-        node.close()
-    samples = read_latencies(tmp_path / "online.bin")
-    assert samples
-    assert all(duration > 0 for _, duration in samples)
-    progress = read_progress(tmp_path / "offline.txt", 0, 1 << 62)
-    assert progress[0] == (0.0, 0.0)
-    assert progress[-1][1] > 0
-    assert (tmp_path / "output").stat().st_size <= 2 * MIB
 
 
 @kernel
@@ -383,6 +330,13 @@ def test_every_scenario_makes_settings() -> None:
         assert f"offline data set {settings.offline_input_mib} MiB" in how
     streaming, how = settings_from(args_for("--scenario", "streaming"), 3900, v2=False)
     assert streaming.offline_anon_mib == 0
+    assert streaming.offline_warm
+    assert [n for n, s in SCENARIOS.items() if s.warm] == ["streaming"]
+    cold, _ = settings_from(args_for("--scenario", "streaming", "--no-offline-warm"), 3900,
+                            v2=False)
+    assert not cold.offline_warm
+    warm, _ = settings_from(args_for("--offline-warm"), 23 * 1024, v2=False)
+    assert warm.offline_warm
     assert "does not fit even unmanaged" in how
     held, how = settings_from(args_for("--scenario", "held-anon"), 3900, v2=True)
     assert (held.offline_input_mib, held.offline_anon_mib) == (400, 3000)
@@ -391,7 +345,7 @@ def test_every_scenario_makes_settings() -> None:
     assert "does not fit even unmanaged" in how
     given, how = settings_from(args_for("--offline-input-mib", "500", "--online-rps", "0"),
                                23 * 1024, v2=False)
-    assert (given.offline_input_mib, given.online_rps) == (500, 0.0)
+    assert (given.offline_input_mib, given.online_rps, given.offline_warm) == (500, 0.0, False)
     assert "kubelet-memoryqos" not in given.modes
     assert "(given)" in how
     assert "node-8g" in list_scenarios()
@@ -404,36 +358,6 @@ def test_a_whole_machine_scenario_needs_a_machine_of_its_size() -> None:
         node_mib_for(SCENARIOS["node-8g"], 23 * 1024)
     with pytest.raises(ValueError, match="about 4096 MiB"):
         node_mib_for(SCENARIOS["node-4g"], 2048)
-
-
-def test_the_service_answers_an_open_loop_load(tmp_path: Path) -> None:
-    files = tmp_path / "files"
-    files.mkdir()
-    (files / "a").write_bytes(b"\x03" * MIB)
-    sock, out = tmp_path / "kv.sock", tmp_path / "service.bin"
-    server = subprocess.Popen([sys.executable, "-I", str(WORKLOADS), "serve", "--files",
-                               str(files), "--anon-mib", "1", "--socket", str(sock)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None
-        assert server.stdout.readline().strip() == "ready"
-        load = subprocess.Popen([sys.executable, "-I", str(WORKLOADS), "load", "--socket",
-                                 str(sock), "--rps", "100", "--out", str(out)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert load.stdout is not None
-        assert load.stdout.readline().strip() == "ready"
-        time.sleep(0.5)
-        assert load.communicate("stop\n", timeout=30)[0].strip() == "done"
-    finally:
-        server.communicate("stop\n", timeout=30)
-    records = array.array("q")
-    records.frombytes(out.read_bytes())
-    due = list(records[0::2])
-    assert len(due) >= 2
-    assert due == sorted(due)
-    # one due time every 10 ms, whatever the answers did
-    assert {b - a for a, b in itertools.pairwise(due)} <= {10_000_000}
-    assert all(v == MISS or v > 0 for v in records[1::2])
 
 
 def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:

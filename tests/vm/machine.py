@@ -3,11 +3,15 @@
 The host and the guest share two directories over 9p: the host's root (read-only, under a
 tmpfs overlay in the guest) and a private exchange directory holding the command, its
 environment, its output and its exit status. The output is copied to the caller while the
-guest runs. A guest that does not finish within its deadline is killed.
+guest runs. A guest that does not finish within its deadline is killed, and so is the guest of
+a harness ended by SIGTERM or SIGHUP (the command line). A harness killed outright leaves its
+private directory (a scratch disk image among its files) and its QEMU; the next run removes
+them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -28,6 +32,8 @@ NO_STATUS = 125
 GUEST_EXCHANGE = "/run/nriqos-vm"
 # Variables the command inherits from the caller: where the host's Python and virtualenv are.
 PASSED_ENV = ("PATH", "VIRTUAL_ENV", "PYTHONPATH", "LANG", "LC_ALL", "TZ")
+# A run's private directory (under the temporary directory): this, the harness's pid, a dash.
+WORK_PREFIX = "nriqos-vm-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +115,8 @@ def run(guest: Guest, command: list[str], *, cwd: Path | None = None,
     if not command:
         raise ValueError("no command to run")
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="nriqos-vm-") as tmp:
+    sweep()
+    with tempfile.TemporaryDirectory(prefix=f"{WORK_PREFIX}{os.getpid()}-") as tmp:
         exchange = Path(tmp) / "exchange"
         exchange.mkdir()
         (exchange / "command").write_text(shlex.join(command) + "\n")
@@ -134,6 +141,37 @@ def run(guest: Guest, command: list[str], *, cwd: Path | None = None,
         if save is not None:
             keep_files(exchange / "artifacts", save)
     return Result(status, output, console, time.monotonic() - started, artifacts, tmp)
+
+
+def sweep(under: Path | None = None) -> list[Path]:
+    """Remove the private directories (8 GiB scratch images among them) of runs whose harness
+    is gone, killed outright where nothing could clean up, and stop their orphaned QEMU, whose
+    output nobody reads any more. Returns what was removed."""
+    removed = []
+    for old in sorted((under or Path(tempfile.gettempdir())).glob(f"{WORK_PREFIX}*-*")):
+        pid = old.name[len(WORK_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for qemu in _processes_naming(old):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(qemu, signal.SIGKILL)
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(old)
+    return removed
+
+
+def _processes_naming(directory: Path) -> list[int]:
+    """The pids of the processes whose command line names ``directory`` (its QEMU)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(str(directory).encode() in arg for arg in argv):
+                found.append(int(proc.name))
+    return found
 
 
 def keep_files(source: Path, into: Path) -> None:
@@ -211,8 +249,15 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.stderr.close()
 
 
+def _exit_on(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(guest: Guest, command: list[str], timeout_s: float, save: Path | None = None) -> int:
-    """The command line's body: run, echo, explain a guest that did not finish."""
+    """The command line's body: run, echo, explain a guest that did not finish. SIGTERM and
+    SIGHUP end it as Ctrl-C does: the guest is killed and its directory removed."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on)
     try:
         result = run(guest, command, timeout_s=timeout_s, echo=sys.stdout, save=save)
     except Unavailable as exc:

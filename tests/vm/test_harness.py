@@ -3,15 +3,25 @@ of a guest's reports (no guest booted), and real guests run from the host with t
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.vm.image import Image
-from tests.vm.machine import NO_STATUS, Guest, Result, keep_files, qemu_argv, run
+from tests.vm.machine import (
+    NO_STATUS,
+    Guest,
+    Result,
+    keep_files,
+    qemu_argv,
+    run,
+    sweep,
+)
 from tests.vm.tier import GUEST_DEADLINE_S, GuestFailure, GuestRun, host_markers
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +102,30 @@ def report(nodeid: str, when: str, outcome: str, longrepr: str = "") -> str:
                        "longrepr": longrepr, "duration": 0.1})
 
 
+def test_a_run_removes_what_a_killed_harness_left(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a harness that no longer runs
+    dead = tmp_path / f"nriqos-vm-{gone.pid}-k1"
+    (dead / "exchange").mkdir(parents=True)
+    (dead / "scratch.img").write_bytes(b"disk")
+    alive = tmp_path / f"nriqos-vm-{os.getpid()}-k2"  # this process's own run
+    alive.mkdir()
+    unnamed = tmp_path / "nriqos-vm-1xi78zlw"  # no harness's pid in its name: not ours to judge
+    unnamed.mkdir()
+    # stands for the killed harness's QEMU, which names the directory on its command line
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                               str(dead / "scratch.img")])
+    try:
+        assert sweep(tmp_path) == [dead]
+        assert orphan.wait(timeout=10) == -9
+    finally:
+        orphan.kill()
+    assert not dead.exists()
+    assert alive.is_dir()
+    assert unnamed.is_dir()
+    assert sweep(tmp_path) == []
+
+
 def test_the_host_waits_for_a_guest_under_its_deadline_not_a_tests_timeout() -> None:
     """The first test of a guest boots it and waits for all its tests: a test's own
     timeout of 120 s cut a guest of eight tests short."""
@@ -156,3 +190,24 @@ def test_a_guest_past_its_deadline_is_killed(tmp_path: Path) -> None:
     assert done.seconds < 60
     assert not Path(done.workdir).exists()  # its files, disk image included, are gone
     assert not qemu_running(done.workdir)
+
+
+@host_tier
+def test_a_harness_ended_by_sigterm_kills_its_guest_and_removes_its_files() -> None:
+    harness = subprocess.Popen([sys.executable, "-m", "tests.vm", "--mem-mib", "512", "--",
+                                "sh", "-c", "echo up; sleep 600"], cwd=REPO,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert harness.stdout is not None
+        while (line := harness.stdout.readline()) and line.strip() != "up":
+            pass  # what the harness says before the guest runs the command
+        assert line.strip() == "up"
+        workdirs = list(Path(tempfile.gettempdir()).glob(f"nriqos-vm-{harness.pid}-*"))
+        assert len(workdirs) == 1
+        harness.terminate()
+        assert harness.wait(timeout=30) == 128 + 15
+    finally:
+        harness.kill()
+        harness.wait()
+    assert not workdirs[0].exists()  # its files, disk image included, are gone
+    assert not qemu_running(str(workdirs[0]))

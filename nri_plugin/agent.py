@@ -223,8 +223,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                                     squeeze, reconciler_metrics, tracker, managed, notes,
                                     mitigation.engaged, watermarks))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
-                                  managed=managed, watermarks=watermarks,
-                                  counting=counting_on(lambda: store.in_force, host)).run)
+                                  managed=managed, watermarks=watermarks).run)
         services.append(evictor.run)
         services.append(mitigation.run)
     elif run_background:

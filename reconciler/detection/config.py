@@ -46,17 +46,13 @@ class DetectionConfig:
     interval_s: float = setting(
         1.0, "Period of the detectors that read files (free memory, NUMA, kswapd, RSS, "
         "fulfillment, per-pod PSI or refaults) while memory is short (else "
-        "quiet_interval_s, which says when memory counts as short). 1 s: with entry_samples "
-        "= 2 a level is entered within 2 s (PSI "
+        "quiet_interval_s). 1 s: with entry_samples = 2 a level is entered within 2 s (PSI "
         "and pressure events have their own faster paths).",
         unit="seconds", minimum=0.1, maximum=3600)
     quiet_interval_s: float = setting(
-        5.0, "Period of the same detectors while no PSI, memcg pressure or refault reading is "
-        "at a level or entering one, nor a free-memory or kswapd reading that the ladder counts "
-        "(mitigation.node_signals; by default none where the online pods' own readings drive "
-        "it: a node whose page cache fills it keeps those at a level for hours) (never shorter "
-        "than interval_s): a calm node's files, every pod's among them, are not read every "
-        "second. A level "
+        5.0, "Period of the same detectors while no free-memory, PSI, memcg pressure, kswapd or "
+        "refault reading is at a level or entering one (never shorter than interval_s): a "
+        "calm node's files, every pod's among them, are not read every second. A level "
         "entered on the node's PSI or a memcg pressure event wakes them at once; free memory "
         "that falls under its watermark without a stall is seen within this plus interval_s "
         "x (entry_samples - 1). Also the period of cgroup v1's memcg pressure events' quiet "

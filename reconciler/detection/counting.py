@@ -56,14 +56,6 @@ class Counting:
             return self.memcg
         return True
 
-    def paces(self, reading: Reading) -> bool:
-        """Whether ``reading`` at a level keeps the periodic detectors looking every
-        ``interval_s``: any, but free memory and kswapd only where they count. A node whose
-        page cache fills its memory keeps those at a level for hours, the normal state of a
-        busy node, while the online pods lose nothing. The node's PSI paces even where it does
-        not count: an online pod's stall is part of it, and only that loop reads the pod's."""
-        return self.node or reading.detector not in NODE_WIDE
-
     def online_level(self, readings: Iterable[Reading]) -> Level:
         """The worst level of what online pods feel: their own readings, and the memcg
         pressure events where those count."""

@@ -3,10 +3,10 @@
 Three paths feed the readings board (through :class:`~.publisher.Publisher`):
 
 * **periodic** (:class:`DetectorsLoop`, in a worker thread, every ``detection.interval_s``
-  while memory is short as the ladder counts it, else every ``detection.quiet_interval_s`` and
-  at once when another path enters a level): free memory of the system and of each NUMA node,
-  kswapd's reclaim rate, RSS overuse of pods, the reclaimed tier's fulfillment, and each online
-  pod's own sign of pressure: its PSI on cgroup v2, its working-set refaults on cgroup v1;
+  while memory is short, else every ``detection.quiet_interval_s`` and at once when another
+  path enters a level): free memory of the system and of each NUMA node, kswapd's reclaim rate,
+  RSS overuse of pods, the reclaimed tier's fulfillment, and each online pod's own sign of
+  pressure: its PSI on cgroup v2, its working-set refaults on cgroup v1;
 * **node PSI** (:class:`~.notified.NodePsi`, on the event loop): a PSI trigger on
   ``/proc/pressure/memory`` when the kernel accepts the configured (sub-second) window, else
   the cumulative stall counter polled every ``psi_poll_interval_ms``;
@@ -48,7 +48,6 @@ from reconciler.detection.config import (
     SYSTEM_FREE,
     DetectionConfig,
 )
-from reconciler.detection.counting import Counting
 from reconciler.detection.notified import NodePsi, PressureLevels
 from reconciler.detection.pods import PodIndex, PodMemory
 from reconciler.detection.publisher import Publisher
@@ -75,8 +74,7 @@ POD_SCOPED = (PSI, REFAULT)
 """Detectors whose readings this loop publishes per pod (the node's PSI comes from elsewhere)."""
 PRESSURE = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, REFAULT)
 """The detectors whose level says memory is short now (free memory, stalls, reclaim): while none
-is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s`` (free
-memory and kswapd only where the ladder counts them: :meth:`~.counting.Counting.paces`). RSS
+is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s``. RSS
 overuse and fulfillment say how memory is shared out, which changes slowly and can stay so for
 hours on a node that is not short of memory."""
 
@@ -93,16 +91,12 @@ class DetectorsLoop(Loop):
     def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
                  state: NodeState, sysfs: SysFs, host: HostInfo, *,
                  audit: AuditLog | None = None, managed: ManagedCache | None = None,
-                 watermarks: Watermarks | None = None,
-                 counting: Callable[[], Counting] = Counting) -> None:
+                 watermarks: Watermarks | None = None) -> None:
         """``audit`` receives an ``annotation_ignored`` record per pod and unusable RSS factor
         annotation (without it the log has them); ``managed``: the running containers' cache
         the loops share (a new one when None); ``watermarks``: the zones' low watermarks as the
-        agent's loops share them (None: this loop's own); ``counting``: which readings the
-        ladder counts now, which decides which of them keep this loop at ``interval_s``
-        (:meth:`~.counting.Counting.paces`; by default every one)."""
+        agent's loops share them (None: this loop's own)."""
         self._config = config
-        self._counting = counting
         self._audit = audit
         self._publisher = publisher
         self._sysfs = sysfs
@@ -123,13 +117,9 @@ class DetectorsLoop(Loop):
                                       "system_free covers the machine")
 
     def interval(self) -> float:
-        seconds, self._quiet = paced(self._config(), PERIODIC, calm=not self._short())
+        seconds, self._quiet = paced(self._config(), PERIODIC,
+                                     calm=not self._publisher.engaged(PRESSURE))
         return seconds
-
-    def _short(self) -> bool:
-        """Whether a reading that says memory is short, and paces this loop, is at a level or
-        entering one."""
-        return self._publisher.engaged(PRESSURE, self._counting().paces)
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A level entered on another path (the node's PSI, a memcg pressure event) while the
@@ -137,7 +127,7 @@ class DetectorsLoop(Loop):
         loop reads, is part of the node's, so the node's trigger or poll brings the pods' PSI
         to ``interval_s`` within its window."""
         def changed() -> None:
-            if self._quiet and self._short():
+            if self._quiet and self._publisher.engaged(PRESSURE):
                 self._quiet = False
                 wake()
 
@@ -315,11 +305,10 @@ class Detection:
     def __init__(self, config: Callable[[], DetectionSections], board: Board, state: NodeState,
                  sysfs: SysFs, host: HostInfo, audit: AuditLog, *,
                  managed: ManagedCache | None = None,
-                 watermarks: Watermarks | None = None,
-                 counting: Callable[[], Counting] = Counting) -> None:
+                 watermarks: Watermarks | None = None) -> None:
         self.publisher = Publisher(board, audit, lambda: config().detection)
         self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host, audit=audit,
-                                      managed=managed, watermarks=watermarks, counting=counting)
+                                      managed=managed, watermarks=watermarks)
         self.node_psi = NodePsi(config, self.publisher, sysfs, host)
         self.pressure_levels = PressureLevels(config, self.publisher, sysfs, host)
         self._config = config

@@ -1,8 +1,7 @@
 """The periodic detectors look every ``quiet_interval_s`` while memory is not short, every
-``interval_s`` while a PSI, memcg pressure or refault reading is at a level or entering one (a
-free-memory or kswapd reading only where the ladder counts it), and at once when another path
-enters a level during their quiet period. cgroup v1's memcg pressure events tick every
-``interval_s`` only while one of them holds a level."""
+``interval_s`` while a free-memory, PSI, memcg pressure or kswapd reading is at a level or
+entering one, and at once when another path enters a level during their quiet period. cgroup
+v1's memcg pressure events tick every ``interval_s`` only while one of them holds a level."""
 
 from __future__ import annotations
 
@@ -14,14 +13,11 @@ from pathlib import Path
 import pytest
 
 from common.audit import AuditLog
-from reconciler.detection.counting import Counting
 from reconciler.detection.detectors import (
     RECLAIMED_TIER,
-    Sample,
     pressure_event_sample,
     pressure_quiet_sample,
     psi_trigger_sample,
-    rates_used,
 )
 from reconciler.detection.service import PERIODIC, PRESSURE, Detection
 from reconciler.detection.signals import NODE, Level, Reading, numa_scope, pod_scope, tier_scope
@@ -103,47 +99,6 @@ def test_rss_overuse_and_fulfillment_do_not_keep_the_detectors_busy(tmp_path: Pa
     assert tier is not None
     assert (fat.level, tier.level) == (Level.HIGH, Level.MEDIUM)
     assert loop.interval() == 5.0
-
-
-ONLINE_OWN = Counting(memcg=False, node=False)
-"""What the ladder counts by default (``node_signals = auto``) where the online pods' own readings
-drive it: their PSI on cgroup v2, their refaults on cgroup v1."""
-
-
-@pytest.mark.parametrize(("counting", "expected"), [(None, 1.0), (ONLINE_OWN, 5.0)])
-def test_free_memory_and_kswapd_pace_the_loop_only_where_they_count(
-        tmp_path: Path, counting: Counting | None, expected: float) -> None:
-    """A node whose page cache fills it sits under its watermark with kswapd reclaiming for
-    hours, the online pods losing nothing: where the ladder does not count those readings they
-    are read every quiet_interval_s, still published."""
-    s = Setup(tmp_path)
-    loop = s.loop(counting)
-    s.host.set_numa([CALM, (GIB - MIB, 64 * GIB, 1000)])
-    loop.cycle(0.0)
-    loop.cycle(1.0)
-    assert numa_reading(s, 1).level is Level.MEDIUM
-    assert loop.interval() == expected
-    s.host.set_numa([CALM, CALM])
-    loop.cycle(100.0)  # the NUMA node's level has gone; kswapd's alone is held
-    s.publisher.offer("kswapd", [Sample("kswapd", NODE, Level.MEDIUM, 30_000.0, "pages/s",
-                                        rates_used(2000.0, 20_000.0, 0.0), at=100.0)],
-                      covers=None, triggered=True)
-    assert s.level("kswapd", NODE) is Level.MEDIUM
-    assert loop.interval() == expected
-
-
-def test_the_nodes_psi_paces_the_loop_where_it_does_not_count(tmp_path: Path) -> None:
-    """An online pod's stall is part of the node's, and only this loop reads the pod's own."""
-    s = Setup(tmp_path)
-    loop = s.loop(ONLINE_OWN)
-    woken: list[float] = []
-    loop.subscribe_wake(lambda: woken.append(1.0))
-    loop.cycle(0.0)
-    assert loop.interval() == 5.0
-    s.publisher.offer("psi", [psi_trigger_sample(NODE, 500, s.cfg.detection, 0.5)],
-                      covers=None, triggered=True)
-    assert woken == [1.0]
-    assert loop.interval() == 1.0
 
 
 def test_a_level_entered_elsewhere_wakes_the_quiet_loop_once(tmp_path: Path) -> None:

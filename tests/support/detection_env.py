@@ -12,7 +12,6 @@ from typing import Any
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.detection.counting import Counting
 from reconciler.detection.notified import PressureLevels
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import DetectorsLoop
@@ -113,10 +112,9 @@ class Setup:
         assert info.memcg.pressure_level
         return PressureLevels(lambda: self.cfg, self.publisher, self.sysfs, info)
 
-    def loop(self, counting: Counting | None = None) -> DetectorsLoop:
-        """The periodic detectors, paced by what ``counting`` counts (None: every reading)."""
+    def loop(self) -> DetectorsLoop:
         return DetectorsLoop(lambda: self.cfg, self.publisher, self.state, self.sysfs,
-                             self.host_info(), counting=lambda: counting or Counting())
+                             self.host_info())
 
     def reading(self, detector: str, scope: str) -> Reading | None:
         return next((r for r in self.board.current() if r.key == (detector, scope)), None)

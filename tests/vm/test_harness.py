@@ -209,5 +209,7 @@ def test_a_harness_ended_by_sigterm_kills_its_guest_and_removes_its_files() -> N
     finally:
         harness.kill()
         harness.wait()
+        if harness.stdout is not None:
+            harness.stdout.close()
     assert not workdirs[0].exists()  # its files, disk image included, are gone
     assert not qemu_running(str(workdirs[0]))

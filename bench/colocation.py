@@ -139,6 +139,8 @@ SETTLE_S = 3.0
 WARM_TIMEOUT_S = 900.0
 """For an offline pod to read its data set through (``--offline-warm``): some GiB on a slow
 guest's disk."""
+
+
 def memory_qos(node: KubeletNode, plan: PodPlan, container: Container) -> list[str]:
     """What kubelet's MemoryQoS writes for a container (cgroup v2): memory.min = the request on
     the container, its pod, its tier and ``kubepods`` (the tier's and ``kubepods``' are sums of

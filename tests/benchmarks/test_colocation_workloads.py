@@ -19,9 +19,15 @@ from bench.colocation import WORKLOADS
 from bench.colocation_report import read_latencies, read_progress
 from bench.colocation_workloads import MISS
 from bench.kubelet_node import MIB, KubeletNode
-from tests.support.colocation import file_pages_mib, kernel
+from tests.support.colocation import kernel
 
-UID = "0c010c01-0000-4000-8000-0000000000fc"
+ONLINE_UID = "0c010c01-0000-4000-8000-0000000000fc"
+OFFLINE_UID = "0c010c01-0000-4000-8000-0000000000fd"
+
+
+def file_pages_mib(node: KubeletNode, rel: str) -> float:
+    """Page cache charged to ``rel`` (``memory.stat``'s ``file`` on v2, ``cache`` on v1) (MiB)."""
+    return node.stat(rel)["file" if node.v2 else "cache"] / MIB
 
 
 @kernel
@@ -33,9 +39,9 @@ def test_the_workloads_record_latency_and_progress(tmp_path: Path) -> None:
     (tmp_path / "input").write_bytes(b"\x02" * (4 * MIB))
     node = KubeletNode("colocunit", 512 * MIB, 64 * MIB, 2)
     try:
-        online = node.add_pod("burstable", UID, "d" * 64, memory_limit=None,
+        online = node.add_pod("burstable", ONLINE_UID, "d" * 64, memory_limit=None,
                               cpu_request_milli=100)
-        offline = node.add_pod("besteffort", UID.replace("fe", "fd"), "e" * 64,
+        offline = node.add_pod("besteffort", OFFLINE_UID, "e" * 64,
                                memory_limit=None, cpu_request_milli=0)
         on = node.spawn(online.rel, [sys.executable, "-I", str(WORKLOADS), "online", "--files",
                                      str(files), "--anon-mib", "2", "--reads", "2",
@@ -80,7 +86,7 @@ def test_a_warm_offline_job_fills_its_cache_before_it_starts(tmp_path: Path, war
         os.fsync(data.fileno())  # clean, so that the job's own read is charged to its cgroup
     node = KubeletNode("colocunit", 512 * MIB, 64 * MIB, 2)
     try:
-        offline = node.add_pod("besteffort", UID, "e" * 64, memory_limit=None,
+        offline = node.add_pod("besteffort", OFFLINE_UID, "e" * 64, memory_limit=None,
                                cpu_request_milli=0)
         off = node.spawn(offline.rel, [
             sys.executable, "-I", str(WORKLOADS), "offline", "--input", str(tmp_path / "input"),

@@ -209,11 +209,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         managed = ManagedCache()
         # One reading of the zones' watermarks, aged, for detection and the loops alike.
         watermarks = Watermarks(sysfs)
+        # Which readings count for the ladder, its eviction plugins and detection's pace.
+        counting = counting_on(lambda: store.in_force, host)
         # The actions read the configuration in force: observe mode holds them in dry-run.
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.in_force.eviction,
-                            counting_on(lambda: store.in_force, host)),
+            in_tree_plugins(board, lambda: store.in_force.eviction, counting),
             metrics=reconciler_metrics, changes=board.subscribe)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
@@ -223,7 +224,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                                     squeeze, reconciler_metrics, tracker, managed, notes,
                                     mitigation.engaged, watermarks))
         services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
-                                  managed=managed, watermarks=watermarks).run)
+                                  managed=managed, watermarks=watermarks,
+                                  counting=counting).run)
         services.append(evictor.run)
         services.append(mitigation.run)
     elif run_background:

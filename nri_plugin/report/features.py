@@ -26,6 +26,7 @@ from reconciler.detection.config import (
 )
 from reconciler.detection.counting import Counting
 from reconciler.detection.notified import pressure_level_problem, psi_path
+from reconciler.detection.triggers import pod_trigger_problem
 from reconciler.host.probe import HostInfo
 from reconciler.loops.offload import offload_problem
 from reconciler.mitigation.drop_cache import drop_cache_problem, drop_file
@@ -209,7 +210,12 @@ def _numa_free(cfg: Config, host: HostInfo) -> Feature:
 
 def _psi(cfg: Config, host: HostInfo) -> Feature:
     path, reason = psi_path(cfg.detection, host)
-    pods = "; each online pod's memory.pressure" if host.cgroup.v2 else ""
+    pods = ""
+    if host.cgroup.v2:
+        problem = pod_trigger_problem(cfg, host)
+        pods = ("; each online pod's memory.pressure, with a trigger of its own" if not problem
+                else f"; each online pod's memory.pressure, without a trigger of its own "
+                     f"({problem}): the node's PSI wakes the detectors")
     return Feature(path != "off", f"{reason}{pods}{_ladder_note(cfg, host, 'the node')}")
 
 

@@ -52,8 +52,12 @@ class DetectionConfig:
     quiet_interval_s: float = setting(
         5.0, "Period of the same detectors while no free-memory, PSI, memcg pressure, kswapd or "
         "refault reading is at a level or entering one (never shorter than interval_s): a "
-        "calm node's files, every pod's among them, are not read every second. A level "
-        "entered on the node's PSI or a memcg pressure event wakes them at once; free memory "
+        "calm node's files, every pod's among them, are not read every second. The node-wide "
+        "ones (free memory, kswapd, the node's PSI) count here only where the ladder counts "
+        "them (mitigation.node_signals) or some online pod has no PSI trigger of its own "
+        "(cgroup v1; a kernel refusing one): a node whose page cache fills it keeps them at a "
+        "level for hours. An online pod's trigger, a level entered on the node's PSI or a "
+        "memcg pressure event wakes them at once; free memory "
         "that falls under its watermark without a stall is seen within this plus interval_s "
         "x (entry_samples - 1). Also the period of cgroup v1's memcg pressure events' quiet "
         "samples and registrations while none of them holds a level (an event comes at once "
@@ -96,7 +100,10 @@ class DetectionConfig:
     # -- PSI ---------------------------------------------------------------------------------------
     psi_poll_interval_ms: int = setting(
         100, "Period of the stall-counter poll of /proc/pressure/memory when no fast trigger "
-        "can be armed (the rate comes from the cumulative total= counter, never avg10). "
+        "can be armed, and of its reads while it holds a level (the rate comes from the "
+        "cumulative total= counter, never avg10). Where the node's PSI paces detection only: "
+        "where the ladder counts it or some online pod has no trigger of its own (else "
+        "interval_s, see quiet_interval_s). "
         "100 ms: one 100-byte read, and a level entered within entry_samples x 100 ms.",
         unit="milliseconds", minimum=10, maximum=10_000)
     psi_some_low_percent: float = setting(

@@ -33,6 +33,11 @@ def node_wide(reading: Reading) -> bool:
     return reading.detector in NODE_WIDE or (reading.detector == PSI and reading.scope == NODE)
 
 
+def pod_or_memcg(reading: Reading) -> bool:
+    """Not a node-wide reading: an online pod's own, or a memcg pressure event."""
+    return not node_wide(reading)
+
+
 def memcg_event(reading: Reading) -> bool:
     return reading.detector == PRESSURE_LEVEL
 

@@ -65,11 +65,16 @@ class NodePsi:
     the cumulative stall counter (never the 10-second average)."""
 
     def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
-                 sysfs: SysFs, host: HostInfo) -> None:
+                 sysfs: SysFs, host: HostInfo, *,
+                 node_paces: Callable[[], bool] = lambda: True) -> None:
+        """``node_paces``: whether the node's reading must be fast now (where the ladder counts
+        it, or it wakes the online pods' readings); while not, a level held is read every
+        ``interval_s`` instead of every ``psi_poll_interval_ms``."""
         self._config = config
         self._publisher = publisher
         self._sysfs = sysfs
         self._host = host
+        self._node_paces = node_paces
         self.mode = "off"
 
     def choose(self, cfg: DetectionConfig) -> str:
@@ -108,11 +113,16 @@ class NodePsi:
             self.mode = watch.mode
 
         await watch.run(
-            stop, interval=lambda: self._config().detection.psi_poll_interval_ms / 1000,
+            stop, interval=self.interval,
             idle=lambda: period(self._config(), PSI),
             active=lambda: active(self._config(), PSI),
             keep_reading=lambda: self._publisher.level(PSI, NODE) > Level.NONE,
             on_trigger=on_trigger, on_text=on_text, on_pause=pause)
+
+    def interval(self) -> float:
+        """Seconds between two reads of the counters while they are read."""
+        cfg = self._config().detection
+        return cfg.psi_poll_interval_ms / 1000 if self._node_paces() else cfg.interval_s
 
     def _sample(self, cfg: DetectionConfig, before: d.Stall | None, text: str | None,
                 now: float) -> d.Stall | None:

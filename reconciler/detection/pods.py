@@ -13,9 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.state import NodeState, Snapshot
+from hooks.levels import QosLevel
 from hooks.untrusted import bounded
 from reconciler.host.cgroups import CgroupLayout, pod_rel
 from reconciler.loops.common import ManagedCache
+
+ONLINE_LEVELS = frozenset({QosLevel.DEDICATED_CORES, QosLevel.SHARED_CORES,
+                           QosLevel.SYSTEM_CORES})
+"""The levels whose pods' own pressure the detectors read (and the ladder protects)."""
 
 
 @dataclass(frozen=True, slots=True)

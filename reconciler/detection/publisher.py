@@ -62,9 +62,11 @@ class Publisher:
         """Drop the detector's readings whose scope starts with ``scope_prefix``."""
         self.offer(detector, (), covers=scope_prefix)
 
-    def engaged(self, detectors: Collection[str]) -> bool:
-        """Whether a reading of ``detectors`` on the board is at a level or entering one."""
-        return self._board.engaged(detectors)
+    def engaged(self, detectors: Collection[str],
+                which: Callable[[Reading], bool] | None = None) -> bool:
+        """Whether a reading of ``detectors`` on the board (one ``which`` accepts, given it) is
+        at a level or entering one."""
+        return self._board.engaged(detectors, which)
 
     def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call ``callback`` (from the publishing thread) when a level on the board changes."""

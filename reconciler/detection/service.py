@@ -4,12 +4,21 @@ Three paths feed the readings board (through :class:`~.publisher.Publisher`):
 
 * **periodic** (:class:`DetectorsLoop`, in a worker thread, every ``detection.interval_s``
   while memory is short, else every ``detection.quiet_interval_s`` and at once when another
-  path enters a level): free memory of the system and of each NUMA node, kswapd's reclaim rate,
-  RSS overuse of pods, the reclaimed tier's fulfillment, and each online pod's own sign of
-  pressure: its PSI on cgroup v2, its working-set refaults on cgroup v1;
+  path enters a level or an online pod's own trigger fires): free memory of the system and of
+  each NUMA node, kswapd's reclaim rate, RSS overuse of pods, the reclaimed tier's fulfillment,
+  and each online pod's own sign of pressure: its PSI on cgroup v2, its working-set refaults on
+  cgroup v1;
 * **node PSI** (:class:`~.notified.NodePsi`, on the event loop): a PSI trigger on
   ``/proc/pressure/memory`` when the kernel accepts the configured (sub-second) window, else
   the cumulative stall counter polled every ``psi_poll_interval_ms``;
+* **online pods' triggers** (:class:`~.triggers.PodTriggers`, cgroup v2, on the event loop): a
+  PSI trigger on each online pod's ``memory.pressure``, which wakes the periodic loop.
+
+Where every online pod has its trigger, the node-wide readings (free memory, kswapd, the node's
+PSI) keep the periodic loop at ``interval_s``, and the node's PSI read every
+``psi_poll_interval_ms`` while it holds a level, only where the ladder counts them
+(``mitigation.node_signals``); elsewhere they are the wake-up of the online pods' readings and
+do both (:meth:`Detection.node_paces`).
 * **memcg pressure events** (:class:`~.notified.PressureLevels`, cgroup v1, on the event
   loop): the kernel's ``memory.pressure_level`` notifications of the root memcg (reclaim for
   the whole node) and of kubelet's pods and burstable cgroups (reclaim forced by their
@@ -48,11 +57,13 @@ from reconciler.detection.config import (
     SYSTEM_FREE,
     DetectionConfig,
 )
+from reconciler.detection.counting import Counting, pod_or_memcg
 from reconciler.detection.notified import NodePsi, PressureLevels
-from reconciler.detection.pods import PodIndex, PodMemory
+from reconciler.detection.pods import ONLINE_LEVELS, PodIndex, PodMemory
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.sections import DetectionSections, active, paced
 from reconciler.detection.signals import NODE, Board, numa_scope, pod_scope
+from reconciler.detection.triggers import Arm, PodTriggers
 from reconciler.host.cgroups import BESTEFFORT
 from reconciler.host.numa import (
     MEMINFO,
@@ -74,12 +85,11 @@ POD_SCOPED = (PSI, REFAULT)
 """Detectors whose readings this loop publishes per pod (the node's PSI comes from elsewhere)."""
 PRESSURE = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, REFAULT)
 """The detectors whose level says memory is short now (free memory, stalls, reclaim): while none
-is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s``. RSS
+is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s`` (the
+node-wide ones only where they pace it: :meth:`Detection.node_paces`). RSS
 overuse and fulfillment say how memory is shared out, which changes slowly and can stay so for
 hours on a node that is not short of memory."""
 
-ONLINE_LEVELS = frozenset({QosLevel.DEDICATED_CORES, QosLevel.SHARED_CORES,
-                           QosLevel.SYSTEM_CORES})
 RSS_LEVELS = frozenset({QosLevel.SHARED_CORES, QosLevel.RECLAIMED_CORES})
 
 
@@ -91,12 +101,15 @@ class DetectorsLoop(Loop):
     def __init__(self, config: Callable[[], DetectionSections], publisher: Publisher,
                  state: NodeState, sysfs: SysFs, host: HostInfo, *,
                  audit: AuditLog | None = None, managed: ManagedCache | None = None,
-                 watermarks: Watermarks | None = None) -> None:
+                 watermarks: Watermarks | None = None,
+                 node_paces: Callable[[], bool] = lambda: True) -> None:
         """``audit`` receives an ``annotation_ignored`` record per pod and unusable RSS factor
         annotation (without it the log has them); ``managed``: the running containers' cache
         the loops share (a new one when None); ``watermarks``: the zones' low watermarks as the
-        agent's loops share them (None: this loop's own)."""
+        agent's loops share them (None: this loop's own); ``node_paces``: whether the node-wide
+        readings keep the loop at ``interval_s`` now (:meth:`Detection.node_paces`)."""
         self._config = config
+        self._node_paces = node_paces
         self._audit = audit
         self._publisher = publisher
         self._sysfs = sysfs
@@ -117,9 +130,21 @@ class DetectorsLoop(Loop):
                                       "system_free covers the machine")
 
     def interval(self) -> float:
-        seconds, self._quiet = paced(self._config(), PERIODIC,
-                                     calm=not self._publisher.engaged(PRESSURE))
+        seconds, self._quiet = paced(self._config(), PERIODIC, calm=not self._short())
         return seconds
+
+    def _short(self) -> bool:
+        """Whether a reading that says memory is short, and paces this loop, is at a level or
+        entering one."""
+        return self._publisher.engaged(PRESSURE, None if self._node_paces() else pod_or_memcg)
+
+    def stalled(self, wake: Callable[[], None]) -> None:
+        """An online pod's own trigger fired: ``wake`` the loop if it waits out its quiet
+        period (a pod that keeps stalling fires every window; at ``interval_s`` the loop reads
+        it anyway)."""
+        if self._quiet:
+            self._quiet = False
+            wake()
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A level entered on another path (the node's PSI, a memcg pressure event) while the
@@ -127,7 +152,7 @@ class DetectorsLoop(Loop):
         loop reads, is part of the node's, so the node's trigger or poll brings the pods' PSI
         to ``interval_s`` within its window."""
         def changed() -> None:
-            if self._quiet and self._publisher.engaged(PRESSURE):
+            if self._quiet and self._short():
                 self._quiet = False
                 wake()
 
@@ -300,23 +325,38 @@ class DetectorsLoop(Loop):
 
 
 class Detection:
-    """Every detection path of this host, publishing on ``board`` until stop."""
+    """Every detection path of this host, publishing on ``board`` until stop.
+
+    ``counting``: which readings the ladder counts now (by default every kind, which keeps the
+    node-wide readings pacing detection); ``arm``: how the online pods' triggers are armed (on
+    their pressure files by default)."""
 
     def __init__(self, config: Callable[[], DetectionSections], board: Board, state: NodeState,
                  sysfs: SysFs, host: HostInfo, audit: AuditLog, *,
                  managed: ManagedCache | None = None,
-                 watermarks: Watermarks | None = None) -> None:
+                 watermarks: Watermarks | None = None,
+                 counting: Callable[[], Counting] = Counting,
+                 arm: Arm | None = None) -> None:
         self.publisher = Publisher(board, audit, lambda: config().detection)
+        self._counting = counting
+        self.triggers = PodTriggers(config, state, sysfs, host, managed=managed, arm=arm)
         self.periodic = DetectorsLoop(config, self.publisher, state, sysfs, host, audit=audit,
-                                      managed=managed, watermarks=watermarks)
-        self.node_psi = NodePsi(config, self.publisher, sysfs, host)
+                                      managed=managed, watermarks=watermarks,
+                                      node_paces=self.node_paces)
+        self.node_psi = NodePsi(config, self.publisher, sysfs, host, node_paces=self.node_paces)
         self.pressure_levels = PressureLevels(config, self.publisher, sysfs, host)
         self._config = config
+
+    def node_paces(self) -> bool:
+        """Whether the node-wide readings pace detection: where the ladder counts them, and
+        where some online pod has no trigger of its own (their level is then its wake-up)."""
+        return self._counting().node or not self.triggers.complete()
 
     async def run(self, stop: asyncio.Event) -> None:
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nri-qos-detect")
         wake = asyncio.Event()
-        unsubscribe = self.periodic.subscribe_wake(waker(asyncio.get_running_loop(), wake))
+        wake_now = waker(asyncio.get_running_loop(), wake)
+        unsubscribe = self.periodic.subscribe_wake(wake_now)
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(run_loop(
@@ -324,6 +364,8 @@ class Detection:
                     backoff_max=lambda: self._config().reconciler.backoff_max_s),
                     name="detection-periodic")
                 group.create_task(self.node_psi.run(stop), name="detection-node-psi")
+                group.create_task(self.triggers.run(stop, lambda: self.periodic.stalled(wake_now)),
+                                  name="detection-pod-triggers")
                 group.create_task(self.pressure_levels.run(stop), name="detection-pressure-level")
         finally:
             unsubscribe()

@@ -109,11 +109,12 @@ class Board:
         with self._lock:
             return tuple(self._readings.values())
 
-    def engaged(self, detectors: Collection[str]) -> bool:
-        """Whether a reading of ``detectors`` is at a level, or its latest sample reached one (a
-        level being entered)."""
+    def engaged(self, detectors: Collection[str],
+                which: Callable[[Reading], bool] | None = None) -> bool:
+        """Whether a reading of ``detectors`` (and, given ``which``, one it accepts) is at a
+        level, or its latest sample reached one (a level being entered)."""
         return any(r.detector in detectors and max(r.level, r.raw or Level.NONE) >= Level.LOW
-                   for r in self.current())
+                   and (which is None or which(r)) for r in self.current())
 
     def worst(self) -> Level:
         """The worst level any detector reports now (NONE when none reports)."""

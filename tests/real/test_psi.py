@@ -1,7 +1,9 @@
 """PSI on a real cgroup v2 kernel that accepts short trigger windows: the node's trigger and a
 pod cgroup's trigger (500 ms windows) fire under real pressure, the stall-counter poll takes
 over when the kernel refuses a trigger, and an online pod's own stall wakes the periodic
-detectors out of their quiet period through the node's trigger.
+detectors out of their quiet period (through the node's trigger, and through the pod's own
+where the ladder does not count the node's PSI, which an offline pod's stall then no longer
+does).
 
 Pressure: a worker in an offline pod writes a file through a small ``memory.max`` over and over,
 so reclaim waits for writeback of its dirty pages.
@@ -16,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from nri_plugin.config.schema import Config
+from reconciler.detection.counting import Counting
 from reconciler.detection.notified import NodePsi, psi_path
 from reconciler.detection.publisher import Publisher
 from reconciler.detection.service import Detection
@@ -24,7 +28,7 @@ from reconciler.detection.signals import NODE, Board, Level, Reading, pod_scope
 from reconciler.host.pressure import PsiWatch
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from tests.support.guest_node import MIB, Node, one_pod
+from tests.support.guest_node import MIB, Node, one_pod, pod_infos
 from tests.support.polling import eventually
 from tests.support.realroot import Worker
 
@@ -157,6 +161,63 @@ async def test_an_online_pods_stall_wakes_the_quiet_periodic_detectors(
         made = asyncio.create_task(asyncio.to_thread(
             worker.ask, f"dirty {tmp_path / 'online.bin'} 6.0 256"))
         await eventually(lambda: (pod_level() or Level.NONE) >= Level.LOW, 60.0)
+        answer = await made
+        assert answer["onset"] is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_an_offline_stall_leaves_the_detectors_quiet_and_an_online_stall_wakes_them(
+        node: Node, tmp_path: Path) -> None:
+    """cgroup v2 with ``node_signals = "auto"``: the ladder counts the online pods' own PSI,
+    not the node's. Once the online pod has its own trigger, an offline pod's stall puts the
+    node's PSI at a level without waking the periodic detectors (a quiet period of ten minutes)
+    or having the node's PSI read every 100 ms; the online pod's stall wakes them through its
+    trigger."""
+    base = config()
+    cfg = dataclasses.replace(base, detection=dataclasses.replace(
+        base.detection, quiet_interval_s=600.0))
+    offline, offline_path = node.container("besteffort", UID, CID)
+    online, online_path = node.container("burstable", ONLINE_UID, "d" * 64)
+    for cgroup in (offline, online):
+        (cgroup / "memory.max").write_text(str(64 * MIB))
+    pods, containers = pod_infos(ONLINE_UID, "shared_cores", "d" * 64, online_path, 32 * MIB)
+    more_pods, more_containers = pod_infos(UID, "reclaimed_cores", CID, offline_path)
+    state = NodeState()
+    state.replace_all(
+        [*pods, dataclasses.replace(more_pods[0], id="offline")],
+        [*containers, dataclasses.replace(more_containers[0], pod_sandbox_id="offline")])
+    sysfs = SysFs("/")
+    board = Board()
+    detection = Detection(lambda: cfg, board, state, sysfs, probe_host(sysfs),
+                          AuditLog(MemoryAuditSink()),
+                          counting=lambda: Counting(memcg=False, node=False))
+
+    def reading(detector: str, scope: str) -> Reading | None:
+        return next((r for r in board.current() if r.key == (detector, scope)), None)
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(detection.run(stop))
+    try:
+        await eventually(lambda: reading("system_free", NODE) is not None, 60.0)
+        await eventually(detection.triggers.complete, 10.0)
+        assert detection.triggers.armed() == {ONLINE_UID}
+        assert detection.node_psi.mode == "trigger"
+        first = reading("system_free", NODE)
+        assert first is not None
+        made = asyncio.create_task(asyncio.to_thread(
+            node.worker(offline, offline).ask, f"dirty {tmp_path / 'offline.bin'} 6.0 256"))
+        await eventually(lambda: (r := reading("psi", NODE)) is not None
+                         and r.level >= Level.LOW, 60.0)
+        assert detection.node_psi.interval() == cfg.detection.interval_s
+        await made
+        assert reading("system_free", NODE) == first  # no periodic cycle since the first
+        assert reading("psi", pod_scope(ONLINE_UID)) is None
+        made = asyncio.create_task(asyncio.to_thread(
+            node.worker(online, online).ask, f"dirty {tmp_path / 'online.bin'} 6.0 256"))
+        await eventually(lambda: (r := reading("psi", pod_scope(ONLINE_UID))) is not None
+                         and r.level >= Level.LOW, 60.0)
         answer = await made
         assert answer["onset"] is not None
     finally:

@@ -1,6 +1,6 @@
 """Running the detectors: what is read when, and from which kernel interface.
 
-Three paths feed the readings board (through :class:`~.publisher.Publisher`):
+Four paths feed the readings board (through :class:`~.publisher.Publisher`):
 
 * **periodic** (:class:`DetectorsLoop`, in a worker thread, every ``detection.interval_s``
   while memory is short, else every ``detection.quiet_interval_s`` and at once when another
@@ -13,16 +13,16 @@ Three paths feed the readings board (through :class:`~.publisher.Publisher`):
   the cumulative stall counter polled every ``psi_poll_interval_ms``;
 * **online pods' triggers** (:class:`~.triggers.PodTriggers`, cgroup v2, on the event loop): a
   PSI trigger on each online pod's ``memory.pressure``, which wakes the periodic loop.
+* **memcg pressure events** (:class:`~.notified.PressureLevels`, cgroup v1, on the event
+  loop): the kernel's ``memory.pressure_level`` notifications of the root memcg (reclaim for
+  the whole node) and of kubelet's pods and burstable cgroups (reclaim forced by their
+  limits).
 
 Where every online pod has its trigger, the node-wide readings (free memory, kswapd, the node's
 PSI) keep the periodic loop at ``interval_s``, and the node's PSI read every
 ``psi_poll_interval_ms`` while it holds a level, only where the ladder counts them
 (``mitigation.node_signals``); elsewhere they are the wake-up of the online pods' readings and
 do both (:meth:`Detection.node_paces`).
-* **memcg pressure events** (:class:`~.notified.PressureLevels`, cgroup v1, on the event
-  loop): the kernel's ``memory.pressure_level`` notifications of the root memcg (reclaim for
-  the whole node) and of kubelet's pods and burstable cgroups (reclaim forced by their
-  limits).
 
 Which path each detector takes on this host is decided once at start from the probe
 (:class:`~reconciler.host.probe.HostInfo`) and said once; a detector switched off in the

@@ -7,7 +7,7 @@ stall. The node's PSI can, since an online pod's stall is part of it. But the no
 counts kswapd and every offline task that reclaims, and on a node whose page cache fills its
 memory it stays at a level for hours while no online pod stalls. Measured in a cgroup v2 guest
 of 4 GiB beside a streaming job: the node's PSI was read ten times a second and every pod's
-files every second, 3.4 CPU s of the agent's in a 40 s window, while no online pod stalled and
+files every second, 4.4-5.3 CPU s of the agent's per 40 s window, while no online pod stalled and
 the ladder, which does not count the node's PSI there (``mitigation.node_signals``), did
 nothing.
 
@@ -41,7 +41,7 @@ from common.state import NodeState
 from hooks.events import Event
 from reconciler.detection.config import PSI
 from reconciler.detection.pods import ONLINE_LEVELS, PodIndex
-from reconciler.detection.sections import DetectionSections, active
+from reconciler.detection.sections import DetectionSections, active, paced
 from reconciler.host.pressure import TriggerWatch
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
@@ -116,10 +116,6 @@ class PodTriggers:
         """The uids of the pods with a trigger armed."""
         return frozenset(self._armed)
 
-    def problem(self, cfg: DetectionSections) -> str:
-        """"" when online pods can have triggers here, else why not."""
-        return pod_trigger_problem(cfg, self._host)
-
     async def run(self, stop: asyncio.Event, stalled: Callable[[], None]) -> None:
         """Keep the triggers in line until ``stop``; ``stalled()`` is called on the event loop
         when one fires."""
@@ -130,8 +126,8 @@ class PodTriggers:
             while not stop.is_set():
                 changed.clear()
                 self.sync(loop, stalled)
-                cfg = self._config().detection
-                await sleep_until(max(cfg.interval_s, cfg.quiet_interval_s), stop, changed)
+                seconds, _quiet = paced(self._config(), (PSI,), calm=True)
+                await sleep_until(seconds, stop, changed)
         finally:
             unsubscribe()
             for uid in list(self._armed):
@@ -142,7 +138,7 @@ class PodTriggers:
         """Arm a trigger for each online pod without one, and disarm those of pods gone, of
         pods no longer online, and of a window or threshold no longer configured."""
         cfg = self._config()
-        problem = self.problem(cfg)
+        problem = pod_trigger_problem(cfg, self._host)
         online = {} if problem else {p.uid: p.cgroup for p in self._pods.pods()
                                      if p.level in ONLINE_LEVELS}
         window_us = cfg.detection.psi_trigger_window_ms * 1000

@@ -22,7 +22,7 @@ from reconciler.detection.counting import Counting
 from reconciler.detection.notified import NodePsi
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Level, numa_scope, pod_scope
-from reconciler.detection.triggers import MOST_TRIGGERS, PodTriggers
+from reconciler.detection.triggers import MOST_TRIGGERS, PodTriggers, pod_trigger_problem
 from reconciler.host.probe import HostInfo, TriggerSupport
 from tests.support.detection_env import Setup, uid
 from tests.support.fakesys import GIB, MIB
@@ -201,7 +201,7 @@ async def test_where_pods_cannot_have_triggers_none_is_armed(
     s.pod("web", "shared_cores", request=GIB, anon=0, tier="burstable")
     arms = Arms()
     triggers = PodTriggers(lambda: s.cfg, s.state, s.sysfs, host(s, window_us), arm=arms)
-    assert triggers.problem(s.cfg) == problem
+    assert pod_trigger_problem(s.cfg, host(s, window_us)) == problem
     triggers.sync(asyncio.get_running_loop(), lambda: None)
     assert arms.made == []
     assert not triggers.complete()
@@ -209,8 +209,8 @@ async def test_where_pods_cannot_have_triggers_none_is_armed(
 
 def test_cgroup_v1_pods_have_no_trigger(tmp_path: Path) -> None:
     s = Setup(tmp_path, version=1)
-    triggers = PodTriggers(lambda: s.cfg, s.state, s.sysfs, s.host_info(), arm=Arms())
-    assert triggers.problem(s.cfg) == "pods have no PSI of their own (cgroup v1, or PSI off)"
+    assert pod_trigger_problem(s.cfg, s.host_info()) == (
+        "pods have no PSI of their own (cgroup v1, or PSI off)")
 
 
 async def test_a_cgroup_removed_under_its_trigger_counts_as_without_one(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from collections.abc import AsyncIterator, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -41,6 +42,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def kernel_under_test(request: pytest.FixtureRequest) -> str:
     """``host`` or ``v1-guest`` for a ``real_kernel`` test (see :mod:`tests.vm.tier`)."""
     return tier.kernel_under_test(request)
+
+
+@pytest.fixture(autouse=True)
+def scheduling_restored() -> Iterator[None]:
+    """An agent served in the test's process puts the thread under its CPU scheduling policy
+    (:mod:`nri_plugin.scheduling`); the next test runs under the policy the run began with."""
+    policy = os.sched_getscheduler(0)
+    yield
+    if os.sched_getscheduler(0) != policy:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
 
 
 @pytest.fixture(autouse=True)

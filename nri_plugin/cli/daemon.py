@@ -24,6 +24,7 @@ from nri_plugin.config.schema import Config
 from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
 from nri_plugin.obs.logs import LoggingSetup
 from nri_plugin.report.status import another_agent_answers
+from nri_plugin.scheduling import set_scheduling
 from nri_plugin.session.stub import PluginIdentity
 
 log = structlog.get_logger("nri_qos.daemon")
@@ -60,6 +61,13 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
         if store is None:
             return 2
         cfg = store.current
+        # Before any thread starts: every thread inherits it (see nri_plugin.scheduling).
+        refused = set_scheduling(cfg.agent.scheduling)
+        if refused is None:
+            log.info("scheduling_set", policy=cfg.agent.scheduling)
+        else:
+            log.warning("scheduling_refused", policy=cfg.agent.scheduling, error=str(refused),
+                        hint="the agent runs under the kernel's default policy")
         if (cfg.status.enabled and not allow_second_agent
                 and await another_agent_answers(cfg.status.socket)):
             # Two agents would both register with the runtime and adjust every container.

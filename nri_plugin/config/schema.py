@@ -27,6 +27,7 @@ from hooks.resctrl_config import ResctrlConfig
 from hooks.settings import HookStage
 from nri_plugin.config.hook_paths import check_hook_path
 from nri_plugin.obs.logs import LoggingConfig
+from nri_plugin.scheduling import BATCH, NORMAL
 from reconciler.detection.config import DetectionConfig
 from reconciler.eviction.choice import READ_ANNOTATIONS as EVICTION_ANNOTATIONS
 from reconciler.eviction.config import EvictionConfig
@@ -67,6 +68,15 @@ class AgentConfig:
         "manager keeping their own dry_run. Observe is the default so that an install shows "
         "what it would do before it does it.",
         choices=(OBSERVE, ENFORCE),
+    )
+    scheduling: str = setting(
+        BATCH,
+        "The kernel's CPU scheduling policy of every thread of the agent. batch (SCHED_BATCH): "
+        "the agent keeps its CPU share but a thread that wakes never preempts the task running "
+        "on its CPU (it runs at the next scheduler tick, a few milliseconds later at most), so "
+        "the agent's wake-ups do not cut into the requests an online pod is serving; normal "
+        "(SCHED_OTHER): the kernel's default, a waking thread preempts at once. Read at start.",
+        choices=(BATCH, NORMAL),
     )
 
 
@@ -171,7 +181,8 @@ class StatusConfig:
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    agent: AgentConfig = section(AgentConfig, "The agent as a whole: observe or enforce.")
+    agent: AgentConfig = section(
+        AgentConfig, "The agent as a whole: observe or enforce, and how its threads are scheduled.")
     plugin: PluginConfig = section(PluginConfig, "Connection to the runtime and failure policy.")
     qos: QosConfig = section(QosConfig, "How a pod's QoS level is resolved.")
     resctrl: ResctrlConfig = section(ResctrlConfig, "Intel RDT / AMD QoS through resctrl.")

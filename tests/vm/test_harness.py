@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -116,10 +117,17 @@ def test_a_run_removes_what_a_killed_harness_left(tmp_path: Path) -> None:
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
                                str(dead / "scratch.img")])
     try:
+        # Popen returns once the child has begun its exec, a moment before the kernel gives it
+        # its new command line (read empty until then); a killed harness's QEMU has long had it.
+        deadline = time.monotonic() + 10
+        while str(dead).encode() not in Path(f"/proc/{orphan.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the stand-in never named the directory"
+            time.sleep(0.01)
         assert sweep(tmp_path) == [dead]
         assert orphan.wait(timeout=10) == -9
     finally:
         orphan.kill()
+        orphan.wait()
     assert not dead.exists()
     assert alive.is_dir()
     assert unnamed.is_dir()

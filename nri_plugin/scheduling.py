@@ -1,18 +1,20 @@
-"""The agent's threads do not preempt the pods' tasks when they wake.
+"""The CPU scheduling policy of the agent's threads.
 
-Under the kernel's default policy a task that wakes after a sleep is placed behind the tasks
-already running and preempts the one on its CPU at once. The agent wakes some ten times a
-second (its loops, the runtime's messages, the pod watch); on a node whose CPUs the pods keep
-busy, each wake-up would cut into whatever request an online pod was serving on that CPU.
-Under ``SCHED_BATCH`` a task keeps its fair share of CPU (its cgroup's weight, its nice value)
-but a wake-up never preempts: it runs at the next scheduling tick or when the CPU frees,
-a few milliseconds later at most. Nothing the agent does needs it sooner: a creation answer
-has a deadline of seconds, detection windows of hundreds of milliseconds. Unlike
-``SCHED_IDLE``, the agent is not starved on a saturated node, where it is needed most.
+Under the kernel's default policy (``SCHED_OTHER``) a thread that wakes after a sleep preempts
+the task running on its CPU at once. The agent wakes some ten times a second (its loops, the
+runtime's messages, the pod watch). Under ``SCHED_BATCH`` a thread keeps its fair share of CPU
+(its cgroup's weight, its nice value) but a wake-up never preempts: it runs at the next
+scheduler tick or when the CPU frees, a few milliseconds later at most, and the agent's
+wake-ups do not cut into a request an online pod is serving. Unlike ``SCHED_IDLE``, the agent
+is not starved on a saturated node, where it is needed most.
+
+``SCHED_BATCH`` is an option, not the default: in a cgroup v2 guest it did not lower an online
+service's tail beside the same agent under the default policy, and the service stopped
+answering for a second or more beside it more often than beside any other mode, for a cause
+not found (``docs/operations.md``).
 
 The policy is set on the calling thread and inherited by every thread it starts, so it is set
-before the agent starts any. Moving from the default policy to ``SCHED_BATCH`` needs no
-privilege.
+before the agent starts any. Moving between the two policies needs no privilege.
 """
 
 from __future__ import annotations

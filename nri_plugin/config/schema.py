@@ -70,13 +70,15 @@ class AgentConfig:
         choices=(OBSERVE, ENFORCE),
     )
     scheduling: str = setting(
-        BATCH,
-        "The kernel's CPU scheduling policy of every thread of the agent. batch (SCHED_BATCH): "
-        "the agent keeps its CPU share but a thread that wakes never preempts the task running "
-        "on its CPU (it runs at the next scheduler tick, a few milliseconds later at most), so "
-        "the agent's wake-ups do not cut into the requests an online pod is serving; normal "
-        "(SCHED_OTHER): the kernel's default, a waking thread preempts at once. Read at start.",
-        choices=(BATCH, NORMAL),
+        NORMAL,
+        "The kernel's CPU scheduling policy of every thread of the agent. normal (SCHED_OTHER): "
+        "the kernel's default, a waking thread preempts the task running on its CPU at once; "
+        "batch (SCHED_BATCH): the agent keeps its CPU share but a thread that wakes never "
+        "preempts (it runs at the next scheduler tick, a few milliseconds later at most). Not "
+        "the default: in a cgroup v2 guest it did not lower an online service's tail, and the "
+        "service stopped answering for a second or more beside it more often than beside any "
+        "other mode (docs/operations.md). Read at start.",
+        choices=(NORMAL, BATCH),
     )
 
 

@@ -28,8 +28,8 @@ def thread_policies(pid: int) -> dict[int, int]:
 async def test_every_thread_of_a_running_agent_is_under_its_policy(tmp_path: Path,
                                                                   policy: str) -> None:
     config = tmp_path / "config.toml"
-    # No [agent] table for batch: the default is what is tested.
-    config.write_text(("" if policy == BATCH else '[agent]\nscheduling = "normal"\n')
+    # No [agent] table for normal: the default is what is tested.
+    config.write_text(("" if policy == NORMAL else '[agent]\nscheduling = "batch"\n')
                       + f'[status]\nsocket = "{tmp_path / "status.sock"}"\n'
                       "[kubernetes]\nenabled = false\n[resctrl]\nenabled = false\n"
                       f'[reconciler]\nstate_dir = "{tmp_path / "state"}"\n')

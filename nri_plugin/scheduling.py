@@ -10,7 +10,7 @@ is not starved on a saturated node, where it is needed most.
 
 ``SCHED_BATCH`` is an option, not the default: in a cgroup v2 guest it did not lower an online
 service's tail beside the same agent under the default policy, and the service stopped
-answering for a second or more beside it more often than beside any other mode, for a cause
+answering for 300 ms or more beside it more often than beside any other mode, for a cause
 not found (``docs/operations.md``).
 
 The policy is set on the calling thread and inherited by every thread it starts, so it is set

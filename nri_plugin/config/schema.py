@@ -76,7 +76,7 @@ class AgentConfig:
         "batch (SCHED_BATCH): the agent keeps its CPU share but a thread that wakes never "
         "preempts (it runs at the next scheduler tick, a few milliseconds later at most). Not "
         "the default: in a cgroup v2 guest it did not lower an online service's tail, and the "
-        "service stopped answering for a second or more beside it more often than beside any "
+        "service stopped answering for 300 ms or more beside it more often than beside any "
         "other mode (docs/operations.md). Read at start.",
         choices=(NORMAL, BATCH),
     )

@@ -120,6 +120,7 @@ from bench.colocation_report import (
     summarize_actions,
     timeline,
 )
+from bench.colocation_stalls import Sampler, explain, read_samples, stall_spans
 from bench.kubelet_node import (
     MIB,
     Container,
@@ -249,6 +250,12 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             stack.callback(stop_load, load_process)
             if (await read_line(load_process)).strip() != "ready":
                 raise RuntimeError("the load generator did not start")
+        sampler = None
+        if settings.trace_stalls:
+            sampler = Sampler(work / "tasks.txt", {n.split()[-1]: p.pid for n, p in watched} | (
+                {"load": load_process.pid} if load_process else {}) | (
+                {"agent": agent.pid} if agent is not None and agent.pid else {}))
+            stack.callback(sampler.close)
         await asyncio.sleep(SETTLE_S)
 
         def open_window() -> tuple[dict[str, int | None], float, float, int, float]:
@@ -267,6 +274,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                 str(settings.offline_work_rounds), "--out", str(offline_outs[i]),
                 *(["--warm"] if settings.offline_warm else [])])
             watched.append((f"offline {plan.name}", process))
+            if sampler is not None:
+                sampler.add(plan.name, process.pid)
         if settings.offline_warm:
             # The window opens on the node the offline pods' read-through left.
             for name, process in watched[-len(plans):]:
@@ -291,6 +300,11 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             await asyncio.to_thread(stop_load, load_process)
         await asyncio.gather(*(asyncio.to_thread(node.stop, p) for _, p in reversed(watched)))
         samples = read_latencies(online_out)
+        stalls = []
+        if sampler is not None:
+            sampler.close()
+            stalls = explain(read_samples(sampler.out), stall_spans(
+                service_out, t0_ns, t1_ns, settings.service_timeout_ms), t0_ns)
         service_ms, missed = read_service(service_out, t0_ns, t1_ns,
                                           settings.service_timeout_ms)
         work_done = [read_work(out, t1_ns) for out in offline_outs]
@@ -307,7 +321,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             service_ms=service_ms, service_missed=missed,
             work_mib=sum(w for w, _ in work_done), work_cpu_s=sum(c for _, c in work_done),
             agent_cpu_s=cpu1 - cpu0 if agent is not None else None,
-            bench_cpu_s=own1 - own0,
+            bench_cpu_s=own1 - own0, stalls=stalls,
             agent_mib=agent.usage_mib() if agent is not None else None,
             agent_peak_mib=agent.peak_mib() if agent is not None else None)
 

@@ -82,6 +82,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
                                   "trail, raw samples; not the offline pods' output) under "
                                   "this directory; it holds the run's unix sockets, so it "
                                   "must be on a local file system (checked before the run)")
+    p.add_argument("--trace-stalls", action="store_true",
+                   help="sample what the machine's tasks do (state, wait channel, CPU) every "
+                        "200 ms and print, for each stall of the service (a request 300 ms late "
+                        "or more), what they did over it; costs the machine some CPU")
     p.add_argument("--plot", help="draw the latency CDFs and offline progress into this PNG")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from-json", help="print (and --plot) earlier raw results; no run")
@@ -184,5 +188,5 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
         offline_work_rounds=args.offline_work_rounds,
         offline_warm=scenario.warm if args.offline_warm is None else args.offline_warm,
         online_rps=args.online_rps,
-        service_timeout_ms=args.service_timeout_ms)
+        service_timeout_ms=args.service_timeout_ms, trace_stalls=args.trace_stalls)
     return settings, how

@@ -153,6 +153,8 @@ class Settings:
     # The online key-value service's open-loop load (0: no service) and its miss timeout.
     online_rps: float = 200.0
     service_timeout_ms: float = 1000.0
+    # What the machine's tasks did over each of the service's stalls (bench.colocation_stalls).
+    trace_stalls: bool = False
 
 
 @dataclasses.dataclass
@@ -183,6 +185,8 @@ class Repetition:
     # The benchmark process's own CPU seconds in the window: the runtime simulator and the API
     # server stand-in work for the agent, so they count against the agent modes.
     bench_cpu_s: float | None = None
+    # Each stall of the service, with what the sampled tasks did over it (--trace-stalls).
+    stalls: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def offline_mb(self) -> float:

@@ -252,8 +252,8 @@ def print_table(reps: Sequence[Repetition], settings: Settings) -> None:
           "repetition)")
     print_aligned(COLUMNS, table_rows(reps, settings.duration_s), text_last=True)
     for r in reps:
-        for problem in r.problems:
-            print(f"{r.mode} rep {r.index}: {problem}")
+        for line in (*r.problems, *r.stalls):
+            print(f"{r.mode} rep {r.index}: {line}")
     for line in applied_lines(reps):
         print(line)
 

@@ -1,0 +1,285 @@
+"""What the machine's tasks did while the online service stopped answering (``--trace-stalls``).
+
+Latencies alone cannot say why a key-value service answers nothing for a second: its thread
+waiting for a CPU, blocked in the kernel, the load generator that times it held up itself, or
+the whole machine paused (a guest's virtual CPUs not run by its host). Run as a script (standard
+library only), this module samples, every ``--every`` seconds and at real-time priority where
+the kernel allows it (so that the CPU contention it looks for does not delay it):
+
+* each thread of each ``--watch NAME=PID`` process: its state, its kernel wait channel and its
+  schedstat (ns on a CPU, ns runnable and waiting for one);
+* the kernel threads whose names start with one of ``--kthreads`` (PSI's ``psimon``,
+  ``kswapd``, ``kcompactd``), looked up again every few seconds;
+* the machine's runnable task count (``/proc/loadavg``);
+* the kernel stack of every watched thread in uninterruptible sleep (``D``).
+
+One line per sample goes to ``--out``: ``<monotonic ns> <runnable>`` then, tab-separated,
+``NAME/TID/STATE/WCHAN/RUN_NS/WAIT_NS`` per thread; a stack is a line of its own,
+``#stack <monotonic ns> NAME/TID <frame;frame;...>``. A line ``watch NAME=PID`` on its input
+adds a process; a line ``stop``, or the end of its input, stops it.
+
+Imported, :func:`stall_spans` finds the stalls of one repetition in the load generator's
+records (requests answered ``LATE_MS`` or more after they were due, or never) and
+:func:`explain` says what the samples show over each.
+
+    python colocation_stalls.py --out FILE [--every 0.2] --watch service=PID [--watch ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import contextlib
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LATE_MS = 300.0
+"""A request answered this late or later marks a stall (what the docs count as a freeze)."""
+KTHREADS = ("psimon", "kswapd", "kcompactd")
+RESCAN_S = 5.0
+"""How often the kernel threads are looked up again: ``psimon`` starts with the first trigger."""
+
+
+# -- the sampler (run as a script) -------------------------------------------------------------
+
+
+def read(path: str) -> str:
+    """The text of a /proc file in three system calls (``open()`` takes more, and the sampler
+    makes a few hundred reads a second)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # the thread ended between listing and reading
+        return ""
+    try:
+        return os.read(fd, 65536).decode(errors="replace")
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
+
+
+def kernel_threads(prefixes: Sequence[str]) -> dict[int, str]:
+    """The kernel threads named with one of ``prefixes``: children of kthreadd (pid 2)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            status = read(f"/proc/{entry}/stat")
+            after = status[status.rfind(")") + 2:].split()
+            if len(after) < 2 or after[1] != "2":
+                continue
+            comm = status[status.find("(") + 1:status.rfind(")")]
+            if comm.startswith(tuple(prefixes)):
+                found[int(entry)] = comm
+    return found
+
+
+def thread_entry(name: str, task: str) -> tuple[str, str]:
+    """``NAME/TID/STATE/WCHAN/RUN_NS/WAIT_NS`` of one thread (``task``: its /proc directory),
+    and its state."""
+    stat = read(f"{task}/stat")
+    state = stat[stat.rfind(")") + 2:stat.rfind(")") + 3] or "?"
+    wchan = read(f"{task}/wchan").strip() or "0" if state in "DS" else "0"
+    run, wait, *_ = (read(f"{task}/schedstat").split() or ["0", "0"]) + ["0"]
+    return f"{name}/{task.rsplit('/', 1)[1]}/{state}/{wchan}/{run}/{wait}", state
+
+
+def sample(watch: dict[str, int], kthreads: dict[int, str]) -> list[str]:
+    now = time.monotonic_ns()
+    loadavg = read("/proc/loadavg").split()
+    runnable = loadavg[3].split("/")[0] if len(loadavg) > 3 else "?"
+    entries, stacks = [], []
+    tasks = [(name, f"/proc/{pid}/task/{tid}") for name, pid in list(watch.items())
+             for tid in _listdir(f"/proc/{pid}/task")]
+    tasks += [(comm, f"/proc/{pid}/task/{pid}") for pid, comm in kthreads.items()]
+    for name, task in tasks:
+        entry, state = thread_entry(name, task)
+        entries.append(entry)
+        if state == "D":
+            frames = [line.split(" ", 1)[-1].split("+")[0]
+                      for line in read(f"{task}/stack").splitlines()]
+            stacks.append(f"#stack {now} {name}/{task.rsplit('/', 1)[1]} {';'.join(frames)}")
+    return ["\t".join([f"{now} {runnable}", *entries]), *stacks]
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--every", type=float, default=0.2, help="seconds between samples")
+    p.add_argument("--watch", action="append", default=[], metavar="NAME=PID")
+    p.add_argument("--kthreads", default=",".join(KTHREADS))
+    args = p.parse_args(argv)
+    watch = {name: int(pid) for name, pid in (w.split("=", 1) for w in args.watch)}
+    prefixes = tuple(k for k in args.kthreads.split(",") if k)
+    with contextlib.suppress(OSError):  # not allowed: sampled at normal priority
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    stop = threading.Event()
+
+    def watch_input() -> None:
+        for line in sys.stdin:
+            if line.startswith("watch "):
+                name, pid = line.split(" ", 1)[1].strip().split("=", 1)
+                watch[name] = int(pid)
+            elif line.strip() == "stop":
+                break
+        stop.set()
+
+    threading.Thread(target=watch_input, daemon=True).start()
+    kthreads, scanned = kernel_threads(prefixes), time.monotonic()
+    print("ready", flush=True)
+    with open(args.out, "a") as out:
+        while not stop.wait(args.every):
+            if time.monotonic() - scanned >= RESCAN_S:
+                kthreads, scanned = kernel_threads(prefixes), time.monotonic()
+            out.write("\n".join(sample(watch, kthreads)) + "\n")
+    print("done", flush=True)
+
+
+# -- reading the samples back (imported by the benchmark) --------------------------------------
+
+
+@dataclass
+class Sample:
+    t_ns: int
+    runnable: int
+    # (name, tid) -> (state, wchan, ns on a CPU, ns waiting for one)
+    threads: dict[tuple[str, int], tuple[str, str, int, int]]
+    stacks: list[tuple[str, str]] = field(default_factory=list)  # (name, frames)
+
+
+def read_samples(path: Path) -> list[Sample]:
+    samples: list[Sample] = []
+    if not path.exists():
+        return samples
+    for line in path.read_text().splitlines():
+        if line.startswith("#stack "):
+            _, _, who, *frames = line.split(" ", 3)
+            if samples:
+                samples[-1].stacks.append((who.rsplit("/", 1)[0], frames[0] if frames else ""))
+            continue
+        head, *entries = line.split("\t")
+        t_ns, runnable = head.split(" ")
+        threads = {}
+        for entry in entries:
+            name, tid, state, wchan, run, wait = entry.rsplit("/", 5)
+            threads[(name, int(tid))] = (state, wchan, int(run), int(wait))
+        samples.append(Sample(int(t_ns), int(runnable) if runnable.isdigit() else -1, threads))
+    return samples
+
+
+def stall_spans(service_out: Path, t0_ns: int, t1_ns: int, timeout_ms: float,
+                late_ms: float = LATE_MS) -> list[tuple[int, int]]:
+    """The spans (monotonic ns) in which requests due in the window waited ``late_ms`` or more:
+    from a late request's due time to its answer (a missed one: to its timeout), overlapping
+    spans merged."""
+    values = array.array("q")
+    if service_out.exists():
+        data = service_out.read_bytes()
+        values.frombytes(data[: len(data) // 16 * 16])
+    spans: list[tuple[int, int]] = []
+    for due, latency in sorted(zip(values[0::2], values[1::2], strict=True)):
+        if not t0_ns <= due < t1_ns:
+            continue
+        if latency < 0 or latency > timeout_ms * 1e6:
+            latency = int(timeout_ms * 1e6)
+        elif latency < late_ms * 1e6:
+            continue
+        if spans and due <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], due + latency))
+        else:
+            spans.append((due, due + latency))
+    return spans
+
+
+def _within(samples: Sequence[Sample], start: int, end: int) -> list[Sample]:
+    """The samples of a span, with the one just before it (the base of the CPU deltas)."""
+    before = [s for s in samples if s.t_ns < start][-1:]
+    return before + [s for s in samples if start <= s.t_ns <= end]
+
+
+def _threads(span: Sequence[Sample]) -> Iterator[tuple[str, str]]:
+    """One phrase per process name: its threads' states over the span (a count of samples
+    each), the wait channels it slept in, and its ns on a CPU and waiting for one."""
+    names = dict.fromkeys(name for s in span for name, _ in s.threads)
+    for name in names:
+        states: collections.Counter[str] = collections.Counter()
+        for s in span[1:]:
+            for (n, _), (state, wchan, _, _) in s.threads.items():
+                if n == name:
+                    states[state if state not in "DS" or wchan == "0" else f"{state}:{wchan}"] += 1
+        ran = waited = 0
+        for key in {k for s in span for k in s.threads if k[0] == name}:
+            seen = [s.threads[key] for s in span if key in s.threads]
+            ran += seen[-1][2] - seen[0][2]
+            waited += seen[-1][3] - seen[0][3]
+        common = ", ".join(f"{k} {v}" for k, v in states.most_common(4))
+        yield name, f"{common}; ran {ran / 1e6:.0f} ms, waited for a CPU {waited / 1e6:.0f} ms"
+
+
+def explain(samples: Sequence[Sample], spans: Sequence[tuple[int, int]],
+             t0_ns: int) -> list[str]:
+    """What the samples show over each stall: when and how long (s into the window), the
+    sampler's own largest gap (a gap as long as the stall: the whole machine paused), the
+    machine's runnable tasks, each process's threads, and the stacks of blocked threads."""
+    lines = []
+    for start, end in spans:
+        span = _within(samples, start, end)
+        head = f"stall at {(start - t0_ns) / 1e9:.1f} s for {(end - start) / 1e6:.0f} ms"
+        if len(span) < 2:
+            lines.append(f"{head}: no samples")
+            continue
+        gap = max(b.t_ns - a.t_ns for a, b in itertools.pairwise(span))
+        runnable = sorted(s.runnable for s in span[1:])
+        parts = [f"{len(span) - 1} samples, largest gap {gap / 1e6:.0f} ms",
+                 f"runnable {runnable[0]}-{runnable[-1]} (median {runnable[len(runnable) // 2]})"]
+        parts += [f"{name}: {what}" for name, what in _threads(span)]
+        stacks = collections.Counter(f"{n} {frames}" for s in span for n, frames in s.stacks)
+        parts += [f"blocked {count}x: {stack}" for stack, count in stacks.most_common(3)]
+        lines.append(f"{head}: " + " | ".join(parts))
+    return lines
+
+
+class Sampler:
+    """The sampler script beside one repetition: started with the processes to watch, stopped
+    (:meth:`close`) before its samples are read."""
+
+    def __init__(self, out: Path, watch: dict[str, int], every_s: float = 0.2) -> None:
+        self.out = out
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", __file__, "--out", str(out), "--every", str(every_s),
+             *(f"--watch={name}={pid}" for name, pid in watch.items())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self._process.stdout is not None
+        if self._process.stdout.readline().strip() != "ready":
+            self.close()
+            raise RuntimeError("the stall sampler did not start")
+
+    def add(self, name: str, pid: int) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.write(f"watch {name}={pid}\n")
+        self._process.stdin.flush()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
+            self._process.communicate("stop\n", timeout=10)
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+
+if __name__ == "__main__":
+    main()

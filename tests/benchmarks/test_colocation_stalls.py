@@ -1,0 +1,109 @@
+"""The colocation benchmark's stall tracing (``bench/colocation_stalls.py``): which requests
+make a stall, and what the sampler, run as the benchmark runs it on real processes of this
+machine, says they did over one."""
+
+from __future__ import annotations
+
+import array
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.colocation_stalls import (
+    KTHREADS,
+    LATE_MS,
+    Sample,
+    Sampler,
+    explain,
+    read_samples,
+    stall_spans,
+)
+from bench.colocation_workloads import MISS
+
+MS = 1_000_000
+
+
+def records(path: Path, pairs: list[tuple[int, int]]) -> Path:
+    path.write_bytes(array.array("q", [v for pair in pairs for v in pair]).tobytes())
+    return path
+
+
+def test_a_stall_starts_at_exactly_the_late_threshold(tmp_path: Path) -> None:
+    late = int(LATE_MS * MS)
+    out = records(tmp_path / "service.bin", [
+        (10 * MS, late - 1),  # not late enough
+        (2_000 * MS, late),  # exactly late: a stall
+        (3_000 * MS, 5 * MS)])
+    assert stall_spans(out, 0, 10_000 * MS, 1000.0) == [(2_000 * MS, 2_000 * MS + late)]
+
+
+def test_stalls_overlapping_merge_and_a_miss_lasts_the_timeout(tmp_path: Path) -> None:
+    out = records(tmp_path / "service.bin", [
+        (1_000 * MS, 400 * MS),  # 1.0-1.4 s
+        (1_200 * MS, 500 * MS),  # 1.2-1.7 s: the same stall
+        (5_000 * MS, MISS),  # never answered: 5.0-6.0 s with a 1,000 ms timeout
+        (9_000 * MS, 1_500 * MS),  # answered after the timeout: a miss too
+        (20_000 * MS, 400 * MS)])  # due after the window
+    assert stall_spans(out, 0, 10_000 * MS, 1000.0) == [
+        (1_000 * MS, 1_700 * MS), (5_000 * MS, 6_000 * MS), (9_000 * MS, 10_000 * MS)]
+    assert stall_spans(out, 1_100 * MS, 10_000 * MS, 1000.0)[0] == (1_200 * MS, 1_700 * MS)
+    assert stall_spans(tmp_path / "absent.bin", 0, 10_000 * MS, 1000.0) == []
+
+
+def test_explain_says_what_each_process_did_over_a_stall() -> None:
+    def sample(t_ms: int, run_ms: int, wait_ms: int, state: str, runnable: int = 3) -> Sample:
+        return Sample(t_ms * MS, runnable, {
+            ("service", 7): (state, "0" if state == "R" else "unix_stream_read_generic",
+                             run_ms * MS, wait_ms * MS),
+            ("agent", 9): ("S", "do_epoll_wait", 0, 0)})
+
+    samples = [sample(900, 10, 0, "S"), sample(1000, 10, 0, "R"), sample(1100, 10, 100, "R"),
+               sample(1800, 20, 790, "R", 5)]
+    samples[2].stacks.append(("agent", "cgroup_mkdir;kernfs_iop_mkdir"))
+    [line] = explain(samples, [(1_000 * MS, 1_900 * MS)], 0)
+    assert line.startswith("stall at 1.0 s for 900 ms: 3 samples, largest gap 700 ms")
+    assert "runnable 3-5 (median 3)" in line
+    # the base sample (900 ms, S) counts for the deltas, not for the states
+    assert "service: R 3; ran 10 ms, waited for a CPU 790 ms" in line
+    assert "agent: S:do_epoll_wait 3; ran 0 ms" in line
+    assert "blocked 1x: agent cgroup_mkdir;kernfs_iop_mkdir" in line
+    assert explain(samples[:1], [(5_000 * MS, 6_000 * MS)], 0) == [
+        "stall at 5.0 s for 1000 ms: no samples"]
+
+
+def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> None:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        sampler = Sampler(tmp_path / "tasks.txt", {"sleeper": sleeper.pid}, every_s=0.05)
+        try:
+            sampler.add("busy", busy.pid)  # added while it samples, as the offline pods are
+            time.sleep(0.3)
+            os.kill(sleeper.pid, signal.SIGSTOP)
+            start = time.monotonic_ns()
+            time.sleep(0.6)
+            end = time.monotonic_ns()
+            os.kill(sleeper.pid, signal.SIGCONT)
+            time.sleep(0.2)
+        finally:
+            sampler.close()
+    finally:
+        for p in (sleeper, busy):
+            p.kill()
+            p.wait()
+    samples = read_samples(tmp_path / "tasks.txt")
+    names = {name for s in samples for name, _ in s.threads}
+    assert {"sleeper", "busy", "kswapd0"} <= names  # and the kernel's reclaim thread
+    assert not {n for n in names if not n.startswith(("sleeper", "busy", *KTHREADS))}
+    during = [s for s in samples if start < s.t_ns < end]
+    assert len(during) >= 5
+    assert all(s.threads[("sleeper", sleeper.pid)][0] == "T" for s in during[1:])
+    before = [s for s in samples if s.t_ns < start - 100 * MS]
+    assert before[-1].threads[("sleeper", sleeper.pid)][:2] != ("R", "0")
+    [line] = explain(samples, [(start, end)], 0)
+    assert "sleeper: T " in line
+    ran = int(line.split("busy: ")[1].split("ran ")[1].split(" ms")[0])
+    assert ran > 100  # the busy loop was on a CPU for much of the 600 ms

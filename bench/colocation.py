@@ -61,7 +61,7 @@ the latency CDFs and the offline progress over time (matplotlib, the ``bench`` e
                                [--offline-warm | --no-offline-warm]
                                [--idle-s 5] [--plot PNG] [--json PATH] [--keep DIR]
                                [--data-dir DIR] [--agent-from SOURCE_TREE] [--agent-config TOML]
-                               [--variant NAME=TOML ...]
+                               [--variant NAME=TOML ...] [--trace-stalls]
     python bench/colocation.py --from-json PATH [--plot PNG]     # the table (and plot) again
 
 Needs root and a memory cgroup controller, and about 1.3 GB of disk under /var/tmp for the data
@@ -120,7 +120,7 @@ from bench.colocation_report import (
     summarize_actions,
     timeline,
 )
-from bench.colocation_stalls import Sampler, explain, read_samples, stall_spans
+from bench.colocation_stalls import Sampler
 from bench.kubelet_node import (
     MIB,
     Container,
@@ -167,11 +167,12 @@ async def read_line(process: subprocess.Popen[str], timeout_s: float = READY_TIM
 
 def start_load(socket: Path, settings: Settings, out: Path) -> subprocess.Popen[str]:
     """The online service's clients: the open-loop load generator, outside the node (as from
-    another machine)."""
+    another machine); with ``trace_stalls`` its send times beside ``out`` (``.sent``)."""
     return subprocess.Popen(
         [sys.executable, "-I", str(WORKLOADS), "load", "--socket", str(socket), "--rps",
          str(settings.online_rps), "--timeout-ms", str(settings.service_timeout_ms), "--out",
-         str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+         str(out), *(["--sent", f"{out}.sent"] if settings.trace_stalls else [])],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def stop_load(process: subprocess.Popen[str]) -> None:
@@ -300,11 +301,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             await asyncio.to_thread(stop_load, load_process)
         await asyncio.gather(*(asyncio.to_thread(node.stop, p) for _, p in reversed(watched)))
         samples = read_latencies(online_out)
-        stalls = []
-        if sampler is not None:
-            sampler.close()
-            stalls = explain(read_samples(sampler.out), stall_spans(
-                service_out, t0_ns, t1_ns, settings.service_timeout_ms), t0_ns)
+        stalls = sampler.stalls(service_out, t0_ns, t1_ns,
+                                settings.service_timeout_ms) if sampler is not None else []
         service_ms, missed = read_service(service_out, t0_ns, t1_ns,
                                           settings.service_timeout_ms)
         work_done = [read_work(out, t1_ns) for out in offline_outs]

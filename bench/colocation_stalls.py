@@ -181,28 +181,56 @@ def read_samples(path: Path) -> list[Sample]:
     return samples
 
 
+@dataclass(frozen=True)
+class Stall:
+    start_ns: int  # the due time of its first late request
+    end_ns: int  # the answer (or the timeout) of its last
+    silent_ns: int  # the longest time within it between two answers: a stop, or a slow queue
+    # The latest a request due in it was sent (None: not recorded): the load generator's own stall.
+    sent_late_ns: int | None = None
+
+
 def stall_spans(service_out: Path, t0_ns: int, t1_ns: int, timeout_ms: float,
-                late_ms: float = LATE_MS) -> list[tuple[int, int]]:
-    """The spans (monotonic ns) in which requests due in the window waited ``late_ms`` or more:
-    from a late request's due time to its answer (a missed one: to its timeout), overlapping
-    spans merged."""
-    values = array.array("q")
-    if service_out.exists():
-        data = service_out.read_bytes()
-        values.frombytes(data[: len(data) // 16 * 16])
+                late_ms: float = LATE_MS) -> list[Stall]:
+    """The stalls (monotonic ns) of the requests due in the window: from a request answered
+    ``late_ms`` or more after its due time to its answer (a missed one: to its timeout),
+    overlapping ones merged; each with its longest silence. A service that stopped answers
+    nothing for nearly the whole stall; one that fell behind keeps answering. Where the load
+    generator recorded its sends (``<service_out>.sent``), each stall says how late it sent."""
+    values = _pairs(service_out)
+    sent = _pairs(Path(f"{service_out}.sent")) if Path(f"{service_out}.sent").exists() else None
+    timeout_ns = int(timeout_ms * 1e6)
+    pairs = sorted(zip(values[0::2], values[1::2], strict=True))
+    answers = sorted(due + latency for due, latency in pairs if 0 <= latency <= timeout_ns)
     spans: list[tuple[int, int]] = []
-    for due, latency in sorted(zip(values[0::2], values[1::2], strict=True)):
+    for due, latency in pairs:
         if not t0_ns <= due < t1_ns:
             continue
-        if latency < 0 or latency > timeout_ms * 1e6:
-            latency = int(timeout_ms * 1e6)
+        if latency < 0 or latency > timeout_ns:
+            latency = timeout_ns
         elif latency < late_ms * 1e6:
             continue
         if spans and due <= spans[-1][1]:
             spans[-1] = (spans[-1][0], max(spans[-1][1], due + latency))
         else:
             spans.append((due, due + latency))
-    return spans
+    stalls = []
+    for start, end in spans:
+        marks = [start, *(a for a in answers if start < a < end), end]
+        late = None if sent is None else max(
+            (d for due, d in zip(sent[0::2], sent[1::2], strict=True) if start <= due <= end),
+            default=0)
+        stalls.append(Stall(start, end, max(b - a for a, b in itertools.pairwise(marks)), late))
+    return stalls
+
+
+def _pairs(path: Path) -> array.array[int]:
+    """A file of signed 64-bit pairs (a partial last pair dropped); empty when absent."""
+    values = array.array("q")
+    if path.exists():
+        data = path.read_bytes()
+        values.frombytes(data[: len(data) // 16 * 16])
+    return values
 
 
 def _within(samples: Sequence[Sample], start: int, end: int) -> list[Sample]:
@@ -230,15 +258,19 @@ def _threads(span: Sequence[Sample]) -> Iterator[tuple[str, str]]:
         yield name, f"{common}; ran {ran / 1e6:.0f} ms, waited for a CPU {waited / 1e6:.0f} ms"
 
 
-def explain(samples: Sequence[Sample], spans: Sequence[tuple[int, int]],
-             t0_ns: int) -> list[str]:
-    """What the samples show over each stall: when and how long (s into the window), the
-    sampler's own largest gap (a gap as long as the stall: the whole machine paused), the
-    machine's runnable tasks, each process's threads, and the stacks of blocked threads."""
+def explain(samples: Sequence[Sample], stalls: Sequence[Stall], t0_ns: int) -> list[str]:
+    """What the samples show over each stall: when and how long (s into the window) and the
+    service's longest silence in it, the sampler's own largest gap (a gap as long as the
+    stall: the whole machine paused), the machine's runnable tasks, each process's threads
+    (their states, a count of thread samples each), and the stacks of blocked threads."""
     lines = []
-    for start, end in spans:
+    for stall in stalls:
+        start, end = stall.start_ns, stall.end_ns
         span = _within(samples, start, end)
-        head = f"stall at {(start - t0_ns) / 1e9:.1f} s for {(end - start) / 1e6:.0f} ms"
+        head = (f"stall at {(start - t0_ns) / 1e9:.1f} s for {(end - start) / 1e6:.0f} ms, "
+                f"no answer for {stall.silent_ns / 1e6:.0f} ms at most")
+        if stall.sent_late_ns is not None:
+            head += f", requests sent up to {stall.sent_late_ns / 1e6:.0f} ms after due"
         if len(span) < 2:
             lines.append(f"{head}: no samples")
             continue
@@ -272,6 +304,12 @@ class Sampler:
         assert self._process.stdin is not None
         self._process.stdin.write(f"watch {name}={pid}\n")
         self._process.stdin.flush()
+
+    def stalls(self, service_out: Path, t0_ns: int, t1_ns: int, timeout_ms: float) -> list[str]:
+        """Stop sampling; each stall of the service's window (:func:`stall_spans`) explained."""
+        self.close()
+        return explain(read_samples(self.out), stall_spans(service_out, t0_ns, t1_ns,
+                                                           timeout_ms), t0_ns)
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):

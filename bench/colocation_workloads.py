@@ -38,7 +38,8 @@ not the benchmark's imports::
   not slow the arrivals); each request's latency is measured from its due time to its answer.
   A request not answered within ``--timeout-ms`` (or not at all: the server gone) is a miss.
   At the end it appends ``(due ns, latency ns)`` pairs (signed 64-bit; latency -1 for a miss)
-  to ``--out``.
+  to ``--out`` and, with ``--sent FILE``, ``(due ns, ns from then to its send)`` pairs to FILE:
+  a stall of the load generator itself shows there, not as the service's.
 * **write**: write a file of ``--mib`` MiB, flush it to disk and drop it from the page cache
   (data for the others).
 
@@ -272,6 +273,7 @@ def load(args: argparse.Namespace) -> None:
     lock = threading.Lock()
     due: collections.deque[int] = collections.deque()  # sent, not answered, in order
     done: list[tuple[int, int]] = []
+    sent = array.array("q")  # with --sent: (due ns, ns after it the request was sent)
 
     def receive() -> None:
         buffer = b""
@@ -312,6 +314,8 @@ def load(args: argparse.Namespace) -> None:
                 conn.sendall(KEY.pack(i))
             except OSError:
                 gone = True
+            if args.sent:
+                sent.extend((at, time.monotonic_ns() - at))
         i += 1
     # the last answers, up to the timeout; what is still out is missed
     deadline = time.monotonic_ns() + timeout_ns
@@ -327,6 +331,9 @@ def load(args: argparse.Namespace) -> None:
         out = array.array("q", [v for pair in done for v in pair])
     with open(args.out, "ab") as f:
         out.tofile(f)
+    if args.sent:
+        with open(args.sent, "ab") as f:
+            sent.tofile(f)
     say("done")
 
 
@@ -373,6 +380,7 @@ def main() -> None:
     ld.add_argument("--rps", type=float, default=200.0)
     ld.add_argument("--timeout-ms", type=float, default=1000.0)
     ld.add_argument("--out", required=True)
+    ld.add_argument("--sent", help="also record when each request was sent")
     wr = commands.add_parser("write")
     wr.add_argument("--path", required=True)
     wr.add_argument("--mib", type=int, required=True)

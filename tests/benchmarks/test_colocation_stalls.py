@@ -17,6 +17,7 @@ from bench.colocation_stalls import (
     LATE_MS,
     Sample,
     Sampler,
+    Stall,
     explain,
     read_samples,
     stall_spans,
@@ -37,7 +38,33 @@ def test_a_stall_starts_at_exactly_the_late_threshold(tmp_path: Path) -> None:
         (10 * MS, late - 1),  # not late enough
         (2_000 * MS, late),  # exactly late: a stall
         (3_000 * MS, 5 * MS)])
-    assert stall_spans(out, 0, 10_000 * MS, 1000.0) == [(2_000 * MS, 2_000 * MS + late)]
+    assert stall_spans(out, 0, 10_000 * MS, 1000.0) == [
+        Stall(2_000 * MS, 2_000 * MS + late, late)]  # no send records: sent_late_ns None
+
+
+def test_a_stall_says_how_late_the_load_generator_sent(tmp_path: Path) -> None:
+    out = records(tmp_path / "service.bin", [(1_000 * MS, 400 * MS), (1_005 * MS, 395 * MS),
+                                             (3_000 * MS, 2 * MS)])
+    # the two late requests sent 390 and 385 ms after due: the client stalled, not the server
+    records(tmp_path / "service.bin.sent", [(1_000 * MS, 390 * MS), (1_005 * MS, 385 * MS),
+                                            (3_000 * MS, 900 * MS)])
+    [stall] = stall_spans(out, 0, 10_000 * MS, 1000.0)
+    assert stall == Stall(1_000 * MS, 1_400 * MS, 400 * MS, 390 * MS)
+    [line] = explain([], [stall], 0)
+    assert line == ("stall at 1.0 s for 400 ms, no answer for 400 ms at most, requests sent up "
+                    "to 390 ms after due: no samples")
+
+
+def test_a_service_that_falls_behind_is_told_from_one_that_stops(tmp_path: Path) -> None:
+    # falling behind: one answer every 10 ms for requests due every 5 ms, each later than the
+    # last (late from the 21st on); stopping: nothing for 500 ms, then every request due in it
+    # answered at once
+    behind = [(i * 5 * MS, 200 * MS + i * 5 * MS) for i in range(150)]
+    stop = [(2_000 * MS + i * 5 * MS, 500 * MS - i * 5 * MS) for i in range(40)]
+    out = records(tmp_path / "service.bin", behind + stop)
+    first, second = stall_spans(out, 0, 10_000 * MS, 1000.0)
+    assert first == Stall(100 * MS, 1_690 * MS, 100 * MS)
+    assert second == Stall(2_000 * MS, 2_500 * MS, 500 * MS)
 
 
 def test_stalls_overlapping_merge_and_a_miss_lasts_the_timeout(tmp_path: Path) -> None:
@@ -47,9 +74,13 @@ def test_stalls_overlapping_merge_and_a_miss_lasts_the_timeout(tmp_path: Path) -
         (5_000 * MS, MISS),  # never answered: 5.0-6.0 s with a 1,000 ms timeout
         (9_000 * MS, 1_500 * MS),  # answered after the timeout: a miss too
         (20_000 * MS, 400 * MS)])  # due after the window
+    # the first stall's answers at 1.4 and 1.7 s: silent 400 ms, then 300
     assert stall_spans(out, 0, 10_000 * MS, 1000.0) == [
-        (1_000 * MS, 1_700 * MS), (5_000 * MS, 6_000 * MS), (9_000 * MS, 10_000 * MS)]
-    assert stall_spans(out, 1_100 * MS, 10_000 * MS, 1000.0)[0] == (1_200 * MS, 1_700 * MS)
+        Stall(1_000 * MS, 1_700 * MS, 400 * MS), Stall(5_000 * MS, 6_000 * MS, 1_000 * MS),
+        Stall(9_000 * MS, 10_000 * MS, 1_000 * MS)]
+    # a request due before the window is no stall of it, but its answer breaks the silence
+    assert stall_spans(out, 1_100 * MS, 10_000 * MS, 1000.0)[0] == Stall(
+        1_200 * MS, 1_700 * MS, 300 * MS)
     assert stall_spans(tmp_path / "absent.bin", 0, 10_000 * MS, 1000.0) == []
 
 
@@ -63,15 +94,16 @@ def test_explain_says_what_each_process_did_over_a_stall() -> None:
     samples = [sample(900, 10, 0, "S"), sample(1000, 10, 0, "R"), sample(1100, 10, 100, "R"),
                sample(1800, 20, 790, "R", 5)]
     samples[2].stacks.append(("agent", "cgroup_mkdir;kernfs_iop_mkdir"))
-    [line] = explain(samples, [(1_000 * MS, 1_900 * MS)], 0)
-    assert line.startswith("stall at 1.0 s for 900 ms: 3 samples, largest gap 700 ms")
+    [line] = explain(samples, [Stall(1_000 * MS, 1_900 * MS, 600 * MS)], 0)
+    assert line.startswith("stall at 1.0 s for 900 ms, no answer for 600 ms at most: 3 samples, "
+                           "largest gap 700 ms")
     assert "runnable 3-5 (median 3)" in line
     # the base sample (900 ms, S) counts for the deltas, not for the states
     assert "service: R 3; ran 10 ms, waited for a CPU 790 ms" in line
     assert "agent: S:do_epoll_wait 3; ran 0 ms" in line
     assert "blocked 1x: agent cgroup_mkdir;kernfs_iop_mkdir" in line
-    assert explain(samples[:1], [(5_000 * MS, 6_000 * MS)], 0) == [
-        "stall at 5.0 s for 1000 ms: no samples"]
+    assert explain(samples[:1], [Stall(5_000 * MS, 6_000 * MS, 1_000 * MS)], 0) == [
+        "stall at 5.0 s for 1000 ms, no answer for 1000 ms at most: no samples"]
 
 
 def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> None:
@@ -103,7 +135,7 @@ def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> No
     assert all(s.threads[("sleeper", sleeper.pid)][0] == "T" for s in during[1:])
     before = [s for s in samples if s.t_ns < start - 100 * MS]
     assert before[-1].threads[("sleeper", sleeper.pid)][:2] != ("R", "0")
-    [line] = explain(samples, [(start, end)], 0)
+    [line] = explain(samples, [Stall(start, end, end - start)], 0)
     assert "sleeper: T " in line
     ran = int(line.split("busy: ")[1].split("ran ")[1].split(" ms")[0])
     assert ran > 100  # the busy loop was on a CPU for much of the 600 ms

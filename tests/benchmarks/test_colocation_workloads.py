@@ -122,7 +122,8 @@ def test_the_service_answers_an_open_loop_load(tmp_path: Path) -> None:
         assert server.stdout is not None
         assert server.stdout.readline().strip() == "ready"
         load = subprocess.Popen([sys.executable, "-I", str(WORKLOADS), "load", "--socket",
-                                 str(sock), "--rps", "100", "--out", str(out)],
+                                 str(sock), "--rps", "100", "--out", str(out), "--sent",
+                                 str(tmp_path / "sent.bin")],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert load.stdout is not None
         assert load.stdout.readline().strip() == "ready"
@@ -138,3 +139,8 @@ def test_the_service_answers_an_open_loop_load(tmp_path: Path) -> None:
     # one due time every 10 ms, whatever the answers did
     assert {b - a for a, b in itertools.pairwise(due)} <= {10_000_000}
     assert all(v == MISS or v > 0 for v in records[1::2])
+    # every request sent at or after its due time, and recorded so
+    sent = array.array("q")
+    sent.frombytes((tmp_path / "sent.bin").read_bytes())
+    assert list(sent[0::2]) == due
+    assert all(0 <= late < 1_000_000_000 for late in sent[1::2])

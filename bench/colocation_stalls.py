@@ -13,10 +13,10 @@ the kernel allows it (so that the CPU contention it looks for does not delay it)
 * the machine's runnable task count (``/proc/loadavg``);
 * the kernel stack of every watched thread in uninterruptible sleep (``D``).
 
-One line per sample goes to ``--out``: ``<monotonic ns> <runnable>`` then, tab-separated,
-``NAME/TID/STATE/WCHAN/RUN_NS/WAIT_NS`` per thread; a stack is a line of its own,
-``#stack <monotonic ns> NAME/TID <frame;frame;...>``. A line ``watch NAME=PID`` on its input
-adds a process; a line ``stop``, or the end of its input, stops it.
+When it stops, one line per sample goes to ``--out``: ``<monotonic ns> <runnable>`` then,
+tab-separated, ``NAME/TID/STATE/WCHAN/RUN_NS/WAIT_NS`` per thread; a stack is a line of its
+own, ``#stack <monotonic ns> NAME/TID <frame;frame;...>``. A line ``watch NAME=PID`` on its
+input adds a process; a line ``stop``, or the end of its input, stops it.
 
 Imported, :func:`stall_spans` finds the stalls of one repetition in the load generator's
 records (requests answered ``LATE_MS`` or more after they were due, or never) and
@@ -141,11 +141,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     threading.Thread(target=watch_input, daemon=True).start()
     kthreads, scanned = kernel_threads(prefixes), time.monotonic()
     print("ready", flush=True)
+    # Kept in memory until the end: a write to a disk the offline pods keep busy can block
+    # (dirty page throttling), and the sampler would stall beside what it watches.
+    lines: list[str] = []
+    while not stop.wait(args.every):
+        if time.monotonic() - scanned >= RESCAN_S:
+            kthreads, scanned = kernel_threads(prefixes), time.monotonic()
+        lines += sample(watch, kthreads)
     with open(args.out, "a") as out:
-        while not stop.wait(args.every):
-            if time.monotonic() - scanned >= RESCAN_S:
-                kthreads, scanned = kernel_threads(prefixes), time.monotonic()
-            out.write("\n".join(sample(watch, kthreads)) + "\n")
+        out.write("".join(f"{line}\n" for line in lines))
     print("done", flush=True)
 
 

@@ -81,14 +81,16 @@ def kernel_threads(prefixes: Sequence[str]) -> dict[int, str]:
     return found
 
 
-def thread_entry(name: str, task: str) -> tuple[str, str]:
+def thread_entry(name: str, task: str) -> tuple[str, str] | None:
     """``NAME/TID/STATE/WCHAN/RUN_NS/WAIT_NS`` of one thread (``task``: its /proc directory),
-    and its state."""
+    and its state; None once the thread is gone (its CPU times would read as zero)."""
     stat = read(f"{task}/stat")
-    state = stat[stat.rfind(")") + 2:stat.rfind(")") + 3] or "?"
-    wchan = read(f"{task}/wchan").strip() or "0" if state in "DS" else "0"
-    run, wait, *_ = (read(f"{task}/schedstat").split() or ["0", "0"]) + ["0"]
-    return f"{name}/{task.rsplit('/', 1)[1]}/{state}/{wchan}/{run}/{wait}", state
+    schedstat = read(f"{task}/schedstat").split()
+    if not stat or len(schedstat) < 2:
+        return None
+    state = stat[stat.rfind(")") + 2:stat.rfind(")") + 3]
+    wchan = (read(f"{task}/wchan").strip() or "0") if state in ("D", "S") else "0"
+    return f"{name}/{task.rsplit('/', 1)[1]}/{state}/{wchan}/{schedstat[0]}/{schedstat[1]}", state
 
 
 def sample(watch: dict[str, int], kthreads: dict[int, str]) -> list[str]:
@@ -100,7 +102,9 @@ def sample(watch: dict[str, int], kthreads: dict[int, str]) -> list[str]:
              for tid in _listdir(f"/proc/{pid}/task")]
     tasks += [(comm, f"/proc/{pid}/task/{pid}") for pid, comm in kthreads.items()]
     for name, task in tasks:
-        entry, state = thread_entry(name, task)
+        if (seen := thread_entry(name, task)) is None:
+            continue
+        entry, state = seen
         entries.append(entry)
         if state == "D":
             frames = [line.split(" ", 1)[-1].split("+")[0]

@@ -21,6 +21,7 @@ from bench.colocation_stalls import (
     explain,
     read_samples,
     stall_spans,
+    thread_entry,
 )
 from bench.colocation_workloads import MISS
 
@@ -120,6 +121,9 @@ def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> No
             end = time.monotonic_ns()
             os.kill(sleeper.pid, signal.SIGCONT)
             time.sleep(0.2)
+            busy.kill()  # a watched process ends while it samples, as the workloads do
+            busy.wait()
+            time.sleep(0.3)
         finally:
             sampler.close()
     finally:
@@ -139,3 +143,18 @@ def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> No
     assert "sleeper: T " in line
     ran = int(line.split("busy: ")[1].split("ran ")[1].split(" ms")[0])
     assert ran > 100  # the busy loop was on a CPU for much of the 600 ms
+    # a thread that ended is no longer sampled: its CPU time never reads as falling to zero
+    for key in {k for s in samples for k in s.threads}:
+        times = [s.threads[key][2] for s in samples if key in s.threads]
+        assert times == sorted(times), key
+    assert ("busy", busy.pid) not in samples[-1].threads
+
+
+def test_a_thread_gone_is_not_an_entry() -> None:
+    assert thread_entry("gone", "/proc/999999999/task/999999999") is None
+    entry, state = thread_entry("me", f"/proc/{os.getpid()}/task/{os.getpid()}") or ("", "")
+    name, tid, seen, wchan, run, wait = entry.split("/")
+    assert (name, int(tid), seen, state) == ("me", os.getpid(), "R", "R")  # it reads itself
+    assert wchan == "0"
+    assert int(run) > 0
+    assert int(wait) >= 0

@@ -112,7 +112,7 @@ from bench.colocation_report import (
     print_intervals,
     print_service_table,
     print_table,
-    read_latencies,
+    read_pairs,
     read_progress,
     read_service,
     read_work,
@@ -300,7 +300,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         if load_process is not None:
             await asyncio.to_thread(stop_load, load_process)
         await asyncio.gather(*(asyncio.to_thread(node.stop, p) for _, p in reversed(watched)))
-        samples = read_latencies(online_out)
+        samples = read_pairs(online_out)
         stalls = sampler.stalls(service_out, t0_ns, t1_ns,
                                 settings.service_timeout_ms) if sampler is not None else []
         service_ms, missed = read_service(service_out, t0_ns, t1_ns,

@@ -18,8 +18,10 @@ from bench.colocation_plan import Repetition, Settings
 from bench.kubelet_node import MIB
 
 
-def read_latencies(path: Path) -> list[tuple[int, int]]:
-    """The online workload's (start, duration) pairs, in ns."""
+def read_pairs(path: Path) -> list[tuple[int, int]]:
+    """A workload's records of signed 64-bit pairs (ns), a partial last pair dropped; none when
+    the file is absent: the probe's (start, duration), the load generator's (due, latency)
+    and its sends' (due, delay)."""
     values = array.array("q")
     if path.exists():
         data = path.read_bytes()
@@ -72,12 +74,8 @@ def read_service(path: Path, t0_ns: int, t1_ns: int,
                  timeout_ms: float) -> tuple[list[float], int]:
     """The service's requests due in the window: the latencies (ms, from the due time) of those
     answered within the timeout, and how many were not (missed)."""
-    values = array.array("q")
-    if path.exists():
-        data = path.read_bytes()
-        values.frombytes(data[: len(data) // 16 * 16])
     answered, missed = [], 0
-    for due, latency in zip(values[0::2], values[1::2], strict=True):
+    for due, latency in read_pairs(path):
         if not t0_ns <= due < t1_ns:
             continue
         if latency < 0 or latency > timeout_ms * 1e6:

@@ -1,6 +1,6 @@
-"""The colocation benchmark's stall tracing (``bench/colocation_stalls.py``): which requests
-make a stall, and what the sampler, run as the benchmark runs it on real processes of this
-machine, says they did over one."""
+"""The colocation benchmark's stall tracing (``bench/colocation_stalls.py`` and its sampler,
+``bench/colocation_sampler.py``): which requests make a stall, and what the sampler, run as
+the benchmark runs it on real processes of this machine, says they did over one."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.colocation_sampler import KTHREADS, thread_entry
 from bench.colocation_stalls import (
-    KTHREADS,
     LATE_MS,
     Sample,
     Sampler,
@@ -21,7 +21,6 @@ from bench.colocation_stalls import (
     explain,
     read_samples,
     stall_spans,
-    thread_entry,
 )
 from bench.colocation_workloads import MISS
 

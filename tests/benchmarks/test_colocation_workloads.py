@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.colocation import WORKLOADS
-from bench.colocation_report import read_latencies, read_progress
+from bench.colocation_report import read_pairs, read_progress
 from bench.colocation_workloads import MISS
 from bench.kubelet_node import MIB, KubeletNode
 from tests.support.colocation import kernel
@@ -65,7 +65,7 @@ def test_the_workloads_record_latency_and_progress(tmp_path: Path) -> None:
         assert (on.returncode, off.returncode) == (0, 0)
     finally:
         node.close()
-    samples = read_latencies(tmp_path / "online.bin")
+    samples = read_pairs(tmp_path / "online.bin")
     assert samples
     assert all(duration > 0 for _, duration in samples)
     progress = read_progress(tmp_path / "offline.txt", 0, 1 << 62)

@@ -21,49 +21,52 @@ from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.cpu_idle import CpuIdleLoop
 
-SPIN = "import os\nos.sched_setaffinity(0, {int(os.environ['SPIN_CPU'])})\nwhile True: pass\n"
-TICKS = os.sysconf("SC_CLK_TCK")
+SPIN = ("import os\nos.sched_setaffinity(0, {int(os.environ['SPIN_CPU'])})\n"
+        "print('spinning', flush=True)\nwhile True: pass\n")
 Spawn = Callable[..., subprocess.Popen[Any]]
-"""Starts ``argv`` inside a cgroup: ``spawn(cgroup, argv, env=...)``."""
+"""Starts ``argv`` inside a cgroup: ``spawn(cgroup, argv, env=..., stdout=...)``."""
 
 
-def cpu_ticks(pid: int) -> int:
-    """utime + stime of a process, in clock ticks."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+def cpu_ns(pid: int) -> int:
+    """The time a process has run on a CPU, in nanoseconds: the scheduler's own count from
+    ``/proc/PID/schedstat``, not utime + stime, which are sampled at clock ticks (in a guest under
+    TCG two loops sharing one CPU were charged 123 % of it between them)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
 
 
 def shares(spawn: Spawn, cgroups: Sequence[Path], seconds: float) -> list[float]:
     """One busy loop in each of ``cgroups``, all on the first CPU this process may use; each
-    one's share of that CPU over ``seconds``, after the loops have started."""
+    one's share of that CPU over ``seconds``, counted once every loop has pinned itself and
+    spins (a fixed wait was not enough: in a guest under TCG an interpreter takes seconds to
+    start, and loops counted before they were pinned ran on two CPUs at once)."""
     cpu = min(os.sched_getaffinity(0))
     env = {**os.environ, "SPIN_CPU": str(cpu)}
-    processes = [spawn(cgroup, [sys.executable, "-I", "-c", SPIN], env=env)
+    processes = [spawn(cgroup, [sys.executable, "-I", "-c", SPIN], env=env,
+                       stdout=subprocess.PIPE, text=True)
                  for cgroup in cgroups]
     try:
-        time.sleep(0.5)  # started and pinned
-        ended = [p.args for p in processes if p.poll() is not None]
-        if ended:
-            raise RuntimeError(f"a busy loop ended at once: {ended}")
-        before = [cpu_ticks(p.pid) for p in processes]
+        for process in processes:
+            assert process.stdout is not None
+            if process.stdout.readline() != "spinning\n":
+                raise RuntimeError(f"a busy loop ended before it spun: {process.args!r}")
+        before = [cpu_ns(p.pid) for p in processes]
         began = time.monotonic()
         time.sleep(seconds)
-        after = [cpu_ticks(p.pid) for p in processes]
+        after = [cpu_ns(p.pid) for p in processes]
         elapsed = time.monotonic() - began
     finally:
         for process in processes:
             process.kill()
-            process.wait()
-    return [(b - a) / TICKS / elapsed for a, b in zip(before, after, strict=True)]
+            process.communicate()
+    return [(b - a) / 1e9 / elapsed for a, b in zip(before, after, strict=True)]
 
 
 def idle_tier_yields(spawn: Spawn, online: Path, offline: Path, tier: Path, root: str | Path,
                      seconds: float) -> None:
     """Busy loops in ``online`` and ``offline`` share a CPU about evenly; once the agent's loop
     (reading and writing the host under ``root``) has set ``tier``'s cpu.idle, the online one
-    gets more than 80 % of it and the offline one less than 25 % (an emulated CPU's clock ticks
-    are coarse: 98 % and 12 % in a v1 guest under TCG); when the loop closes, the tier's value
-    is back."""
+    gets more than 80 % of it and the offline one less than 25 %; when the loop closes, the
+    tier's value is back."""
     assert tier.read_text().strip() == "0"
     before = shares(spawn, [online, offline], seconds)
     assert min(before) > 0.3, before  # equal weights: about half each

@@ -165,7 +165,8 @@ class Sampler:
         assert self._process.stdout is not None
         if self._process.stdout.readline().strip() != "ready":
             self.close()
-            raise RuntimeError("the stall sampler did not start")
+            raise RuntimeError(f"the stall sampler did not start (exit status "
+                               f"{self._process.returncode}; its error, if any, is above)")
 
     def add(self, name: str, pid: int) -> None:
         assert self._process.stdin is not None

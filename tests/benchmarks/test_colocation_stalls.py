@@ -12,6 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from bench import colocation_sampler
 from bench.colocation_sampler import KTHREADS, thread_entry
 from bench.colocation_stalls import (
     LATE_MS,
@@ -147,6 +150,22 @@ def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> No
         times = [s.threads[key][2] for s in samples if key in s.threads]
         assert times == sorted(times), key
     assert ("busy", busy.pid) not in samples[-1].threads
+
+
+def test_a_sampler_that_cannot_start_says_so_and_leaves_no_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(colocation_sampler, "__file__", str(tmp_path / "gone.py"))
+    before = children()
+    with pytest.raises(RuntimeError, match=r"did not start \(exit status 2;"):
+        Sampler(tmp_path / "tasks.txt", {"self": os.getpid()})
+    assert children() == before
+    assert "gone.py" in capfd.readouterr().err  # the interpreter's own reason
+    assert not (tmp_path / "tasks.txt").exists()
+
+
+def children() -> set[int]:
+    return {int(pid) for pid in
+            Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()}
 
 
 def test_a_thread_gone_is_not_an_entry() -> None:

@@ -26,7 +26,6 @@ LATE_MS = 300.0
 """A request answered this late or later marks a stall (what the docs count as a freeze)."""
 
 
-
 @dataclass
 class Sample:
     t_ns: int

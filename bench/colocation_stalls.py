@@ -24,6 +24,9 @@ from bench.colocation_report import read_pairs
 
 LATE_MS = 300.0
 """A request answered this late or later marks a stall (what the docs count as a freeze)."""
+HELD_MS = 100.0
+"""A sampler interval this much longer than its median: the sampler, at real-time priority,
+was held, which no ordinary task can do to it (the machine paused, or its timers were late)."""
 
 
 @dataclass
@@ -125,9 +128,12 @@ def _threads(span: Sequence[Sample]) -> Iterator[tuple[str, str]]:
 
 def explain(samples: Sequence[Sample], stalls: Sequence[Stall], t0_ns: int) -> list[str]:
     """What the samples show over each stall: when and how long (s into the window) and the
-    service's longest silence in it, the sampler's own largest gap (a gap as long as the
-    stall: the whole machine paused), the machine's runnable tasks, each process's threads
-    (their states, a count of thread samples each), and the stacks of blocked threads."""
+    service's longest silence in it, the sampler's own largest gap (``HELD_MS`` or more past
+    its median interval: the machine held it), the machine's runnable tasks, each process's
+    threads (their states, a count of thread samples each), and the stacks of blocked
+    threads."""
+    intervals = sorted(b.t_ns - a.t_ns for a, b in itertools.pairwise(samples))
+    usual = intervals[len(intervals) // 2] if intervals else 0
     lines = []
     for stall in stalls:
         start, end = stall.start_ns, stall.end_ns
@@ -141,7 +147,10 @@ def explain(samples: Sequence[Sample], stalls: Sequence[Stall], t0_ns: int) -> l
             continue
         gap = max(b.t_ns - a.t_ns for a, b in itertools.pairwise(span))
         runnable = sorted(s.runnable for s in span[1:])
-        parts = [f"{len(span) - 1} samples, largest gap {gap / 1e6:.0f} ms",
+        held = gap - usual
+        parts = [f"{len(span) - 1} samples, largest gap {gap / 1e6:.0f} ms" + (
+            f" ({held / 1e6:.0f} ms past the sampler's usual {usual / 1e6:.0f}: the machine "
+            "held it)" if held >= HELD_MS * 1e6 else ""),
                  f"runnable {runnable[0]}-{runnable[-1]} (median {runnable[len(runnable) // 2]})"]
         parts += [f"{name}: {what}" for name, what in _threads(span)]
         stacks = collections.Counter(f"{n} {frames}" for s in span for n, frames in s.stacks)

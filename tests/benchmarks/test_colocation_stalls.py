@@ -17,6 +17,7 @@ import pytest
 from bench import colocation_sampler
 from bench.colocation_sampler import KTHREADS, thread_entry
 from bench.colocation_stalls import (
+    HELD_MS,
     LATE_MS,
     Sample,
     Sampler,
@@ -107,6 +108,21 @@ def test_explain_says_what_each_process_did_over_a_stall() -> None:
     assert "blocked 1x: agent cgroup_mkdir;kernfs_iop_mkdir" in line
     assert explain(samples[:1], [Stall(5_000 * MS, 6_000 * MS, 1_000 * MS)], 0) == [
         "stall at 5.0 s for 1000 ms, no answer for 1000 ms at most: no samples"]
+
+
+def test_a_sampler_held_past_its_usual_interval_is_told_at_exactly_the_threshold() -> None:
+    def explained(extra_ns: int) -> str:
+        times = [i * 200 * MS for i in range(10)]
+        times += [times[-1] + extra_ns + i * 200 * MS for i in range(9)]
+        samples = [Sample(t, 2, {("service", 7): ("S", "0", 0, 0)}) for t in times]
+        [line] = explain(samples, [Stall(times[9] + MS, times[10] + MS, 150 * MS)], 0)
+        return line
+
+    at = int(HELD_MS * MS) + 200 * MS  # the usual 200 ms, held HELD_MS past it
+    assert f"largest gap {at // MS} ms (100 ms past the sampler's usual 200: the machine " \
+           "held it)" in explained(at)
+    assert "held it" not in explained(at - 1)
+    assert "largest gap 300 ms |" in explained(at - 1)
 
 
 def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> None:

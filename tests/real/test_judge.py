@@ -126,7 +126,11 @@ async def test_a_pod_whose_stall_ended_keeps_the_squeeze(node: Node, tmp_path: P
     cause = Cause(Level.LOW, await j.reading())
     await j.action.engage(cause, dry_run=False)
     await writing  # the pod's writing, and its stall, end
-    await asyncio.sleep(JUDGE_S)
+    # The squeeze is judged over its whole age, the rest of the writing included, against the
+    # pod's avg10 half a second into its stall, which still lags the stall's real rate: with
+    # only JUDGE_S after the writing a slow guest read 4.68 % against 6.23 % (25 % less is
+    # 4.67). Three times as long leaves the writing's stall a small part of the age.
+    await asyncio.sleep(3 * JUDGE_S)
     result = await j.action.repeat(cause, dry_run=False)
     assert not result.detail.startswith("squeeze released"), result
     assert j.squeeze.current() is not None

@@ -27,6 +27,7 @@ from bench.colocation_stalls import (
     stall_spans,
 )
 from bench.colocation_workloads import MISS
+from tests.support.processes import children_of
 
 MS = 1_000_000
 
@@ -171,17 +172,12 @@ def test_the_sampler_sees_a_stopped_process_and_a_busy_one(tmp_path: Path) -> No
 def test_a_sampler_that_cannot_start_says_so_and_leaves_no_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(colocation_sampler, "__file__", str(tmp_path / "gone.py"))
-    before = children()
+    before = children_of(os.getpid())
     with pytest.raises(RuntimeError, match=r"did not start \(exit status 2;"):
         Sampler(tmp_path / "tasks.txt", {"self": os.getpid()})
-    assert children() == before
+    assert children_of(os.getpid()) == before
     assert "gone.py" in capfd.readouterr().err  # the interpreter's own reason
     assert not (tmp_path / "tasks.txt").exists()
-
-
-def children() -> set[int]:
-    return {int(pid) for pid in
-            Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split()}
 
 
 def test_a_thread_gone_is_not_an_entry() -> None:

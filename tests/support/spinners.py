@@ -29,8 +29,7 @@ Spawn = Callable[..., subprocess.Popen[Any]]
 
 def cpu_ns(pid: int) -> int:
     """The time a process has run on a CPU, in nanoseconds: the scheduler's own count from
-    ``/proc/PID/schedstat``, not utime + stime, which are sampled at clock ticks (in a guest under
-    TCG two loops sharing one CPU were charged 123 % of it between them)."""
+    ``/proc/PID/schedstat``, not utime + stime, which are sampled at clock ticks."""
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
 
 

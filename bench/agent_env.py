@@ -56,9 +56,14 @@ def runtime_links(source: Path, into: Path) -> Path:
     return into
 
 
-def agent_command(source: Path, scratch: Path) -> tuple[list[str], dict[str, str]]:
+def agent_command(source: Path, scratch: Path, *,
+                  profile: Path | None = None) -> tuple[list[str], dict[str, str]]:
     """The start of the command that runs ``python -m nri_plugin`` of ``source`` (run it
-    with ``source`` as its working directory) and the environment it needs."""
+    with ``source`` as its working directory) and the environment it needs; with ``profile``,
+    every thread of it profiled into that directory (``bench/agent_profile.py``)."""
     links = runtime_links(source, scratch / "site")
     env = {**os.environ, "PYTHONPATH": str(links)}
+    if profile is not None:
+        runner = Path(__file__).with_name("agent_profile.py")
+        return [sys.executable, "-S", str(runner), "profile", str(profile), "nri_plugin"], env
     return [sys.executable, "-S", "-m", "nri_plugin"], env

@@ -204,7 +204,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
             agent = await stack.enter_async_context(
                 Agent(node, work, Path(settings.agent_source or REPO),
                       creation_only=mode == "agent-creation", plans=(ONLINE, *plans),
-                      drop_in=settings.agent_config,
+                      drop_in=settings.agent_config, profile=settings.profile_agent,
                       variant=settings.variants.get(variant_of(mode), "")))
         elif mode == "static":
             burstable = sum(p.memory_request or 0 for p in (ONLINE, *plans)

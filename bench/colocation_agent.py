@@ -49,8 +49,10 @@ class Agent:
     def __init__(self, node: KubeletNode, work: Path, source: Path, *,
                  creation_only: bool = False,
                  plans: tuple[PodPlan, ...] = (ONLINE, OFFLINE), drop_in: str = "",
-                 variant: str = "") -> None:
+                 variant: str = "", profile: bool = False) -> None:
         self.node = node
+        # Every thread of the agent profiled into the work directory (bench/agent_profile.py).
+        self.profile = work / "profile" if profile else None
         self.drop_in = drop_in
         self.variant = variant
         self.plans = plans
@@ -114,7 +116,8 @@ class Agent:
                                     memory_limit=AGENT.memory_limit,
                                     cpu_request_milli=AGENT.cpu_request_milli)
             # With only the packages the image installs (bench/agent_env.py says why).
-            command, env = agent_command(self.source, self.work / "agent-env")
+            command, env = agent_command(self.source, self.work / "agent-env",
+                                         profile=self.profile)
             process = await asyncio.create_subprocess_exec(
                 *self.node.inside(pod.rel, [
                     *command, "run", "--config", str(config), "--socket", str(self.socket)],

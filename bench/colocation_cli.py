@@ -86,6 +86,10 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="sample what the machine's tasks do (state, wait channel, CPU) every "
                         "200 ms and print, for each stall of the service (a request 300 ms late "
                         "or more), what they did over it; costs the machine some CPU")
+    p.add_argument("--profile-agent", action="store_true",
+                   help="profile every thread of each agent against its own CPU clock into its "
+                        "work directory (needs --keep; the agent runs two to three times "
+                        "slower; summed by 'python bench/agent_profile.py report DIR')")
     p.add_argument("--plot", help="draw the latency CDFs and offline progress into this PNG")
     p.add_argument("--json", help="write the raw results here")
     p.add_argument("--from-json", help="print (and --plot) earlier raw results; no run")
@@ -143,6 +147,9 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
     """A run's settings from the options and the scenario, and how the offline data set was
     sized (a line to print)."""
     scenario = SCENARIOS[args.scenario]
+    if args.profile_agent and not args.keep:
+        raise ValueError("--profile-agent writes into each repetition's work directory: "
+                         "give --keep too")
 
     def pick(value: float | None, default: float) -> float:
         return default if value is None else value
@@ -188,5 +195,6 @@ def settings_from(args: argparse.Namespace, machine_mib: int, v2: bool) -> tuple
         offline_work_rounds=args.offline_work_rounds,
         offline_warm=scenario.warm if args.offline_warm is None else args.offline_warm,
         online_rps=args.online_rps,
-        service_timeout_ms=args.service_timeout_ms, trace_stalls=args.trace_stalls)
+        service_timeout_ms=args.service_timeout_ms, trace_stalls=args.trace_stalls,
+        profile_agent=args.profile_agent)
     return settings, how

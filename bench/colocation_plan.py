@@ -155,6 +155,8 @@ class Settings:
     service_timeout_ms: float = 1000.0
     # What the machine's tasks did over each of the service's stalls (bench.colocation_stalls).
     trace_stalls: bool = False
+    # Each agent's threads profiled into its work directory (bench/agent_profile.py).
+    profile_agent: bool = False
 
 
 @dataclasses.dataclass

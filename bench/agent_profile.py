@@ -21,7 +21,8 @@ its parts, not its total with an unprofiled run. Then
 
 prints each thread's CPU seconds (executor threads summed per pool), how much of the main
 thread was its event loop (the rest: start and stop, imports most of it), and the project's
-functions by the CPU they and their callees took, all threads together.
+functions (not its modules' import-time code) by the CPU they and their callees took, all
+threads together.
 
 Only the standard library: the profiled interpreter runs with ``python -S``.
 """
@@ -146,7 +147,8 @@ def report(profiles: Sequence[tuple[str, pstats.Stats]], top: int = 25) -> str:
         if thread == "MainThread":
             loop += cumulative(stats, EVENT_LOOP)
         for (path, line, name), entry in _raw(stats).items():
-            if PROJECT.search(path):
+            # A module's own code runs once, when it is imported: the start, summed above.
+            if PROJECT.search(path) and name != "<module>":
                 where = path[PROJECT.search(path).start() + 1:]  # type: ignore[union-attr]
                 functions[f"{where}:{line} {name}"] += entry[3]
     total = sum(threads.values())

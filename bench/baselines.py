@@ -34,6 +34,10 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 
 MODES = ("unmanaged", "static", "kubelet-memoryqos", "agent-creation", "agent")
+ALONE = "alone"
+"""A mode run only when asked for: the online pod as unmanaged, with no offline pod on the node.
+What no policy for the offline tier can beat: the online tail's floor on this machine."""
+KNOWN = (ALONE, *MODES)
 AGENT_MODES = frozenset({"agent-creation", "agent"})
 V2_ONLY = frozenset({"kubelet-memoryqos"})
 VARIANT = "agent+"
@@ -48,18 +52,18 @@ BOOTSTRAP_SAMPLES = 2000
 
 
 def modes_for(wanted: Sequence[str], v2: bool, variants: Sequence[str] = ()) -> tuple[str, ...]:
-    """The wanted modes this cgroup version can run, in MODES order, then a mode per variant
+    """The wanted modes this cgroup version can run, in KNOWN order, then a mode per variant
     name (``agent+NAME``, in the order given); unknown modes and malformed names refused."""
-    unknown = [m for m in wanted if m not in MODES]
+    unknown = [m for m in wanted if m not in KNOWN]
     if unknown:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes: {', '.join(MODES)}")
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}; modes: {', '.join(KNOWN)}")
     for name in variants:
         if not VARIANT_NAME.fullmatch(name):
             raise ValueError(f"variant name {name!r}: 1-32 of a-z, 0-9 and '-', starting with a "
                              f"letter or digit")
     if len(set(variants)) != len(variants):
         raise ValueError("a variant name is given twice")
-    return (tuple(m for m in MODES if m in wanted and (v2 or m not in V2_ONLY))
+    return (tuple(m for m in KNOWN if m in wanted and (v2 or m not in V2_ONLY))
             + tuple(VARIANT + name for name in variants))
 
 
@@ -74,9 +78,9 @@ def variant_of(mode: str) -> str:
 
 
 def in_order(modes: Iterable[str]) -> list[str]:
-    """Modes in MODES order, variants after them in the order first seen."""
+    """Modes in KNOWN order, variants after them in the order first seen."""
     seen = list(dict.fromkeys(modes))
-    return [m for m in MODES if m in seen] + [m for m in seen if m.startswith(VARIANT)]
+    return [m for m in KNOWN if m in seen] + [m for m in seen if m.startswith(VARIANT)]
 
 
 def static_limits(allocatable: int, burstable_requests: int, guaranteed_requests: int,

@@ -22,7 +22,8 @@ scenario, a guest's whole memory) runs the pods of a scenario (:mod:`bench.coloc
 Each repetition runs the scenario on a fresh node in one of the modes of
 :mod:`bench.baselines`: ``unmanaged`` (kubelet's defaults), ``static`` (kubelet's QOSReserved
 tier limits), ``kubelet-memoryqos`` (kubelet's MemoryQoS, cgroup v2), ``agent-creation`` (the
-real agent, detection and ladder off) and ``agent`` (the real agent, every default, enforcing).
+real agent, detection and ladder off) and ``agent`` (the real agent, every default, enforcing);
+``alone``, only when named, is the online pod with no offline pod: the floor of its tail.
 The agent is a real ``nri-qos run`` child process, configured only where the host is
 (``reconciler.root``: the node), where the API server is (a fake one on loopback: the taint is
 a real API write) and where the audit trail goes; the pods reach it as a runtime would bring
@@ -101,7 +102,7 @@ from bench.colocation_machine import (
     run_dir,
     work_prefix,
 )
-from bench.colocation_plan import OFFLINE_PODS, ONLINE, SCENARIOS, PodPlan, Repetition, Settings
+from bench.colocation_plan import ONLINE, SCENARIOS, PodPlan, Repetition, Settings, offline_plans
 from bench.colocation_report import (
     as_json,
     final_line,
@@ -190,7 +191,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                      work: Path) -> Repetition:
     problems: list[str] = []
     adjustments: list[str] = []
-    plans = OFFLINE_PODS[:settings.offline_pods]
+    plans = offline_plans(mode, settings.offline_pods)
     async with contextlib.AsyncExitStack() as stack:
         node = KubeletNode("coloc", settings.node_mib * MIB, settings.reserved_mib * MIB, CPUS)
         stack.callback(node.close)

@@ -7,7 +7,7 @@ import argparse
 import random
 from pathlib import Path
 
-from bench.baselines import MODES, modes_for
+from bench.baselines import ALONE, MODES, modes_for
 from bench.colocation_plan import (
     SCENARIOS,
     Scenario,
@@ -37,7 +37,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
                    help="a short run: 20 s windows, one counted block after the warm-up")
     p.add_argument("--modes", default=",".join(MODES),
                    help="comma-separated, of " + ", ".join(MODES) + " (kubelet-memoryqos only "
-                        "where the memory controller is cgroup v2); default: all")
+                        "where the memory controller is cgroup v2), or " + ALONE + " (the "
+                        "online pod with no offline pod: the floor of its tail; only when "
+                        "named); default: all but " + ALONE)
     p.add_argument("--seed", type=int, help="of the blocks' order (default: drawn, and printed)")
     p.add_argument("--idle-s", type=float, default=5.0,
                    help="idle time after the caches are dropped, before each repetition")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from bench.baselines import ALONE
 from bench.kubelet_node import GIB, MIB
 
 
@@ -34,6 +35,11 @@ OFFLINE = PodPlan("etl-0", "batch", "0c010c01-0000-4000-8000-000000000002", "b2"
 OFFLINE_2 = PodPlan("etl-1", "batch", "0c010c01-0000-4000-8000-000000000003", "c3" * 32,
                     "besteffort", None, None, 0)
 OFFLINE_PODS = (OFFLINE, OFFLINE_2)
+
+
+def offline_plans(mode: str, pods: int) -> tuple[PodPlan, ...]:
+    """The offline pods a repetition of ``mode`` runs: the scenario's ``pods``, none alone."""
+    return () if mode == ALONE else OFFLINE_PODS[:pods]
 AGENT = PodPlan("nri-qos-bench", "kube-system", "0c010c01-0000-4000-8000-00000000a6e7",
                 "d4" * 32, "burstable", 96 * MIB, 256 * MIB, 50)
 """The agent's own pod in the agent modes, with the requests and limit of the DaemonSet in

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 from bench.baselines import (
+    ALONE,
     MODES,
     block_order,
+    in_order,
     memory_high,
     modes_for,
     static_limits,
@@ -29,10 +31,12 @@ from bench.colocation_cli import list_scenarios, node_mib_for, parser, settings_
 from bench.colocation_machine import describe, machine_facts
 from bench.colocation_plan import (
     INTERPRETER_MIB,
+    OFFLINE_PODS,
     SCENARIOS,
     Repetition,
     anon_peak_mib,
     default_input_mib,
+    offline_plans,
     online_held_mib,
 )
 from bench.colocation_report import (
@@ -220,6 +224,20 @@ def test_modes_on_each_cgroup_version() -> None:
         "unmanaged", "agent")
     with pytest.raises(ValueError, match="unknown mode"):
         modes_for(["managed"], v2=True)
+
+
+def test_the_online_pod_alone_runs_only_when_named_first_and_with_no_offline_pod() -> None:
+    assert ALONE not in MODES
+    assert modes_for(["agent", ALONE], v2=False) == (ALONE, "agent")
+    assert in_order(["agent", ALONE, "unmanaged"]) == [ALONE, "unmanaged", "agent"]
+    default = parser("").parse_args([]).modes.split(",")
+    assert tuple(default) == MODES
+    assert offline_plans(ALONE, 2) == ()
+    assert offline_plans("unmanaged", 2) == OFFLINE_PODS
+    assert offline_plans("agent", 1) == OFFLINE_PODS[:1]
+    reps = [rep(ALONE, [1.0] * 100, 0.0), rep("unmanaged", [2.0] * 100, 900.0)]
+    assert final_line(reps) == (
+        "online p99 ms: alone=1.00 unmanaged=2.00; offline MiB: alone=0 unmanaged=900")
 
 
 def test_qos_reserved_limits_the_tiers_as_kubelet_does() -> None:

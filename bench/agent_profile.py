@@ -148,9 +148,9 @@ def report(profiles: Sequence[tuple[str, pstats.Stats]], top: int = 25) -> str:
             loop += cumulative(stats, EVENT_LOOP)
         for (path, line, name), entry in _raw(stats).items():
             # A module's own code runs once, when it is imported: the start, summed above.
-            if PROJECT.search(path) and name != "<module>":
-                where = path[PROJECT.search(path).start() + 1:]  # type: ignore[union-attr]
-                functions[f"{where}:{line} {name}"] += entry[3]
+            found = PROJECT.search(path)
+            if found is not None and name != "<module>":
+                functions[f"{path[found.start() + 1:]}:{line} {name}"] += entry[3]
     total = sum(threads.values())
     lines = [f"CPU s, all threads: {total:.2f} in {len(profiles)} profile(s)", "", "by thread:"]
     lines += [f"  {seconds:8.2f}  {thread}" for thread, seconds in threads.most_common()]

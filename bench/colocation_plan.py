@@ -35,11 +35,6 @@ OFFLINE = PodPlan("etl-0", "batch", "0c010c01-0000-4000-8000-000000000002", "b2"
 OFFLINE_2 = PodPlan("etl-1", "batch", "0c010c01-0000-4000-8000-000000000003", "c3" * 32,
                     "besteffort", None, None, 0)
 OFFLINE_PODS = (OFFLINE, OFFLINE_2)
-
-
-def offline_plans(mode: str, pods: int) -> tuple[PodPlan, ...]:
-    """The offline pods a repetition of ``mode`` runs: the scenario's ``pods``, none alone."""
-    return () if mode == ALONE else OFFLINE_PODS[:pods]
 AGENT = PodPlan("nri-qos-bench", "kube-system", "0c010c01-0000-4000-8000-00000000a6e7",
                 "d4" * 32, "burstable", 96 * MIB, 256 * MIB, 50)
 """The agent's own pod in the agent modes, with the requests and limit of the DaemonSet in
@@ -102,6 +97,11 @@ SCENARIOS = {s.name: s for s in (
              True, online_files_mib=640, offline_anon_mib=3000, offline_grow_mib_s=256.0,
              offline_task_s=1e9, input_mib=400),
 )}
+
+
+def offline_plans(mode: str, pods: int) -> tuple[PodPlan, ...]:
+    """The offline pods a repetition of ``mode`` runs: the scenario's ``pods``, none alone."""
+    return () if mode == ALONE else OFFLINE_PODS[:pods]
 
 
 def anon_peak_mib(anon_mib: int, grow_mib_s: float, task_s: float, duration_s: float) -> int:

@@ -103,12 +103,12 @@ from bench.colocation_machine import (
     work_prefix,
 )
 from bench.colocation_plan import ONLINE, SCENARIOS, PodPlan, Repetition, Settings, offline_plans
+from bench.colocation_plot import plot
 from bench.colocation_report import (
     as_json,
     final_line,
     from_json,
     merge_progress,
-    plot,
     print_cost_table,
     print_intervals,
     print_service_table,
@@ -238,7 +238,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
         if (await read_line(online_process)).strip() != "ready":
             raise RuntimeError("the online workload did not start")
         watched = [("online", online_process)]
-        load_process = None
+        load_process = service = None
         if settings.online_rps > 0:
             # The service: a second process of the online container.
             service = node.spawn(online.rel, [
@@ -262,7 +262,8 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
 
         def open_window() -> tuple[dict[str, int | None], float, float, int, float]:
             node.pass_protection()
-            return (snapshot(node, online), agent.cpu_seconds() if agent is not None else 0.0,
+            return (snapshot(node, online, service),
+                    agent.cpu_seconds() if agent is not None else 0.0,
                     time.process_time(), time.monotonic_ns(), time.time())
 
         window = open_window()
@@ -294,7 +295,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                     problems.append(f"{name} workload ended early (status {process.returncode})")
             if problems:
                 break
-        after = snapshot(node, online)
+        after = snapshot(node, online, service)
         cpu1 = agent.cpu_seconds() if agent is not None else 0.0
         own1 = time.process_time()
         t1_ns, t1_unix = time.monotonic_ns(), time.time()

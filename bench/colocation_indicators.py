@@ -3,6 +3,7 @@ online container suffered, what the offline tier and the machine paid."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from bench.kubelet_node import Container, KubeletNode
@@ -30,13 +31,33 @@ def vmstat(key: str) -> int | None:
     return parse_counters(text).get(key)
 
 
-def snapshot(node: KubeletNode, online: Container) -> dict[str, int | None]:
+def task_times_ns(pid: int | None) -> tuple[int | None, int | None]:
+    """A process's time on a CPU and its time runnable but waiting for one (ns, summed over its
+    threads, from ``/proc/PID/task/*/schedstat``); None for each without the process or the
+    kernel's scheduler statistics."""
+    if pid is None:
+        return None, None
+    run = wait = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            fields = (task / "schedstat").read_text().split()
+            run, wait = run + int(fields[0]), wait + int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None, None
+    return run, wait
+
+
+def snapshot(node: KubeletNode, online: Container,
+             service: subprocess.Popen[str] | None = None) -> dict[str, int | None]:
     """The kernel's counters that tell whether the online container was reclaimed from, and
     what the offline tier and the machine paid: the tier's refaults (its data set read again
-    from disk after reclaim) and stalls, and kswapd's scanning (the machine's own reclaim)."""
+    from disk after reclaim) and stalls, and kswapd's scanning (the machine's own reclaim).
+    With the service's process, its time on a CPU and waiting for one: the same requests taking
+    more CPU time beside the offline job means a slower CPU, not a lost turn at it."""
     prefix = "" if node.v2 else "total_"
     stat = node.stat(online.rel)
     tier = node.stat(OFFLINE_TIER)
+    run, wait = task_times_ns(service.pid if service is not None else None)
     return {
         "majfault": stat.get(f"{prefix}pgmajfault"),
         "refault": stat.get(f"{prefix}workingset_refault_file"),
@@ -53,6 +74,8 @@ def snapshot(node: KubeletNode, online: Container) -> dict[str, int | None]:
         "offline_psi_io_us": node.stall_us(OFFLINE_TIER, "io"),
         "kswapd_scan": vmstat("pgscan_kswapd"),
         "system_psi_memory_us": system_stall_us("memory"),
+        "service_run_ns": run,
+        "service_wait_ns": wait,
     }
 
 

@@ -1,5 +1,5 @@
 """The colocation benchmark's results: reading the workloads' records and the agent's audit trail,
-percentiles, the table, the intervals, the summary line, the plot and the raw JSON."""
+percentiles, the table, the intervals, the summary line and the raw JSON."""
 
 from __future__ import annotations
 
@@ -268,12 +268,20 @@ def applied_lines(reps: Sequence[Repetition]) -> list[str]:
     return lines
 
 
-SERVICE_COLUMNS = ("mode", "rep", "requests", "p50", "p99", "p99.9", "missed", "offline MiB",
-                   "work MiB", "work CPU s", "MiB/CPU s", "agent CPU s")
+SERVICE_COLUMNS = ("mode", "rep", "requests", "p50", "p99", "p99.9", "missed", "CPU ms/req",
+                   "wait ms/req", "offline MiB", "work MiB", "work CPU s", "MiB/CPU s",
+                   "agent CPU s")
 
 
 def served(reps: Sequence[Repetition]) -> bool:
     return any(r.service_ms or r.service_missed for r in reps)
+
+
+def per_request_ms(rep: Repetition, key: str) -> float | None:
+    """A service's time counter over the window (ns) per request it was sent, in ms."""
+    total = rep.indicators.get(key)
+    requests = len(rep.service_ms) + rep.service_missed
+    return None if total is None or not requests else total / requests / 1e6
 
 
 def service_rows(reps: Sequence[Repetition]) -> list[list[str]]:
@@ -286,7 +294,10 @@ def service_rows(reps: Sequence[Repetition]) -> list[list[str]]:
         rows.append([
             mode, label, str(len(answered) + missed),
             *(fmt(tail_percentile(answered, missed, q), 2) for q in (0.5, 0.99, 0.999)),
-            str(missed), fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
+            str(missed),
+            *(fmt(mean([per_request_ms(g, key) for g in group]), 3)
+              for key in ("service_run_ns", "service_wait_ns")),
+            fmt(mean([g.offline_mb for g in group]) or 0.0, 0), fmt(work, 0),
             fmt(cpu, 1), fmt(work / cpu if cpu else None, 0),
             fmt(mean([g.agent_cpu_s for g in group if g.agent_cpu_s is not None]), 1)])
     return rows
@@ -297,8 +308,9 @@ def print_service_table(reps: Sequence[Repetition], settings: Settings) -> None:
                f"(ms from each request's due time; missed: no answer within "
                f"{settings.service_timeout_ms:g} ms, infinitely late in the percentiles)"
                if served(reps) else "no online service in this run")
-    print(f"{service}; offline work: MiB checksummed (SHA-256 x {settings.offline_work_rounds}) "
-          f"and the CPU seconds it took, mean per repetition")
+    print(f"{service}; CPU and wait ms/req: the service's time on a CPU and runnable waiting "
+          f"for one, per request; offline work: MiB checksummed (SHA-256 x "
+          f"{settings.offline_work_rounds}) and the CPU seconds it took, mean per repetition")
     print_aligned(SERVICE_COLUMNS, service_rows(reps))
 
 
@@ -387,75 +399,6 @@ def final_line(reps: Sequence[Repetition]) -> str:
 
     return ("online p99 ms: " + " ".join(f"{m}={fmt(mode_p99(reps, m), 2)}" for m in ran)
             + "; offline MiB: " + " ".join(f"{m}={mib(m):.0f}" for m in ran))
-
-
-def plot(reps: Sequence[Repetition], path: Path, title: str) -> None:
-    """Online latency CDFs and offline progress over time, one colour per mode."""
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plot: matplotlib is missing (pip install -e '.[bench]')")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedFormatter, FixedLocator, NullLocator
-
-    colours = {"unmanaged": "tab:red", "static": "tab:orange", "kubelet-memoryqos": "tab:olive",
-               "agent-creation": "tab:cyan", "agent": "tab:blue"}
-    spare = iter(("tab:purple", "tab:green", "tab:brown", "tab:pink", "black"))
-    colours |= {m: next(spare, "tab:gray") for m in in_order(r.mode for r in reps)
-                if m not in colours}
-    fig, (cdf, progress) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for mode, colour in colours.items():
-        lat = sorted(v for r in reps if r.mode == mode for v in r.latencies_ms)
-        if not lat:
-            continue
-        n = len(lat)
-        # A point per distinct rank, thinned where the curve is flat (the bulk).
-        ranks = sorted({*range(0, n, max(n // 2000, 1)), *range(max(n - 2000, 0), n)})
-        cdf.plot([lat[i] for i in ranks], [(i + 0.5) / n for i in ranks], color=colour,
-                 label=f"{mode} (p99 {percentile(lat, 0.99):.2f} ms)")
-        for r in (r for r in reps if r.mode == mode):
-            xs, ys = zip(*r.progress, strict=True)
-            progress.plot(xs, [y / 1024 for y in ys], color=colour, alpha=0.7,
-                          label=mode if r.index == min(x.index for x in reps
-                                                       if x.mode == mode) else None)
-            # where the agent squeezed the offline tier, on that repetition's line
-            squeezes = [t for t, what in r.events if what.startswith("squeeze")]
-            if squeezes:
-                at = [bisect.bisect_right(xs, t) - 1 for t in squeezes]
-                progress.plot(squeezes, [ys[max(i, 0)] / 1024 for i in at], "v", color=colour,
-                              markersize=6, label="squeeze (limit written)"
-                              if r is next(x for x in reps if x.events) else None)
-    alone = sorted(v for r in reps for v in r.alone_ms)
-    if alone:
-        n = len(alone)
-        cdf.plot(alone, [(i + 0.5) / n for i in range(n)], color="tab:gray", linestyle=":",
-                 label=f"online alone (p99 {percentile(alone, 0.99):.2f} ms)")
-    cdf.set_xscale("log")
-    # logit: the tail (p99, p99.9) gets as much room as the body
-    cdf.set_yscale("logit")
-    cdf.set_ylim(0.01, 0.9999)
-    ticks = [0.01, 0.1, 0.5, 0.9, 0.99, 0.999, 0.9999]
-    cdf.yaxis.set_major_locator(FixedLocator(ticks))
-    cdf.yaxis.set_major_formatter(FixedFormatter([f"p{100 * t:g}" for t in ticks]))
-    cdf.yaxis.set_minor_locator(NullLocator())
-    cdf.set_xlabel("online iteration latency (ms)")
-    cdf.set_ylabel("share of iterations at or below (percentile)")
-    cdf.grid(True, which="both", alpha=0.3)
-    cdf.legend(loc="lower right")
-    cdf.set_title("online latency (CDF)")
-    progress.set_xlabel("seconds since the offline pod started")
-    progress.set_ylabel("offline data processed (GiB read + written)")
-    progress.grid(True, alpha=0.3)
-    progress.legend(loc="upper left")
-    progress.set_title("offline progress (one line per repetition)")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot: {path}")
-
 
 
 def summary(reps: Sequence[Repetition]) -> dict[str, dict[str, Any]]:

@@ -45,6 +45,7 @@ from bench.colocation_report import (
     final_line,
     from_json,
     merge_progress,
+    per_request_ms,
     percentile,
     read_progress,
     read_service,
@@ -395,7 +396,25 @@ def test_the_json_carries_the_service_and_the_work_and_reads_back() -> None:
     assert again == settings
     assert machine == {"kernel": "k"}
     assert service_rows(reps)[0][2:7] == ["10", "2.00", "inf", "inf", "1"]
+    assert service_rows(reps)[0][7:9] == ["-", "-"]  # no scheduler statistics read
     assert service_rows(reps)[0][-1] == "1.2"  # the agent's CPU seconds
+
+
+def test_the_service_time_on_and_waiting_for_a_cpu_is_per_request_sent() -> None:
+    first, second, quiet = rep("agent", [1.0], 1.0), rep("agent", [1.0], 1.0), rep("alone", [],
+                                                                                   0.0)
+    first.service_ms, first.service_missed = [2.0] * 8, 2  # 10 requests, the missed counted
+    first.indicators = {"service_run_ns": 30_000_000, "service_wait_ns": 5_000_000}
+    second.service_ms = [2.0] * 5
+    second.indicators = {"service_run_ns": 5_000_000, "service_wait_ns": None}
+    quiet.indicators = {"service_run_ns": 1_000_000, "service_wait_ns": 0}  # no request sent
+    assert per_request_ms(first, "service_run_ns") == 3.0
+    assert per_request_ms(second, "service_wait_ns") is None
+    assert per_request_ms(quiet, "service_run_ns") is None
+    rows = service_rows([first, second])
+    assert rows[0][7:9] == ["3.000", "0.500"]
+    assert rows[-1][:2] == ["agent", "all"]
+    assert rows[-1][7:9] == ["2.000", "0.500"]  # means of the repetitions that have one
 
 
 def test_a_repetitions_line_says_the_agents_cpu_only_where_an_agent_ran() -> None:

@@ -4,6 +4,9 @@ stand-ins paid (bench/colocation_report.py, bench/colocation_agent.py)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -13,7 +16,7 @@ import pytest
 
 from bench.colocation_agent import API_POLL_S
 from bench.colocation_cli import parser, settings_from
-from bench.colocation_indicators import indicator_deltas, vmstat
+from bench.colocation_indicators import indicator_deltas, task_times_ns, vmstat
 from bench.colocation_plan import Repetition
 from bench.colocation_report import (
     actions_text,
@@ -84,6 +87,42 @@ def test_counters_become_rates_and_deltas() -> None:
         "offline_refault": 20, "offline_psi_io_ms_s": 500.0, "kswapd_scan": None}
     assert vmstat("pgscan_kswapd") is not None  # this kernel's /proc/vmstat
     assert vmstat("no_such_counter") is None
+
+
+THREAD_SPINS = """
+import threading, time
+def spin():
+    while True:
+        pass
+threading.Thread(target=spin, daemon=True).start()
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_time_on_a_cpu_is_summed_over_its_threads() -> None:
+    # The main thread sleeps; only a second thread runs: a reading of the process's first
+    # thread alone would find next to nothing.
+    child = subprocess.Popen([sys.executable, "-c", THREAD_SPINS], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "ready\n"
+        first = task_times_ns(child.pid)
+        time.sleep(0.5)
+        run, wait = task_times_ns(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+        assert child.stdout is not None
+        child.stdout.close()
+    assert first[0] is not None
+    assert run is not None
+    assert wait is not None
+    assert run - first[0] >= 200_000_000
+    assert wait >= 0
+    assert task_times_ns(child.pid) == (None, None)  # gone
+    assert task_times_ns(None) == (None, None)
 
 
 def test_tables_align_numbers_right_and_text_left(capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,8 +31,12 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-MILLION = 1_000_000
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.colocation_machine import loop_ms
+
 STATES = ("idle", "spin", "fault")
 SPIN = """
 import os, sys
@@ -103,15 +107,6 @@ def pick_cpus(allowed: set[int], wanted: str | None) -> tuple[int, int]:
     if probe == other or not {probe, other} <= allowed:
         raise ValueError(f"--cpus {wanted!r}: two different CPUs of {sorted(allowed)}")
     return probe, other
-
-
-def loop_ms(steps: int) -> float:
-    """This process's time for ``steps`` steps of a Python loop, scaled to a million steps."""
-    began = time.perf_counter()
-    total = 0
-    for i in range(steps):
-        total += i
-    return (time.perf_counter() - began) * 1000 * MILLION / steps
 
 
 @contextlib.contextmanager

@@ -4,6 +4,8 @@ faults pages."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,13 +13,9 @@ import pytest
 
 import bench.cpu_interference as interference
 from bench.cpu_interference import change_percent, disturbed, main, pick_cpus, render, row
+from tests.support.processes import cpu_seconds
 
 TWO_CPUS = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_percentiles_are_nearest_rank_and_the_median_is_the_middle() -> None:
@@ -97,3 +95,13 @@ def test_a_count_of_zero_is_refused(option: str) -> None:
     with pytest.raises(SystemExit) as stopped:
         main([option, "0"])
     assert stopped.value.code == 2
+
+
+@TWO_CPUS
+def test_the_script_runs_as_the_docs_call_it_from_any_directory(tmp_path: Path) -> None:
+    script = Path(interference.__file__).resolve()
+    done = subprocess.run([sys.executable, str(script), "--rounds", "1", "--samples", "1",
+                           "--steps", "1000", "--mib", "1", "--settle-s", "0"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("loop on CPU ")

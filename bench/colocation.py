@@ -41,20 +41,18 @@ dropped and the machine left idle (``--idle-s``); each repetition writes its out
 fresh directory. The window is the offline job's run: from its start for ``--duration``
 seconds (with ``--offline-warm``, the ``streaming`` scenario's default, from once every offline
 pod has read its data set through, its page cache filling the node). Printed: a table
-(online probe iteration latency p50/p99/p99.9 over the window; the kernel's reclaim indicators
-for the online container: major faults, refaults of evicted file pages, its stall on memory,
-io and cpu from PSI; how often ``kubepods`` hit its limit; offline progress in MiB; what the
-agent did, from its audit records), a second table (the service's
-p50/p99/p99.9 and misses, the offline MiB, MiB checksummed and CPU seconds), a third (what
-the offline tier paid: charges hitting its limit, file pages read again after reclaim, major
-faults, its PSI memory and io stall; kswapd's scanning on the machine; the agent pod's peak
-memory; the CPU time of the benchmark's own process, which runs the runtime simulator and the
-API server stand-in the agent talks to), each mode's bootstrap 95 % intervals of the
+(online probe iteration latency p50/p99/p99.9; the online container's major faults, refaults
+of evicted file pages, PSI memory, io and cpu stall; how often ``kubepods`` hit its limit;
+offline progress in MiB; what the agent did, from its audit records), a second (the service's
+p50/p99/p99.9, misses, CPU and wait per request; the offline MiB, MiB checksummed and CPU
+seconds), a third (what the offline tier paid: limit hits, refaults, major faults, PSI memory
+and io stall; kswapd's scanning; the agent pod's memory; the CPU time of the benchmark's own
+process, which runs the runtime simulator and the API server stand-in), a fourth (where the
+CPUs went, :mod:`bench.colocation_budget`), each mode's bootstrap 95 % intervals of the
 per-repetition p99 (median) and of the offline MiB (mean), and last the line
 ``online p99 ms: unmanaged=… static=… kubelet-memoryqos=… agent-creation=… agent=…; offline MiB:
 unmanaged=… …`` (pooled p99, the service's when it ran; mean MiB per repetition; modes not run
-left out). ``--plot`` draws
-the latency CDFs and the offline progress over time (matplotlib, the ``bench`` extra).
+left out). ``--plot`` draws the latency CDFs and the offline progress over time (matplotlib).
 
     python bench/colocation.py [--scenario NAME] [--duration 90] [--reps 3] [--quick]
                                [--modes M,M] [--seed N] [--online-rps 200]
@@ -90,6 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import kubelet_node
 from bench.baselines import block_order, memory_high, runs_agent, static_limits, variant_of
 from bench.colocation_agent import READY_TIMEOUT_S, Agent, apply_adjustment
+from bench.colocation_budget import party_pids, party_times, print_budget_table
 from bench.colocation_cli import list_scenarios, parser, settings_from
 from bench.colocation_indicators import indicator_deltas, snapshot
 from bench.colocation_machine import (
@@ -262,7 +261,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
 
         def open_window() -> tuple[dict[str, int | None], float, float, int, float]:
             node.pass_protection()
-            return (snapshot(node, online, service),
+            return (snapshot(node, online, party_times(party_pids(watched, load_process, agent))),
                     agent.cpu_seconds() if agent is not None else 0.0,
                     time.process_time(), time.monotonic_ns(), time.time())
 
@@ -295,7 +294,7 @@ async def repetition(mode: str, index: int, settings: Settings, data: Path,
                     problems.append(f"{name} workload ended early (status {process.returncode})")
             if problems:
                 break
-        after = snapshot(node, online, service)
+        after = snapshot(node, online, party_times(party_pids(watched, load_process, agent)))
         cpu1 = agent.cpu_seconds() if agent is not None else 0.0
         own1 = time.process_time()
         t1_ns, t1_unix = time.monotonic_ns(), time.time()
@@ -486,6 +485,7 @@ def main() -> int:
     print_table(reps, settings)
     print_service_table(reps, settings)
     print_cost_table(reps)
+    print_budget_table(reps, machine["cpus"])
     if args.plot:
         plot(reps, Path(args.plot),
              f"{settings.node_mib} MiB node on Linux {machine['kernel']}, cgroup "

@@ -3,7 +3,7 @@ online container suffered, what the offline tier and the machine paid."""
 
 from __future__ import annotations
 
-import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 
 from bench.kubelet_node import Container, KubeletNode
@@ -48,16 +48,16 @@ def task_times_ns(pid: int | None) -> tuple[int | None, int | None]:
 
 
 def snapshot(node: KubeletNode, online: Container,
-             service: subprocess.Popen[str] | None = None) -> dict[str, int | None]:
+             times: Mapping[str, int | None] | None = None) -> dict[str, int | None]:
     """The kernel's counters that tell whether the online container was reclaimed from, and
     what the offline tier and the machine paid: the tier's refaults (its data set read again
     from disk after reclaim) and stalls, and kswapd's scanning (the machine's own reclaim).
-    With the service's process, its time on a CPU and waiting for one: the same requests taking
-    more CPU time beside the offline job means a slower CPU, not a lost turn at it."""
+    With ``times`` (:func:`bench.colocation_budget.party_times`), each party's time on a CPU
+    and waiting for one: the service's same requests taking more CPU time beside the offline
+    job means a slower CPU, more waiting a lost turn at it."""
     prefix = "" if node.v2 else "total_"
     stat = node.stat(online.rel)
     tier = node.stat(OFFLINE_TIER)
-    run, wait = task_times_ns(service.pid if service is not None else None)
     return {
         "majfault": stat.get(f"{prefix}pgmajfault"),
         "refault": stat.get(f"{prefix}workingset_refault_file"),
@@ -74,8 +74,7 @@ def snapshot(node: KubeletNode, online: Container,
         "offline_psi_io_us": node.stall_us(OFFLINE_TIER, "io"),
         "kswapd_scan": vmstat("pgscan_kswapd"),
         "system_psi_memory_us": system_stall_us("memory"),
-        "service_run_ns": run,
-        "service_wait_ns": wait,
+        **(times or {}),
     }
 
 
@@ -89,4 +88,6 @@ def indicator_deltas(before: dict[str, int | None], after: dict[str, int | None]
             out[key.replace("_us", "_ms_s")] = None if delta is None else delta / 1000 / seconds
         else:
             out[key] = delta
+        if key.endswith("_ns"):  # a time on (or waiting for) a CPU: ms per second too
+            out[key.replace("_ns", "_ms_s")] = None if delta is None else delta / 1e6 / seconds
     return out

@@ -48,11 +48,11 @@ def task_times_ns(pid: int | None) -> tuple[int | None, int | None]:
 
 
 def snapshot(node: KubeletNode, online: Container,
-             times: Mapping[str, int | None] | None = None) -> dict[str, int | None]:
+             times: Mapping[str, int | None]) -> dict[str, int | None]:
     """The kernel's counters that tell whether the online container was reclaimed from, and
     what the offline tier and the machine paid: the tier's refaults (its data set read again
     from disk after reclaim) and stalls, and kswapd's scanning (the machine's own reclaim).
-    With ``times`` (:func:`bench.colocation_budget.party_times`), each party's time on a CPU
+    And ``times`` (:func:`bench.colocation_budget.party_times`), each party's time on a CPU
     and waiting for one: the service's same requests taking more CPU time beside the offline
     job means a slower CPU, more waiting a lost turn at it."""
     prefix = "" if node.v2 else "total_"
@@ -74,7 +74,7 @@ def snapshot(node: KubeletNode, online: Container,
         "offline_psi_io_us": node.stall_us(OFFLINE_TIER, "io"),
         "kswapd_scan": vmstat("pgscan_kswapd"),
         "system_psi_memory_us": system_stall_us("memory"),
-        **(times or {}),
+        **times,
     }
 
 

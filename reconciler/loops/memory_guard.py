@@ -49,7 +49,8 @@ and bought the online pod nothing measurable (``docs/effectiveness.md``). v1 has
 ``memory.low``; there the cap is the one thing that keeps the tier off the online pods' pages.
 Without a standing cap the guard writes the ladder's squeeze alone
 (:mod:`reconciler.loops.memory_squeeze`): v2 ``memory.high`` (``memory.max`` left as it was),
-v1 the limit, and when the squeeze ends the tier's files get back what they had before.
+v1 the limit (the tier's OOM killer off meanwhile), and when the squeeze ends the tier's files
+get back what they had before.
 
 Before its first write to a tier file the guard notes the file's value in the state file
 (:mod:`reconciler.host.statefile`), and writes it back when the guard goes away: switched off by
@@ -84,7 +85,16 @@ from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, UNLIMITED_THRESHOLD, parse_bytes, same_bytes
 from reconciler.host.watermarks import Watermarks
 from reconciler.loops.base import Loop, ReconcilerConfig
-from reconciler.loops.memory_squeeze import GuardSqueeze, Squeeze, held, squeezed
+from reconciler.loops.memory_squeeze import (
+    OOM_CONTROL,
+    PAUSED_RECHECK_S,
+    GuardSqueeze,
+    KillHold,
+    Squeeze,
+    held,
+    same_kill_setting,
+    squeezed,
+)
 from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -206,20 +216,29 @@ NOTES = "memory_guard"
 
 
 def restore_tier(sysfs: SysFs, notes: StateFile, reason: str) -> list[tuple[str, str]]:
-    """Writes back every tier file the guard changed (``memory.max`` before ``memory.high``,
-    so the tier is never capped below its throttle), forgetting each one restored or gone;
-    the (path, value) pairs written or already so."""
+    """Writes back every tier file the guard changed (the limit first, so the tier is never
+    capped below its throttle, and a v1 tier waiting at its squeezed limit is let go before
+    its OOM killer is back), forgetting each one restored or gone; the (path, value) pairs
+    written or already so."""
     restored = []
     sysfs = sysfs.unobserved()
     entries = notes.entries(NOTES)
-    for path in sorted(entries, key=lambda p: not p.endswith("/memory.max")):
+    for path in sorted(entries, key=_restore_rank):
         value = entries[path]
-        outcome = sysfs.write_if_changed(path, value, reason, same=same_bytes)
+        oom = path.endswith(f"/{OOM_CONTROL}")
+        outcome = sysfs.write_if_changed(path, value, reason,
+                                         same=same_kill_setting if oom else same_bytes)
         if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE):
             notes.forget(NOTES, path)
         if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
             restored.append((path, value))
     return restored
+
+
+def _restore_rank(path: str) -> int:
+    if path.endswith(("/memory.max", "/memory.limit_in_bytes")):
+        return 0
+    return 2 if path.endswith(f"/{OOM_CONTROL}") else 1
 
 
 class MemoryGuardLoop(Loop):
@@ -251,6 +270,8 @@ class MemoryGuardLoop(Loop):
         self._held: tuple[int, int] | None = None
         # The ladder's ask as the last cycle saw it.
         self._seen: int | None = None
+        # cgroup v1: the tier's OOM killer, off for a squeeze (memory_squeeze's module doc).
+        self._kills = KillHold(sysfs, self._notes, NOTES)
 
     def subscribe_wake(self, wake: Callable[[], None]) -> Callable[[], None]:
         """A squeeze set or released wakes the guard."""
@@ -259,7 +280,9 @@ class MemoryGuardLoop(Loop):
         return self._squeeze.subscribe(wake)
 
     def interval(self) -> float:
-        return self._config().memory_guard.interval_s
+        period = self._config().memory_guard.interval_s
+        # A task of the tier may be waiting at the squeezed limit for the next raise.
+        return min(period, PAUSED_RECHECK_S) if self._kills.off else period
 
     def wake_gap(self) -> float:
         """0 when the ladder's squeeze changed since the last cycle began: its ask is urgent (the
@@ -331,6 +354,8 @@ class MemoryGuardLoop(Loop):
         spare = squeeze is not None and (squeeze.spare_anonymous or not v2)
         anonymous = (anon_bytes(sysfs.read(f"{tier}/memory.stat") or "", v2) or 0) if spare else 0
         tight = None if squeeze is None else self._tight(usage, anonymous, squeeze)
+        if tight is not None and not v2 and not self._kills.hold(tier):
+            tight = None
         if standing:
             # The minimum bounds the guard's own cap; a squeeze has its own floor (floor_bytes).
             cap = max(bounded_cap(target, previous, usage, guard.max_step_bytes),
@@ -352,7 +377,7 @@ class MemoryGuardLoop(Loop):
             reason = "memory guard: no standing cap"
         capped = cap if cap < UNLIMITED_THRESHOLD else None
         limit_text = "max" if capped is None else str(cap)
-        if squeeze is not None:
+        if squeeze is not None and tight is not None:
             reason += f"; squeezed to {tight} B ({squeeze.reason})"
         if v2:
             high = int(cap * guard.high_ratio) // page * page
@@ -383,13 +408,15 @@ class MemoryGuardLoop(Loop):
             limit_outcome = sysfs.write_if_changed(limit_file, limit_text, reason, same=same_bytes)
             changed = limit_outcome == Outcome.WRITTEN
             extra = {}
+            if tight is None and limit_outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
+                self._kills.give_back(tier, "memory guard: the squeeze ended")
         if self._metrics is not None and limit_outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
             self._metrics.memory_guard(capped, usage)
         if changed:
             self._audit.record("memory_guard_cap", path=limit_file, cap_bytes=capped,
                                previous_bytes=previous, target_bytes=target,
                                reserved_bytes=reserved, usage_bytes=usage,
-                               squeezed=squeeze is not None, **extra)
+                               squeezed=tight is not None, **extra)
 
     def _reserved(self, meminfo: str | None) -> int | None:
         """kubelet's QOSReserved cap (:func:`reserved_cap`); None where the requests are not
@@ -423,6 +450,7 @@ class MemoryGuardLoop(Loop):
 
     def _restore(self, reason: str) -> None:
         self._held = None
+        self._kills.off = False
         if not self._notes.entries(NOTES):
             return
         restored = restore_tier(self._sysfs, self._notes, reason)

@@ -129,7 +129,8 @@ class FakeHost:
                 files = {"cgroup.procs": "", "tasks": "",
                          "memory.limit_in_bytes": UNLIMITED_V1 + "\n",
                          "memory.soft_limit_in_bytes": UNLIMITED_V1 + "\n",
-                         "memory.usage_in_bytes": f"{memory_usage}\n"}
+                         "memory.usage_in_bytes": f"{memory_usage}\n",
+                         "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 0\n"}
             elif controller == "cpuset":
                 files = {"cgroup.procs": "", "tasks": "", "cpuset.mems": "\n",
                          "cpuset.memory_migrate": "0\n"}

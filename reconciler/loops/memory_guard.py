@@ -92,7 +92,7 @@ from reconciler.loops.memory_squeeze import (
     KillHold,
     Squeeze,
     held,
-    same_kill_setting,
+    restore_file,
     squeezed,
 )
 from reconciler.metrics import ReconcilerMetrics
@@ -221,17 +221,11 @@ def restore_tier(sysfs: SysFs, notes: StateFile, reason: str) -> list[tuple[str,
     its OOM killer is back), forgetting each one restored or gone; the (path, value) pairs
     written or already so."""
     restored = []
-    sysfs = sysfs.unobserved()
     entries = notes.entries(NOTES)
     for path in sorted(entries, key=_restore_rank):
-        value = entries[path]
-        oom = path.endswith(f"/{OOM_CONTROL}")
-        outcome = sysfs.write_if_changed(path, value, reason,
-                                         same=same_kill_setting if oom else same_bytes)
-        if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE):
-            notes.forget(NOTES, path)
-        if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
-            restored.append((path, value))
+        if restore_file(sysfs, notes, NOTES, path, reason) in (Outcome.WRITTEN,
+                                                               Outcome.UNCHANGED):
+            restored.append((path, entries[path]))
     return restored
 
 

@@ -47,7 +47,7 @@ import structlog
 from common.aio import Callbacks
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.host.values import PAGE_SIZE
+from reconciler.host.values import PAGE_SIZE, same_bytes
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -173,11 +173,19 @@ class KillHold:
     def give_back(self, tier: str, reason: str) -> None:
         """Once the limit is raised: the killer as it was before the first squeeze."""
         self.off = False
-        path = f"{tier}/{OOM_CONTROL}"
-        value = self._notes.entries(self._section).get(path)
-        if value is None:
-            return
-        outcome = self._sysfs.unobserved().write_if_changed(path, value, reason,
-                                                            same=same_kill_setting)
-        if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE):
-            self._notes.forget(self._section, path)
+        restore_file(self._sysfs, self._notes, self._section, f"{tier}/{OOM_CONTROL}", reason)
+
+
+def restore_file(sysfs: SysFs, notes: StateFile, section: str, path: str,
+                 reason: str) -> Outcome | None:
+    """Writes back the value noted for a tier file in ``section`` (compared as the kernel keeps
+    it; never held back by observe mode), forgetting the note once the file has it or is gone;
+    the outcome, None when nothing was noted."""
+    value = notes.entries(section).get(path)
+    if value is None:
+        return None
+    same = same_kill_setting if path.endswith(f"/{OOM_CONTROL}") else same_bytes
+    outcome = sysfs.unobserved().write_if_changed(path, value, reason, same=same)
+    if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE):
+        notes.forget(section, path)
+    return outcome

@@ -2,14 +2,13 @@
 anonymous memory: at a hard limit the kernel kills it, so the guard turns the tier's OOM killer
 off before it writes the squeezed limit; the job then waits at the limit, goes on as the
 guard's cycles raise it a step above the tier's anonymous memory, and nothing is killed. When
-the squeeze ends the limit goes back up first, then the killer. Builds
-``<test parent>/memory/kubepods/besteffort/pod<uid>/<id>`` under ``/sys/fs/cgroup/memory``;
-skipped unless root on a host with the v1 memory controller."""
+the squeeze ends the limit goes back up first, then the killer. The node is a
+:class:`~tests.support.realroot.RealRoot` (a fresh child memcg of the machine's v1 hierarchy
+with kubelet's tiers); skipped unless root on a host with the v1 memory controller."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import select
 import subprocess
 import sys
@@ -21,20 +20,19 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from nri_plugin.config.schema import Config
-from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.cgroups import layout_for
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.memory_squeeze import OOM_CONTROL, GuardSqueeze, Squeeze
+from tests.support.realroot import RealRoot, end, in_cgroup, unavailable
 
-MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 UID = "66666666-0000-4000-8000-000000000006"
 CID = "e" * 64
 MIB = 1 << 20
 STEP = 32 * MIB
 
-pytestmark = [pytest.mark.real_kernel, pytest.mark.skipif(
-    os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file(),
-    reason="needs root and the cgroup v1 memory controller")]
+pytestmark = [pytest.mark.real_kernel,
+              pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "available")]
 
 GROWER = (
     "import sys\n"
@@ -51,7 +49,7 @@ GROWER = (
 
 @dataclasses.dataclass
 class Tier:
-    parent: Path
+    real: RealRoot
     tier: Path
     container: Path
 
@@ -63,38 +61,28 @@ class Tier:
         return int((self.tier / "memory.limit_in_bytes").read_text())
 
     def spawn(self) -> subprocess.Popen[str]:
-        procs = self.container / "cgroup.procs"
-        grower = subprocess.Popen(
-            ["sh", "-c", f'echo $$ > {procs} && exec "$0" -I -c "$1"', sys.executable, GROWER],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        grower = subprocess.Popen(in_cgroup(self.container, [sys.executable, "-I", "-c", GROWER]),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert grower.stdout is not None
         assert grower.stdout.readline() == "ready\n"
+        # The kernel flushes memory.stat every 2 s or so: until then the tier's anonymous
+        # memory reads short, and a squeeze computed from it falls below the usage.
+        deadline = time.monotonic() + 10.0
+        while self.anonymous() < 64 * MIB:
+            assert time.monotonic() < deadline, "memory.stat never showed the job's memory"
+            time.sleep(0.1)
         return grower
+
+    def anonymous(self) -> int:
+        stat = (self.tier / "memory.stat").read_text().splitlines()
+        return int(dict(line.split() for line in stat)["total_rss"])
 
 
 @pytest.fixture
-def tier() -> Iterator[Tier]:
-    parent = MEMORY_V1 / f"nriqos-squeeze-{os.getpid()}"
-    t = parent / "memory/kubepods/besteffort"
-    container = t / f"pod{UID}" / CID
-    container.mkdir(parents=True)
-    try:
-        yield Tier(parent, t, container)
-    finally:
-        for d in (container, container.parent, t, t.parent, t.parent.parent, parent):
-            for _ in range(50):  # a killed task leaves its memcg a moment later
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
-
-
-def stop(grower: subprocess.Popen[str]) -> None:
-    grower.kill()
-    grower.communicate()
+def tier(tmp_path: Path) -> Iterator[Tier]:
+    with RealRoot(tmp_path, "squeeze", 1 << 30) as real:
+        container, _ = real.container("besteffort", UID, CID)
+        yield Tier(real, real.memcg / "kubepods/besteffort", container)
 
 
 def answered(grower: subprocess.Popen[str], seconds: float) -> bool:
@@ -114,7 +102,7 @@ def test_a_hard_limit_at_a_growing_jobs_memory_kills_it(tier: Tier) -> None:
         assert grower.wait(timeout=30) == -9
         assert tier.oom(tier.container)["oom_kill"] == 1  # counted where the victim was
     finally:
-        stop(grower)
+        end([grower], [])
 
 
 def test_a_squeezed_tier_holds_a_growing_job_without_killing_it(tier: Tier) -> None:
@@ -123,10 +111,9 @@ def test_a_squeezed_tier_holds_a_growing_job_without_killing_it(tier: Tier) -> N
         base.memory_guard, standing_cap="never"))
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
-    sysfs = SysFs("/", audit)
+    sysfs = SysFs(str(tier.real.root), audit)
     squeeze = GuardSqueeze()
-    loop = MemoryGuardLoop(lambda: cfg, sysfs, CgroupLayout(1, "cgroupfs", mount=str(tier.parent)),
-                           audit, squeeze)
+    loop = MemoryGuardLoop(lambda: cfg, sysfs, layout_for(sysfs), audit, squeeze)
     unlimited = tier.limit()
     grower = tier.spawn()
     try:
@@ -162,4 +149,4 @@ def test_a_squeezed_tier_holds_a_growing_job_without_killing_it(tier: Tier) -> N
         assert names[0] == OOM_CONTROL
         assert names[-2:] == ["memory.limit_in_bytes", OOM_CONTROL]
     finally:
-        stop(grower)
+        end([grower], [])

@@ -335,21 +335,24 @@ class KubeletNode:
                     pipe.close()
         self._processes.clear()
         for path in reversed(self._made):
-            remove(path)
+            remove_cgroup(path)
         self._made.clear()
 
 
-def remove(path: Path) -> bool:
-    """rmdir a cgroup; a cgroup its tasks just left may be busy for a moment. True when gone."""
-    for _ in range(100):
+def remove_cgroup(path: Path, within_s: float = 2.0) -> bool:
+    """Removes the cgroup ``path``, trying for up to ``within_s`` seconds, because a cgroup its
+    tasks have just left stays busy for a moment; True once it is gone (or never was)."""
+    deadline = time.monotonic() + within_s
+    while True:
         try:
             path.rmdir()
             return True
         except FileNotFoundError:
             return True
         except OSError:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.02)
-    return False
 
 
 def sweep(name: str) -> list[Path]:
@@ -368,10 +371,10 @@ def sweep(name: str) -> list[Path]:
                 if not directory.is_dir():
                     continue
                 _kill_tasks(directory)
-                if remove(directory):
+                if remove_cgroup(directory):
                     removed.append(directory)
             _kill_tasks(top)
-            if remove(top):
+            if remove_cgroup(top):
                 removed.append(top)
     return removed
 

@@ -34,6 +34,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench.kubelet_node import remove_cgroup
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
@@ -144,17 +145,6 @@ def answer(process: subprocess.Popen[str]) -> float:
     return float(process.stdout.readline())
 
 
-def remove(path: Path) -> None:
-    for _ in range(200):
-        try:
-            path.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.05)
-
-
 def run_mode(mode: str, data: Path, seconds: float) -> Result:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3")
@@ -211,7 +201,7 @@ def run_mode(mode: str, data: Path, seconds: float) -> Result:
             worker.kill()
             worker.wait()
         for path in reversed(made):
-            remove(path)
+            remove_cgroup(path, within_s=10.0)
     steps = [r for r in sink.named("offload_step") if r["result"] in ("done", "short")]
     for record in sink.named("offload_step"):
         print(f"  step {record['verdict']:>9} {record['percent']:5.1f} % "

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
+from bench.kubelet_node import remove_cgroup
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.levels import LEVEL_NAMES
@@ -269,12 +270,7 @@ def test_a_limit_the_kernel_cannot_reclaim_to_is_retried_then_audited() -> None:
     finally:
         holder.kill()
         holder.wait()
-        for _ in range(100):
-            try:
-                memcg.rmdir()
-                break
-            except OSError:
-                threading.Event().wait(0.02)
+        remove_cgroup(memcg, within_s=2.0)
 
 
 # -- a cgroup that vanishes in the middle of a cycle ----------------------------------------------

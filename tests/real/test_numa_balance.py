@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.kubelet_node import remove_cgroup
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.model import ContainerInfo, PodInfo
@@ -233,12 +234,7 @@ def test_a_cgroup_removed_mid_step_ends_the_step(node: Node) -> None:
             time.sleep(0.8)
             holder.kill()
             holder.wait()
-            for _ in range(100):
-                try:
-                    cgroup.rmdir()
-                    return
-                except OSError:
-                    time.sleep(0.05)
+            remove_cgroup(cgroup, within_s=5.0)
 
         remover = threading.Thread(target=remove)
         remover.start()

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from bench.kubelet_node import remove_cgroup
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.model import ContainerInfo
@@ -112,13 +113,7 @@ class RemovedAsItStarts(SysFs):
     def write_bounded(self, path: str, value: str, timeout_s: float,
                       nice: int = 0) -> tuple[Outcome, str]:
         self._node.kill_processes()
-        deadline = time.monotonic() + 30
-        while self._cgroup.exists():  # a cgroup just left by its tasks may stay busy a moment
-            try:
-                self._cgroup.rmdir()
-            except OSError:
-                assert time.monotonic() < deadline, f"{self._cgroup} could not be removed"
-                time.sleep(0.02)
+        assert remove_cgroup(self._cgroup, within_s=30.0), f"{self._cgroup} could not be removed"
         return super().write_bounded(path, value, timeout_s, nice)
 
 

@@ -21,11 +21,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.kubelet_node import remove_cgroup
 from reconciler.host.parse import parse_counters
 
 MEMORY_V1 = Path("/sys/fs/cgroup/memory")
@@ -160,14 +160,7 @@ def end(processes: list[subprocess.Popen[Any]], cgroups: list[Path]) -> None:
             if pipe is not None:
                 pipe.close()
     for path in reversed(cgroups):
-        for _ in range(100):  # a cgroup just left by its tasks may stay busy for a moment
-            try:
-                path.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.02)
+        remove_cgroup(path, within_s=2.0)
 
 
 class Worker:

@@ -61,7 +61,9 @@ class RuntimeInfo:
 MAX_ANNOTATION_CHARS = 16384
 """The longest annotation value any policy reads (the Volcano colocation config). A longer value
 is kept cut to one character more, which every policy rejects as too long: the pod gets its
-level's defaults and an audit record, and the agent does not hold megabytes per pod."""
+level's defaults and an audit record, and the agent does not hold megabytes per pod. Annotations
+that together would take a pod over what the node state keeps of one are all left out instead
+(``nri_plugin.wire.convert.MAX_POD_BYTES``): the same defaults, the same record."""
 MAX_LABEL_CHARS = 320
 """Characters kept of a label value the agent reads: the Kubernetes API allows 63, so a longer
 value is not from a real pod (kept cut to one character more, which policies reject)."""

@@ -34,9 +34,12 @@ Guaranteed anything but ``system_cores``. A level listed in ``QosConfig.level_na
 claimed only by pods of those namespaces; ``system_cores`` is granted by that list alone (default:
 ``kube-system``), whatever the class. A caller may pass a ``ceiling`` too: the level the pod
 had at creation, so that an annotation changed later through the API cannot raise it. A refused
-claim ends the search: the pod gets its class's level (``QosConfig.kubernetes_qos``), never above
-the ceiling, and :attr:`LevelDecision.refused` says what was refused and why. A pod whose cgroup
-parent is not a kubelet's has no class, and only the namespace rule bounds its claims.
+claim ends the search: the pod gets what it would get without any claim (its class's level,
+``QosConfig.kubernetes_qos``, when ``kubernetes_qos`` is a source; else the default level), never
+above the ceiling, and :attr:`LevelDecision.refused` says what was refused and why. A pod whose
+cgroup parent is not a kubelet's has no class, and only the namespace rule bounds its claims.
+Neither the default level nor a class's level may be ``system_cores``: the configuration refuses
+them, so that only ``level_namespaces`` grants it.
 """
 
 from __future__ import annotations
@@ -116,6 +119,19 @@ class QosConfig:
         keys=LEVEL_NAMES,
     )
 
+    def validate(self) -> list[tuple[str, str]]:
+        # system_cores exempts a pod from eviction and from the offline tier's caps: a default
+        # or a class's level would give it to every pod without a claim, or of that class, in
+        # every namespace, past the one list that is to grant it.
+        only_claimed = ("may not be system_cores: only a claim from a namespace in "
+                        "qos.level_namespaces.system_cores gets it")
+        problems = [("default_level", only_claimed)] \
+            if self.default_level == QosLevel.SYSTEM_CORES else []
+        problems += [(f"kubernetes_qos.{qos_class}", only_claimed)
+                     for qos_class, level in self.kubernetes_qos.items()
+                     if level == QosLevel.SYSTEM_CORES]
+        return problems
+
 
 KATALYST_ANNOTATION = "katalyst.kubewharf.io/qos_level"
 KOORDINATOR_KEY = "koordinator.sh/qosClass"
@@ -162,7 +178,7 @@ class LevelDecision:
     source: str
     # (source, value) pairs that were present but not understood, in the order they were tried.
     rejected: tuple[tuple[str, str], ...] = ()
-    # The claim that was refused; the level is then the class's.
+    # The claim that was refused; the level is then the pod's without any claim.
     refused: Refusal | None = None
 
 
@@ -251,13 +267,17 @@ def _why_not(level: str, pod: PodInfo, qos_class: str | None, cfg: QosConfig,
     return None
 
 
-def _class_level(qos_class: str | None, cfg: QosConfig, ceiling: str | None) -> str:
-    """A refused claim's level: the class's (the default without a class), never above
-    ``ceiling``."""
-    level = cfg.default_level if qos_class is None else cfg.kubernetes_qos[qos_class]
+def _unclaimed(qos_class: str | None, cfg: QosConfig, ceiling: str | None) -> tuple[str, str]:
+    """A refused claim's level and source: what the pod gets without any claim (its class's
+    level when ``kubernetes_qos`` is a source and the class is known, else the default), never
+    above ``ceiling``."""
+    if qos_class is not None and CLASS_SOURCE in cfg.sources:
+        level, source = cfg.kubernetes_qos[qos_class], CLASS_SOURCE
+    else:
+        level, source = cfg.default_level, DEFAULT_SOURCE
     if ceiling is not None and PRIVILEGE[level] > PRIVILEGE[ceiling]:
-        return ceiling
-    return level
+        return ceiling, source
+    return level, source
 
 
 def resolve_level(pod: PodInfo, cfg: QosConfig, ceiling: str | None = None) -> LevelDecision:
@@ -279,7 +299,7 @@ def resolve_level(pod: PodInfo, cfg: QosConfig, ceiling: str | None = None) -> L
                 _why_not(level, pod, qos_class, cfg, ceiling)
             if why is None:
                 return LevelDecision(level, source, tuple(rejected))
-            return LevelDecision(_class_level(qos_class, cfg, ceiling),
-                                 CLASS_SOURCE if qos_class is not None else DEFAULT_SOURCE,
-                                 tuple(rejected), Refusal(level, source, key, why))
+            unclaimed, decided_by = _unclaimed(qos_class, cfg, ceiling)
+            return LevelDecision(unclaimed, decided_by, tuple(rejected),
+                                 Refusal(level, source, key, why))
     return LevelDecision(cfg.default_level, DEFAULT_SOURCE, tuple(rejected))

@@ -14,12 +14,21 @@ from typing import Any
 
 from hooks.config_fields import frozen_map, percent, section, setting
 from hooks.levels import LEVEL_NAMES
+from hooks.untrusted import bounded
 
 
 def _group_prefix(value: Any) -> str | None:
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", value):
         return f"must match [A-Za-z0-9_-]{{1,32}}, got {value!r}"
     return None
+
+
+CACHE_ID_DIGITS = 10
+"""Digits of the longest cache id: the kernel numbers caches with 32-bit ids."""
+# The spelling of a cache id in the schemata, and the only one: the class group reads a key with
+# int() and a pod's bounds look it up with str(), so "01" (or an Arabic-Indic one, which int()
+# also reads) would bound the one and not the other.
+_CACHE_ID = re.compile(rf"0|[1-9][0-9]{{0,{CACHE_ID_DIGITS - 1}}}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +57,10 @@ class ResctrlLevel:
         problems: list[tuple[str, str]] = []
         if self.l3_end_percent <= self.l3_start_percent:
             problems.append(("l3_end_percent", "must be greater than l3_start_percent"))
-        problems += [(f"per_cache.{k}", "cache id must be a decimal number")
-                     for k in self.per_cache if not k.isdigit()]
+        # The key bounded in its path: the error line keeps the reason whatever the key's length.
+        problems += [(f"per_cache.{bounded(k, 32)}", "cache id must be a decimal number of ASCII "
+                      f"digits without leading zeros, at most {CACHE_ID_DIGITS} digits")
+                     for k in self.per_cache if not _CACHE_ID.fullmatch(k)]
         return problems
 
 

@@ -127,8 +127,10 @@ def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs,
         log.warning("resctrl_unavailable", reason=message)
 
     def setup(new: Config) -> None:
-        fs.apply_class_groups(plan_class_groups(new.resctrl, fs.info, fs.our_groups()),
-                              reason="config", warn=warn)
+        # Switched off, every group goes: the resctrl capability removes them on the reload.
+        if new.resctrl.enabled:
+            fs.apply_class_groups(plan_class_groups(new.resctrl, fs.info, fs.our_groups()),
+                                  reason="config", warn=warn)
 
     setup(cfg)
     store.subscribe(lambda old, new: setup(new))
@@ -172,7 +174,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     board = Board()
     tracker = LoopTracker(reconciler_metrics)
     resctrl = _resctrl(store, host, sysfs, audit)
-    capabilities = build_capabilities(cfg, resctrl=resctrl, audit=audit,
+    capabilities = build_capabilities(cfg, resctrl=resctrl, state=state, audit=audit,
                                       cgroup_v2=host.cgroup.v2,
                                       memory_total=host.memory_total_bytes)
     reconcile = cfg.reconciler.enabled

@@ -5,14 +5,23 @@ thread that applied an NRI event or a pod-watch change; the callback hands the `
 event loop with ``call_soon_threadsafe``, so a new container gets its resctrl group and settings
 at once rather than at the next period. Cycles run in a thread pool owned by the reconciler (one
 thread per loop), so a cgroup write that blocks in the kernel never delays NRI answers.
+
+A loop's :meth:`~reconciler.loops.base.Loop.close` (the restore of what it changed, and the end
+of its notes) comes after its last cycle, on every way out: a cancelled reconciler stops waiting
+for a cycle at once, but the cycle's thread runs on and would write after the restore, an effect
+then left with no note (the next run would take it for the original value). So the way out waits
+for the cycles in flight, at most :data:`CLOSE_WAIT_S` (a write to a memory limit can block in
+reclaim for long, and the agent must stop within its grace period); a loop whose cycle is still
+running then is closed by its own thread as soon as the cycle returns (its notes stay in the
+state file meanwhile, for the next start or ``nri-qos reset`` should the agent be killed first).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import structlog
 
@@ -49,6 +58,13 @@ from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import restore_wmark
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+CLOSE_WAIT_S = 10.0
+"""How long a reconciler on its way out waits for the cycles in flight before it closes the
+loops (the DaemonSet gives the agent 45 s to stop)."""
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 class ReconcilerSections(DriftSections, MemoryGuardSections, CpuIdleSections, NumaBindingSections,
@@ -106,43 +122,105 @@ def build_loops(config: Callable[[], ReconcilerSections], state: NodeState, sysf
     return loops
 
 
+class _CycleThread(Executor):
+    """One loop's view of the reconciler's pool: its cycles run there, and the last one is kept
+    to be waited for before the loop is closed (a loop runs one cycle at a time)."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+        self.last: Future[Any] | None = None
+
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args,
+               **kwargs: _P.kwargs) -> Future[_T]:
+        future = self._pool.submit(fn, *args, **kwargs)
+        self.last = future
+        return future
+
+    def running(self) -> Future[Any] | None:
+        """The cycle not finished yet, if any."""
+        return self.last if self.last is not None and not self.last.done() else None
+
+
 async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Event,
                          watcher: PodWatcher | None, *, read_keys: Callable[[], ReadKeys],
                          backoff_max: Callable[[], float],
-                         tracker: LoopTracker | None = None) -> None:
+                         tracker: LoopTracker | None = None,
+                         close_wait_s: float = CLOSE_WAIT_S) -> None:
     """Run every loop, and the pod watch when given, until ``stop`` is set. The pod watch keeps
     of each pod only the annotations some policy reads (``read_keys``); ``tracker`` hears of
-    every cycle."""
+    every cycle. Each loop is closed after its last cycle, also when the reconciler is
+    cancelled (see the module doc; ``close_wait_s``: :data:`CLOSE_WAIT_S`)."""
     if watcher is None:
         log.warning("reconciler_degraded", reason="no Kubernetes pod watch: NRI data only "
                     "(no priority, requests or annotation changes)")
     running = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(max_workers=max(len(loops), 1),
-                                  thread_name_prefix="nri-qos-reconcile")
+    pool = ThreadPoolExecutor(max_workers=max(len(loops), 1),
+                              thread_name_prefix="nri-qos-reconcile")
+    threads = [_CycleThread(pool) for _ in loops]
     unsubscribe: list[Callable[[], None]] = []
     try:
         async with asyncio.TaskGroup() as group:
             if watcher is not None:
                 group.create_task(watcher.run(
                     lambda meta: state.apply_meta(meta.trimmed(read_keys())), stop))
-            for loop in loops:
+            for loop, thread in zip(loops, threads, strict=True):
                 wake = asyncio.Event()
                 unsubscribe.append(state.subscribe(waker(running, wake),
                                                    events=loop.wake_events,
                                                    meta=loop.wake_on_meta))
                 unsubscribe.append(loop.subscribe_wake(waker(running, wake)))
-                group.create_task(run_loop(loop, stop=stop, wake=wake, executor=executor,
+                group.create_task(run_loop(loop, stop=stop, wake=wake, executor=thread,
                                            backoff_max=backoff_max, tracker=tracker),
                                   name=f"reconciler-{loop.name}")
     finally:
         for cancel in unsubscribe:
             cancel()
-        executor.shutdown(wait=False, cancel_futures=True)
-        for loop in loops:
-            try:
-                loop.close()
-            except Exception:  # one loop's failure to undo must not keep the others from it
-                log.exception("reconciler_loop_close_failed", loop=loop.name)
+        # A cycle not started yet never starts; one running is waited for.
+        pool.shutdown(wait=False, cancel_futures=True)
+        await _close_after_cycles(loops, threads, close_wait_s)
+
+
+async def _close_after_cycles(loops: list[Loop], threads: list[_CycleThread],
+                              wait_s: float) -> None:
+    """Close every loop after its cycle in flight, waiting at most ``wait_s`` for them; a loop
+    whose cycle runs longer is closed by its thread once the cycle returns. A cancellation
+    during the wait ends the wait only: the loops are closed likewise and it is raised after."""
+    in_flight = [f for t in threads if (f := t.running()) is not None]
+    interrupted: asyncio.CancelledError | None = None
+    if in_flight:
+        waiting = [asyncio.wrap_future(f) for f in in_flight]
+        try:
+            await asyncio.wait(waiting, timeout=wait_s)
+        except asyncio.CancelledError as exc:
+            interrupted = exc
+        for future in waiting:
+            if future.done() and not future.cancelled():
+                # Taken, or asyncio would report a failed cycle as an error never retrieved.
+                future.exception()
+            else:
+                future.cancel()  # a wait given up must not reach the event loop later
+    for loop, thread in zip(loops, threads, strict=True):
+        cycle = thread.running()
+        if cycle is None:
+            _close(loop)
+            continue
+        log.warning("reconciler_loop_close_deferred", loop=loop.name,
+                    reason="its cycle is still running: the loop is closed when it returns")
+        cycle.add_done_callback(_closer(loop))
+    if interrupted is not None:
+        raise interrupted
+
+
+def _closer(loop: Loop) -> Callable[[Future[Any]], None]:
+    """``loop``'s close as a cycle's done callback (run in the cycle's thread)."""
+    return lambda _cycle: _close(loop)
+
+
+def _close(loop: Loop) -> None:
+    try:
+        loop.close()
+    except Exception:  # one loop's failure to undo must not keep the others from it
+        log.exception("reconciler_loop_close_failed", loop=loop.name)
 
 
 def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:

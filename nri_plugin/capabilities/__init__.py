@@ -12,6 +12,7 @@ off takes effect at the next connection, where the subscription is negotiated ag
 from __future__ import annotations
 
 from common.audit import AuditLog
+from common.state import NodeState
 from hooks.memory_qos import memory_qos_active
 from hooks.oci_hooks import any_hooks
 from nri_plugin.capabilities.memory_qos import MemoryQosCapability
@@ -23,18 +24,20 @@ from nri_plugin.session.capability import Capability
 from reconciler.host.resctrlfs import ResctrlFs
 
 
-def build_capabilities(config: Config, *, resctrl: ResctrlFs | None, audit: AuditLog,
-                       cgroup_v2: bool, memory_total: int) -> list[Capability]:
+def build_capabilities(config: Config, *, resctrl: ResctrlFs | None, state: NodeState,
+                       audit: AuditLog, cgroup_v2: bool, memory_total: int) -> list[Capability]:
     """The enabled capabilities, in chain order (earlier ones own a field on conflict).
 
-    ``resctrl`` is None when resctrl is unavailable: no CLOS is ever emitted then.
+    ``resctrl`` is None when resctrl is unavailable: no CLOS is ever emitted then. ``state``
+    tells the resctrl capability which sandboxes of a pod are still there.
     ``memory_total`` (bytes) is the host's memory, used unless the config sets
     ``memory.node_allocatable_bytes``.
     """
     strict = config.plugin.strict
     capabilities: list[Capability] = []
     if config.resctrl.enabled and resctrl is not None:
-        capabilities.append(ResctrlCapability(config.resctrl, resctrl, audit, strict=strict))
+        capabilities.append(ResctrlCapability(config.resctrl, resctrl, audit, state=state,
+                                              strict=strict))
     if memory_qos_active(config.memory):
         capabilities.append(MemoryQosCapability(config.memory, audit, strict=strict,
                                                 cgroup_v2=cgroup_v2, memory_total=memory_total))

@@ -26,8 +26,11 @@ from typing import Any
 from hooks.config_fields import SettingMeta, frozen_map, meta_of
 from hooks.untrusted import bounded
 
-# Digits bounded: no byte size needs more, and a long run of them costs nothing to refuse.
-_SIZE_RE = re.compile(r"^\s*(\d{1,20}(?:\.\d{1,20})?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+# Digits bounded: no byte size needs more, and a long run of them costs nothing to refuse. ASCII
+# only: \d would read other scripts' digits (Arabic-Indic one and Gi as 1 GiB), \s their spaces,
+# and IGNORECASE the Kelvin sign as K.
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([KMGT]i?B?|B)?\s*$",
+                      re.IGNORECASE | re.ASCII)
 _SIZE_FACTORS = {
     "": 1, "B": 1,
     "K": 1000, "KB": 1000, "KI": 1 << 10, "KIB": 1 << 10,
@@ -63,7 +66,8 @@ class ConfigError(Exception):
 
 
 def parse_size(text: str) -> int:
-    """Parse ``"4Gi"``, ``"512MiB"``, ``"100M"`` or ``"4096"`` into bytes.
+    """Parse ``"4Gi"``, ``"512MiB"``, ``"100M"`` or ``"4096"`` into bytes: ASCII digits, and a
+    whole number of bytes (``"1.5Ki"`` is 1536, ``"0.5"`` is refused).
 
     Not ``kubernetes.utils.parse_quantity``, which reads Kubernetes quantities, not byte sizes:
     it refuses ``"512MiB"`` and ``"7 B"``, takes ``"100m"`` as 0.1 (milli) and ``"0.5"`` as a
@@ -76,7 +80,11 @@ def parse_size(text: str) -> int:
         raise ValueError(f"not a byte size: {text!r} (use e.g. 4Gi, 512Mi, 100M or a number)")
     suffix = (m.group(2) or "").upper()
     # Exact arithmetic: a float would overflow to infinity on a long run of digits.
-    return int(Fraction(m.group(1)) * _SIZE_FACTORS[suffix])
+    size = Fraction(m.group(1)) * _SIZE_FACTORS[suffix]
+    if size.denominator != 1:
+        # Cut to whole bytes, 0.0001Ki would silently be 0.
+        raise ValueError(f"not a whole number of bytes: {text!r} is {float(size)} bytes")
+    return int(size)
 
 
 def _type_name(tp: Any) -> str:

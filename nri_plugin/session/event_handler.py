@@ -27,7 +27,7 @@ from common.audit import AuditLog
 from common.metrics import PluginMetrics
 from common.state import NodeState, PodView, merge_container
 from hooks.events import Event
-from hooks.model import ContainerInfo, ReadKeys
+from hooks.model import ContainerInfo, PodInfo, ReadKeys
 from hooks.untrusted import bounded
 from nri_plugin.config.schema import Config
 from nri_plugin.obs.log_context import bound_fields
@@ -38,7 +38,7 @@ from nri_plugin.session.event_log import METRIC_RESULT, EventLog
 from nri_plugin.session.failure import FailurePolicy
 from nri_plugin.session.terms import SessionTerms
 from nri_plugin.session.workload_records import WorkloadRecords
-from nri_plugin.wire.convert import container_info, pod_info
+from nri_plugin.wire.convert import container_info, convert_pod
 from nri_plugin.wire.errors import MessageError, RpcError
 from nri_plugin.wire.messages import M, parse_message
 from nri_plugin.wire.rejections import Rejection
@@ -196,7 +196,8 @@ class EventHandler:
         name = event.name.lower()
         keys = self._read_keys(cfg)
         try:
-            view = self._state.pod_view(pod_msg.id, lambda: pod_info(pod_msg, keys))
+            view = self._state.pod_view(
+                pod_msg.id, lambda: self._first_sight(pod_msg, container_msg, keys))
             container = None
             if container_msg is not None and (chain or self._tracking):
                 container = container_info(container_msg)
@@ -212,6 +213,16 @@ class EventHandler:
             self._records.level(view, container.name if container is not None else "")
         calls = _calls(event, chain, view, container, terms)
         return _Prepared(event, name, view, container, calls, cfg, terms)
+
+    def _first_sight(self, pod_msg: api.PodSandbox, container_msg: api.Container | None,
+                     keys: ReadKeys) -> PodInfo:
+        """The pod as the node state keeps it; annotations and labels left out whole (as too
+        large) are audited here, once per pod."""
+        converted = convert_pod(pod_msg, keys)
+        if converted.ignored:
+            self._records.ignored(
+                converted, bounded(container_msg.name) if container_msg is not None else "")
+        return converted.info
 
     def _feed(self, event: Event, view: PodView, container: ContainerInfo | None) -> None:
         """Keep the node state current (inline: a dict update under a briefly held lock)."""

@@ -27,7 +27,8 @@ from nri_plugin.session.chain import bind, run_threaded
 from nri_plugin.session.event_log import METRIC_RESULT, EventLog
 from nri_plugin.session.failure import FailurePolicy
 from nri_plugin.session.terms import MIN_DEADLINE_MS, SessionTerms
-from nri_plugin.wire.convert import container_info, pod_info
+from nri_plugin.session.workload_records import record_ignored
+from nri_plugin.wire.convert import ConvertedPod, container_info, convert_pod
 from nri_plugin.wire.errors import MessageError, RpcError
 from nri_plugin.wire.messages import parse_message
 from nri_plugin.wire.rejections import Rejection
@@ -54,6 +55,9 @@ class SyncProgress:
     wire_bytes: int = 0
     refused_objects: int = 0
     first_refusal: str = ""
+    # Pods kept without their annotations and labels (too large), and the first of them.
+    ignored_pods: int = 0
+    first_ignored: ConvertedPod | None = None
     # Why the Synchronize is over its limits (its content is then no longer converted).
     over: str | None = None
 
@@ -135,9 +139,14 @@ class Synchronizer:
         done = 0
         for pod_msg in req.pods:
             try:
-                sync.pods.append(pod_info(pod_msg, keys))
+                converted = convert_pod(pod_msg, keys)
             except MessageError as exc:
                 _note_refusal(sync, f"pod {bounded(pod_msg.uid)}: {exc}")
+            else:
+                sync.pods.append(converted.info)
+                if converted.ignored:
+                    sync.ignored_pods += 1
+                    sync.first_ignored = sync.first_ignored or converted
             done += 1
             if done % SYNC_BATCH == 0:
                 await asyncio.sleep(0)
@@ -172,6 +181,9 @@ class Synchronizer:
             self._policy.invalid_input("synchronize", MessageError(
                 f"{sync.refused_objects} pods or containers refused, the first: "
                 f"{sync.first_refusal}"))
+        if sync.first_ignored is not None:
+            # One record for all of them, as for the refused objects.
+            record_ignored(self._audit, sync.first_ignored, others=sync.ignored_pods - 1)
         self._state.replace_all(pods, containers)
         if self._capabilities:
             calls = [(c.name, bind(c.synchronize, tuple(pods), tuple(containers)))

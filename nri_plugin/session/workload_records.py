@@ -1,6 +1,6 @@
-"""The audit records an event leaves about its workload: a level's unusable QoS values, the
-answer's conflicts and deferred or skipped fields, and what the answer applied (with its
-metric)."""
+"""The audit records an event leaves about its workload: a pod's annotations and labels left out
+whole, a level's unusable QoS values, the answer's conflicts and deferred or skipped fields, and
+what the answer applied (with its metric)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,23 @@ from common.state import PodView
 from hooks.model import PodInfo, RuntimeInfo
 from hooks.untrusted import bounded
 from nri_plugin.session import adjustment
+from nri_plugin.wire.convert import ConvertedPod
+
+SHOWN_KEYS = 4
+"""Keys of the annotations and labels left out that a record names; the rest are counted."""
+
+
+def record_ignored(audit: AuditLog, converted: ConvertedPod, *, container: str = "",
+                   others: int = 0) -> None:
+    """The record of a pod kept without its annotations and labels (``converted.ignored``);
+    ``others``: how many more pods were, when one record stands for many."""
+    keys = ", ".join(converted.ignored[:SHOWN_KEYS])
+    if len(converted.ignored) > SHOWN_KEYS:
+        keys += f" and {len(converted.ignored) - SHOWN_KEYS} more"
+    more = f"; so were those of {others} more pods" if others else ""
+    audit.record("adjustment_skipped", pod_uid=bounded(converted.info.uid), container=container,
+                 reason=f"invalid input: annotations and labels ignored ({bounded(keys)}): "
+                        f"{converted.reason}{more}")
 
 
 class WorkloadRecords:
@@ -18,6 +35,10 @@ class WorkloadRecords:
     def __init__(self, audit: AuditLog, metrics: PluginMetrics | None) -> None:
         self._audit = audit
         self._metrics = metrics
+
+    def ignored(self, converted: ConvertedPod, container: str) -> None:
+        """The pod's annotations and labels, left out whole at its first sight."""
+        record_ignored(self._audit, converted, container=container)
 
     def level(self, view: PodView, container: str) -> None:
         """The QoS values the pod's level was decided without, as unusable."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 from hooks.model import MAX_ANNOTATION_CHARS, ContainerInfo, PodInfo, ReadKeys
@@ -32,8 +33,10 @@ MAX_POD_BYTES = MAX_ANNOTATION_CHARS + (8 << 10)
 """Memory the strings of one pod may take in the node state (ids, names, cgroup paths, and the
 annotations and labels some policy reads): the longest annotation a policy accepts (the Volcano
 colocation config, 16 KiB) and 8 KiB for all the rest, where a real pod keeps well under 1 KiB.
-A pod over it is refused like one with an over-long id; at the node state's pod limit (4096)
-this bounds the pods to about 100 MiB."""
+A pod whose annotations and labels would take it over is kept without any of them, as if it
+carried none (they are the pod author's, so leaving them out never gives it more than its QoS
+class does); a pod whose ids, names and cgroup paths alone are over it is refused like one with
+an over-long id. At the node state's pod limit (4096) this bounds the pods to about 100 MiB."""
 MAX_CONTAINER_BYTES = 4 << 10
 """Memory the strings of one container may take in the node state (ids, name, cgroups path): a
 real container keeps about 500 bytes. A container over it is refused."""
@@ -50,10 +53,21 @@ def _strings_size(strings: Iterable[str]) -> int:
     return sum(map(sys.getsizeof, strings))
 
 
-def pod_info(pod: api.PodSandbox, keys: ReadKeys | None = None) -> PodInfo:
+@dataclass(frozen=True, slots=True)
+class ConvertedPod:
+    """A pod as the policies see it, and what of the runtime's copy was left out of it."""
+
+    info: PodInfo
+    # The read annotations and labels (``label <key>``) left out, with why; empty when kept.
+    ignored: tuple[str, ...] = ()
+    reason: str = ""
+
+
+def convert_pod(pod: api.PodSandbox, keys: ReadKeys | None = None) -> ConvertedPod:
     """The pod as the policies see it. ``keys`` keeps only the annotations and labels the agent
-    reads (None: all of them, bounded); identifiers longer than any real one, and pods whose
-    strings take more than :data:`MAX_POD_BYTES`, are refused."""
+    reads (None: all of them, bounded). Identifiers longer than any real one, and pods whose
+    ids, names and cgroup paths take more than :data:`MAX_POD_BYTES`, are refused; a pod whose
+    annotations and labels would take it over that is kept without them."""
     if not pod.id:
         raise MessageError("pod sandbox has no id")
     if keys is None:
@@ -63,18 +77,22 @@ def pod_info(pod: api.PodSandbox, keys: ReadKeys | None = None) -> PodInfo:
         uid=_text(pod.uid, "pod uid", MAX_ID_CHARS),
         name=_text(pod.name, "pod name", MAX_NAME_CHARS),
         namespace=_text(pod.namespace, "pod namespace", MAX_NAME_CHARS),
-        labels=keys.labels_of(pod.labels),
-        annotations=keys.annotations_of(pod.annotations),
         cgroup_parent=_text(pod.linux.cgroup_parent, "pod cgroup parent", MAX_PATH_CHARS),
         cgroups_path=_text(pod.linux.cgroups_path, "pod cgroups path", MAX_PATH_CHARS),
     )
     size = _strings_size((info.id, info.uid, info.name, info.namespace, info.cgroup_parent,
-                          info.cgroups_path, *info.labels, *info.labels.values(),
-                          *info.annotations, *info.annotations.values()))
+                          info.cgroups_path))
     if size > MAX_POD_BYTES:
-        raise MessageError(f"pod {bounded(info.uid, 64)} would take {size} bytes, more than "
-                           f"{MAX_POD_BYTES}")
-    return info
+        raise MessageError(f"pod {bounded(info.uid, 64)}: its ids, names and cgroup paths "
+                           f"would take {size} bytes, more than {MAX_POD_BYTES}")
+    labels, annotations = keys.labels_of(pod.labels), keys.annotations_of(pod.annotations)
+    size += _strings_size((*labels, *labels.values(), *annotations, *annotations.values()))
+    if size > MAX_POD_BYTES:
+        ignored = (*sorted(annotations), *(f"label {key}" for key in sorted(labels)))
+        return ConvertedPod(info, ignored, (
+            f"with its annotations and labels the pod would take {size} bytes, more than "
+            f"{MAX_POD_BYTES}: it is treated as if it carried none"))
+    return ConvertedPod(replace(info, labels=labels, annotations=annotations))
 
 
 def container_info(container: api.Container) -> ContainerInfo:

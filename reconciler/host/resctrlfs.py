@@ -4,16 +4,20 @@ Everything that touches resctrl goes through :class:`ResctrlFs`, and everything 
 writes goes through :class:`~.sysfs.SysFs`: one root, one writer, one audit path. Group names are
 validated again here, so no caller can build a path outside the mount. Schemata are written only
 when they differ from what the kernel reports.
+
+In observe mode a group limits nothing: its schemata stay at the kernel's default (the whole cache
+and bandwidth), and a limit an enforcing run left is written back to that default, since undoing
+is never held back.
 """
 
 from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 from common.audit import AuditLog
-from hooks.resctrl import ResctrlInfo, Schemata
+from hooks.resctrl import Allocation, ResctrlInfo, Schemata, build_schemata
 from hooks.resctrl_groups import ClassGroupPlan, valid_group_name
 from hooks.untrusted import bounded_repr
 from reconciler.host.resctrl_files import (
@@ -55,6 +59,26 @@ def read_info(sysfs: SysFs, mount: str, amd_mb_max: int) -> ResctrlInfo:
         raise ResctrlUnavailable(f"cannot read resctrl info under {mount}: {exc}") from exc
 
 
+def removal_problem(exc: OSError) -> str:
+    """A refused ``rmdir`` (``EBUSY``, ``EROFS`` ...) as said in logs."""
+    return f"{type(exc).__name__}: {exc.strerror or exc}"
+
+
+def _limits(current: Mapping[str, Mapping[int, str]], unlimited: Schemata) -> bool:
+    """Whether ``current`` (see :func:`parse_schemata`) shows a value below ``unlimited`` for a
+    cache id this agent manages; one it cannot parse counts as a limit."""
+    for name, full, base in (("L3", unlimited.l3, 16), ("MB", unlimited.mb, 10)):
+        for cid, text in current.get(name, {}).items():
+            if cid not in full:
+                continue
+            try:
+                if int(text, base) != full[cid]:
+                    return True
+            except ValueError:
+                return True
+    return False
+
+
 class ResctrlFs:
     """Groups, schemata and tasks under one resctrl mount."""
 
@@ -65,6 +89,10 @@ class ResctrlFs:
         self.info = info
         self.prefix = prefix
         self._audit = audit
+        # Writes that undo a limit, done in observe mode too.
+        self._undo = sysfs.unobserved()
+        # What a group limits nothing with: every way of every cache, the whole bandwidth.
+        self._unlimited = build_schemata(Allocation(), info)
         # Budget check and mkdir must not interleave between two pods created concurrently.
         self._lock = threading.Lock()
 
@@ -120,32 +148,58 @@ class ResctrlFs:
         return parse_schemata(self.sysfs.read(f"{self.group_path(group)}/schemata") or "")
 
     def ensure_group(self, group: str, schemata: Schemata, reason: str) -> bool:
-        """Create ``group`` if needed and make its schemata match; True when anything changed."""
+        """Create ``group`` if needed and make its schemata match; True when anything changed.
+
+        In observe mode the write of ``schemata`` is only audited as held back, and the group is
+        left at, or given back, the kernel's default (:meth:`lift_limits`).
+        """
         path = self.group_path(group)
         try:
             created = self.sysfs.make_dir(path)
         except OSError as exc:
             raise GroupError(group, f"mkdir: {exc.strerror}",
                              no_space=exc.errno == errno.ENOSPC) from exc
-        if not created:
-            try:
-                current = self.read_schemata(group)
-            except OSError:
-                current = {}
-            if schemata_matches(schemata, current):
-                return False
+        # A new group holds the kernel's default schemata: nothing to compare with.
+        current = {} if created else self._current(group)
+        if self.sysfs.held():
+            if not schemata_matches(schemata, current):
+                self.sysfs.write(f"{path}/schemata", schemata_text(schemata),
+                                 f"resctrl group {group}: {reason}", create=True)
+            return self._lift(group, current) or created
+        if schemata_matches(schemata, current):
+            return False
         outcome = self.sysfs.write(f"{path}/schemata", schemata_text(schemata),
                                    f"resctrl group {group}: {reason}", create=True)
-        if outcome is Outcome.OBSERVED:
-            # Observe mode: the group exists for the class the creation answers name, with the
-            # kernel's default schemata (the whole cache and bandwidth), so nothing is limited.
-            return created
         if outcome is not Outcome.WRITTEN:
             if created:
                 self.sysfs.remove_dir(path)
             raise GroupError(group, f"schemata {list(schemata.lines())}: {outcome.value}")
         self._audit.record("resctrl_group_created", group=group,
                            schemata=list(schemata.lines()), reason=reason, created=created)
+        return True
+
+    def lift_limits(self, group: str) -> bool:
+        """Give an existing group the kernel's default schemata (no limit) when it shows a
+        narrower one; True when written. Done in observe mode too: it undoes a limit."""
+        return self._lift(group, self._current(group))
+
+    def _current(self, group: str) -> dict[str, dict[int, str]]:
+        try:
+            return self.read_schemata(group)
+        except OSError:
+            return {}
+
+    def _lift(self, group: str, current: dict[str, dict[int, str]]) -> bool:
+        if not _limits(current, self._unlimited):
+            return False
+        reason = "observe mode: no limit (the kernel's default)"
+        outcome = self._undo.write(f"{self.group_path(group)}/schemata",
+                                   schemata_text(self._unlimited),
+                                   f"resctrl group {group}: {reason}")
+        if outcome is not Outcome.WRITTEN:
+            return False
+        self._audit.record("resctrl_group_created", group=group,
+                           schemata=list(self._unlimited.lines()), reason=reason, created=False)
         return True
 
     def apply_class_groups(self, plan: ClassGroupPlan, *, reason: str,
@@ -209,6 +263,18 @@ class ResctrlFs:
             return False
         self._audit.record("resctrl_group_removed", group=group, reason=reason)
         return True
+
+    def remove_our_groups(self, reason: str) -> dict[str, str]:
+        """Remove every group carrying this agent's prefix, class and pod groups alike (the
+        kernel hands their tasks back to the root group); the groups that could not be removed
+        yet, with why."""
+        failed = {}
+        for group in self.our_groups():
+            try:
+                self.remove_group(group, reason=reason)
+            except OSError as exc:
+                failed[group] = removal_problem(exc)
+        return failed
 
     # --- tasks ---------------------------------------------------------------------------------
 

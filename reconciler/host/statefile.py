@@ -132,13 +132,17 @@ def state_file(directory: str) -> StateFile:
     return StateFile(os.path.join(directory, STATE_FILE) if directory else None)
 
 
-def restore_noted(sysfs: SysFs, notes: StateFile, section: str, reason: str) -> int:
-    """Writes back every file noted in ``section`` (never held back by observe mode: undoing
-    returns the node to what it was), forgetting each one restored or gone (a container gone
-    meanwhile has nothing to restore); how many were written."""
+def restore_noted(sysfs: SysFs, notes: StateFile, section: str, reason: str,
+                  under: str = "") -> int:
+    """Writes back every file noted in ``section`` (only those whose path starts with
+    ``under``; never held back by observe mode: undoing returns the node to what it was),
+    forgetting each one restored or gone (a container gone meanwhile has nothing to restore);
+    how many were written."""
     restored = 0
     sysfs = sysfs.unobserved()
     for path, value in notes.entries(section).items():
+        if not path.startswith(under):
+            continue
         outcome = sysfs.write_if_changed(path, value, reason)
         restored += outcome is Outcome.WRITTEN
         if outcome is not Outcome.FAILED:

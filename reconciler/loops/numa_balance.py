@@ -55,7 +55,12 @@ from reconciler.host.watermarks import Watermarks
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
-from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, noted_elsewhere, restore_bindings
+from reconciler.loops.numa_binding import (
+    NUMA_BALANCE_NOTES,
+    noted_elsewhere,
+    release_unreclaimed,
+    restore_bindings,
+)
 from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -279,13 +284,16 @@ class NumaBalanceLoop(Loop):
         for path in self._notes.entries(NUMA_BALANCE_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_BALANCE_NOTES, path)
+        managed = self._managed.get(self._state.snapshot())
+        release_unreclaimed(managed, self._sysfs, self._layout, self._notes,
+                            NUMA_BALANCE_NOTES)
         ids = node_ids(self._sysfs)
         if len(ids) < 2:
             self._nothing_to_balance = True
             return
         clock = self._clock()
         self._paused = {c: until for c, until in self._paused.items() if until > clock}
-        items = {item.view.info.id: item for item in self._managed.get(self._state.snapshot())
+        items = {item.view.info.id: item for item in managed
                  if item.level == QosLevel.RECLAIMED_CORES
                  and item.view.info.id not in self._paused}
         if not items:

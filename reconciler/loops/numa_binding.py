@@ -11,14 +11,15 @@ cgroup v2 migrates a cgroup's pages when ``cpuset.mems`` changes; on v1 that nee
 When no node has headroom, bindings stay as they are (moving memory between full nodes helps
 nobody; the memory guard and the mitigations deal with that). A single-node host is a no-op.
 
-A container's ``cpuset.mems`` from before its first binding is noted in the state file
-(:mod:`reconciler.host.statefile`) and written back when the binding goes away (switched off by
-a reload, or ``nri-qos reset``); notes of containers that are gone are dropped.
+A container's ``cpuset.mems`` (and on v1 ``cpuset.memory_migrate``) from before its first
+binding is noted in the state file (:mod:`reconciler.host.statefile`) and written back when the
+binding goes away (switched off by a reload, the container's pod no longer ``reclaimed_cores``,
+or ``nri-qos reset``); notes of containers that are gone are dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,6 +116,19 @@ def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
     return restore_noted(sysfs, notes, section, reason)
 
 
+def release_unreclaimed(items: Iterable[Managed], sysfs: SysFs, layout: CgroupLayout,
+                        notes: StateFile, section: str) -> None:
+    """Writes back what ``section`` noted for containers whose pod is no longer
+    ``reclaimed_cores`` (its level changed by a reload or the pod's metadata): only reclaimed
+    pods are bound or moved, so nothing else would ever give them their nodes back."""
+    if not notes.entries(section):
+        return
+    for item in items:
+        if item.level != QosLevel.RECLAIMED_CORES:
+            restore_noted(sysfs, notes, section, f"pod no longer {QosLevel.RECLAIMED_CORES}",
+                          under=f"{layout.dir('cpuset', item.ref.rel)}/")
+
+
 class NumaBindingLoop(Loop):
     name = "numa_binding"
     wake_events = frozenset({Event.START_CONTAINER})
@@ -157,6 +171,8 @@ class NumaBindingLoop(Loop):
         for path in self._notes.entries(NUMA_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_NOTES, path)
+        managed = self._managed.get(self._state.snapshot())
+        release_unreclaimed(managed, self._sysfs, self._layout, self._notes, NUMA_NOTES)
         balancing = cfg.numa_balance.enabled and self._layout.v2
         nodes = read_nodes(self._sysfs, PAGE_SIZE, lows=self._watermarks.at(now).node_lows())
         if len(nodes) < 2:
@@ -174,7 +190,7 @@ class NumaBindingLoop(Loop):
         reason = f"NUMA nodes with headroom: {mems}" + (
             f"; nodes under watermark or not chosen: {format_id_list(hot)}" if hot else "")
         migrate = not self._layout.v2 and cfg.numa.migrate_memory
-        for item in self._managed.get(self._state.snapshot()):
+        for item in managed:
             if item.level != QosLevel.RECLAIMED_CORES:
                 continue
             # One container's odd cgroup must not keep the others from being bound.
@@ -206,8 +222,11 @@ class NumaBindingLoop(Loop):
             return
         if migrate:
             # Only needed when the binding changes, and it must be in place before.
-            self._sysfs.write_if_changed(f"{cgroup}/cpuset.memory_migrate", "1",
-                                         "pages follow the NUMA binding")
+            flag = f"{cgroup}/cpuset.memory_migrate"
+            before = self._sysfs.read(flag)
+            if before is None or not self._notes.remember(NUMA_NOTES, flag, before.strip()):
+                return
+            self._sysfs.write_if_changed(flag, "1", "pages follow the NUMA binding")
         if self._sysfs.write(f"{cgroup}/cpuset.mems", mems, reason) == Outcome.WRITTEN:
             info = item.view.info
             self._audit.record("numa_binding", pod_uid=item.view.pod.info.uid,

@@ -123,7 +123,15 @@ class AncestorProtection:
         self._written.pop(path, None)
 
     def restore(self, reason: str) -> int:
-        """Writes back every noted file; how many were written."""
+        """Writes back every noted file but those changed by someone else since this run wrote
+        them (theirs now, as in :meth:`_settle`); how many were written."""
+        for path, written in self._written.items():
+            try:
+                current = _bytes(self._sysfs.read(path))
+            except ValueError:
+                continue  # holds no size: written back like any other
+            if current is not None and current != written:
+                self._notes.forget(PROTECTION_NOTES, path)
         self._written.clear()
         return restore_protection(self._sysfs, self._notes, reason)
 

@@ -30,6 +30,10 @@ for ``gc_grace_s`` (never before the first NRI state arrived); one the kernel wi
 cycle's task moves. The class groups are kept as
 :func:`hooks.resctrl_groups.plan_class_groups` wants them, as at start and on a reload: one that
 someone removed is created again with its configured schemata.
+
+resctrl switched off (``resctrl.enabled = false``): every group of ours goes, class and pod groups
+alike, so their tasks are back in the root group; one the kernel will not remove yet is tried
+again every cycle. Switched on again, the next cycle is a full scan.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import parse_group_name, place_container, plan_class_groups
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import task_cgroups
-from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.resctrlfs import ResctrlFs, removal_problem
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
@@ -133,7 +137,10 @@ class ResctrlTasksLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
-        if not (cfg.reconciler.enabled and cfg.resctrl.enabled):
+        if not cfg.reconciler.enabled:
+            return
+        if not cfg.resctrl.enabled:
+            self._switched_off()
             return
         snapshot = self._state.snapshot()
         existing = set(self._resctrl.control_groups())
@@ -294,6 +301,18 @@ class ResctrlTasksLoop(Loop):
         existing.difference_update(plan.remove)
         return recreated
 
+    def _switched_off(self) -> None:
+        """Remove what is left of our groups: the reload removed them, this retries what the
+        kernel refused then."""
+        failed = self._resctrl.remove_our_groups(reason="resctrl.enabled is false")
+        for group, problem in failed.items():
+            if self._removal_failed.get(group) != problem:
+                log.warning("resctrl_group_not_removed", group=group, error=problem)
+        self._removal_failed = failed
+        self._orphaned_since = {}
+        # Switched on again, every container is placed anew.
+        self._cycles = 0
+
     def _warn_class_group(self, problem: str) -> None:
         # Once per distinct problem: the loop retries every second.
         if problem not in self._class_problems:
@@ -320,7 +339,7 @@ class ResctrlTasksLoop(Loop):
             except OSError as exc:
                 # EBUSY, EROFS ...: the group stays an orphan and is tried again next cycle;
                 # said once per group and error, and this cycle's task moves go on.
-                problem = f"{type(exc).__name__}: {exc.strerror or exc}"
+                problem = removal_problem(exc)
                 if self._removal_failed.get(group) != problem:
                     log.warning("resctrl_group_not_removed", group=group, error=problem)
                 self._removal_failed[group] = problem

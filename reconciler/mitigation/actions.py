@@ -1,4 +1,6 @@
-"""What each rung does: engage, repeat, release; each idempotent, each honouring dry-run.
+"""What each rung does: engage, repeat, release; each idempotent, each honouring dry-run: a
+dry run writes nothing, except a release undoing what this agent is known to have placed (the
+taint keys and conditions noted in the state file, the squeeze, the noted memory.wmark_ratio).
 
 An action reports a :class:`Result` and never raises for an expected failure (no API access, a
 refused write); the ladder's service audits every step with its cause (the detector, its value
@@ -97,6 +99,12 @@ def _node_result(outcomes: list[NodeOutcome], what: str) -> Result:
     return Result(UNCHANGED, f"{what}: already so")
 
 
+def _removal(keys: list[str], kinds: list[str]) -> str:
+    """What a release of the taint rung does: ``remove taint k, C=False``."""
+    parts = [f"remove taint {', '.join(keys)}"] if keys else []
+    return ", ".join([*parts, *(f"{kind}=False" for kind in kinds)])
+
+
 @dataclass(frozen=True, slots=True)
 class PlacedTaint:
     """A taint this agent put on its node, as the API last confirmed it."""
@@ -152,21 +160,31 @@ class TaintAction:
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
         """Removes every taint key this agent placed (noted in the state file, this run or an
-        earlier one) and the configured one, and sets their conditions False."""
+        earlier one) and the configured one, and sets their conditions False. In dry run only
+        the noted ones: undoing what this agent placed is never held back (a rung engaged while
+        the node enforced must not stay after a reload to dry run or observe mode), but a key
+        it is not known to have placed may be someone else's."""
         rung = self._config().mitigation.taint
-        keys = list(dict.fromkeys([*self._notes.entries(TAINT_NOTES), rung.key]))
-        kinds = list(dict.fromkeys([*self._notes.entries(CONDITION_NOTES), rung.condition]))
-        what = f"remove taint {', '.join(keys)}, {'=False, '.join(kinds)}=False"
-        if (answer := self._without_writes(what, dry_run)) is not None:
-            return answer
+        keys = list(self._notes.entries(TAINT_NOTES))
+        kinds = list(self._notes.entries(CONDITION_NOTES))
+        if not dry_run:
+            keys = list(dict.fromkeys([*keys, rung.key]))
+            kinds = list(dict.fromkeys([*kinds, rung.condition]))
+        elif not keys and not kinds:
+            return Result(DRY_RUN, f"would {_removal([rung.key], [rung.condition])}")
+        if not self._kube.available:
+            return Result(SKIPPED, "no Kubernetes API access")
+        what = _removal(keys, kinds)
+        if dry_run:
+            what += " (placed by this agent: undone in dry run too)"
         reason = cause.text()
         outcomes = [await self._remove(key, reason) for key in keys]
         outcomes += [await self._clear(kind, reason) for kind in kinds]
         return _node_result(outcomes, what)
 
     def _without_writes(self, what: str, dry_run: bool) -> Result | None:
-        """The answer of an engage or release that writes nothing: a dry run, or no API access;
-        None when the writes go ahead."""
+        """The answer of an engage that writes nothing: a dry run, or no API access; None when
+        the writes go ahead."""
         if dry_run:
             return Result(DRY_RUN, f"would {what}")
         if not self._kube.available:
@@ -372,9 +390,13 @@ class TuneAction:
         return await self._tighten(cause, dry_run, "below the limit held")
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
-        if dry_run:
-            return Result(DRY_RUN, "would release the squeeze and restore memory.wmark_ratio")
+        """Releases the squeeze and restores every noted memory.wmark_ratio, in dry run too:
+        both are this rung's own, and a squeeze left set after a reload to dry run or observe
+        mode would hold the tier down (on v1 with its OOM killer off) for good. With nothing of
+        the rung's in place a dry run writes nothing."""
         self._mark, self._held_off_until = None, None
+        if dry_run and self._squeeze.current() is None and not self._notes.entries(WMARK_NOTES):
+            return Result(DRY_RUN, "would release the squeeze and restore memory.wmark_ratio")
         released = self._squeeze.set(None)
         restored = await asyncio.to_thread(self._restore_wmark, cause.text())
         left = len(self._notes.entries(WMARK_NOTES))

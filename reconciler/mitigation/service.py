@@ -298,7 +298,8 @@ class Mitigation:
         """Release, once at start, every rung the ladder does not hold, switched on or not: a
         taint or condition left by an earlier run of the agent (a crash, an upgrade, a rung
         switched off since) would otherwise stay until pressure came and went. Releases are
-        idempotent (usually nothing changes) and retried until they succeed."""
+        idempotent (usually nothing changes) and retried until they succeed; a rung in dry run
+        (every rung in observe mode) still undoes what the state file says this agent placed."""
         cfg = self._config()
         cause = Cause(Level.NONE, None, "start: clearing what an earlier run may have left")
         for name, step in self._ladder.release_leftovers(runners):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
 from hooks.errors import InvalidInput
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
@@ -43,10 +45,11 @@ class World:
                               amd_mb_max=2048, warn=self.warnings.append)
         assert fs is not None
         self.fs = fs
+        self.state = NodeState()
 
     def capabilities(self, *, cgroup_v2: bool = True) -> list[Capability]:
-        return build_capabilities(self.config, resctrl=self.fs, audit=self.audit,
-                                  cgroup_v2=cgroup_v2, memory_total=0)
+        return build_capabilities(self.config, resctrl=self.fs, state=self.state,
+                                  audit=self.audit, cgroup_v2=cgroup_v2, memory_total=0)
 
     def setup(self) -> set[str]:
         plan = plan_class_groups(self.config.resctrl, self.fs.info, self.fs.our_groups())
@@ -79,8 +82,8 @@ def test_default_chain_and_events(world: World) -> None:
 
 
 def test_without_resctrl_no_resctrl_capability(world: World) -> None:
-    capabilities = build_capabilities(world.config, resctrl=None, audit=world.audit,
-                                      cgroup_v2=True, memory_total=0)
+    capabilities = build_capabilities(world.config, resctrl=None, state=world.state,
+                                      audit=world.audit, cgroup_v2=True, memory_total=0)
     assert [h.name for h in capabilities] == ["memory_qos", "oom_score"]
 
 
@@ -196,6 +199,50 @@ def test_pod_group_lifecycle(world: World) -> None:
     assert (world.root / "nriqos-shared_cores").is_dir()   # class groups are never removed
     assert capability.create_container(
         ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class == "nriqos-shared_cores"
+
+
+def test_pod_group_stays_while_another_sandbox_of_the_pod_is_there(world: World) -> None:
+    # kubelet replaces a pod's sandbox: it runs the new one, then removes the old one. Both carry
+    # the pod's uid; the group is the pod's and goes with its last sandbox.
+    world.setup()
+    capability = world.resctrl()
+    old = pod({KOORDINATOR_ANNOTATION: RECORDED})
+    new = dataclasses.replace(old, id="sb-new")
+    world.state.replace_all([old, new], [])
+    for sandbox in (old, new):
+        capability.run_pod_sandbox(PodEvent(sandbox, "shared_cores", RUNTIME))
+    capability.remove_pod_sandbox(PodEvent(old, "shared_cores", RUNTIME))
+    world.state.remove_pod(old.id, Event.REMOVE_POD_SANDBOX)
+    assert (world.root / POD_GROUP / "schemata").read_text() == "L3:0=1fc;1=1fc\nMB:0=20;1=20\n"
+    assert world.sink.named("resctrl_group_removed") == []
+    assert capability.create_container(
+        ContainerEvent(new, ctr(), "shared_cores", RUNTIME)).rdt_class == POD_GROUP
+    capability.remove_pod_sandbox(PodEvent(new, "shared_cores", RUNTIME))
+    assert not (world.root / POD_GROUP).exists()
+    assert world.sink.named("resctrl_group_removed") == [
+        {"group": POD_GROUP, "reason": f"pod {UID} removed"}]
+
+
+def test_reload_switching_resctrl_off_removes_every_group_of_ours(world: World) -> None:
+    world.setup()
+    capability = world.resctrl()
+    p = pod({KOORDINATOR_ANNOTATION: RECORDED})
+    capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    (world.root / "COS1").mkdir()
+    capability.reconfigure(parse_toml(
+        Config, f'[resctrl]\nroot = "{world.root}"\nenabled = false\n'))
+    assert world.fs.control_groups() == ["COS1"]
+    assert sorted((r["group"], r["reason"]) for r in world.sink.named("resctrl_group_removed")) == [
+        (group, "resctrl.enabled is false") for group in (
+            "nriqos-dedicated_cores", POD_GROUP, "nriqos-reclaimed_cores", "nriqos-shared_cores",
+            "nriqos-system_cores")]
+    # While it is off no group is made, and no container is named one.
+    capability.run_pod_sandbox(PodEvent(pod({KOORDINATOR_ANNOTATION: RECORDED}, uid="u2"),
+                                        "shared_cores", RUNTIME))
+    assert world.fs.control_groups() == ["COS1"]
+    assert capability.create_container(
+        ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).is_empty()
+    assert world.sink.named("adjustment_skipped") == []
 
 
 def test_monitor_hook_injected_for_pod_groups(tmp_path: Path) -> None:
@@ -321,7 +368,8 @@ def test_reconfigure_applies_a_reloaded_config_to_built_capabilities() -> None:
     from nri_plugin.session.capability import ContainerEvent
 
     cfg = Config()
-    (oom,) = [h for h in build_capabilities(cfg, resctrl=None, audit=AuditLog(MemoryAuditSink()),
+    (oom,) = [h for h in build_capabilities(cfg, resctrl=None, state=NodeState(),
+                                            audit=AuditLog(MemoryAuditSink()),
                                             cgroup_v2=False, memory_total=0)
               if h.name == "oom_score"]
     event = ContainerEvent(PodInfo("s", "u", "p", "ns"), ContainerInfo("c", "s", "n"),

@@ -50,8 +50,8 @@ async def test_creation_and_reconcile_agree_before_and_after_an_annotation_chang
     fs = ResctrlFs(sysfs, mount, read_info(sysfs, mount, 2048), prefix="nriqos-", audit=audit)
     state = NodeState(qos=lambda: cfg.qos)
     loop = ResctrlTasksLoop(lambda: cfg, state, sysfs, layout_for(sysfs), fs, audit)
-    capabilities = build_capabilities(cfg, resctrl=fs, audit=audit, cgroup_v2=False,
-                                      memory_total=0)
+    capabilities = build_capabilities(cfg, resctrl=fs, state=state, audit=audit,
+                                      cgroup_v2=False, memory_total=0)
     simulator = RuntimeSimulator(tmp_path / "nri.sock")
     await simulator.start()
     with ThreadPoolExecutor(2) as executor:

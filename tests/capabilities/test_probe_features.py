@@ -11,6 +11,7 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.podmeta import PodMeta
+from common.state import NodeState
 from hooks.memory_qos import MemoryLevel
 from hooks.oci_hooks import OciHook, OciHooksConfig, OciLevelHooks
 from nri_plugin.capabilities import build_capabilities
@@ -179,8 +180,9 @@ def test_memory_qos_runs_exactly_when_its_capability_is_built(tmp_path: Path) ->
         idle.memory, volcano_annotation=True))
     for config, runs in ((cfg, True), (idle, False), (annotated, True)):
         found = report(config, host)["features"]["memory_qos"]
-        built = build_capabilities(config, resctrl=None, audit=AuditLog(MemoryAuditSink()),
-                                   cgroup_v2=True, memory_total=64 * GIB)
+        built = build_capabilities(config, resctrl=None, state=NodeState(),
+                                   audit=AuditLog(MemoryAuditSink()), cgroup_v2=True,
+                                   memory_total=64 * GIB)
         assert found["runs"] is runs
         assert any(isinstance(c, MemoryQosCapability) for c in built) is runs
     assert report(idle, host)["features"]["memory_qos"]["detail"] == (

@@ -16,7 +16,8 @@ import pytest
 from hooks.config_fields import frozen_map, meta_of
 from hooks.memory_qos import MemoryLevel
 from hooks.oci_hooks import OciHook, OciLevelHooks
-from hooks.resctrl_config import CacheOverride
+from hooks.resctrl_config import CacheOverride, ResctrlLevel
+from hooks.untrusted import bounded
 from nri_plugin.config.loader import ConfigError, load_file, parse_size, parse_toml
 from nri_plugin.config.render import render_toml
 from nri_plugin.config.schema import Config
@@ -26,6 +27,12 @@ from tests.support.paths import REPO
 
 # A root-owned executable that is not writable by others: what an OCI hook path must be.
 TRUSTED_EXE = os.path.realpath("/bin/sh")
+
+
+CACHE_ID_PROBLEM = ("cache id must be a decimal number of ASCII digits without leading zeros, "
+                    "at most 10 digits")
+SYSTEM_CORES_PROBLEM = ("may not be system_cores: only a claim from a namespace in "
+                        "qos.level_namespaces.system_cores gets it")
 
 
 def known_keys(cls: type[Any]) -> str:
@@ -86,7 +93,15 @@ def errors_of(text: str) -> list[str]:
         ("[logging]\naudit_max_bytes = \"1Ki\"",
          "logging.audit_max_bytes: must be 4096..1099511627776, got 1024"),
         ("[resctrl.levels.shared_cores.per_cache.x1]\nmb_percent = 50",
-         "resctrl.levels.shared_cores.per_cache.x1: cache id must be a decimal number"),
+         f"resctrl.levels.shared_cores.per_cache.x1: {CACHE_ID_PROBLEM}"),
+        ("[resctrl.levels.reclaimed_cores.per_cache.01]\nmb_percent = 50",
+         f"resctrl.levels.reclaimed_cores.per_cache.01: {CACHE_ID_PROBLEM}"),
+        ("[qos]\ndefault_level = \"system_cores\"",
+         f"qos.default_level: {SYSTEM_CORES_PROBLEM}"),
+        ("[qos.kubernetes_qos]\nbesteffort = \"system_cores\"",
+         f"qos.kubernetes_qos.besteffort: {SYSTEM_CORES_PROBLEM}"),
+        ("[logging]\naudit_max_bytes = \"4096.5\"",
+         "logging.audit_max_bytes: not a whole number of bytes: '4096.5' is 4096.5 bytes"),
         ("[memory.levels.shared_cores]\nthrottling_factor = nan",
          "memory.levels.shared_cores.throttling_factor: must be a finite number, got nan"),
         ("[memory_guard]\nwatermark_scale_factor = inf",
@@ -95,6 +110,35 @@ def errors_of(text: str) -> list[str]:
 )
 def test_one_error_with_its_key_path(text: str, expected: str) -> None:
     assert errors_of(text) == [expected]
+
+
+@pytest.mark.parametrize("key", ["01", "00", "\u0661", "\uff11", "12345678901", "9" * 4301,
+                                 " 1", "1\n", "+1", "-1", ""])
+def test_a_cache_id_has_one_spelling(key: str) -> None:
+    # int() reads every one of these (but the last few) as a cache id the pod bounds, which
+    # look it up by str(), would never find.
+    level = ResctrlLevel(per_cache=frozen_map({key: CacheOverride(mb_percent=10)}))
+    ((path, problem),) = level.validate()
+    assert problem == CACHE_ID_PROBLEM
+    assert path == f"per_cache.{bounded(key, 32)}"
+
+
+@pytest.mark.parametrize("key", ["0", "1", "10", "4294967295", "9999999999"])
+def test_canonical_cache_ids_are_taken(key: str) -> None:
+    assert ResctrlLevel(per_cache=frozen_map({key: CacheOverride()})).validate() == []
+
+
+def test_a_cache_id_of_thousands_of_digits_is_named_and_refused_in_one_line() -> None:
+    key = "9" * 4301
+    assert errors_of(f"[resctrl.levels.reclaimed_cores.per_cache.{key}]\nmb_percent = 50") == [
+        f"resctrl.levels.reclaimed_cores.per_cache.{bounded(key, 32)}: {CACHE_ID_PROBLEM}"]
+
+
+@pytest.mark.parametrize("level", ["dedicated_cores", "shared_cores", "reclaimed_cores"])
+def test_every_level_but_system_cores_may_be_a_default_or_a_class_level(level: str) -> None:
+    cfg = parse_toml(Config, f'[qos]\ndefault_level = "{level}"\n'
+                             f'[qos.kubernetes_qos]\nbesteffort = "{level}"\n')
+    assert (cfg.qos.default_level, cfg.qos.kubernetes_qos["besteffort"]) == (level, level)
 
 
 def test_unknown_keys_name_the_full_path_and_the_known_keys() -> None:
@@ -166,10 +210,26 @@ def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "Gi", "-1Gi", "4 Gigs", "1e9", "0x10"])
+@pytest.mark.parametrize("text", [
+    "", "Gi", "-1Gi", "4 Gigs", "1e9", "0x10",
+    # other scripts' digits and spaces, and the Kelvin sign for K
+    "\u0661Gi", "\uff11\uff12", "4\u00a0Gi", "1\u212a",
+])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="not a byte size"):
         parse_size(text)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0.0009765625Ki", 1), ("0.0009765624Ki", None), ("0.0001Ki", None), ("0.5", None),
+    ("1.5", None), ("1.5Ki", 1536), ("0.001K", 1), ("0.0015K", None), ("4096.0", 4096),
+])
+def test_a_size_is_a_whole_number_of_bytes(text: str, expected: int | None) -> None:
+    if expected is None:
+        with pytest.raises(ValueError, match=f"not a whole number of bytes: '{text}' is "):
+            parse_size(text)
+    else:
+        assert parse_size(text) == expected
 
 
 def test_byte_sizes_as_strings_or_integers() -> None:

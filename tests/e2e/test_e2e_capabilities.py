@@ -76,12 +76,14 @@ class Plugin:
     audit: AuditLog
 
     def stub(self, executor: ThreadPoolExecutor) -> PluginStub:
-        capabilities = build_capabilities(self.config, resctrl=self.fs, audit=self.audit,
+        state = NodeState(qos=lambda: self.config.qos)
+        capabilities = build_capabilities(self.config, resctrl=self.fs, state=state,
+                                          audit=self.audit,
                                           cgroup_v2=self.config.memory.cgroup_version == "v2",
                                           memory_total=0)
         return PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: self.config,
                           capabilities=capabilities, audit=self.audit, executor=executor,
-                          state=NodeState(qos=lambda: self.config.qos))
+                          state=state)
 
 
 def make_plugin(tmp_path: Path, tool: Path, extra: str = "") -> Plugin:
@@ -206,6 +208,31 @@ async def test_pod_group_lifecycle_through_the_runtime(session: tuple[Session, P
     await sess.simulator.send(sess.conn, Event.REMOVE_POD_SANDBOX, p)
     assert not (Path(plugin.fs.mount) / group).exists()
     assert [r["group"] for r in plugin.sink.named("resctrl_group_removed")] == [group]
+
+
+async def test_pod_group_outlives_a_replaced_sandbox(session: tuple[Session, Plugin]) -> None:
+    # kubelet recreates a pod's sandbox: RunPodSandbox of the new one (same pod uid), then
+    # RemovePodSandbox of the old one. The group the new sandbox's containers joined stays.
+    sess, plugin = session
+    uid = "5d1e8f2a-3b4c-4d5e-8f60-718293a4b5c6"
+    group = f"nriqos-pod-{uid}"
+    annotations = {"node.koordinator.sh/resctrl": '{"MB":{"schemata":{"percent":20}}}'}
+    old = pod(uid, "shared_cores", **annotations)
+    new = pod(uid, "shared_cores", **annotations)
+    new.id = f"sb-{uid}-2"
+    replacement = container(uid)
+    replacement.id, replacement.pod_sandbox_id = f"c-{uid}-2", new.id
+    await sess.create(old, container(uid))
+    adjust = await sess.create(new, replacement)
+    assert adjust["linux"]["rdt"] == {"closId": {"value": group}}
+    schemata = Path(plugin.fs.mount) / group / "schemata"
+    await sess.simulator.send(sess.conn, Event.REMOVE_POD_SANDBOX, old)
+    assert schemata.read_text() == "L3:0=7ff;1=7ff\nMB:0=20;1=20\n"
+    assert plugin.sink.named("resctrl_group_removed") == []
+    await sess.simulator.send(sess.conn, Event.REMOVE_POD_SANDBOX, new)
+    assert not (Path(plugin.fs.mount) / group).exists()
+    assert [(r["group"], r["reason"]) for r in plugin.sink.named("resctrl_group_removed")] == [
+        (group, f"pod {uid} removed")]
 
 
 async def test_invalid_annotations_fail_open(session: tuple[Session, Plugin]) -> None:

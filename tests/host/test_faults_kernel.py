@@ -91,7 +91,7 @@ def resctrl_fs(root: Path, sink: MemoryAuditSink) -> ResctrlFs:
 
 
 def capability(cfg: Config, fs: ResctrlFs, sink: MemoryAuditSink) -> ResctrlCapability:
-    return ResctrlCapability(cfg.resctrl, fs, AuditLog(sink), strict=False)
+    return ResctrlCapability(cfg.resctrl, fs, AuditLog(sink), state=NodeState(), strict=False)
 
 
 def resctrl_config(root: Path) -> Config:
@@ -197,6 +197,32 @@ def test_a_group_the_kernel_will_not_remove_stays_and_the_cycle_goes_on(
     world.loop.cycle(2.0)
     assert not gone.exists()
     assert [r["group"] for r in world.sink.named("resctrl_group_removed")] == [gone.name]
+
+
+def test_a_group_the_kernel_will_not_remove_while_resctrl_is_off_is_tried_again(
+    mounts: Mounts, tmp_path: Path,
+) -> None:
+    world = tasks_world(tmp_path)
+    busy = world.host.add_resctrl_group(f"{PREFIX}pod-{uid(2)}")
+    mounts.tmpfs(busy)
+    base = Config()
+    off = dataclasses.replace(base, resctrl=dataclasses.replace(base.resctrl, enabled=False))
+    world.loop._config = lambda: off  # the config store's reload, in short
+    with capture_logs() as logs:
+        world.loop.cycle(0.0)
+        world.loop.cycle(1.0)
+    assert busy.is_dir()
+    said = [e for e in logs if e["event"] == "resctrl_group_not_removed"]
+    assert [e["group"] for e in said] == [busy.name]
+    assert "Device or resource busy" in said[0]["error"]
+    assert sorted(r["group"] for r in world.sink.named("resctrl_group_removed")) == [
+        PREFIX + level for level in sorted(LEVEL_NAMES)]
+    # Once the kernel lets go, the next cycle removes it.
+    mounts.unmount(busy)
+    world.loop.cycle(2.0)
+    assert not busy.exists()
+    assert world.sink.named("resctrl_group_removed")[-1] == {
+        "group": busy.name, "reason": "resctrl.enabled is false"}
 
 
 def test_removing_a_busy_pod_group_at_remove_pod_sandbox_raises_for_the_failure_policy(

@@ -221,6 +221,86 @@ def test_clos_budget_reserves_class_groups_and_root(tmp_path: Path) -> None:
                                fallback=None) == "nriqos-pod-u0"
 
 
+# --- observe mode ----------------------------------------------------------------------------
+
+UNLIMITED_REASON = "observe mode: no limit (the kernel's default)"
+
+
+class Observed:
+    """A resctrl tree whose writes are held back while ``observing[0]``."""
+
+    def __init__(self, root: Path) -> None:
+        self.sink = MemoryAuditSink()
+        self.root = root
+        self.observing = [False]
+        audit = AuditLog(self.sink)
+        sysfs = SysFs(root, audit).observing(lambda: self.observing[0])
+        self.fs = ResctrlFs(sysfs, "/", read_info(sysfs, "/", 2048), prefix="nriqos-",
+                            audit=audit)
+
+    def schemata(self, group: str) -> str:
+        return (self.root / group / "schemata").read_text()
+
+
+def test_observe_mode_gives_a_limited_group_back_the_kernels_default(tmp_path: Path) -> None:
+    env = Observed(intel_tree(tmp_path / "resctrl"))
+    limited = build_schemata(Allocation(l3=(0, 30), mb=20), env.fs.info)
+    env.fs.ensure_group("nriqos-reclaimed_cores", limited, reason="config")
+    assert env.schemata("nriqos-reclaimed_cores") == "L3:0=f;1=f\nMB:0=20;1=20\n"
+    env.observing[0] = True
+    assert env.fs.ensure_group("nriqos-reclaimed_cores", limited, reason="config") is True
+    assert env.schemata("nriqos-reclaimed_cores") == "L3:0=7ff;1=7ff\nMB:0=100;1=100\n"
+    # From then on the limit is only decided: audited once as held back, never written.
+    for _ in range(3):
+        assert env.fs.ensure_group("nriqos-reclaimed_cores", limited, reason="config") is False
+    assert env.schemata("nriqos-reclaimed_cores") == "L3:0=7ff;1=7ff\nMB:0=100;1=100\n"
+    assert [(r["path"], r["value"]) for r in env.sink.named("write_observed")] == [
+        ("/nriqos-reclaimed_cores/schemata", "L3:0=f;1=f\\nMB:0=20;1=20")]
+    assert [(r["schemata"], r["reason"], r["created"])
+            for r in env.sink.named("resctrl_group_created")] == [
+        (["L3:0=f;1=f", "MB:0=20;1=20"], "config", True),
+        (["L3:0=7ff;1=7ff", "MB:0=100;1=100"], UNLIMITED_REASON, False)]
+    # A group made in observe mode keeps the default the kernel gives it: nothing is written.
+    assert env.fs.ensure_group("nriqos-shared_cores", limited, reason="config") is True
+    assert not (env.root / "nriqos-shared_cores" / "schemata").exists()
+    # Back in enforce mode the limit is written again.
+    env.observing[0] = False
+    assert env.fs.ensure_group("nriqos-reclaimed_cores", limited, reason="config") is True
+    assert env.schemata("nriqos-reclaimed_cores") == "L3:0=f;1=f\nMB:0=20;1=20\n"
+
+
+def test_lift_limits_writes_the_whole_cache_and_bandwidth_once(tmp_path: Path) -> None:
+    env = Observed(amd_tree(tmp_path / "resctrl"))
+    group = "nriqos-pod-u1"
+    env.fs.create_pod_group(group, build_schemata(Allocation(l3=(0, 25), mb=50), env.fs.info),
+                            pod_uid="u1", class_groups=CLASS_GROUPS, fallback=None)
+    assert env.schemata(group) == "L3:0=f;1=f\nMB:0=1024;1=1024\n"
+    env.observing[0] = True
+    assert env.fs.lift_limits(group) is True
+    assert env.schemata(group) == "L3:0=ffff;1=ffff\nMB:0=2048;1=2048\n"
+    assert env.fs.lift_limits(group) is False
+    # The kernel's padding is no limit; a value that does not parse is taken for one.
+    (env.root / group / "schemata").write_text("    L3:0=0ffff;1=ffff\n    MB:0=2048;1=2048\n")
+    assert env.fs.lift_limits(group) is False
+    (env.root / group / "schemata").write_text("L3:0=ffff;1=zz\nMB:0=2048;1=2048\n")
+    assert env.fs.lift_limits(group) is True
+    assert env.schemata(group) == "L3:0=ffff;1=ffff\nMB:0=2048;1=2048\n"
+    assert [r["reason"] for r in env.sink.named("resctrl_group_created")] == [
+        "pod u1", UNLIMITED_REASON, UNLIMITED_REASON]
+
+
+def test_remove_our_groups_leaves_foreign_ones(intel: Env) -> None:
+    fs = fs_of(intel)
+    full = build_schemata(Allocation(), fs.info)
+    for name in (*CLASS_GROUPS, "nriqos-pod-u1"):
+        fs.ensure_group(name, full, reason="config")
+    (intel.root / "COS1").mkdir()
+    assert fs.remove_our_groups(reason="resctrl.enabled is false") == {}
+    assert fs.control_groups() == ["COS1"]
+    assert sorted((r["group"], r["reason"]) for r in intel.sink.named("resctrl_group_removed")) == [
+        (name, "resctrl.enabled is false") for name in sorted((*CLASS_GROUPS, "nriqos-pod-u1"))]
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs that runs out of inodes: mkdir fails with ENOSPC, as resctrl does without CLOS."""

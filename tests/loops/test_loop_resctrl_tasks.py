@@ -31,6 +31,7 @@ class World:
     loop: ResctrlTasksLoop
     sink: MemoryAuditSink
     resctrl: Path
+    config: Config
 
     def tasks(self, group: str, monitor: bool = False) -> set[int]:
         d = self.resctrl / group
@@ -58,7 +59,7 @@ def world(tmp_path: Path, version: int = 1, driver: str = "cgroupfs", *,
     fs = ResctrlFs(sysfs, mount, read_info(sysfs, mount, 2048), prefix=PREFIX, audit=audit)
     state = NodeState()
     loop = ResctrlTasksLoop(lambda: cfg, state, sysfs, layout_for(sysfs), fs, audit)
-    return World(host, state, loop, sink, root)
+    return World(host, state, loop, sink, root, cfg)
 
 
 def uid(n: int) -> str:
@@ -293,3 +294,38 @@ def test_a_refused_move_is_logged_and_the_other_groups_moves_land(tmp_path: Path
     # The same cycle's other moves landed: the control group's and the class group's.
     assert set(new_watched) <= w.tasks(group)
     assert set(new_other) <= w.tasks(PREFIX + "reclaimed_cores")
+
+
+def test_resctrl_switched_off_removes_our_groups_and_back_on_places_every_container(
+        tmp_path: Path) -> None:
+    w = world(tmp_path, full_scan_every=100)
+    reclaimed = w.host.add_pod(uid(1), tier="besteffort")
+    shared = w.host.add_pod(uid(2), tier="burstable")
+    group = f"{PREFIX}pod-{uid(2)}"
+    w.host.add_resctrl_group(group, monitor=True)
+    w.host.add_resctrl_group("COS1")
+    w.sync()
+    w.loop.cycle(0.0)
+    assert w.tasks(PREFIX + "reclaimed_cores") == set(reclaimed.containers[0].tids)
+    assert w.tasks(group) == set(shared.containers[0].tids)
+    moves = len(w.sink.named("tasks_moved"))
+    on = w.config
+    off = dataclasses.replace(on, resctrl=dataclasses.replace(on.resctrl, enabled=False))
+    w.loop._config = lambda: off  # the config store's reload, in short
+    w.loop.cycle(1.0)
+    assert sorted(p.name for p in w.resctrl.iterdir() if p.name.startswith(("nriqos-", "COS"))) \
+        == ["COS1"]
+    assert sorted((r["group"], r["reason"]) for r in w.sink.named("resctrl_group_removed")) == [
+        (name, "resctrl.enabled is false")
+        for name in sorted([*(PREFIX + level for level in LEVEL_NAMES), group])]
+    w.loop.cycle(2.0)
+    assert len(w.sink.named("resctrl_group_removed")) == 5
+    assert len(w.sink.named("tasks_moved")) == moves
+    # Switched on again (the reload made the class groups anew): the next cycle reads every
+    # container's threads, whatever the full-scan cadence.
+    for level in LEVEL_NAMES:
+        w.host.add_resctrl_group(PREFIX + level)
+    w.loop._config = lambda: on
+    w.loop.cycle(3.0)
+    assert w.tasks(PREFIX + "reclaimed_cores") == set(reclaimed.containers[0].tids)
+    assert w.tasks(PREFIX + "shared_cores") == set(shared.containers[0].tids)

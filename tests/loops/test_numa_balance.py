@@ -28,6 +28,7 @@ from reconciler.loops.numa_binding import (
     restore_bindings,
 )
 from reconciler.metrics import ReconcilerMetrics
+from tests.support.builders import LEVEL, api_pod
 from tests.support.counting import CountingSysFs
 from tests.support.fakesys import GIB, MIB, FakeHost, FakePod
 
@@ -426,6 +427,20 @@ def test_switched_off_the_balance_writes_back_what_it_changed(tmp_path: Path) ->
     off.cycle(2.0)
     assert mems(host, offline) == "0"
     assert notes.entries(NUMA_BALANCE_NOTES) == {}
+
+
+def test_a_pod_no_longer_reclaimed_gets_its_nodes_back(tmp_path: Path) -> None:
+    host, _, online, cfg, sysfs, sink, state = setup(tmp_path)
+    state.apply_meta(api_pod(WEB, online.info.name, {LEVEL: "reclaimed_cores"}))
+    notes = StateFile(str(tmp_path / "state.json"))
+    loop = loop_of(cfg, state, sysfs, sink, FakeMover(stat_of(host, online)), notes)
+    loop.cycle(0.0)  # the largest reclaimed pod first: widened, one step moved
+    assert mems(host, online) == "0-1"
+    state.apply_meta(api_pod(WEB, online.info.name, {}))  # shared_cores again
+    loop.cycle(1.0)
+    assert mems(host, online) == "0"
+    path = f"/sys/fs/cgroup/{online.containers[0].rel}/cpuset.mems"
+    assert path not in notes.entries(NUMA_BALANCE_NOTES)
 
 
 def test_a_file_the_binding_noted_first_stays_the_bindings_to_undo(tmp_path: Path) -> None:

@@ -13,20 +13,23 @@ from common.state import NodeState
 from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.numa_binding import NumaBindingLoop, choose_nodes
+from reconciler.loops.numa_binding import NUMA_NOTES, NumaBindingLoop, choose_nodes
+from tests.support.builders import LEVEL, api_pod
 from tests.support.fakesys import GIB, FakeHost, FakePod
 
 LOW = 1000  # pages; the 4 GiB floor dominates
 
 
-def setup(tmp_path: Path, version: int, driver: str, *, max_nodes: int = 0
+def setup(tmp_path: Path, version: int, driver: str, *, max_nodes: int = 0,
+          state: NodeState | None = None
           ) -> tuple[FakeHost, NumaBindingLoop, MemoryAuditSink, FakePod, FakePod]:
     host = FakeHost(tmp_path, version=version, driver=driver)
     offline = host.add_pod("11111111-0000-0000-0000-000000000001", tier="besteffort",
                            containers=2)
     online = host.add_pod("22222222-0000-0000-0000-000000000002", tier="burstable")
-    state = NodeState()
+    state = NodeState() if state is None else state
     state.replace_all(*host.nri())
     cfg = Config()
     cfg = dataclasses.replace(cfg, numa=dataclasses.replace(cfg.numa, max_nodes=max_nodes))
@@ -78,6 +81,41 @@ def test_v1_binds_reclaimed_pods_and_moves_them_off_a_hot_node(tmp_path: Path) -
     loop.cycle(20.0)
     assert [mems(host, offline, i) for i in (0, 1)] == ["1", "1"]
     assert "nodes under watermark or not chosen: 0" in sink.named("numa_binding")[-1]["reason"]
+
+
+def test_a_pod_no_longer_reclaimed_gets_its_nodes_and_migration_back(tmp_path: Path) -> None:
+    state = NodeState()
+    host, loop, _, offline, online = setup(tmp_path, 1, "cgroupfs", state=state)
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    state.apply_meta(api_pod(online.info.uid, online.info.name, {LEVEL: "reclaimed_cores"}))
+    loop.cycle(0.0)
+    migrate = host.cg("cpuset", online.containers[0].rel) / "cpuset.memory_migrate"
+    assert (mems(host, online), migrate.read_text()) == ("0", "1")
+    state.apply_meta(api_pod(online.info.uid, online.info.name, {}))  # shared_cores again
+    loop.cycle(10.0)
+    assert (mems(host, online), migrate.read_text().strip()) == ("", "0")
+    assert mems(host, offline) == "0"  # still reclaimed: still bound
+
+
+def test_switched_off_the_binding_gives_v1_migration_back(tmp_path: Path) -> None:
+    host, _, sink, offline, _ = setup(tmp_path, 1, "cgroupfs")
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    state = NodeState()
+    state.replace_all(*host.nri())
+    sysfs = SysFs(tmp_path, AuditLog(sink))
+    notes = StateFile(None)
+
+    def loop(cfg: Config) -> NumaBindingLoop:
+        return NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                               notes=notes)
+
+    on = Config()
+    migrate = host.cg("cpuset", offline.containers[0].rel) / "cpuset.memory_migrate"
+    loop(on).cycle(0.0)
+    assert (mems(host, offline), migrate.read_text()) == ("0", "1")
+    loop(dataclasses.replace(on, numa=dataclasses.replace(on.numa, enabled=False))).cycle(10.0)
+    assert (mems(host, offline), migrate.read_text().strip()) == ("", "0")
+    assert notes.entries(NUMA_NOTES) == {}
 
 
 def test_v2_systemd_four_nodes_best_two(tmp_path: Path) -> None:

@@ -138,6 +138,16 @@ def test_a_value_someone_else_changed_is_theirs(tmp_path: Path) -> None:
     assert tree.notes.entries(PROTECTION_NOTES) == {}
 
 
+def test_a_value_someone_else_changed_is_not_written_back(tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    tier, other = "kubepods/burstable", "kubepods"
+    tree.apply({tier: {"memory.min": 100 * MIB}, other: {"memory.min": 100 * MIB}})
+    tree.file(tier).write_text(str(300 * MIB))  # kubelet's MemoryQoS, say, after the agent
+    assert tree.protection.restore("test") == 1  # memory QoS switched off
+    assert (tree.value(tier), tree.value(other)) == (300 * MIB, 0)
+    assert tree.notes.entries(PROTECTION_NOTES) == {}
+
+
 def test_a_gone_pod_cgroup_is_forgotten(tmp_path: Path) -> None:
     tree = Tree(tmp_path)
     pod = tree.host.add_pod(ONLINE, tier="burstable")

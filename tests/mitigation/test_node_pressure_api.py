@@ -246,17 +246,23 @@ async def test_release_removes_the_key_placed_when_the_key_changed_while_engaged
     ladder = Ladder(actions, cooldown_s=0.2)
     task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
     try:
-        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 1)
-        ladder.pressure(Level.LOW, 20.0)
-        await ladder.until(lambda: fake.taints("node-a") != [])
-        m = ladder.cfg.mitigation
-        ladder.cfg = dataclasses.replace(ladder.cfg, mitigation=dataclasses.replace(
-            m, taint=dataclasses.replace(m.taint, key="example.com/busy")))
-        ladder.pressure(Level.NONE, 1.0)
+        await reload_while_tainted(ladder, fake, key="example.com/busy")
         await ladder.until(lambda: fake.taints("node-a") == [])
     finally:
         ladder.stop.set()
         await asyncio.wait_for(task, BOUND_S)
+
+
+async def reload_while_tainted(ladder: Ladder, fake: FakeApiServer, **taint: Any) -> None:
+    """Presses until the ladder has tainted the node, reloads the taint rung with ``taint``
+    changed, and lets the pressure go."""
+    await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 1)
+    ladder.pressure(Level.LOW, 20.0)
+    await ladder.until(lambda: fake.taints("node-a") != [])
+    m = ladder.cfg.mitigation
+    ladder.cfg = dataclasses.replace(ladder.cfg, mitigation=dataclasses.replace(
+        m, taint=dataclasses.replace(m.taint, **taint)))
+    ladder.pressure(Level.NONE, 1.0)
 
 
 async def test_the_start_clears_a_taint_left_even_when_the_rung_is_now_off(
@@ -296,3 +302,62 @@ async def test_a_restart_removes_the_taint_an_earlier_run_placed_under_another_k
     assert fake.taints("node-a") == []
     assert fake.conditions("node-a")["OldPressure"]["status"] == "False"
     assert state_file(path).entries("taint") == {}
+
+
+async def test_a_release_in_dry_run_removes_the_taint_this_agent_placed(
+        tmp_path: Path, fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, audit = kube
+    notes = state_file(str(tmp_path / "state"))
+    action = TaintAction(Config, actions, "node-a", AuditLog(MemoryAuditSink()), notes=notes)
+    assert (await action.engage(Cause(Level.LOW), False)).result == "done"
+    # A reload put the rung in dry run (or the node in observe mode): undoing is not held back.
+    released = await action.release(Cause(Level.NONE), True)
+    assert (released.result, released.detail) == (
+        "done", f"remove taint {TAINT_KEY}, {KIND}=False (placed by this agent: undone in dry "
+                "run too)")
+    assert fake.taints("node-a") == []
+    assert condition(fake)["status"] == "False"  # type: ignore[index]
+    assert [r["taint"] for r in audit.named("taint_removed")] == [f"{TAINT_KEY}:NoSchedule"]
+    assert action.placed() == []
+    assert notes.entries("taint") == notes.entries("node_condition") == {}
+    # Nothing of ours is left: the next one writes nothing.
+    requests = len(fake.requests())
+    again = await action.release(Cause(Level.NONE), True)
+    assert (again.result, again.detail) == (
+        "dry_run", f"would remove taint {TAINT_KEY}, {KIND}=False")
+    assert len(fake.requests()) == requests
+
+
+async def test_a_release_in_dry_run_leaves_a_taint_this_agent_did_not_place(
+        tmp_path: Path, fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, audit = kube
+    fake.add_node("node-a", taints=[{"key": TAINT_KEY, "effect": "NoSchedule"}],
+                  conditions=[*KUBELET, {"type": KIND, "status": "True"}])
+    action = TaintAction(Config, actions, "node-a", AuditLog(MemoryAuditSink()),
+                         notes=state_file(str(tmp_path / "state")))
+    requests = len(fake.requests())
+    released = await action.release(Cause(Level.NONE), True)
+    assert (released.result, released.detail) == (
+        "dry_run", f"would remove taint {TAINT_KEY}, {KIND}=False")
+    assert len(fake.requests()) == requests
+    assert fake.taints("node-a") == [{"key": TAINT_KEY, "effect": "NoSchedule"}]
+    assert condition(fake)["status"] == "True"  # type: ignore[index]
+    assert audit.named("taint_removed") == []
+
+
+async def test_the_ladder_removes_its_taint_after_a_reload_to_dry_run(
+        fake: FakeApiServer, kube: tuple[KubeActions, MemoryAuditSink]) -> None:
+    actions, _ = kube
+    ladder = Ladder(actions, cooldown_s=0.2)
+    task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
+    try:
+        await reload_while_tainted(ladder, fake, dry_run=True)
+        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 3)
+        assert fake.taints("node-a") == []
+        assert condition(fake)["status"] == "False"  # type: ignore[index]
+        last = ladder.sink.named("mitigation_action")[-1]
+        assert (last["step"], last["result"], last["dry_run"]) == ("release", "done", True)
+        assert ladder.mitigation.state().releasing == ()
+    finally:
+        ladder.stop.set()
+        await asyncio.wait_for(task, BOUND_S)

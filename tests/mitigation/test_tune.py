@@ -407,3 +407,33 @@ async def test_tune_without_any_knob_is_skipped(tmp_path: Path) -> None:
     assert result2.result == "done"
     assert "memory guard off: no squeeze" in result2.detail
     assert squeeze2.current() is None
+
+
+async def test_a_release_in_dry_run_undoes_the_squeeze_and_the_wmark_ratio_tuned(
+        tmp_path: Path) -> None:
+    action, squeeze, host, sink = tune(tmp_path, wmark=True)
+    assert (await action.engage(Cause(Level.LOW), dry_run=False)).result == "done"
+    assert squeeze.current() is not None
+    assert wmark_of(host, "batch", "besteffort") == "80"
+    # A reload put the rung in dry run (or the node in observe mode): undoing is not held back.
+    released = await action.release(Cause(Level.NONE), dry_run=True)
+    assert (released.result, released.detail) == (
+        "done", "squeeze released; wmark_ratio restored on 1 pod(s)")
+    assert squeeze.current() is None
+    assert wmark_of(host, "batch", "besteffort") == "95"
+    assert [r["value"] for r in sink.named("cgroup_write")] == ["80", "95"]
+    # Nothing of the rung's is left: the next one writes nothing.
+    again = await action.release(Cause(Level.NONE), dry_run=True)
+    assert (again.result, again.detail) == (
+        "dry_run", "would release the squeeze and restore memory.wmark_ratio")
+    assert len(sink.named("cgroup_write")) == 2
+
+
+async def test_a_release_in_dry_run_with_nothing_tuned_writes_nothing(tmp_path: Path) -> None:
+    action, squeeze, host, sink = tune(tmp_path, wmark=True)
+    released = await action.release(Cause(Level.NONE), dry_run=True)
+    assert (released.result, released.detail) == (
+        "dry_run", "would release the squeeze and restore memory.wmark_ratio")
+    assert squeeze.current() is None
+    assert wmark_of(host, "batch", "besteffort") == "95\n"
+    assert sink.records == []

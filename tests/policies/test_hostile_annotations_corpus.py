@@ -69,13 +69,14 @@ async def test_no_record_grows_with_a_hostile_annotation(tmp_path: Path,
     stream = io.StringIO()
     logging_setup = LoggingSetup(LoggingConfig(format="json"), level="debug", stream=stream)
     cfg = Config()
-    capabilities = build_capabilities(cfg, resctrl=None, audit=logging_setup.audit,
+    state = NodeState()
+    capabilities = build_capabilities(cfg, resctrl=None, state=state, audit=logging_setup.audit,
                                       cgroup_v2=True, memory_total=64 << 30)
     simulator = RuntimeSimulator(tmp_path / "nri.sock")
     await simulator.start()
     stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=lambda: cfg,
                       capabilities=capabilities, audit=logging_setup.audit, executor=executor,
-                      state=NodeState(), cgroup_v2=True)
+                      state=state, cgroup_v2=True)
     reader, writer = await asyncio.open_unix_connection(str(tmp_path / "nri.sock"))
     try:
         async with asyncio.TaskGroup() as group:

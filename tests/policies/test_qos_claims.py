@@ -1,6 +1,6 @@
 """A pod cannot choose its own privilege: the level it claims is bounded by its Kubernetes QoS
-class, system_cores by its namespace; a refused claim gives the class's level, with the claim,
-where it was written and why."""
+class, system_cores by its namespace; a refused claim gives what the pod would get without it,
+with the claim, where it was written and why."""
 
 from __future__ import annotations
 
@@ -109,6 +109,34 @@ def test_a_refused_claim_ends_the_search() -> None:
                   cgroup_parent=PARENTS["burstable"])
     decision = resolve_level(pod, CFG)
     assert (decision.level, decision.source) == ("shared_cores", "kubernetes_qos")
+
+
+# Without the kubernetes_qos source a pod's class decides nothing: unclaimed, it gets the default.
+ANNOTATION_ONLY = dataclasses.replace(
+    CFG, sources=("annotation",), default_level="reclaimed_cores",
+    level_namespaces=frozen_map({"shared_cores": ("web",), "system_cores": ("kube-system",)}))
+
+
+@pytest.mark.parametrize("qos_class", sorted(PARENTS))
+@pytest.mark.parametrize("claim", ["shared_cores", "system_cores"])
+def test_a_refused_claim_gets_what_the_pod_gets_without_any_claim(qos_class: str,
+                                                                  claim: str) -> None:
+    plain = PodInfo(id="s1", uid=UID, name="p", namespace="batch",
+                    cgroup_parent=PARENTS[qos_class])
+    claiming = dataclasses.replace(plain, annotations=frozen_map({OURS: claim}))
+    decision = resolve_level(claiming, ANNOTATION_ONLY)
+    assert decision.refused is not None
+    assert (decision.level, decision.source) == ("reclaimed_cores", "default")
+    assert resolve_level(plain, ANNOTATION_ONLY) == LevelDecision("reclaimed_cores", "default")
+
+
+def test_a_refused_claim_without_the_class_source_stays_under_the_ceiling() -> None:
+    generous = dataclasses.replace(ANNOTATION_ONLY, default_level="dedicated_cores")
+    pod = PodInfo(id="s1", uid=UID, name="p", namespace="batch",
+                  annotations=frozen_map({OURS: "system_cores"}),
+                  cgroup_parent=PARENTS["guaranteed"])
+    assert resolve_level(pod, generous).level == "dedicated_cores"
+    assert resolve_level(pod, generous, ceiling="shared_cores").level == "shared_cores"
 
 
 def test_a_pod_without_a_kubelet_cgroup_parent_is_bounded_by_the_namespace_only() -> None:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.podmeta import PodMeta
 from hooks.config_fields import frozen_map
 from hooks.model import PodInfo
 
@@ -29,6 +30,14 @@ def claiming_pod(uid: str, tier: str, level: str) -> PodInfo:
     """A pod of namespace ``test`` under kubelet's cgroup of ``tier``, claiming ``level``."""
     return PodInfo(id=f"sb-{uid}", uid=uid, name=level, namespace="test",
                    cgroup_parent=f"/kubepods/{tier}/pod{uid}", annotations={LEVEL: level})
+
+
+def api_pod(uid: str, name: str, annotations: Mapping[str, str]) -> PodMeta:
+    """The API server's view of pod ``name`` (``uid``, namespace ``default``) with
+    ``annotations``, no labels, priority and no memory requests or limits."""
+    return PodMeta(uid=uid, namespace="default", name=name, annotations=frozen_map(annotations),
+                   labels=frozen_map({}), priority=0, memory_requests=frozen_map({}),
+                   memory_limits=frozen_map({}))
 
 
 def hook_executable(path: Path) -> Path:

@@ -173,8 +173,8 @@ class Wire:
         self.simulator = RuntimeSimulator(tmp_path / "nri.sock")
         self.stub = PluginStub(
             identity=PluginIdentity("nri-qos", "10"), config=lambda: self.cfg,
-            capabilities=build_capabilities(self.cfg, resctrl=fs, audit=audit, cgroup_v2=True,
-                                            memory_total=64 << 30),
+            capabilities=build_capabilities(self.cfg, resctrl=fs, state=self.state, audit=audit,
+                                            cgroup_v2=True, memory_total=64 << 30),
             audit=audit, executor=executor, state=self.state, cgroup_v2=True)
         self.n = 0
 

@@ -11,9 +11,10 @@ from hooks.settings import ContainerSettings, HookStage, OciHookSpec
 from nri_plugin.wire.convert import (
     MAX_CONTAINER_BYTES,
     MAX_POD_BYTES,
+    ConvertedPod,
     container_info,
+    convert_pod,
     fill_adjustment,
-    pod_info,
 )
 from nri_plugin.wire.errors import MessageError
 from nri_plugin.wire.runtime_support import ClosField
@@ -32,7 +33,7 @@ def test_pod_info() -> None:
                          labels={"app": "web"}, annotations={"a/b": "c"})
     pod.linux.cgroup_parent = "/kubepods/besteffort/podu1"
     pod.linux.cgroups_path = "/kubepods/besteffort/podu1/sb"
-    info = pod_info(pod)
+    info = convert_pod(pod).info
     assert (info.id, info.uid, info.name, info.namespace) == ("sb", "u1", "web", "shop")
     assert dict(info.labels) == {"app": "web"}
     assert dict(info.annotations) == {"a/b": "c"}
@@ -44,7 +45,7 @@ def test_pod_info() -> None:
 
 def test_pod_without_id_is_invalid() -> None:
     with pytest.raises(MessageError, match="no id"):
-        pod_info(api.PodSandbox(uid="u"))
+        convert_pod(api.PodSandbox(uid="u"))
 
 
 def container_with(**resources: object) -> api.Container:
@@ -152,17 +153,47 @@ def strings_size(*strings: str) -> int:
 
 @pytest.mark.parametrize("extra", [0, 1])
 def test_pod_byte_limit_at_its_exact_value(extra: int) -> None:
-    keys = ReadKeys(frozenset({"a", "b"}))
-    first = "x" * 16000
-    fixed = strings_size("sb", "u", "web", "shop", "", "", "a", first, "b", "")
+    keys = ReadKeys(frozenset({"a", "b"}), labels=frozenset({"tier"}))
+    first, parent = "x" * 16000, "/kubepods/besteffort/podu"
+    fixed = strings_size("sb", "u", "web", "shop", parent, "", "a", first, "b", "", "tier", "t")
     second = "y" * (MAX_POD_BYTES - fixed + extra)
     pod = api.PodSandbox(id="sb", uid="u", name="web", namespace="shop",
+                         labels={"tier": "t"},
                          annotations={"a": first, "b": second, "unread": "z" * 100_000})
+    pod.linux.cgroup_parent = parent
+    converted = convert_pod(pod, keys)
     if extra:
-        with pytest.raises(MessageError, match=f"more than {MAX_POD_BYTES}"):
-            pod_info(pod, keys)
+        # Kept as if it carried no annotation or label at all; its identity and cgroups stay.
+        assert converted == ConvertedPod(
+            convert_pod(pod, ReadKeys(frozenset())).info, ("a", "b", "label tier"),
+            f"with its annotations and labels the pod would take {MAX_POD_BYTES + 1} bytes, "
+            f"more than {MAX_POD_BYTES}: it is treated as if it carried none")
+        assert (converted.info.annotations, converted.info.labels) == ({}, {})
+        assert converted.info.cgroup_parent == parent
     else:
-        assert dict(pod_info(pod, keys).annotations) == {"a": first, "b": second}
+        assert converted.ignored == ()
+        assert dict(converted.info.annotations) == {"a": first, "b": second}
+        assert dict(converted.info.labels) == {"tier": "t"}
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_pod_refused_only_when_its_own_strings_are_over_the_byte_limit(extra: int) -> None:
+    # Each string within its own limit; non-ASCII, so that they can add up to the pod's.
+    pod = api.PodSandbox(id="sb", uid="u", namespace="shop", annotations={"a": "1"})
+    pod.linux.cgroup_parent = "\U0001f600" * 4096
+    pod.linux.cgroups_path = "\U0001f600" * 1720
+    # Measured as read back: handing a string to protobuf caches its UTF-8 in it, and grows it.
+    fixed = strings_size(pod.id, pod.uid, pod.namespace, pod.linux.cgroup_parent,
+                         pod.linux.cgroups_path, "")
+    pod.name = "n" * (MAX_POD_BYTES - fixed + extra)
+    if extra:
+        with pytest.raises(MessageError, match=f"ids, names and cgroup paths would take "
+                                               f"{MAX_POD_BYTES + 1} bytes, more than "
+                                               f"{MAX_POD_BYTES}"):
+            convert_pod(pod)
+    else:
+        # At the limit the pod is kept, without the annotation that would take it over.
+        assert convert_pod(pod).ignored == ("a",)
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -182,7 +213,7 @@ def test_only_the_labels_and_annotations_read_are_kept() -> None:
     pod = api.PodSandbox(id="sb", uid="u", name="web", namespace="shop",
                          labels={"tier": "t" * 400, "app": "web"},
                          annotations={"qos": "be", "other": "x"})
-    info = pod_info(pod, keys)
+    info = convert_pod(pod, keys).info
     assert dict(info.annotations) == {"qos": "be"}
     # A label value longer than Kubernetes allows is kept cut to one character more.
     assert dict(info.labels) == {"tier": "t" * (MAX_LABEL_CHARS + 1)}

@@ -16,6 +16,7 @@ import pytest
 from common.state import NodeState
 from hooks.model import MAX_ANNOTATION_CHARS
 from nri_plugin.config.schema import Config
+from nri_plugin.wire.convert import MAX_POD_BYTES
 from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN
 from nri_plugin.wire.status import StatusCode
 from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType
@@ -162,7 +163,8 @@ async def test_pods_keep_only_what_policies_read_and_give_it_back(
         # One read annotation of 1.5 MiB (kept cut), as much unread, labels nothing reads.
         *(pod_message(f"fat{i}", annotations={READ_KEYS[0]: half, "unread/blob": half},
                       labels=many_labels) for i in range(10)),
-        # Every annotation the agent reads, long: more than one pod may keep (refused).
+        # Every annotation the agent reads, long: more than one pod may keep (kept without
+        # any of them).
         *(pod_message(f"hostile{i}", annotations=dict.fromkeys(READ_KEYS, eighth))
           for i in range(10)),
     ]
@@ -171,17 +173,47 @@ async def test_pods_keep_only_what_policies_read_and_give_it_back(
         await runtime.call("RunPodSandbox", api.RunPodSandboxRequest(pod=pod).SerializeToString())
         await runtime.call("CreateContainer", api.CreateContainerRequest(
             pod=pod, container=container_message(pod.uid)).SerializeToString())
-    assert set(setup.state.snapshot().pods) == {f"sb-fat{i}" for i in range(10)}
+    views = setup.state.snapshot().pods
+    assert set(views) == {f"sb-{pod.uid}" for pod in pods}
+    assert all(views[f"sb-hostile{i}"].info.annotations == {} for i in range(10))
+    # The snapshot holds the pods' strings, which must be gone once the pods are.
+    del views
     kept = traced() - baseline
     # Each fat pod keeps its one read annotation, cut to the longest value a policy accepts
-    # (plus one character), and its container; nothing else.
-    assert kept < 10 * (MAX_ANNOTATION_CHARS + (8 << 10)), f"{kept} bytes kept for 10 pods"
+    # (plus one character), and its container; each hostile pod its ids and its container.
+    assert kept < 10 * (MAX_ANNOTATION_CHARS + (8 << 10)) + 10 * (4 << 10), \
+        f"{kept} bytes kept for 20 pods"
     for pod in pods:
         await runtime.call("RemovePodSandbox",
                            api.RemovePodSandboxRequest(pod=pod).SerializeToString())
     assert setup.state.snapshot().pods == {}
     left = traced() - baseline
     assert left < 64 << 10, f"{left} bytes still held after every pod went"
+
+
+async def test_synchronized_pods_too_large_to_keep_whole_are_kept_without_annotations(
+    session: Start,
+) -> None:
+    setup = await session()
+    await setup.runtime.register()
+    await setup.runtime.call("Configure", configure_request())
+    # Every annotation the agent reads, together over what one pod may keep.
+    hostile = dict.fromkeys(READ_KEYS, "x" * (MAX_POD_BYTES // len(READ_KEYS)))
+    pods = [pod_message("h0", annotations=hostile), pod_message("plain"),
+            pod_message("h1", annotations=hostile)]
+    reply = await setup.runtime.call("Synchronize",
+                                     api.SynchronizeRequest(pods=pods).SerializeToString())
+    assert reply.ok
+    views = setup.state.snapshot().pods
+    assert set(views) == {"sb-h0", "sb-plain", "sb-h1"}
+    assert [views[f"sb-{uid}"].level for uid in ("h0", "plain", "h1")] == ["reclaimed_cores"] * 3
+    assert views["sb-h0"].info.annotations == views["sb-h1"].info.annotations == {}
+    # One record for all of them, naming the first.
+    (record,) = setup.sink.named("adjustment_skipped")
+    assert record["pod_uid"] == "h0"
+    assert record["reason"].startswith("invalid input: annotations and labels ignored (")
+    assert record["reason"].endswith("; so were those of 1 more pods")
+    assert setup.sink.named("event_failed") == []
 
 
 # -- 7. frames over the size limit ---------------------------------------------------------------

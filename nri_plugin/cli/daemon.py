@@ -17,10 +17,12 @@ import sys
 import structlog
 
 from common.aio import Backoff
+from common.audit import AuditLog
 from nri_plugin.agent import Connection, build_agent, load_store, probe, run_agent
 from nri_plugin.allocator import return_large_blocks
 from nri_plugin.code_pages import release_code_pages
 from nri_plugin.config.schema import Config
+from nri_plugin.config.store import ConfigStore
 from nri_plugin.connection import Prelaunched, run_external, run_prelaunched, take_prelaunched_env
 from nri_plugin.obs.logs import LoggingSetup
 from nri_plugin.report.status import another_agent_answers
@@ -60,36 +62,48 @@ async def serve(config_path: str | None, socket_path: str | None, log_level: str
         store = load_store(config_path, logging_setup)
         if store is None:
             return 2
-        cfg = store.current
-        # Before any thread starts: every thread inherits it (see nri_plugin.scheduling).
-        refused = set_scheduling(cfg.agent.scheduling)
-        if refused is None:
-            log.info("scheduling_set", policy=cfg.agent.scheduling)
-        else:
-            log.warning("scheduling_refused", policy=cfg.agent.scheduling, error=str(refused),
-                        hint="the agent runs under the kernel's default policy")
-        if (cfg.status.enabled and not allow_second_agent
-                and await another_agent_answers(cfg.status.socket)):
-            # Two agents would both register with the runtime and adjust every container.
-            log.error("agent_already_running", status_socket=cfg.status.socket,
-                      hint="another nri-qos agent answers on this node's status socket (see "
-                           "`nri-qos status`); stop it first, or pass --allow-second-agent to "
-                           "start anyway")
-            return 1
-        host, sysfs = probe(cfg, audit)
-        agent = build_agent(store, audit, host, sysfs, identity_for(cfg, prelaunched),
-                            run_background=True, metrics_address=metrics_address)
-        # Every module the agent runs is loaded by now (see nri_plugin.code_pages).
-        log.info("code_pages_released", files=release_code_pages(list(sys.modules.values())))
-        log.info("mode", mode="pre-launched" if prelaunched else "external")
         loop = asyncio.get_running_loop()
+        # From here on, not only once the agent runs: SIGHUP's default action ends the process,
+        # and a reload asked for while the host is probed (``systemctl reload`` right after a
+        # start) is a request for the configuration watch to take up when it starts.
         loop.add_signal_handler(signal.SIGHUP, store.request_reload)
         try:
-            return await run_agent(agent, connection_for(cfg, socket_path, prelaunched), stop)
+            return await _serve(store, audit, socket_path, prelaunched=prelaunched,
+                                allow_second_agent=allow_second_agent,
+                                metrics_address=metrics_address, stop=stop)
         finally:
             loop.remove_signal_handler(signal.SIGHUP)
     finally:
         logging_setup.close()
+
+
+async def _serve(store: ConfigStore, audit: AuditLog, socket_path: str | None, *,
+                 prelaunched: Prelaunched | None, allow_second_agent: bool,
+                 metrics_address: str | None, stop: asyncio.Event) -> int:
+    """The agent of ``store``'s configuration, run until ``stop``; the exit status."""
+    cfg = store.current
+    # Before any thread starts: every thread inherits it (see nri_plugin.scheduling).
+    refused = set_scheduling(cfg.agent.scheduling)
+    if refused is None:
+        log.info("scheduling_set", policy=cfg.agent.scheduling)
+    else:
+        log.warning("scheduling_refused", policy=cfg.agent.scheduling, error=str(refused),
+                    hint="the agent runs under the kernel's default policy")
+    if (cfg.status.enabled and not allow_second_agent
+            and await another_agent_answers(cfg.status.socket)):
+        # Two agents would both register with the runtime and adjust every container.
+        log.error("agent_already_running", status_socket=cfg.status.socket,
+                  hint="another nri-qos agent answers on this node's status socket (see "
+                       "`nri-qos status`); stop it first, or pass --allow-second-agent to "
+                       "start anyway")
+        return 1
+    host, sysfs = probe(cfg, audit)
+    agent = build_agent(store, audit, host, sysfs, identity_for(cfg, prelaunched),
+                        run_background=True, metrics_address=metrics_address)
+    # Every module the agent runs is loaded by now (see nri_plugin.code_pages).
+    log.info("code_pages_released", files=release_code_pages(list(sys.modules.values())))
+    log.info("mode", mode="pre-launched" if prelaunched else "external")
+    return await run_agent(agent, connection_for(cfg, socket_path, prelaunched), stop)
 
 
 def main_run(config_path: str | None, socket_path: str | None, log_level: str | None, *,

@@ -13,10 +13,13 @@ configuration, so an effect of an earlier run is found whatever the configuratio
   the default group);
 * the status socket file.
 
-Every step is idempotent: a second reset finds nothing to do. ``--dry-run`` prints the steps and
-changes nothing. The agent must not be running (it would place its effects again): a reset that
-finds it answering on its status socket stops with exit status 1. Writes to the host are audited
-as the agent's are; each step prints one line.
+Every step is idempotent: a second reset finds nothing to do. A step that fails (a write the
+kernel refuses, a group it will not remove yet) says why and keeps its note in the state file,
+the other steps still run, and the reset exits with status 1: run it again. With
+``[kubernetes] enabled = false`` a taint or condition the state file notes is left, and said.
+``--dry-run`` prints the steps and changes nothing. The agent must not be running (it would
+place its effects again): a reset that finds it answering on its status socket stops with exit
+status 1. Writes to the host are audited as the agent's are; each step prints one line.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from nri_plugin.config.store import load_config
 from nri_plugin.obs.logs import LoggingSetup
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS
 from reconciler.host.probe import probe_host
-from reconciler.host.resctrlfs import ResctrlFs
+from reconciler.host.resctrlfs import ResctrlFs, removal_problem
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
@@ -85,37 +88,49 @@ def _listed(notes: Mapping[str, str]) -> str:
     return ", ".join(f"{path} to {value}" for path, value in sorted(notes.items()))
 
 
+def _noted(what: str, notes: StateFile, section: str, undo: Callable[[], int]) -> Step:
+    """A step that writes back the files noted in ``section``: failed while any note is left
+    (a write the kernel refused keeps its note, for the next reset or the agent's restart)."""
+    def run() -> str:
+        written = undo()
+        left = notes.entries(section)
+        if left:
+            return (f"failed ({len(left)} file(s) not restored, kept in the state file: "
+                    f"{', '.join(sorted(left))})")
+        return f"restored {written} file(s)"
+
+    return Step(what, run)
+
+
 def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) -> list[Step]:
     steps = []
     guard = notes.entries(GUARD_NOTES)
     if guard:
-        steps.append(Step(
-            f"memory guard: restore {_listed(guard)}",
-            lambda: f"restored {len(restore_tier(sysfs, notes, REASON))} file(s)"))
+        steps.append(_noted(f"memory guard: restore {_listed(guard)}", notes, GUARD_NOTES,
+                            lambda: len(restore_tier(sysfs, notes, REASON))))
     idle = notes.entries(CPU_IDLE_NOTES)
     if idle:
-        steps.append(Step(
-            f"cpu idle: restore {_listed(idle)}",
-            lambda: f"restored {restore_idle(sysfs, notes, REASON)} file(s)"))
+        steps.append(_noted(f"cpu idle: restore {_listed(idle)}", notes, CPU_IDLE_NOTES,
+                            lambda: restore_idle(sysfs, notes, REASON)))
     protection = notes.entries(PROTECTION_NOTES)
     if protection:
-        steps.append(Step(
+        steps.append(_noted(
             f"memory QoS: restore memory.min/memory.low of {len(protection)} pod or tier file(s)",
-            lambda: f"restored {restore_protection(sysfs, notes, REASON)} file(s)"))
+            notes, PROTECTION_NOTES, lambda: restore_protection(sysfs, notes, REASON)))
     wmark = notes.entries(WMARK_NOTES)
     if wmark:
-        steps.append(Step(f"tune: restore memory.wmark_ratio of {len(wmark)} pod(s)",
-                          lambda: f"restored {restore_wmark(sysfs, notes, REASON)} file(s)"))
+        steps.append(_noted(f"tune: restore memory.wmark_ratio of {len(wmark)} pod(s)", notes,
+                            WMARK_NOTES, lambda: restore_wmark(sysfs, notes, REASON)))
     balanced = notes.entries(NUMA_BALANCE_NOTES)
     if balanced:
-        steps.append(Step(
-            f"NUMA balance: restore cpuset.mems of {len(balanced)} container(s)",
-            lambda: "restored "
-                    f"{restore_bindings(sysfs, notes, REASON, NUMA_BALANCE_NOTES)} file(s)"))
+        steps.append(_noted(
+            f"NUMA balance: restore cpuset.mems of {len(balanced)} container(s)", notes,
+            NUMA_BALANCE_NOTES,
+            lambda: restore_bindings(sysfs, notes, REASON, NUMA_BALANCE_NOTES)))
     numa = notes.entries(NUMA_NOTES)
     if numa:
-        steps.append(Step(f"NUMA binding: restore cpuset.mems of {len(numa)} container(s)",
-                          lambda: f"restored {restore_bindings(sysfs, notes, REASON)} file(s)"))
+        steps.append(_noted(f"NUMA binding: restore cpuset.mems of {len(numa)} container(s)",
+                            notes, NUMA_NOTES, lambda: restore_bindings(sysfs, notes, REASON)))
     host = probe_host(sysfs, cgroup_version=cfg.memory.cgroup_version,
                       cgroup_driver=cfg.reconciler.cgroup_driver,
                       resctrl_mount=cfg.resctrl.root, amd_mb_max=cfg.resctrl.amd_mb_max)
@@ -178,6 +193,17 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
     return steps, ""
 
 
+def _unreached(notes: StateFile) -> str:
+    """What an earlier run placed on the node that a reset without the API leaves there ("" when
+    nothing): said, since the state file keeps it for a reset with the API."""
+    placed = [f"taint {key}" for key in notes.entries(TAINT_NOTES)] + [
+        f"condition {kind}" for kind in notes.entries(CONDITION_NOTES)]
+    if not placed:
+        return ""
+    return (f"[kubernetes] enabled is false: {', '.join(placed)} placed by an earlier run "
+            "stay on the node (kept in the state file; reset with Kubernetes access removes them)")
+
+
 def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
           kubernetes: bool = True) -> int:
     """Runs (or with ``dry_run`` prints) every step; 1 when one failed, else 0.
@@ -189,6 +215,8 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
     if kubernetes and cfg.kubernetes.enabled:
         node_steps, remark = _node_steps(cfg, notes, audit)
         steps += node_steps
+    elif kubernetes:
+        remark = _unreached(notes)
     if remark:
         out.write(f"note: {remark}\n")
     if not steps:
@@ -199,7 +227,12 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
         if dry_run:
             out.write(f"would {step.what}\n")
             continue
-        result = step.undo()
+        try:
+            result = step.undo()
+        except OSError as exc:
+            # A group the kernel will not remove yet (EBUSY), a socket on a read-only mount:
+            # said, and the steps after it still run.
+            result = f"failed ({removal_problem(exc)})"
         failed |= result.startswith("failed")
         out.write(f"{step.what}: {result}\n")
     return 1 if failed else 0

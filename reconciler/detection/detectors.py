@@ -200,7 +200,8 @@ def psi_sample(scope: str, before: Stall, now: Stall, cfg: DetectionConfig,
     """The stall shares between two readings of the cumulative counters, graded: ``some`` for
     LOW and MEDIUM, ``full`` for HIGH. None when no rate can be had (no time passed, or the
     counters went back: the cgroup was made anew)."""
-    elapsed_us = (now.at - before.at) * 1e6
+    # Whole microseconds, the counters' unit (see _elapsed).
+    elapsed_us = round((now.at - before.at) * 1e6)
     if elapsed_us <= 0 or now.some_us < before.some_us:
         return None
     some = (now.some_us - before.some_us) * 100 / elapsed_us
@@ -288,10 +289,17 @@ def rates_used(low: float, medium: float, high: float) -> Thresholds:
     return (low or None, medium or None, high or None)
 
 
+def _elapsed(before: float, now: float) -> float:
+    """Seconds from ``before`` to ``now``, to the microsecond: clock readings are binary
+    fractions, and 16.1 - 6.1 is 10.000000000000002, which would put a rate of exactly a
+    threshold just below it, or a sample exactly a window old inside the window."""
+    return round(now - before, 6)
+
+
 def keep_window(history: deque[_C], now: float, window_s: float) -> None:
     """Drop from ``history`` (oldest first) the samples :func:`window_rates` no longer needs:
-    all before the last one at or older than ``now - window_s``, keeping at least two."""
-    while len(history) > 2 and history[1].at <= now - window_s:
+    all before the last one at least ``window_s`` old at ``now``, keeping at least two."""
+    while len(history) > 2 and _elapsed(history[1].at, now) >= window_s:
         history.popleft()
 
 
@@ -310,9 +318,9 @@ def window_rates(history: Sequence[Counted], window_s: float
     last = usable[-1]
     base = usable[0]
     for sample in usable[:-1]:
-        if sample.at <= last.at - window_s:
+        if _elapsed(sample.at, last.at) >= window_s:
             base = sample
-    elapsed = last.at - base.at
+    elapsed = _elapsed(base.at, last.at)
     if elapsed <= 0:
         return None
     return elapsed, tuple((b - a) / elapsed

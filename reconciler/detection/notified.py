@@ -2,7 +2,8 @@
 
 * **node PSI** (:class:`NodePsi`): a PSI trigger on ``/proc/pressure/memory`` when the kernel
   accepts the configured (sub-second) window, else the cumulative stall counter polled every
-  ``psi_poll_interval_ms``;
+  ``psi_poll_interval_ms``; chosen again, and the trigger armed anew, when a reload changes its
+  window or threshold;
 * **memcg pressure events** (:class:`PressureLevels`, cgroup v1): the kernel's
   ``memory.pressure_level`` notifications of the root memcg (reclaim for the whole node) and of
   kubelet's pods and burstable cgroups (reclaim forced by their limits). The events come
@@ -51,6 +52,13 @@ def psi_path(cfg: DetectionConfig, host: HostInfo) -> tuple[str, str]:
                     f"no trigger of {cfg.psi_trigger_window_ms} ms, {why}")
 
 
+def trigger_spec(cfg: DetectionConfig) -> tuple[int, int]:
+    """The PSI trigger of ``cfg``: ``(stall_us, window_us)``, the low 'some' share of the
+    window."""
+    window_us = cfg.psi_trigger_window_ms * 1000
+    return int(window_us * cfg.psi_some_low_percent / 100), window_us
+
+
 def pressure_level_problem(host: HostInfo) -> str:
     """"" when this host has memcg pressure notifications, else why not."""
     if host.cgroup.v2:
@@ -87,16 +95,33 @@ class NodePsi:
         return path
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Watch until ``stop``; a reload that changes the trigger's window or threshold arms
+        it anew (noticed at the watch's next look, within ``QUIET_TRIGGER_RECHECK_S``), as the
+        online pods' triggers are."""
+        while not stop.is_set():
+            await self._watch(stop)
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """One watch of the file, with the trigger of the configuration read at its start;
+        returns at ``stop`` or when that trigger is no longer the configured one."""
         cfg = self._config().detection
         self.mode = self.choose(cfg)
         if self.mode == "off":
             await stop.wait()
             return
-        window_us = cfg.psi_trigger_window_ms * 1000
-        trigger = (int(window_us * cfg.psi_some_low_percent / 100), window_us) \
-            if self.mode == "trigger" else None
-        watch = PsiWatch(self._sysfs, PSI_MEMORY, trigger)
+        armed = trigger_spec(cfg)
+        watch = PsiWatch(self._sysfs, PSI_MEMORY, armed if self.mode == "trigger" else None)
         before: list[d.Stall | None] = [None]
+        # The watch's own stop: the agent's, or a trigger no longer configured.
+        done = asyncio.Event()
+        relay = asyncio.create_task(stop.wait())
+        relay.add_done_callback(lambda _task: done.set())
+
+        def running() -> bool:
+            if trigger_spec(self._config().detection) != armed:
+                done.set()
+                return False
+            return active(self._config(), PSI)
 
         def pause() -> None:
             before[0] = None
@@ -112,12 +137,15 @@ class NodePsi:
             before[0] = self._sample(self._config().detection, before[0], text, at)
             self.mode = watch.mode
 
-        await watch.run(
-            stop, interval=self.interval,
-            idle=lambda: period(self._config(), PSI),
-            active=lambda: active(self._config(), PSI),
-            keep_reading=lambda: self._publisher.level(PSI, NODE) > Level.NONE,
-            on_trigger=on_trigger, on_text=on_text, on_pause=pause)
+        try:
+            await watch.run(
+                done, interval=self.interval,
+                idle=lambda: period(self._config(), PSI),
+                active=running,
+                keep_reading=lambda: self._publisher.level(PSI, NODE) > Level.NONE,
+                on_trigger=on_trigger, on_text=on_text, on_pause=pause)
+        finally:
+            relay.cancel()
 
     def interval(self) -> float:
         """Seconds between two reads of the counters while they are read."""
@@ -158,6 +186,8 @@ class PressureLevels:
                         tier_scope("kubepods"): layout.tier_dir("memory", GUARANTEED),
                         tier_scope(BURSTABLE): layout.tier_dir("memory", BURSTABLE)}
         self._watches: dict[str, PressureLevelWatch] = {}
+        # The mode the watches were registered with (the kernel takes it at registration).
+        self._mode = ""
         self._events: dict[str, tuple[str, int]] = {}
         self._failed: dict[str, str] = {}
         # Set by an event that arrives while the loop waits out its quiet period.
@@ -195,7 +225,11 @@ class PressureLevels:
 
     def _register(self, loop: asyncio.AbstractEventLoop, mode: str) -> None:
         """Register on each target that exists and is not registered yet (kubelet may create
-        its cgroups after the agent started)."""
+        its cgroups after the agent started); a reload of ``pressure_level_mode`` registers
+        them all anew."""
+        if mode != self._mode:
+            self._close_all(loop)
+            self._mode = mode
         for scope, cgroup in self.targets.items():
             if scope in self._watches or not self._sysfs.is_dir(cgroup):
                 continue

@@ -24,8 +24,9 @@ PSI) keep the periodic loop at ``interval_s``, and the node's PSI read every
 (``mitigation.node_signals``); elsewhere they are the wake-up of the online pods' readings and
 do both (:meth:`Detection.node_paces`).
 
-Which path each detector takes on this host is decided once at start from the probe
-(:class:`~reconciler.host.probe.HostInfo`) and said once; a detector switched off in the
+Which path each detector takes on this host is decided at start from the probe
+(:class:`~reconciler.host.probe.HostInfo`) and said once (the node's PSI again after a reload of
+its trigger's settings); a detector switched off in the
 configuration idles, looking again every ``SWITCHED_OFF_RECHECK_S``
 (:mod:`~.sections`), and resumes on reload.
 """
@@ -83,6 +84,8 @@ PERIODIC = (SYSTEM_FREE, NUMA_FREE, KSWAPD, RSS_OVERUSE, FULFILLMENT, PSI, REFAU
 """The detectors :class:`DetectorsLoop` reads files for (PSI: the pods' own pressure files)."""
 POD_SCOPED = (PSI, REFAULT)
 """Detectors whose readings this loop publishes per pod (the node's PSI comes from elsewhere)."""
+FAILED_PODS = pod_scope("*")
+"""Scope of the unknown reading of a per-pod detector that failed as a whole."""
 PRESSURE = (SYSTEM_FREE, NUMA_FREE, PSI, PRESSURE_LEVEL, KSWAPD, REFAULT)
 """The detectors whose level says memory is short now (free memory, stalls, reclaim): while none
 is at a level or entering one, :class:`DetectorsLoop` looks every ``quiet_interval_s`` (the
@@ -177,8 +180,12 @@ class DetectorsLoop(Loop):
                 run(cfg.detection, now)
             except Exception as exc:  # one detector's bug must not silence the others
                 log.exception("detector_failed", detector=name)
-                self._publisher.offer(name, [d.unknown(name, NODE, f"detector failed: "
-                                                                   f"{bounded(repr(exc))}", now)],
+                # A per-pod detector's failure is said under a pod scope: the node's PSI
+                # reading (another path's) is not replaced, and the next full round of pod
+                # readings drops it.
+                scope = FAILED_PODS if name in POD_SCOPED else NODE
+                self._publisher.offer(name, [d.unknown(name, scope, f"detector failed: "
+                                                                    f"{bounded(repr(exc))}", now)],
                                       covers=None)
 
     def _say_once(self, key: str, message: str) -> None:
@@ -268,8 +275,9 @@ class DetectorsLoop(Loop):
         self._publisher.offer(FULFILLMENT, [] if sample is None else [sample])
 
     def _pod_psi(self, cfg: DetectionConfig, now: float) -> None:
-        """cgroup v2: each online pod's own memory.pressure (the node's is the fast path's)."""
-        if not self._host.cgroup.v2:
+        """Each online pod's own memory.pressure where pods have one (cgroup v2 with PSI on;
+        the node's is the fast path's). Where PSI is off their refaults serve instead."""
+        if not self._host.pod_psi:
             return
         samples: list[d.Sample] = []
         seen: dict[str, d.Stall] = {}

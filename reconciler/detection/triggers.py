@@ -40,6 +40,7 @@ from common.aio import sleep_until, waker
 from common.state import NodeState
 from hooks.events import Event
 from reconciler.detection.config import PSI
+from reconciler.detection.notified import trigger_spec
 from reconciler.detection.pods import ONLINE_LEVELS, PodIndex
 from reconciler.detection.sections import DetectionSections, active, paced
 from reconciler.host.pressure import TriggerWatch
@@ -141,8 +142,7 @@ class PodTriggers:
         problem = pod_trigger_problem(cfg, self._host)
         online = {} if problem else {p.uid: p.cgroup for p in self._pods.pods()
                                      if p.level in ONLINE_LEVELS}
-        window_us = cfg.detection.psi_trigger_window_ms * 1000
-        spec = (int(window_us * cfg.detection.psi_some_low_percent / 100), window_us)
+        spec = trigger_spec(cfg.detection)
         for uid, (cgroup, armed_spec, _trigger) in list(self._armed.items()):
             if online.get(uid) != cgroup or armed_spec != spec:
                 self._disarm(loop, uid)

@@ -11,7 +11,8 @@ mitigation ladder's evict rung, or a detector's level changes):
    audited (once per streak);
 3. thresholds are smoothed (hard-met counts after ``met_rounds`` rounds in a row), node
    conditions kept (true at once, false after ``condition_transition_s`` without being met);
-   plugins whose threshold is hard-met are asked ``GetTopEvictionPods``;
+   plugins whose threshold is hard-met are asked ``GetTopEvictionPods`` among the pods the
+   filter lets go;
 4. proposals are filtered (:class:`~reconciler.eviction.choice.PodFilter`, pods in eviction,
    pods backing off after a refusal), ranked (``sort_keys``), forced ones and hard-met targets
    first, then at most ``soft_per_round`` soft candidates;
@@ -35,7 +36,7 @@ from typing import Protocol
 
 import structlog
 
-from common.aio import Backoff, sleep_until
+from common.aio import Backoff, done_or_stopped, sleep_until
 from common.audit import AuditLog
 from common.state import NodeState
 from hooks.untrusted import bounded
@@ -179,6 +180,22 @@ def choose(candidates: Sequence[Candidate], retries: Mapping[str, _Retry], once:
     return forced + soft[:cfg.soft_per_round]
 
 
+def is_dry(plugin: str, cfg: EvictionConfig) -> bool:
+    return cfg.dry_run or plugin in cfg.dry_run_plugins
+
+
+def forget_left(flights: dict[str, _Flight], retries: dict[str, _Retry],
+                facts: Mapping[str, PodFacts], cfg: EvictionConfig, now: float) -> None:
+    """Forget evictions of pods that left (or long ago), dry-run ones whose plugin is no
+    longer dry, and retry state of pods that left."""
+    for uid, flight in list(flights.items()):
+        if uid not in facts or now - flight.at >= cfg.reevict_after_s \
+                or (flight.dry and not is_dry(flight.plugin, cfg)):
+            del flights[uid]
+    for uid in [uid for uid in retries if uid not in facts]:
+        del retries[uid]
+
+
 class EvictionManager:
     """See the module doc. ``in_tree``: every in-tree plugin by name (``[eviction] plugins``
     chooses which run); ``node``: this node's name, for Events and conditions; ``changes``:
@@ -209,7 +226,7 @@ class EvictionManager:
         self._bucket: TokenBucket | None = None
         self._filter = PodFilter(cfg)
         self._met = MetSmoother()
-        self._conditions = NodeConditions(actions, node, audit, self._dry)
+        self._conditions = NodeConditions(actions, node, audit, is_dry)
         self._flights: dict[str, _Flight] = {}
         self._retries: dict[str, _Retry] = {}
         self._calls = PluginCalls(audit)
@@ -242,9 +259,16 @@ class EvictionManager:
             while not stop.is_set():
                 cfg = self._config().eviction
                 delay = cfg.interval_s
+                # Cleared before the round: a wake-up while it runs starts the next at once.
+                self._wake.clear()
                 if cfg.enabled:
+                    # A round can wait on a slow API server for many request timeouts in a
+                    # row: a stop cancels it rather than waiting for its end.
+                    current = asyncio.ensure_future(self.run_round())
                     try:
-                        report = await self.run_round()
+                        if not await done_or_stopped(current, stop):
+                            return
+                        report = current.result()
                         backoff = None
                         if report.quiet:
                             delay = max(delay, cfg.quiet_interval_s)
@@ -253,9 +277,11 @@ class EvictionManager:
                         delay = backoff.next()
                         log.warning("eviction_round_failed", error=repr(exc),
                                     retry_in_s=delay, exc_info=True)
+                    finally:
+                        current.cancel()
+                        await asyncio.wait({current})
                 else:
                     await self._directory.close()
-                self._wake.clear()
                 await sleep_until(delay, stop, self._wake)
         finally:
             if unsubscribe is not None:
@@ -298,7 +324,7 @@ class EvictionManager:
 
         snapshot = self._state.snapshot()
         facts = await asyncio.to_thread(pod_facts, snapshot, self._sysfs, self._layout)
-        self._prune(facts, cfg, now)
+        forget_left(self._flights, self._retries, facts, cfg, now)
         active = [f.pod for uid, f in facts.items()
                   if not f.terminating and uid not in self._flights]
         self._once.start_round()
@@ -321,11 +347,14 @@ class EvictionManager:
                 hard.append((plugin, answer))
         await self._conditions.keep(plugins, answers.threshold, answers.evict, cfg, now)
         if hard:
+            # Only the pods the filter lets go (OwnerCheck.evictable says why).
+            evictable = await self._owners.evictable(active, facts, functools.partial(
+                self._filter.why_not, need_description=self._actions.available), now)
             async with asyncio.TaskGroup() as group:
                 for plugin, answer in hard:
                     group.create_task(self._calls.ask(
                         plugin, "GetTopEvictionPods",
-                        functools.partial(plugin.get_top_eviction_pods, active, cfg.top_n,
+                        functools.partial(plugin.get_top_eviction_pods, evictable, cfg.top_n,
                                           answer.scope),
                         deadline, answers.top))
         proposed = {uid for plugin, _ in hard if plugin.name in answers.top
@@ -341,19 +370,6 @@ class EvictionManager:
         return RoundReport(tuple(decisions), quiet)
 
     # ---- pods -------------------------------------------------------------------------------
-
-    def _dry(self, plugin: str, cfg: EvictionConfig) -> bool:
-        return cfg.dry_run or plugin in cfg.dry_run_plugins
-
-    def _prune(self, facts: Mapping[str, PodFacts], cfg: EvictionConfig, now: float) -> None:
-        """Forget evictions of pods that left (or long ago), dry-run ones whose plugin is no
-        longer dry, and retry state of pods that left."""
-        for uid, flight in list(self._flights.items()):
-            if uid not in facts or now - flight.at >= cfg.reevict_after_s \
-                    or (flight.dry and not self._dry(flight.plugin, cfg)):
-                del self._flights[uid]
-        for uid in [uid for uid in self._retries if uid not in facts]:
-            del self._retries[uid]
 
     def _candidates(self, plugins: Sequence[EvictionPlugin],
                     hard: Sequence[tuple[EvictionPlugin, ThresholdMet]], answers: _Answers,
@@ -425,7 +441,7 @@ class EvictionManager:
                     decisions.append(Decision(late.facts.pod.ref, late.plugin,
                                               Outcome.RATE_LIMITED))
                 break
-            dry = self._dry(plugin, cfg)
+            dry = is_dry(plugin, cfg)
             self._audit.record("eviction_chosen", pod=pod.ref, plugin=plugin,
                                reason=candidate.reason, dry_run=dry, uid=pod.uid,
                                qos_level=pod.qos_level, priority=pod.priority,

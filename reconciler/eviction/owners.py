@@ -4,7 +4,9 @@ reference, so a pod is spared as a DaemonSet's only once the API server has the 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 
+from reconciler.eviction.api import ActivePod
 from reconciler.eviction.choice import PodFacts
 from reconciler.kube import KubeActions
 
@@ -40,3 +42,20 @@ class OwnerCheck:
                 self._owners[key] = (exists, now)
             facts[uid] = dataclasses.replace(found, daemonset=exists)
         return facts
+
+    async def evictable(self, active: Sequence[ActivePod], facts: dict[str, PodFacts],
+                        refused: Callable[[PodFacts], str | None],
+                        now: float) -> list[ActivePod]:
+        """The pods of ``active`` that ``refused`` (the filter) lets go, the only ones offered
+        for a hard-met plugin's top: a protected pod ranked first (a BestEffort DaemonSet's,
+        say) would be named and refused every round, and no other pod would ever go. Only the
+        owners of pods no other rule refuses are asked of the API; ``facts`` then carry the
+        answers."""
+
+        def passing(pods: Sequence[ActivePod]) -> list[ActivePod]:
+            return [pod for pod in pods if refused(facts[pod.uid]) is None]
+
+        # An owner not asked about yet counts as no DaemonSet in the first pass.
+        maybe = passing(active)
+        await self.confirm(facts, {pod.uid for pod in maybe}, now)
+        return passing(maybe)

@@ -164,7 +164,12 @@ class NodeWriter:
             patch = patch_for(current)
             if patch is None:
                 return NodeOutcome.UNCHANGED
-            patch["metadata"] = {"resourceVersion": resource_version(current)}
+            version = resource_version(current)
+            if not version:
+                # An empty precondition is none: the write would replace whatever another
+                # writer (kubelet's heartbeat) put there in between.
+                raise ValueError("node has no metadata.resourceVersion")
+            patch["metadata"] = {"resourceVersion": version}
             try:
                 written = rest.request("PATCH", f"{path}/status" if status else path,
                                        body=patch, content_type=MERGE_PATCH, timeout=timeout)

@@ -248,10 +248,13 @@ class PodWatcher:
         listed_version = resource_version(body)
         if not listed_version:
             raise ValueError("pod list has no metadata.resourceVersion")
+        # null (or absent) is how Go writes an empty list; anything else that is not a list of
+        # objects is refused: read as no pods, it would report every known pod deleted.
         items = body.get("items")
-        if not isinstance(items, list):
-            items = []
-        listed = [pod_meta_from_object(item) for item in items if isinstance(item, dict)]
+        items = [] if items is None else items
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise ValueError("pod list items are not a list of objects")
+        listed = [pod_meta_from_object(item) for item in items]
         present = {meta.uid for meta in listed}
         for uid in [uid for uid in self._known if uid not in present]:
             _emit(on_event, dataclasses.replace(self._known.pop(uid), deleted=True))

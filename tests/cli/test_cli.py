@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import nri_plugin.cli.daemon
 import nri_plugin.cli.simulate
-from nri_plugin.cli import main
+from nri_plugin.cli import daemon, main
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.render import render_toml
 from nri_plugin.config.schema import Config
+from nri_plugin.config.store import ConfigStore
 from tests.support.paths import REPO
 
 
@@ -167,3 +172,39 @@ def test_python_dash_m_runs_the_same_command() -> None:
                           capture_output=True, text=True, cwd=REPO, timeout=120, check=False)
     assert done.returncode == 0
     assert "usage: nri-qos check-config" in done.stdout
+
+
+async def test_a_sighup_while_the_host_is_probed_asks_for_a_reload(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not SIGHUP's default action (the end of the process): a reload request, which the
+    configuration watch takes up once the agent runs."""
+    config = tmp_path / "config.toml"
+    config.write_text("[status]\nenabled = false\n")
+    requested: list[bool] = []
+
+    def probe(cfg: Any, audit: Any) -> tuple[None, None]:
+        os.kill(os.getpid(), signal.SIGHUP)  # as `systemctl reload` right after the start
+        return None, None
+
+    async def run_agent(agent: Any, connection: Any, stop: asyncio.Event) -> int:
+        await asyncio.sleep(0.05)  # the loop handles the signal meanwhile
+        return 0
+
+    def request_reload(self: ConfigStore) -> None:
+        requested.append(True)
+
+    fallen: list[int] = []
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: fallen.append(signum))
+    monkeypatch.setattr(daemon, "probe", probe)
+    monkeypatch.setattr(daemon, "build_agent", lambda *args, **kwargs: None)
+    monkeypatch.setattr(daemon, "release_code_pages", lambda modules: 0)
+    monkeypatch.setattr(daemon, "run_agent", run_agent)
+    monkeypatch.setattr(ConfigStore, "request_reload", request_reload)
+    try:
+        assert await daemon.serve(str(config), None, "error", stop=asyncio.Event(),
+                                  prelaunched=None) == 0
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    # the process' own handler (a stand-in for the default action here) never ran
+    assert fallen == []
+    assert requested == [True]

@@ -4,7 +4,9 @@ says what would go and changes nothing; a running agent stops it."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
+import os
 import socket
 import tomllib
 from pathlib import Path
@@ -18,6 +20,7 @@ from nri_plugin.cli.nri_qos import build_parser
 from nri_plugin.cli.reset import main_reset, reset
 from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import layout_for
+from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubernetesConfig
@@ -226,3 +229,71 @@ def test_reset_writes_back_what_the_numa_balance_changed(node: Node) -> None:
     assert "NUMA balance: restore cpuset.mems of 1 container(s): restored 1 file(s)" in out
     assert mems.read_text().strip() == "0"
     assert state_file(node.cfg.reconciler.state_dir).entries(NUMA_BALANCE_NOTES) == {}
+
+
+def test_a_write_the_kernel_refuses_fails_the_reset_and_keeps_its_note(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_once = SysFs._write_once
+
+    def refuse_idle(real: str, data: bytes, create: bool) -> None:
+        if real.endswith("/cpu.idle"):
+            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        write_once(real, data, create)
+
+    monkeypatch.setattr(SysFs, "_write_once", staticmethod(refuse_idle))
+    idle = "/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/cpu.idle"
+    tier = node.host.tier_dir("besteffort")
+    (tier / "cpu.idle").write_text("1\n")
+    code, out = node.run()
+    assert code == 1
+    assert (f"cpu idle: restore {idle} to 0: failed (1 file(s) not restored, kept in the "
+            f"state file: {idle})") in out.splitlines()
+    # the other steps ran
+    assert (tier / "memory.max").read_text().strip() == "max"
+    assert not Path(node.cfg.status.socket).exists()
+    assert state_file(node.cfg.reconciler.state_dir).entries("cpu_idle") == {idle: "0"}
+    monkeypatch.setattr(SysFs, "_write_once", staticmethod(write_once))
+    code, out = node.run()
+    assert (code, out) == (0, f"cpu idle: restore {idle} to 0: restored 1 file(s)\n")
+    assert (tier / "cpu.idle").read_text().strip() == "0"
+    assert node.run() == (0, "nothing to undo\n")
+
+
+def test_a_group_the_kernel_will_not_remove_fails_the_reset_not_the_other_steps(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    remove_group = ResctrlFs.remove_group
+
+    def busy(self: ResctrlFs, group: str, reason: str) -> bool:
+        if group == "nriqos-pod-1234":
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        return remove_group(self, group, reason)
+
+    monkeypatch.setattr(ResctrlFs, "remove_group", busy)
+    code, out = node.run()
+    assert code == 1
+    assert ("resctrl: remove group nriqos-pod-1234: failed (OSError: Device or resource busy)"
+            in out.splitlines())
+    assert "resctrl: remove group nriqos-shared_cores: removed" in out.splitlines()
+    assert not Path(node.cfg.status.socket).exists()
+    monkeypatch.setattr(ResctrlFs, "remove_group", remove_group)
+    assert node.run() == (0, "resctrl: remove group nriqos-pod-1234: removed\n")
+
+
+def test_without_kubernetes_access_what_an_earlier_run_placed_is_said_to_stay(
+        node: Node) -> None:
+    notes = state_file(node.cfg.reconciler.state_dir)
+    notes.put("taint", TAINT, "NoSchedule")
+    notes.put("node_condition", "NriQosMemoryPressure", "True")
+    node.cfg = dataclasses.replace(node.cfg, kubernetes=KubernetesConfig(enabled=False))
+    code, out = node.run(kubernetes=True)
+    assert code == 0
+    assert out.splitlines()[0] == (
+        f"note: [kubernetes] enabled is false: taint {TAINT}, condition NriQosMemoryPressure "
+        "placed by an earlier run stay on the node (kept in the state file; reset with "
+        "Kubernetes access removes them)")
+    assert state_file(node.cfg.reconciler.state_dir).entries("taint") == {TAINT: "NoSchedule"}
+    # nothing noted: nothing said
+    notes = state_file(node.cfg.reconciler.state_dir)
+    notes.forget("taint", TAINT)
+    notes.forget("node_condition", "NriQosMemoryPressure")
+    assert node.run(kubernetes=True) == (0, "nothing to undo\n")

@@ -116,6 +116,31 @@ async def test_after_a_quiet_round_only_a_level_change_or_a_request_runs_one(
     await asyncio.wait_for(task, 10)
 
 
+@pytest.mark.parametrize("what", ["level change", "request"])
+async def test_a_level_change_or_a_request_during_a_round_runs_the_next_at_once(
+        tmp_path: Path, fake: FakeApiServer, what: str) -> None:
+    """Its round may already have read the levels: the change must not wait a quiet period."""
+    env = make_env(tmp_path, fake, interval_s=0.1, quiet_interval_s=600.0)
+    env.add_pod("batch1", fake=fake)
+    answer = env.system.threshold_met
+    pending = [env.changed.call if what == "level change"
+               else lambda: env.manager.request_round("the ladder's evict rung")]
+
+    async def changed_meanwhile() -> ThresholdMet:
+        while pending:  # in the first round only
+            pending.pop()()
+        return await answer()
+
+    env.system.threshold_met = changed_meanwhile  # type: ignore[method-assign]
+    stop = asyncio.Event()
+    task, rounds = await counting_rounds(env, stop)
+    await eventually(lambda: rounds() == 2)
+    await asyncio.sleep(0.3)  # then quiet again: no more rounds
+    assert rounds() == 2
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
 async def test_the_quiet_period_is_never_shorter_than_the_period(
         tmp_path: Path, fake: FakeApiServer) -> None:
     env = make_env(tmp_path, fake, interval_s=0.3, quiet_interval_s=0.1)

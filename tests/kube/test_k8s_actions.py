@@ -23,6 +23,7 @@ from reconciler.kube import (
     PodRef,
 )
 from tests.support.fake_apiserver import FakeApiServer, client_config, make_pod
+from tests.support.fake_apiserver_http import Handler, Recorded
 from tests.support.k8s import watching
 
 
@@ -371,3 +372,27 @@ async def test_node_condition_failures(
     assert not offline.available
     assert await offline.set_node_condition("node-a", "C", True, "R", "m") is (
         NodeOutcome.UNAVAILABLE)
+
+
+async def test_a_node_read_without_resource_version_is_never_written(
+    fake: FakeApiServer, actions: KubeActions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a resourceVersion the write would carry no precondition and could replace what
+    another writer put on the node in between."""
+    fake.add_node("node-a", conditions=[{"type": "Ready", "status": "True"}])
+    send = Handler._send_json
+
+    def sending(handler: Handler, record: Recorded, code: int, doc: Any,
+                headers: dict[str, str] | None = None) -> None:
+        if isinstance(doc, dict) and doc.get("kind") == "Node":
+            doc = {**doc, "metadata": {"name": "node-a"}}
+        send(handler, record, code, doc, headers)
+
+    monkeypatch.setattr(Handler, "_send_json", sending)
+    with capture_logs() as logs:
+        assert await actions.set_node_condition("node-a", "C", True, "R", "m") is (
+            NodeOutcome.FAILED)
+        assert await actions.add_taint("node-a", "k", "v", "NoSchedule") is NodeOutcome.FAILED
+    assert fake.requests("PATCH") == []
+    assert [e["reason"] for e in logs if e["event"] in ("condition_failed", "taint_failed")] == [
+        "ValueError: node has no metadata.resourceVersion"] * 2

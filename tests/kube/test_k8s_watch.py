@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from common.podmeta import PodMeta
 from reconciler.kube import KubernetesConfig, PodWatcher, build_api_client
 from tests.support.fake_apiserver import FakeApiServer, client_config, make_pod, write_kubeconfig
+from tests.support.fake_apiserver_http import Handler, Recorded
 from tests.support.k8s import BOUND_S, watching
 
 
@@ -121,6 +122,34 @@ async def test_relist_after_gone_status_of_the_watch_request(
         await until(fake, lambda: len(fake.list_requests()) == 2)
         fake.modify_pod("default", "a", annotate("k", "v"))
         assert (await w.next()).annotations == {"k": "v"}
+
+
+@pytest.mark.parametrize("garbage", [{"0": {}}, "pods", ["not a pod"]])
+async def test_a_list_whose_items_are_not_pods_is_retried_and_reports_nothing_deleted(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, monkeypatch: pytest.MonkeyPatch,
+    garbage: Any,
+) -> None:
+    fake.add_pod(make_pod("a", uid="uid-a"))
+    send = Handler._send_json
+    garbled = [garbage]  # the next list answer only
+
+    def sending(handler: Handler, record: Recorded, code: int, doc: Any,
+                headers: dict[str, str] | None = None) -> None:
+        if garbled and isinstance(doc, dict) and doc.get("kind") == "PodList":
+            doc = {**doc, "items": garbled.pop()}
+        send(handler, record, code, doc, headers)
+
+    async with watching(api, cfg) as w:
+        assert (await w.next()).uid == "uid-a"
+        await until(fake, lambda: fake.open_watches == 1)
+        monkeypatch.setattr(Handler, "_send_json", sending)
+        fake.fail_next("GET", "/api/v1/pods", 410)
+        fake.end_watches()
+        await until(fake, lambda: len(fake.list_requests()) == 3)
+        fake.add_pod(make_pod("c"))
+        # a was never reported deleted, nor again: the next pod reported is c
+        assert (await w.next()).name == "c"
+    assert not garbled
 
 
 async def test_reconnect_after_dropped_stream_resumes_without_relist(

@@ -12,11 +12,11 @@ A broken hook must not kill pods: on any error it explains on stderr and exits 0
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from typing import IO, NoReturn
 
+from common import jsondoc
 from hooks.resctrl_groups import valid_group_name
 from hooks.untrusted import bounded, bounded_repr
 from reconciler.host.sysfs import SysFs, SysPathError
@@ -51,8 +51,8 @@ def read_pid(stream: IO[bytes]) -> int:
     if len(data) > MAX_STATE_BYTES:
         raise HookError(f"OCI state larger than {MAX_STATE_BYTES} bytes")
     try:
-        state = json.loads(data)
-    except (ValueError, RecursionError) as exc:
+        state = jsondoc.loads(data)
+    except ValueError as exc:
         raise HookError(f"OCI state is not JSON: {exc}") from exc
     if not isinstance(state, dict):
         raise HookError("OCI state is not a JSON object")

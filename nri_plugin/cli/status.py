@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from common import jsondoc
 from hooks.units import quantity
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.store import load_config
@@ -57,10 +58,14 @@ def fetch(path: str, *, timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
                     raise NoAgent(f"the answer on {path} exceeds {MAX_DOCUMENT_BYTES} bytes")
         except TimeoutError as exc:
             raise NoAgent(f"the agent on {path} did not answer within {timeout_s} s") from exc
+        except OSError as exc:
+            # The agent stopped (or was restarted) while it answered: reset, broken pipe.
+            raise NoAgent(f"the connection to the agent on {path} broke before its answer "
+                          f"was whole: {exc}") from exc
     finally:
         sock.close()
     try:
-        document = json.loads(b"".join(chunks))
+        document = jsondoc.loads(b"".join(chunks))
     except ValueError as exc:
         raise NoAgent(f"the answer on {path} is not a status document: {exc}") from exc
     if not isinstance(document, dict):

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import structlog
 
+from common import jsondoc
 from reconciler.host.sysfs import Outcome, SysFs
 
 log = structlog.get_logger("nri_qos.state")
@@ -55,7 +56,7 @@ class StateFile:
         try:
             if len(raw) > MAX_FILE_BYTES:
                 raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-            doc = json.loads(raw)
+            doc = jsondoc.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
             sections = {name: {k: v for k, v in entries.items()

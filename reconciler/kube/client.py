@@ -6,7 +6,6 @@ Every answer (:mod:`.rest`) is read as JSON and its connection handed back to th
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -16,6 +15,7 @@ from typing import Any
 import structlog
 import urllib3
 
+from common import jsondoc
 from reconciler.kube.config import KubernetesConfig
 from reconciler.kube.credentials import SERVICE_ACCOUNT, Credentials, CredentialsError, in_cluster
 from reconciler.kube.kubeconfig import from_kubeconfig
@@ -84,7 +84,7 @@ def _default_kubeconfig(env: Mapping[str, str]) -> Path:
 def read_json(response: Any) -> Any:
     """The body of a raw response, parsed; its connection goes back to the pool either way."""
     try:
-        return json.loads(response.data)
+        return jsondoc.loads(response.data)
     finally:
         response.release_conn()
 

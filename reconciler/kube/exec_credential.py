@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from common import jsondoc
 from reconciler.kube.credentials import CredentialsError
 
 API_VERSIONS = ("client.authentication.k8s.io/v1", "client.authentication.k8s.io/v1beta1")
@@ -91,7 +92,7 @@ class ExecToken:
 def parse(output: bytes, api_version: str, name: str) -> tuple[str, datetime | None]:
     """The token and its expiry in a plugin's output."""
     try:
-        credential = json.loads(output)
+        credential = jsondoc.loads(output)
     except ValueError as exc:
         raise CredentialsError(f"{name} printed no JSON: {exc}") from exc
     if not isinstance(credential, dict) or credential.get("kind") != "ExecCredential":

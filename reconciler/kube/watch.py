@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import structlog
 
+from common import jsondoc
 from common.aio import Backoff, done_or_stopped, sleep_until
 from common.podmeta import PodMeta, pod_meta_from_object
 from reconciler.kube.client import read_json, resource_version
@@ -307,7 +307,7 @@ class PodWatcher:
                 if not lines:
                     return events
                 for line in lines:
-                    self._apply(json.loads(line), on_event)
+                    self._apply(jsondoc.loads(line), on_event)
                     events += 1
         finally:
             self._stream = None

@@ -137,6 +137,7 @@ def test_a_plugin_the_agent_cannot_run_is_refused_by_field(tmp_path: Path, extra
 
 @pytest.mark.parametrize(("output", "said"), [
     (b"not json", "printed no JSON"),
+    (b"[" * 10_000 + b"]" * 10_000, "printed no JSON: JSON nested too deeply"),
     (b'{"kind": "Other"}', "printed no ExecCredential"),
     (json.dumps({"kind": "ExecCredential", "apiVersion": "client.authentication.k8s.io/v1beta1",
                  "status": {"token": "t"}}).encode(),

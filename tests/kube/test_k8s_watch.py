@@ -152,6 +152,30 @@ async def test_a_list_whose_items_are_not_pods_is_retried_and_reports_nothing_de
     assert not garbled
 
 
+async def test_a_watch_event_nested_too_deeply_is_refused_like_any_malformed_one(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.add_pod(make_pod("a"))
+    chunk = Handler._chunk
+    deep = [b"[" * 10_000 + b"]" * 10_000 + b"\n"]  # the next pod event only
+
+    def chunking(handler: Handler, doc: Any) -> None:
+        if deep and isinstance(doc, dict) and doc.get("type") == "ADDED":
+            data = deep.pop()
+            handler.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            return
+        chunk(handler, doc)
+
+    async with watching(api, cfg) as w:
+        assert (await w.next()).name == "a"
+        await until(fake, lambda: fake.open_watches == 1)
+        monkeypatch.setattr(Handler, "_chunk", chunking)
+        fake.add_pod(make_pod("b"))
+        # The watcher's task lives through it and catches up with what it missed.
+        assert (await w.next()).name == "b"
+    assert not deep
+
+
 async def test_reconnect_after_dropped_stream_resumes_without_relist(
     fake: FakeApiServer, api: Any, cfg: KubernetesConfig
 ) -> None:

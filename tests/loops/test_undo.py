@@ -52,7 +52,7 @@ def test_notes_survive_a_new_instance_and_the_first_value_is_kept(tmp_path: Path
     assert os.stat(tmp_path / "state" / "state.json").st_mode & 0o777 == 0o600
 
 
-@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe",
+@pytest.mark.parametrize("content", [b"{not json", b"[1, 2]", b"\xff\xfe", b"[" * 10_000,
                                      b" " * (statefile.MAX_FILE_BYTES + 1)])
 def test_an_unusable_file_is_set_aside_and_the_agent_starts_from_nothing(
         tmp_path: Path, content: bytes) -> None:

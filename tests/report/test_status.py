@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -10,6 +11,7 @@ import shutil
 import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -372,3 +374,54 @@ async def test_ladder_sections_show_what_the_ladder_and_the_eviction_manager_did
             await asyncio.wait_for(task, 10.0)
             if client is not None:
                 client.close()
+
+
+class _ResetOnRecv(socket.socket):
+    """A client socket whose peer resets the connection once it has connected."""
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+
+@contextlib.contextmanager
+def _listening(path: Path, answer: bytes | None) -> Iterator[None]:
+    """A status socket that answers one connection with ``answer`` (None: nothing) and closes
+    it; the connection must come within the block."""
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(path))
+        server.listen()
+
+        def serve() -> None:
+            conn, _ = server.accept()
+            with conn:
+                if answer is not None:
+                    conn.sendall(answer)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        yield
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
+def test_a_connection_reset_mid_answer_is_a_clear_error(
+        short_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    path = short_dir / "status.sock"
+    with _listening(path, None):
+        monkeypatch.setattr(socket, "socket", _ResetOnRecv)
+        assert main(["status", "--status-socket", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "broke before its answer was whole" in err
+    assert "Connection reset by peer" in err
+    assert "Traceback" not in err
+
+
+def test_an_answer_nested_too_deeply_is_a_clear_error(
+        short_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = short_dir / "status.sock"
+    with _listening(path, b"[" * 100_000 + b"]" * 100_000):
+        assert main(["status", "--status-socket", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "is not a status document" in err
+    assert "nested too deeply" in err

@@ -141,9 +141,12 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "A chosen pod was not evicted: the manager or the plugin is in dry-run."),
     AuditEvent("eviction_requested", ("pod", "reason", "dry_run"), "An eviction was asked for."),
     AuditEvent("eviction_blocked", ("pod", "reason"),
-               "The API refused an eviction (e.g. 429 from a PodDisruptionBudget), or it failed "
-               "or could not be sent."),
-    AuditEvent("eviction_gone", ("pod",), "The pod to evict no longer exists (404)."),
+               "The API refused an eviction (e.g. 429 from a PodDisruptionBudget; a 409 about "
+               "the pod asked for), or it failed or could not be sent; with retry_after_s when "
+               "the answer carried a Retry-After."),
+    AuditEvent("eviction_gone", ("pod",),
+               "The pod to evict no longer exists (404), or a 409 on the uid precondition and "
+               "the pod read back is gone or another one."),
     AuditEvent("eviction_done", ("pod",), "The API accepted an eviction."),
     AuditEvent("eviction_condition", ("node", "condition", "status", "reason"),
                "A plugin's node condition changed (written to the node unless dry_run)."),

@@ -29,6 +29,7 @@ from common.metrics import Metrics, PluginMetrics
 from common.state import NodeState, report_refusals
 from hooks.resctrl_groups import plan_class_groups
 from nri_plugin.capabilities import build_capabilities
+from nri_plugin.capabilities.resctrl import SWITCHED_OFF
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import OBSERVE, Config
 from nri_plugin.config.store import ConfigStore
@@ -137,6 +138,20 @@ def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs,
     return fs
 
 
+def _remove_resctrl_groups(cfg: Config, sysfs: SysFs, audit: AuditLog) -> None:
+    """resctrl switched off before this start: the groups an earlier run made go, as at a
+    reload that switches it off (their tasks go back to the root group). Without resctrl
+    mounted (and usable) at ``resctrl.root`` there is nothing of ours: nothing is said."""
+    fs = ResctrlFs.detect(sysfs, cfg.resctrl.root, prefix=cfg.resctrl.group_prefix, audit=audit,
+                          amd_mb_max=cfg.resctrl.amd_mb_max, warn=lambda problem: None)
+    if fs is None:
+        return
+    # One the kernel will not remove yet stays: no task-id loop runs to try it again, the next
+    # start or ``nri-qos reset`` does.
+    for group, problem in fs.remove_our_groups(reason=SWITCHED_OFF).items():
+        log.warning("resctrl_group_not_removed", group=group, error=problem)
+
+
 def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigStore | None:
     """The configuration at ``config_path`` (embedded defaults without one), with logging set
     up from it; None, after logging every error, when it is invalid."""
@@ -156,9 +171,10 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
                 identity: PluginIdentity, *, run_background: bool,
                 metrics_address: str | None = None) -> Agent:
     """Every component of the agent. ``run_background``: run the reconciler (with the pod
-    watch) when the configuration enables it; off for a simulation, whose pods are not on this
-    host (its answers still say what the reconciler would apply). ``metrics_address``
-    overrides ``[metrics] address``."""
+    watch) when the configuration enables it, and take off the node what an earlier run left
+    that the configuration no longer wants; off for a simulation, whose pods are not on this
+    host (its answers still say what the reconciler would apply) and which leaves the node as
+    it is. ``metrics_address`` overrides ``[metrics] address``."""
     cfg = store.current
     metrics = Metrics(agent_version())
     # One registry, one endpoint: each side defines its own series in it.
@@ -174,6 +190,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     board = Board()
     tracker = LoopTracker(reconciler_metrics)
     resctrl = _resctrl(store, host, sysfs, audit)
+    if run_background and not cfg.resctrl.enabled:
+        _remove_resctrl_groups(cfg, sysfs, audit)
     capabilities = build_capabilities(cfg, resctrl=resctrl, state=state, audit=audit,
                                       cgroup_v2=host.cgroup.v2,
                                       memory_total=host.memory_total_bytes)

@@ -9,9 +9,11 @@ by running the new one before removing the old one, so the group goes with the l
 its pod that the node state knows.
 
 A reload switching resctrl off removes every group of ours (their tasks go back to the root
-group); any other reload sets each pod group of a known pod again from its annotation under the
-new configuration, and in observe mode gives every pod group the kernel's default (no limit).
-The class groups are the daemon's to keep (:func:`hooks.resctrl_groups.plan_class_groups`).
+group); any other reload removes the group of a known pod that the pod's plan under the new
+configuration no longer gives it, sets each other pod group of a known pod again from its
+annotation under the new configuration, and in observe mode gives every pod group the kernel's
+default (no limit). The class groups are the daemon's to keep
+(:func:`hooks.resctrl_groups.plan_class_groups`).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from hooks.untrusted import bounded
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
-from reconciler.host.resctrlfs import GroupError, ResctrlFs
+from reconciler.host.resctrlfs import GroupError, ResctrlFs, removal_problem
 
 HOOK_PROGRAM = "nri-qos-hook"
 SWITCHED_OFF = "resctrl.enabled is false"
+UNWANTED = "the configuration gives it no group of its own"
 
 log = structlog.get_logger("nri_qos.nri")
 
@@ -74,25 +77,35 @@ class ResctrlCapability(Reporting, Capability):
                 log.warning("resctrl_group_not_removed", group=group, error=problem)
 
     def _keep_pod_groups(self) -> None:
-        """Each pod group as the configuration in force wants it: in observe mode no limit;
-        else its pod's annotation under the new caps and level shares. A group whose pod is
-        unknown is the task-id loop's to collect; the problems of an annotation were audited
-        when its sandbox ran."""
+        """Each pod group as the configuration in force wants it: gone when its pod's plan
+        under the new configuration gives the pod no group of its own (pod groups off, another
+        annotation key, a request neither its level's share nor the caps admit any longer) or
+        another one (another prefix); else in observe mode no limit, and otherwise its pod's
+        annotation under the new caps and level shares. The
+        plan decides, not the containers: a group is made at RunPodSandbox, before any
+        container uses it. A group whose pod is unknown, or that the kernel will not remove
+        yet, is the task-id loop's to collect; the problems of an annotation were audited when
+        its sandbox ran."""
         views = {view.info.uid: view for view in self._state.snapshot().pods.values()}
         observing = self._fs.sysfs.held()
         for group in self._fs.our_groups():
             ref = parse_group_name(self._fs.prefix, group, LEVEL_NAMES)
             if ref is None or ref.kind != "pod":
                 continue
+            view = views.get(ref.key)
+            plan = None if view is None else plan_pod_group(view.info, view.level, self._cfg,
+                                                            self._fs.info)
+            if plan is not None and plan.group != group:
+                try:
+                    self._fs.remove_group(group, reason=f"pod {ref.key}: {UNWANTED}")
+                except OSError as exc:
+                    log.warning("resctrl_group_not_removed", group=group,
+                                error=removal_problem(exc))
+                continue
             try:
                 if observing:
                     self._fs.lift_limits(group)
-                    continue
-                view = views.get(ref.key)
-                if view is None:
-                    continue
-                plan = plan_pod_group(view.info, view.level, self._cfg, self._fs.info)
-                if plan.group == group and plan.schemata is not None:
+                elif plan is not None and plan.schemata is not None:
                     self._fs.ensure_group(group, plan.schemata, reason=f"pod {ref.key}: config")
             except (GroupError, OSError) as exc:
                 log.warning("resctrl_pod_group_not_updated", group=group, error=str(exc))

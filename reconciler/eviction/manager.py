@@ -14,8 +14,9 @@ mitigation ladder's evict rung, or a detector's level changes):
    plugins whose threshold is hard-met are asked ``GetTopEvictionPods`` among the pods the
    filter lets go;
 4. proposals are filtered (:class:`~reconciler.eviction.choice.PodFilter`, pods in eviction,
-   pods backing off after a refusal), ranked (``sort_keys``), forced ones and hard-met targets
-   first, then at most ``soft_per_round`` soft candidates;
+   pods backing off after a refusal: :mod:`~reconciler.eviction.retries`), ranked
+   (``sort_keys``), forced ones and hard-met targets first, then at most ``soft_per_round``
+   soft candidates;
 5. each chosen pod takes a token of the shared bucket, then is evicted through ``policy/v1``
    with an Event on the pod, or, in dry-run, only audited.
 
@@ -57,6 +58,7 @@ from reconciler.eviction.once import RoundAudit
 from reconciler.eviction.owners import OwnerCheck
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.remote import PluginDirectory
+from reconciler.eviction.retries import Retries
 from reconciler.eviction.smoothing import MetSmoother
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
@@ -134,12 +136,6 @@ class _Flight:
     dry: bool
 
 
-@dataclass(slots=True)
-class _Retry:
-    at: float
-    backoff: Backoff
-
-
 MAX_AUDITED_PROPOSALS = 64
 """Proposals of one plugin audited one by one per round (two records each at most): more than a
 node's offline pods are rarely proposed at once, and a plugin listing thousands of uids must
@@ -157,14 +153,14 @@ class _Answers:
                    and name in self.evict for name in plugins)
 
 
-def choose(candidates: Sequence[Candidate], retries: Mapping[str, _Retry], once: RoundAudit,
+def choose(candidates: Sequence[Candidate], retries: Retries, once: RoundAudit,
            cfg: EvictionConfig, now: float) -> list[Candidate]:
     """Forced and hard-met targets ranked, then the best ``soft_per_round`` soft ones; pods
     backing off after a refusal wait."""
     ready = []
     for candidate in candidates:
-        retry = retries.get(candidate.facts.pod.uid)
-        if retry is not None and now < retry.at:
+        retry = retries.waiting(candidate.facts.pod.uid, now)
+        if retry is not None:
             once.record("eviction_deferred", candidate.facts.pod.uid, "backoff",
                         pod=candidate.facts.pod.ref, plugin=candidate.plugin,
                         why=f"backing off after {retry.backoff.failures} refused or failed "
@@ -184,7 +180,7 @@ def is_dry(plugin: str, cfg: EvictionConfig) -> bool:
     return cfg.dry_run or plugin in cfg.dry_run_plugins
 
 
-def forget_left(flights: dict[str, _Flight], retries: dict[str, _Retry],
+def forget_left(flights: dict[str, _Flight], retries: Retries,
                 facts: Mapping[str, PodFacts], cfg: EvictionConfig, now: float) -> None:
     """Forget evictions of pods that left (or long ago), dry-run ones whose plugin is no
     longer dry, and retry state of pods that left."""
@@ -192,8 +188,7 @@ def forget_left(flights: dict[str, _Flight], retries: dict[str, _Retry],
         if uid not in facts or now - flight.at >= cfg.reevict_after_s \
                 or (flight.dry and not is_dry(flight.plugin, cfg)):
             del flights[uid]
-    for uid in [uid for uid in retries if uid not in facts]:
-        del retries[uid]
+    retries.keep_only(facts)
 
 
 class EvictionManager:
@@ -228,7 +223,7 @@ class EvictionManager:
         self._met = MetSmoother()
         self._conditions = NodeConditions(actions, node, audit, is_dry)
         self._flights: dict[str, _Flight] = {}
-        self._retries: dict[str, _Retry] = {}
+        self._retries = Retries()
         self._calls = PluginCalls(audit)
         self._once = RoundAudit(audit)
         self._told_unavailable = False
@@ -468,7 +463,7 @@ class EvictionManager:
                                            uid=pod.uid, reason=f"{plugin}: {candidate.reason}")
         outcome = result.outcome
         if outcome is EvictionOutcome.EVICTED:
-            self._retries.pop(pod.uid, None)
+            self._retries.done(pod.uid)
             self._flights[pod.uid] = _Flight(now, plugin, dry=False)
             await self._actions.create_pod_event(
                 PodRef(pod.namespace, pod.name, pod.uid), self._node, EVENT_REASON,
@@ -489,9 +484,5 @@ class EvictionManager:
             # A disruption budget (or the API's throttling) said no: nothing was disrupted, so
             # the token is not spent.
             bucket.give_back(now)
-        retry = self._retries.get(pod.uid)
-        if retry is None:
-            retry = self._retries[pod.uid] = _Retry(
-                now, Backoff(cfg.retry_initial_s, cfg.retry_max_s))
-        retry.at = now + retry.backoff.next()
+        self._retries.refused(pod.uid, cfg, now, result.retry_after_s)
         return Outcome(outcome.value)

@@ -29,11 +29,14 @@ from reconciler.host.sysfs import Outcome, SysFs
 log = structlog.get_logger("nri_qos.state")
 
 STATE_FILE = "state.json"
-MAX_FILE_BYTES = 4 << 20
-"""Far above what a node's notes take (a few hundred paths of about 200 bytes)."""
-MAX_ENTRIES = 16384
-"""Notes kept at most: four per pod at the agent's pod limit. Beyond it a new note is refused
-and the effect is not made (the caller's choice), rather than made and forgotten."""
+MAX_FILE_BYTES = 8 << 20
+"""Above :data:`MAX_ENTRIES` notes of a path of about 200 bytes each; a node's notes are usually
+a few hundred."""
+MAX_ENTRIES = 32768
+"""Notes kept at most: eight per pod at the node state's pod limit (4096), for a pod's protection
+files with the agent's last write to each, its NUMA files and its tuned files. Beyond it a new
+note is refused and the effect is not made (the caller's choice), rather than made and
+forgotten."""
 
 
 class StateFile:
@@ -144,7 +147,9 @@ def restore_noted(sysfs: SysFs, notes: StateFile, section: str, reason: str,
     for path, value in notes.entries(section).items():
         if not path.startswith(under):
             continue
-        outcome = sysfs.write_if_changed(path, value, reason)
+        # A write of no bytes never reaches the kernel: an empty value goes as a newline,
+        # which cgroup files read as empty.
+        outcome = sysfs.write_if_changed(path, value or "\n", reason)
         restored += outcome is Outcome.WRITTEN
         if outcome is not Outcome.FAILED:
             notes.forget(section, path)

@@ -1,9 +1,9 @@
 """The one package that talks to the Kubernetes API server.
 
 What is read or written: this node's pods (list, then watch), evictions of pods (``policy/v1``
-Eviction) with an Event on the evicted pod, and this node's taints and status conditions. Each
-request has a client-side timeout, and the pod watch also a server-side one, so that no thread
-outlives a stop by more than one request timeout.
+Eviction, and a read of the pod when one answers 409) with an Event on the evicted pod, and this
+node's taints and status conditions. Each request has a client-side timeout, and the pod watch
+also a server-side one, so that no thread outlives a stop by more than one request timeout.
 
 One module per job: :mod:`.config` (settings, the node's name), :mod:`.credentials` (the
 in-cluster service account; what a request needs), :mod:`.kubeconfig` and

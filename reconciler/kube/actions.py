@@ -48,8 +48,11 @@ class KubeActions:
     ) -> EvictionResult:
         """Asks the Eviction API to evict a pod; ``dry_run`` sends ``dryRun=All``. ``uid``: the
         pod the decision was about, sent as a precondition so that a pod re-created under the
-        same name in the meantime is not the one evicted (the API answers 409). A grace period
-        below :data:`~reconciler.kube.evictions.MIN_GRACE_S` is a programming error."""
+        same name in the meantime is not the one evicted (the API answers 409; the pod is then
+        read back: another uid or none is ``gone``, the same one ``failed``, as a 409 is that
+        says nothing of the pod). The result carries the answer's ``Retry-After``, bounded.
+        A grace period below :data:`~reconciler.kube.evictions.MIN_GRACE_S` is a programming
+        error."""
         return await self._evictions.evict(namespace, name, grace_seconds, dry_run, uid=uid,
                                            reason=reason)
 

@@ -3,12 +3,12 @@ retry, and how a failure is described in a log line or an audit record."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import urllib3
 
+from common import jsondoc
 from reconciler.kube.credentials import CredentialsError
 
 HTTP_NOT_FOUND = 404
@@ -19,13 +19,16 @@ HTTP_TOO_MANY_REQUESTS = 429
 
 class ApiError(Exception):
     """The API server answered outside 2xx: its ``status``, ``reason`` (the HTTP reason
-    phrase) and ``body`` (the Status object it sent, as text)."""
+    phrase), ``body`` (the Status object it sent, as text) and ``headers`` (the answer's, such
+    as ``Retry-After``; urllib3's, whose names match in any case)."""
 
-    def __init__(self, status: int, reason: str, body: str) -> None:
+    def __init__(self, status: int, reason: str, body: str,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(f"HTTP {status} {reason}")
         self.status = status
         self.reason = reason
         self.body = body
+        self.headers: Mapping[str, str] = {} if headers is None else headers
 
 
 TRANSPORT = (urllib3.exceptions.HTTPError, OSError, CredentialsError)
@@ -39,7 +42,7 @@ else is a bug and propagates."""
 def status_body(exc: ApiError) -> dict[str, Any] | None:
     """The Status object the API sent with an error; None when the body is not one."""
     try:
-        body = json.loads(exc.body or "")
+        body = jsondoc.loads(exc.body or "")
     except (ValueError, TypeError):
         return None
     return body if isinstance(body, dict) else None

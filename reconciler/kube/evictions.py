@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from reconciler.kube.errors import (
     HTTP_CONFLICT,
     HTTP_NOT_FOUND,
     HTTP_TOO_MANY_REQUESTS,
+    TRANSIENT,
     TRANSPORT,
     ApiError,
     describe,
@@ -31,13 +33,20 @@ log = structlog.get_logger("nri_qos.kube")
 MIN_GRACE_S = 1
 """The shortest grace period an eviction may ask for. 0 means immediate deletion: the pod gets
 no SIGTERM and no graceful shutdown, and the kubelet's record of it goes at once."""
+MAX_RETRY_AFTER_S = 300
+"""The longest ``Retry-After`` an eviction's answer is taken at. Priority and Fairness asks for
+a second or so, a disruption budget the controller has not counted yet for 10 s; a pod chosen
+under memory pressure that waits longer than five minutes on one header leaves the pressure to
+the kubelet's own eviction."""
 
 
 class EvictionOutcome(enum.StrEnum):
     EVICTED = "evicted"  # the API accepted the eviction (or would have, in a dry run)
     BLOCKED = "blocked"  # 429: a PodDisruptionBudget forbids it now, or the API throttles
-    GONE = "gone"  # 404: the pod no longer exists
-    FAILED = "failed"  # any other refusal or a transport error
+    # 404: the pod no longer exists; 409 on the uid precondition with the pod read back gone or
+    # another one
+    GONE = "gone"
+    FAILED = "failed"  # any other refusal (a 409 about the same pod too) or a transport error
     UNAVAILABLE = "unavailable"  # degraded mode: no API client
 
 
@@ -47,6 +56,8 @@ class EvictionResult:
     dry_run: bool
     status: int | None = None  # HTTP status when the API answered
     message: str = ""
+    # The answer's Retry-After, in whole seconds up to MAX_RETRY_AFTER_S: not asked again sooner.
+    retry_after_s: int | None = None
 
 
 class Evictions:
@@ -99,30 +110,67 @@ class Evictions:
         try:
             status = await self._threads.run(post)
         except ApiError as exc:
-            sent = status_body(exc)
-            message = status_message(exc, sent)
-            if exc.status == HTTP_NOT_FOUND or (exc.status == HTTP_CONFLICT and uid is not None):
-                # 409 on a uid precondition: a pod of that name exists, but not the one the
-                # decision was about (re-created); that one is gone.
-                self._audit.record("eviction_gone", pod=pod, status=exc.status)
-                return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
-            blocked = exc.status == HTTP_TOO_MANY_REQUESTS
-            if not blocked:
-                why = f"API error: {message}"
-            elif _budget_refused(sent):
-                why = f"disruption budget: {message}"
-            else:
-                # The API server's own throttling (Priority and Fairness): nothing was decided
-                # about the pod, the eviction is tried again after the backoff.
-                why = f"throttled by the API server: {message}"
-            self._audit.record("eviction_blocked", pod=pod, status=exc.status, reason=why)
-            outcome = EvictionOutcome.BLOCKED if blocked else EvictionOutcome.FAILED
-            return EvictionResult(outcome, dry_run, exc.status, message)
+            return await self._refused(exc, rest, namespace, name, uid, dry_run)
         except TRANSPORT as exc:
             self._audit.record("eviction_blocked", pod=pod, reason=f"transport: {exc}")
             return EvictionResult(EvictionOutcome.FAILED, dry_run, None, str(exc))
         self._audit.record("eviction_done", pod=pod, dry_run=dry_run, status=status)
         return EvictionResult(EvictionOutcome.EVICTED, dry_run, status)
+
+    async def _refused(self, exc: ApiError, rest: Rest, namespace: str, name: str,
+                       uid: str | None, dry_run: bool) -> EvictionResult:
+        """What the API's refusal of an eviction means, audited."""
+        pod = f"{namespace}/{name}"
+        sent = status_body(exc)
+        message = status_message(exc, sent)
+        gone = exc.status == HTTP_NOT_FOUND
+        if exc.status == HTTP_CONFLICT and uid is not None:
+            # A uid precondition that does not hold (a pod re-created under the name) answers
+            # 409, but so do conflicts that say nothing of the pod (its disruption budget's
+            # update raced another): only the pod read back tells them apart.
+            try:
+                current = await self._threads.run(functools.partial(
+                    self._read_uid, rest, namespace, name))
+            except TRANSIENT as read:
+                why = f"API answered conflict, and the pod could not be read back: {describe(read)}"
+            else:
+                gone = current != uid
+                why = f"API answered conflict, the pod is still the one asked for: {message}"
+        elif exc.status == HTTP_TOO_MANY_REQUESTS:
+            if _budget_refused(sent):
+                why = f"disruption budget: {message}"
+            else:
+                # The API server's own throttling (Priority and Fairness): nothing was decided
+                # about the pod, the eviction is tried again after the backoff (and not
+                # before the Retry-After the throttling sent).
+                why = f"throttled by the API server: {message}"
+        else:
+            why = f"API error: {message}"
+        if gone:
+            self._audit.record("eviction_gone", pod=pod, status=exc.status)
+            return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
+        wait = retry_after(exc.headers)
+        self._audit.record("eviction_blocked", pod=pod, status=exc.status, reason=why,
+                           **({} if wait is None else {"retry_after_s": wait}))
+        outcome = EvictionOutcome.BLOCKED if exc.status == HTTP_TOO_MANY_REQUESTS \
+            else EvictionOutcome.FAILED
+        return EvictionResult(outcome, dry_run, exc.status, message, wait)
+
+    def _read_uid(self, rest: Rest, namespace: str, name: str) -> str | None:
+        """The uid of the pod the API has under that name; None when it has none (404)."""
+        try:
+            found = read_json(rest.request(
+                "GET", f"/api/v1/namespaces/{segment(namespace)}/pods/{segment(name)}",
+                timeout=self._cfg.request_timeout_s))
+        except ApiError as exc:
+            if exc.status == HTTP_NOT_FOUND:
+                return None
+            raise
+        meta = found.get("metadata") if isinstance(found, dict) else None
+        uid = meta.get("uid") if isinstance(meta, dict) else None
+        if not isinstance(uid, str) or not uid:
+            raise ValueError("pod has no metadata.uid")
+        return uid
 
     async def owner_exists(self, namespace: str, owner: OwnerRef) -> bool | None:
         """See :meth:`reconciler.kube.actions.KubeActions.owner_exists`."""
@@ -148,6 +196,17 @@ class Evictions:
             log.warning("owner_check_failed", namespace=namespace, owner=owner.name,
                         reason=describe(exc))
         return None
+
+
+def retry_after(headers: Mapping[str, str]) -> int | None:
+    """The ``Retry-After`` of an answer in whole seconds, at most :data:`MAX_RETRY_AFTER_S`;
+    None without one, or for anything but digits (an HTTP date, a fraction, a sign: the API
+    server sends whole seconds, and guessing at anything else could only delay an eviction)."""
+    value = next((v for k, v in headers.items() if k.lower() == "retry-after"), None)
+    value = value.strip() if isinstance(value, str) else ""
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return min(int(value), MAX_RETRY_AFTER_S)
 
 
 def _budget_refused(body: Mapping[str, Any] | None) -> bool:

@@ -1,7 +1,7 @@
 """Requests to the API server: method, path, query and JSON body, sent through the agent's
 connection (:mod:`.transport`), answered raw.
 
-The agent makes seven requests, and reads every answer as JSON; paths and query parameters
+The agent makes eight requests, and reads every answer as JSON; paths and query parameters
 are the API's own names.
 """
 
@@ -51,7 +51,7 @@ class Rest:
         content_type: str = JSON,
     ) -> Any:
         """Sends one request; an answer outside 2xx raises :class:`ApiError` (its ``status``,
-        and the Status object the API sent as its ``body``)."""
+        the Status object the API sent as its ``body``, and the answer's ``headers``)."""
         headers = {"Accept": JSON}
         data = None
         if body is not None:
@@ -64,5 +64,5 @@ class Rest:
                 text = answer.read().decode(errors="replace")
             finally:
                 answer.release_conn()
-            raise ApiError(answer.status, answer.reason or "", text)
+            raise ApiError(answer.status, answer.reason or "", text, answer.headers)
         return answer

@@ -45,7 +45,8 @@ class ReconcilerConfig:
         10.0, "Period of the drift-repair loop.", unit="seconds", minimum=0.1, maximum=3600
     )
     gc_grace_s: float = setting(
-        60.0, "Age a resctrl group of a vanished pod must reach before it is removed.",
+        60.0, "Age a resctrl pod group of a vanished pod, or of one the configuration gives no "
+        "group of its own, must reach before the task-id loop removes it.",
         unit="seconds", minimum=0, maximum=86_400,
     )
     write_retries: int = setting(

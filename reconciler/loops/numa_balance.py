@@ -57,6 +57,7 @@ from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
 from reconciler.loops.numa_binding import (
     NUMA_BALANCE_NOTES,
+    mems_note,
     noted_elsewhere,
     release_unreclaimed,
     restore_bindings,
@@ -408,7 +409,8 @@ class NumaBalanceLoop(Loop):
         current = self._sysfs.read(path)
         if current is None or not (
                 noted_elsewhere(self._notes, NUMA_BALANCE_NOTES, path)
-                or self._notes.remember(NUMA_BALANCE_NOTES, path, current.strip())):
+                or self._notes.remember(NUMA_BALANCE_NOTES, path,
+                                        mems_note(self._sysfs, cpuset, current))):
             return False
         return self._sysfs.write(path, format_id_list(nodes), reason) in (
             Outcome.WRITTEN, Outcome.OBSERVED)

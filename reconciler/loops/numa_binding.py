@@ -14,7 +14,8 @@ nobody; the memory guard and the mitigations deal with that). A single-node host
 A container's ``cpuset.mems`` (and on v1 ``cpuset.memory_migrate``) from before its first
 binding is noted in the state file (:mod:`reconciler.host.statefile`) and written back when the
 binding goes away (switched off by a reload, the container's pod no longer ``reclaimed_cores``,
-or ``nri-qos reset``); notes of containers that are gone are dropped.
+or ``nri-qos reset``); notes of containers that are gone are dropped. An empty ``cpuset.mems``
+(v2's default: the parent's nodes) comes back as the nodes it gave (:func:`mems_note`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,20 @@ def noted_elsewhere(notes: StateFile, section: str, path: str) -> bool:
     """Whether the other NUMA loop noted ``path`` already (it then owns the undo)."""
     other = NUMA_BALANCE_NOTES if section == NUMA_NOTES else NUMA_NOTES
     return path in notes.entries(other)
+
+
+def mems_note(sysfs: SysFs, cgroup: str, current: str) -> str:
+    """What a container's ``cpuset.mems`` (``current``) is noted as, to be written back.
+
+    An empty one cannot be written back as it was: the kernel takes a write of no bytes as no
+    write at all, and refuses an empty ``cpuset.mems`` to a cgroup with processes (ENOSPC). On
+    v2 it means the parent's nodes, so the nodes it gives (``cpuset.mems.effective``) are noted:
+    the container gets the same nodes back. A v1 cpuset is made with no nodes and holds no
+    process while it has none: empty is noted, and written back as empty
+    (:func:`~reconciler.host.statefile.restore_noted`)."""
+    if current.strip():
+        return current.strip()
+    return (sysfs.read(f"{cgroup}/cpuset.mems.effective") or "").strip()
 
 
 def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
@@ -218,7 +233,8 @@ class NumaBindingLoop(Loop):
             return
         path = f"{cgroup}/cpuset.mems"
         if not (noted_elsewhere(self._notes, NUMA_NOTES, path)
-                or self._notes.remember(NUMA_NOTES, path, current.strip())):
+                or self._notes.remember(NUMA_NOTES, path,
+                                        mems_note(self._sysfs, cgroup, current))):
             return
         if migrate:
             # Only needed when the binding changes, and it must be in place before.

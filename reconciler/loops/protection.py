@@ -14,11 +14,14 @@ So each ancestor in kubelet's layout (the pod's cgroup, its QoS tier, ``kubepods
 of what the policies give the running containers below it (:func:`ancestor_sums`). A file is
 only raised: where it already holds at least the sum (kubelet's MemoryQoS sets the pod and tier
 to the requests), it is left alone. The value from before the first write is noted in the state
-file; when the sum falls (a pod went) the file goes down to the sum, never below what it held
-before; a file someone else changed since the agent's last write is theirs again (its note is
-dropped). The noted files are written back when memory QoS or the reconciler is switched off,
-at a start with the reconciler off, and by ``nri-qos reset``. They stay while the agent stops:
-the containers keep their own protection, and the next run takes the notes up.
+file, and beside it the value the agent last wrote; when the sum falls (a pod went) the file goes
+down to the sum, never below what it held before; a file that no longer holds the agent's last
+write was changed by someone else (kubelet, an operator) and is theirs again: left as it is, its
+notes dropped, logged. The noted files are written back when memory QoS or the reconciler is
+switched off, at a start with the reconciler off, and by ``nri-qos reset``, all of which compare
+with the noted last write, so a later run or the reset tells someone else's value from the
+agent's own. They stay while the agent stops: the containers keep their own protection, and the
+next run takes the notes up.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ log = structlog.get_logger("nri_qos.reconciler")
 
 PROTECTION_NOTES = "protection"
 """State-file section: each ancestor file the agent raised, with its value from before."""
+WRITTEN_NOTES = "protection_written"
+"""State-file section: the value the agent last wrote to each file of :data:`PROTECTION_NOTES`.
+A file noted without one (noted by an agent that kept no such section, its write cut short by a
+crash, or no room left in the state file) is written back whatever it holds. A section of its
+own, so that an agent that knows only :data:`PROTECTION_NOTES` reads its notes as they are."""
 KEYS = ("memory.min", "memory.low")
 
 
@@ -72,7 +80,6 @@ class AncestorProtection:
         self._sysfs = sysfs
         self._layout = layout
         self._notes = notes
-        self._written: dict[str, int] = {}  # path -> the value this run wrote last
 
     def apply(self, sums: Mapping[str, Mapping[str, int]], reason: str) -> None:
         wanted = {f"{self._layout.dir('memory', rel)}/{key}": value
@@ -89,56 +96,81 @@ class AncestorProtection:
                                                  f"{reason}: the sum below it")
             return
         notes = self._notes.entries(PROTECTION_NOTES)
+        written = self._notes.entries(WRITTEN_NOTES)
         for path in sorted(set(notes) | set(wanted)):
             try:
-                self._settle(path, wanted.get(path, 0), notes.get(path), reason)
-            except ValueError as exc:  # the file, or its note, holds no size: left as it is
+                self._settle(path, wanted.get(path, 0), notes.get(path), written.get(path),
+                             reason)
+            except ValueError as exc:  # the file, or a note, holds no size: left as it is
                 log.warning("protection_unreadable", path=path, error=str(exc))
 
-    def _settle(self, path: str, total: int, noted: str | None, reason: str) -> None:
-        """``noted``: the file's value from before, as the state file holds it."""
+    def _settle(self, path: str, total: int, noted: str | None, written: str | None,
+                reason: str) -> None:
+        """``noted``, ``written``: the file's value from before and the agent's last write,
+        as the state file holds them."""
         current = _bytes(self._sysfs.read(path))
         if current is None:  # the pod's cgroup is gone, and its file with it
-            self._forget(path)
+            _forget(self._notes, path)
             return
-        if noted is not None and path in self._written and current != self._written[path]:
-            self._forget(path)  # changed by someone else since: theirs again
+        if noted is not None and written is not None and current != _bytes(written):
+            _theirs(self._notes, path, written, current, reason)
             return
         before = current if noted is None else _bytes(noted) or 0
         target = max(_pages(total), before)
         if target == current or (noted is None and current >= target):
             if noted is not None and target == before:
-                self._forget(path)  # back at what it held before
+                _forget(self._notes, path)  # back at what it held before
             return
         if noted is None and not self._notes.remember(PROTECTION_NOTES, path, str(current)):
             return  # the state file is full: no change that could not be undone
+        # No last write noted while this one is under way: a crash in between leaves a note
+        # that restores whatever the file holds, not one that takes this write for someone
+        # else's and leaves it on the node for good.
+        self._notes.forget(WRITTEN_NOTES, path)
         outcome = self._sysfs.write_if_changed(path, str(target), f"{reason}: the sum below it")
         if outcome is Outcome.OBSERVED or target == before:
-            self._forget(path)  # observe mode changed nothing; or back at what it held
+            _forget(self._notes, path)  # observe mode changed nothing; or back at before
         elif outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
-            self._written[path] = target
-
-    def _forget(self, path: str) -> None:
-        self._notes.forget(PROTECTION_NOTES, path)
-        self._written.pop(path, None)
+            self._notes.remember(WRITTEN_NOTES, path, str(target))
+        elif noted is not None and written is not None:  # not written: it holds the last still
+            self._notes.remember(WRITTEN_NOTES, path, written)
 
     def restore(self, reason: str) -> int:
-        """Writes back every noted file but those changed by someone else since this run wrote
-        them (theirs now, as in :meth:`_settle`); how many were written."""
-        for path, written in self._written.items():
-            try:
-                current = _bytes(self._sysfs.read(path))
-            except ValueError:
-                continue  # holds no size: written back like any other
-            if current is not None and current != written:
-                self._notes.forget(PROTECTION_NOTES, path)
-        self._written.clear()
+        """As :func:`restore_protection`."""
         return restore_protection(self._sysfs, self._notes, reason)
 
 
 def restore_protection(sysfs: SysFs, notes: StateFile, reason: str) -> int:
-    """Writes back every ancestor file noted in the state file; how many were written."""
-    return restore_noted(sysfs, notes, PROTECTION_NOTES, reason)
+    """Writes back every ancestor file noted in the state file but those that no longer hold
+    the agent's last write (someone else's since: left, their notes dropped); how many were
+    written."""
+    written = notes.entries(WRITTEN_NOTES)
+    for path in sorted(notes.entries(PROTECTION_NOTES).keys() & written.keys()):
+        try:
+            current = _bytes(sysfs.read(path))
+            ours = _bytes(written[path])
+        except ValueError:
+            continue  # the file, or the note, holds no size: written back like any other
+        if current is not None and current != ours:
+            _theirs(notes, path, written[path], current, reason)
+    restored = restore_noted(sysfs, notes, PROTECTION_NOTES, reason)
+    for path in written.keys() - notes.entries(PROTECTION_NOTES).keys():
+        notes.forget(WRITTEN_NOTES, path)  # written back, gone, or someone else's
+    return restored
+
+
+def _forget(notes: StateFile, path: str) -> None:
+    """Drops a file's notes, its last write first: cut short in between, what is left is a
+    note that restores the file whatever it holds."""
+    notes.forget(WRITTEN_NOTES, path)
+    notes.forget(PROTECTION_NOTES, path)
+
+
+def _theirs(notes: StateFile, path: str, written: str, current: int, reason: str) -> None:
+    """A file someone else changed since the agent's last write: theirs again, left as it is."""
+    log.warning("protection_changed_by_someone_else", path=path, written=written,
+                current=current, reason=reason)
+    _forget(notes, path)
 
 
 def _pages(value: int) -> int:

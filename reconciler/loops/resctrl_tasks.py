@@ -24,8 +24,11 @@ the control group first.
 Which group a container belongs to is decided by :func:`hooks.resctrl_groups.place_container`,
 the function the CreateContainer answer uses too, with the level the node state decided.
 
-Garbage collection: a pod group whose pod is no longer known is removed once it has been orphaned
-for ``gc_grace_s`` (never before the first NRI state arrived); one the kernel will not remove yet
+Garbage collection: a pod group whose pod is no longer known, or whose pod's plan
+(:func:`hooks.resctrl_annotation.plan_pod_group`) under the configuration gives it no group of
+its own (a reload removes such a group at once; this retries one the kernel refused then, and
+collects one a restart finds), is an orphan; it is removed once it has been one for
+``gc_grace_s`` (never before the first NRI state arrived); one the kernel will not remove yet
 (``EBUSY``) stays an orphan, is tried again every cycle and said once, and never holds up the
 cycle's task moves. The class groups are kept as
 :func:`hooks.resctrl_groups.plan_class_groups` wants them, as at start and on a reload: one that
@@ -39,16 +42,17 @@ again every cycle. Switched on again, the next cycle is a full scan.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
 from common.audit import AuditLog
-from common.state import NodeState
+from common.state import NodeState, PodView
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
+from hooks.resctrl_annotation import plan_pod_group
 from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import parse_group_name, place_container, plan_class_groups
 from reconciler.host.cgroups import CgroupLayout
@@ -145,7 +149,7 @@ class ResctrlTasksLoop(Loop):
         snapshot = self._state.snapshot()
         existing = set(self._resctrl.control_groups())
         recreated = self._keep_class_groups(cfg, existing)
-        self._collect_garbage(existing, snapshot.pod_uids, now, synced=self._state.synced)
+        self._collect_garbage(existing, snapshot.pods, cfg, now, synced=self._state.synced)
         managed = self._managed.get(snapshot)
         full = self._cycles % cfg.reconciler.full_scan_every == 0
         self._cycles += 1
@@ -319,23 +323,37 @@ class ResctrlTasksLoop(Loop):
             self._class_problems.add(problem)
             log.warning("resctrl_class_group_not_recreated", error=problem)
 
-    def _collect_garbage(self, existing: set[str], live_uids: frozenset[str], now: float,
-                         *, synced: bool) -> None:
+    def _collect_garbage(self, existing: set[str], pods: Mapping[str, PodView],
+                         cfg: ResctrlTasksSections, now: float, *, synced: bool) -> None:
+        """Remove the pod groups no pod has (``pods``: the node state's, by sandbox) and those
+        whose pod's plan under the configuration gives it no group of its own: both orphans."""
         if not synced:
             return
-        grace = self._config().reconciler.gc_grace_s
+        grace = cfg.reconciler.gc_grace_s
+        views = {view.info.uid: view for view in pods.values()}
         orphans: set[str] = set()
         for group in sorted(existing):
             ref = parse_group_name(self._resctrl.prefix, group, LEVEL_NAMES)
-            if ref is None or ref.kind != "pod" or ref.key in live_uids:
+            if ref is None or ref.kind != "pod":
+                continue
+            view = views.get(ref.key)
+            if view is None:
+                why = f"pod {ref.key} is gone"
+            # The plan decides, not the containers: a group is made at RunPodSandbox, before
+            # any container uses it. Pod groups are few (one CLOS each), so planning them
+            # every cycle costs little.
+            elif plan_pod_group(view.info, view.level, cfg.resctrl,
+                                self._resctrl.info).group != group:
+                why = f"pod {ref.key}: the configuration gives it no group of its own"
+            else:
                 continue
             orphans.add(group)
             since = self._orphaned_since.setdefault(group, now)
             if now - since < grace:
                 continue
             try:
-                removed = self._resctrl.remove_group(group, reason=f"pod {ref.key} is gone "
-                                                     f"(orphaned for {now - since:.0f} s)")
+                removed = self._resctrl.remove_group(
+                    group, reason=f"{why} (orphaned for {now - since:.0f} s)")
             except OSError as exc:
                 # EBUSY, EROFS ...: the group stays an orphan and is tried again next cycle;
                 # said once per group and error, and this cycle's task moves go on.

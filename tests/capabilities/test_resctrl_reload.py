@@ -1,13 +1,17 @@
 """A reload reaches the resctrl groups of a running agent: switched off, every group of ours goes;
-in observe mode no group limits anything; back in enforce mode the limits return. The agent as
-the daemon builds it, on a fake host."""
+a pod group the configuration no longer gives its pod goes; in observe mode no group limits
+anything; back in enforce mode the limits return. An agent started with resctrl switched off
+removes the groups an earlier run left. The agent as the daemon builds it, on a fake host."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import errno
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
 from hooks.events import Event
@@ -16,6 +20,7 @@ from nri_plugin.agent import Agent, build_agent, probe
 from nri_plugin.config.store import ConfigStore
 from nri_plugin.session.stub import PluginIdentity
 from protos import nri_api_pb2 as api
+from reconciler.host.resctrlfs import ResctrlFs
 from tests.support.builders import UID
 from tests.support.fakesys import FakeHost
 
@@ -30,22 +35,30 @@ POD_LIMIT = "L3:0=1fc;1=1fc\nMB:0=20;1=20\n"
 
 
 class Node:
-    def __init__(self, tmp_path: Path) -> None:
+    """The agent on a fake host; ``before`` runs on the host before the agent starts (an
+    earlier run's groups), ``extra`` is added to the configuration it starts with."""
+
+    def __init__(self, tmp_path: Path, *, extra: str = "", run_background: bool = False,
+                 before: Callable[[FakeHost], object] = FakeHost.make_resctrl) -> None:
         self.host = FakeHost(tmp_path / "host")
-        self.resctrl = self.host.make_resctrl()
+        before(self.host)
+        self.resctrl = self.host.root / "sys/fs/resctrl"
         self.config = tmp_path / "config.toml"
+        self.state_dir = tmp_path / "state"
         self.sink = MemoryAuditSink()
         audit = AuditLog(self.sink)
-        self.write()
+        self.write(extra=extra)
         self.store = ConfigStore(audit)
         self.store.load_initial(self.config)
         host, sysfs = probe(self.store.current, audit)
         self.agent: Agent = build_agent(self.store, audit, host, sysfs,
-                                        PluginIdentity("nri-qos", "10"), run_background=False)
+                                        PluginIdentity("nri-qos", "10"),
+                                        run_background=run_background)
 
     def write(self, mode: str = "enforce", extra: str = "") -> None:
         self.config.write_text(f'[agent]\nmode = "{mode}"\n'
                                f'[reconciler]\nroot = "{self.host.root}"\n'
+                               f'state_dir = "{self.state_dir}"\n'
                                "[kubernetes]\nenabled = false\n[status]\nenabled = false\n"
                                + extra)
 
@@ -111,3 +124,122 @@ async def test_observe_mode_lifts_every_limit_and_enforce_brings_them_back(node:
     node.reload(mode="enforce")
     assert node.schemata("nriqos-reclaimed_cores") == RECLAIMED
     assert node.schemata(POD_GROUP) == POD_LIMIT
+
+
+UNWANTED = f"pod {UID}: the configuration gives it no group of its own"
+
+
+@pytest.mark.parametrize(("mode", "extra"), [
+    ("enforce", "[resctrl]\npod_groups = false\n"),
+    # The pod's annotation is Koordinator's: no longer honoured.
+    ("enforce", "[resctrl]\nkoordinator_annotation = false\n"),
+    # Its level's share no longer admits the request (L3 [20, 80], MB 20 %).
+    ("enforce", "[resctrl.levels.shared_cores]\nl3_end_percent = 79\nmb_percent = 19\n"),
+    # The plan names another group.
+    ("enforce", '[resctrl]\ngroup_prefix = "other-"\n'),
+    # Removing undoes: not held back in observe mode.
+    ("observe", "[resctrl]\npod_groups = false\n"),
+])
+async def test_a_reload_that_gives_a_live_pod_no_group_of_its_own_removes_it(
+        node: Node, mode: str, extra: str) -> None:
+    await node.run_pod()
+    assert node.groups() == ALL_GROUPS
+    node.reload(mode=mode, extra=extra)
+    assert POD_GROUP not in node.groups()
+    assert set(CLASS_GROUPS) <= set(node.groups())
+    assert [(r["group"], r["reason"]) for r in node.sink.named("resctrl_group_removed")] == [
+        (POD_GROUP, UNWANTED)]
+
+
+@pytest.mark.parametrize("extra", [
+    # The request at the exact edge of the level's share and the caps: still admitted.
+    "[resctrl.levels.shared_cores]\nl3_end_percent = 80\nmb_percent = 20\n",
+    "[resctrl]\npod_l3_max_percent = 80\npod_mb_max_percent = 20\n",
+    # Only another level's class group changes.
+    "[resctrl.levels.reclaimed_cores]\nenabled = false\n",
+])
+async def test_a_reload_that_still_gives_the_pod_its_group_keeps_it(node: Node,
+                                                                    extra: str) -> None:
+    await node.run_pod()
+    node.reload(extra=extra)
+    assert POD_GROUP in node.groups()
+    assert node.schemata(POD_GROUP) == POD_LIMIT
+    assert POD_GROUP not in {r["group"] for r in node.sink.named("resctrl_group_removed")}
+
+
+async def test_a_pod_group_the_kernel_will_not_remove_at_the_reload_is_said_and_stays(
+        node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    await node.run_pod()
+
+    def busy(self: ResctrlFs, group: str, reason: str) -> bool:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(ResctrlFs, "remove_group", busy)
+    with capture_logs() as logs:
+        node.reload(extra="[resctrl]\npod_groups = false\n")
+    said = [(e["group"], e["error"]) for e in logs if e["event"] == "resctrl_group_not_removed"]
+    assert said == [(POD_GROUP, "OSError: Device or resource busy")]
+    # The task-id loop tries it again (tests/loops/test_loop_resctrl_tasks.py).
+    assert node.groups() == ALL_GROUPS
+
+
+def leftovers(host: FakeHost) -> None:
+    """What an earlier run with resctrl on left: its class groups, a pod group with its monitor
+    group; and a group that is not ours."""
+    host.make_resctrl()
+    for group in ALL_GROUPS:
+        host.add_resctrl_group(group, monitor=group == POD_GROUP)
+    host.add_resctrl_group("COS1")
+
+
+def test_an_agent_started_with_resctrl_off_removes_the_groups_an_earlier_run_left(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path, extra="[resctrl]\nenabled = false\n", run_background=True,
+                before=leftovers)
+    node.agent.executor.shutdown()
+    assert node.groups() == ["COS1"]
+    assert sorted((r["group"], r["reason"]) for r in node.sink.named("resctrl_group_removed")) == [
+        (group, "resctrl.enabled is false") for group in ALL_GROUPS]
+
+
+def test_a_group_the_kernel_will_not_remove_at_start_is_said_and_the_others_go(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    remove_group = ResctrlFs.remove_group
+
+    def busy(self: ResctrlFs, group: str, reason: str) -> bool:
+        if group == POD_GROUP:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        return remove_group(self, group, reason)
+
+    monkeypatch.setattr(ResctrlFs, "remove_group", busy)
+    with capture_logs() as logs:
+        node = Node(tmp_path, extra="[resctrl]\nenabled = false\n", run_background=True,
+                    before=leftovers)
+    node.agent.executor.shutdown()
+    said = [(e["group"], e["error"]) for e in logs if e["event"] == "resctrl_group_not_removed"]
+    assert said == [(POD_GROUP, "OSError: Device or resource busy")]
+    assert node.groups() == ["COS1", POD_GROUP]
+
+
+def test_an_agent_started_with_resctrl_off_and_not_mounted_does_nothing(tmp_path: Path) -> None:
+    with capture_logs() as logs:
+        node = Node(tmp_path, extra="[resctrl]\nenabled = false\n", run_background=True,
+                    before=lambda host: None)
+    node.agent.executor.shutdown()
+    assert not node.resctrl.exists()
+    assert [e for e in logs if "resctrl" in e["event"]] == []
+    assert [name for name, _ in node.sink.records if "resctrl" in name] == []
+
+
+@pytest.mark.parametrize(("extra", "run_background"), [
+    # resctrl on: the groups are the agent's own.
+    ("", True),
+    # A simulation leaves the node as it is.
+    ("[resctrl]\nenabled = false\n", False),
+])
+def test_an_agent_started_otherwise_leaves_the_groups(tmp_path: Path, extra: str,
+                                                      run_background: bool) -> None:
+    node = Node(tmp_path, extra=extra, run_background=run_background, before=leftovers)
+    node.agent.executor.shutdown()
+    assert node.groups() == sorted(["COS1", *ALL_GROUPS])
+    assert node.sink.named("resctrl_group_removed") == []

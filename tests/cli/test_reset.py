@@ -27,6 +27,7 @@ from reconciler.kube import KubernetesConfig
 from reconciler.loops.cpu_idle import CpuIdleLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES
+from reconciler.loops.protection import PROTECTION_NOTES, WRITTEN_NOTES, AncestorProtection
 from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.fakesys import GIB, FakeHost
 from tests.support.guard_config import standing
@@ -229,6 +230,28 @@ def test_reset_writes_back_what_the_numa_balance_changed(node: Node) -> None:
     assert "NUMA balance: restore cpuset.mems of 1 container(s): restored 1 file(s)" in out
     assert mems.read_text().strip() == "0"
     assert state_file(node.cfg.reconciler.state_dir).entries(NUMA_BALANCE_NOTES) == {}
+
+
+def test_reset_leaves_a_protection_someone_else_changed_since_the_agents_last_write(
+        node: Node) -> None:
+    """The fixture's kubepods note holds no last write (written back whatever the file holds);
+    the tier's protection, raised by a run that noted its write, is kubelet's since."""
+    sysfs = SysFs(node.host.root, AuditLog(node.sink))
+    tier = "kubepods.slice/kubepods-burstable.slice"
+    AncestorProtection(sysfs, layout_for(sysfs), state_file(node.cfg.reconciler.state_dir)
+                       ).apply({"kubepods.slice": {"memory.min": 512 << 20},
+                                tier: {"memory.low": 256 << 20}}, "drift")
+    low = node.host.tier_dir("burstable") / "memory.low"
+    assert low.read_text() == str(256 << 20)
+    low.write_text(f"{GIB}\n")  # kubelet's MemoryQoS, after the agent stopped
+    code, out = node.run()
+    assert code == 0, out
+    assert ("memory QoS: restore memory.min/memory.low of 2 pod or tier file(s): restored 1 "
+            "file(s)") in out.splitlines()
+    assert low.read_text().strip() == str(GIB)
+    assert (node.host.tier_dir("guaranteed") / "memory.min").read_text().strip() == "0"
+    notes = state_file(node.cfg.reconciler.state_dir)
+    assert (notes.entries(PROTECTION_NOTES), notes.entries(WRITTEN_NOTES)) == ({}, {})
 
 
 def test_a_write_the_kernel_refuses_fails_the_reset_and_keeps_its_note(

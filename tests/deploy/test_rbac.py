@@ -79,6 +79,8 @@ async def _watch(d: Drive) -> None:
 
 async def _evict(d: Drive) -> None:
     await d.actions().evict("default", "p1", None, dry_run=True)
+    # A uid precondition that does not hold: the 409 has the pod read back.
+    await d.actions().evict("default", "p1", None, dry_run=True, uid="not-p1")
     await d.actions().evict("default", "p1", 30, dry_run=False)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 import shutil
 from pathlib import Path
 from types import MappingProxyType
@@ -22,6 +24,8 @@ from reconciler.loops.resctrl_tasks import ResctrlTasksLoop
 from tests.support.fakesys import FakeHost, read_ids
 
 PREFIX = "nriqos-"
+# A pod asking for its own group (the annotation its group is made from).
+ASKS = {"qos.nri-qos.io/resctrl": '{"LLC":{"schemata":{"range":[20,80]}}}'}
 
 
 @dataclasses.dataclass
@@ -170,7 +174,7 @@ def test_level_change_through_the_pod_watch_moves_tasks(tmp_path: Path) -> None:
 
 def test_orphan_pod_groups_are_removed_after_the_grace_period(tmp_path: Path) -> None:
     w = world(tmp_path, gc_grace_s=30.0)
-    w.host.add_pod(uid(1), tier="burstable")
+    w.host.add_pod(uid(1), tier="burstable", annotations=ASKS)
     live = f"{PREFIX}pod-{uid(1)}"
     orphan = f"{PREFIX}pod-{uid(2)}"
     foreign = "someone-else"
@@ -180,7 +184,7 @@ def test_orphan_pod_groups_are_removed_after_the_grace_period(tmp_path: Path) ->
     # delivered pods (it may be up while the runtime is not)
     w.loop.cycle(0.0)
     w.state.apply_meta(PodMeta(uid=uid(1), namespace="default", name="p1",
-                               annotations=MappingProxyType({}), labels=MappingProxyType({}),
+                               annotations=MappingProxyType(ASKS), labels=MappingProxyType({}),
                                priority=None,
                                memory_requests=MappingProxyType({}),
                                memory_limits=MappingProxyType({}), deleted=False))
@@ -206,10 +210,76 @@ def test_orphan_that_comes_back_is_kept(tmp_path: Path) -> None:
     w.host.add_pod(uid(1), tier="burstable")
     w.sync()
     w.loop.cycle(0.0)
-    w.host.add_pod(uid(3), tier="burstable")
+    w.host.add_pod(uid(3), tier="burstable", annotations=ASKS)
     w.sync()
     w.loop.cycle(40.0)
     assert (w.resctrl / f"{PREFIX}pod-{uid(3)}").is_dir()
+
+
+def test_a_live_pods_group_the_configuration_no_longer_gives_it_goes_after_the_grace_period(
+        tmp_path: Path) -> None:
+    w = world(tmp_path, gc_grace_s=30.0)
+    pod = w.host.add_pod(uid(1), tier="burstable", annotations=ASKS)
+    tids = set(pod.containers[0].tids)
+    group = f"{PREFIX}pod-{uid(1)}"
+    w.host.add_resctrl_group(group, monitor=True)
+    w.sync()
+    on = w.config
+    off = dataclasses.replace(on, resctrl=dataclasses.replace(on.resctrl, pod_groups=False))
+    w.loop.cycle(0.0)
+    w.loop.cycle(100.0)
+    assert w.tasks(group) == tids
+    w.loop._config = lambda: off  # the config store's reload, in short
+    w.loop.cycle(200.0)
+    # Wanted again before the grace period ends: kept, and its age starts anew.
+    w.loop._config = lambda: on
+    w.loop.cycle(210.0)
+    w.loop._config = lambda: off
+    w.loop.cycle(220.0)
+    w.loop.cycle(249.0)
+    assert (w.resctrl / group).is_dir()
+    assert w.sink.named("resctrl_group_removed") == []
+    w.loop.cycle(250.0)
+    assert not (w.resctrl / group).exists()
+    assert w.sink.named("resctrl_group_removed") == [{
+        "group": group,
+        "reason": f"pod {uid(1)}: the configuration gives it no group of its own "
+                  "(orphaned for 30 s)"}]
+    # The class groups stay, and the pod's tasks are in its level's.
+    assert all((w.resctrl / (PREFIX + level)).is_dir() for level in LEVEL_NAMES)
+    assert w.tasks(PREFIX + "shared_cores") == tids
+
+
+def test_a_live_pods_group_the_kernel_will_not_remove_is_tried_again_every_cycle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(tmp_path, gc_grace_s=0.0)
+    w.host.add_pod(uid(1), tier="burstable", annotations=ASKS)
+    group = f"{PREFIX}pod-{uid(1)}"
+    w.host.add_resctrl_group(group, monitor=True)
+    w.sync()
+    # Another annotation key: the pod's no longer asks for a group.
+    moved = dataclasses.replace(w.config, resctrl=dataclasses.replace(
+        w.config.resctrl, annotation="example.com/resctrl"))
+    w.loop._config = lambda: moved
+    remove_group = ResctrlFs.remove_group
+    tried: list[str] = []
+
+    def busy(self: ResctrlFs, name: str, reason: str) -> bool:
+        tried.append(name)
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(ResctrlFs, "remove_group", busy)
+    with capture_logs() as logs:
+        w.loop.cycle(0.0)
+        w.loop.cycle(1.0)
+    assert tried == [group, group]
+    said = [(e["group"], e["error"]) for e in logs if e["event"] == "resctrl_group_not_removed"]
+    assert said == [(group, "OSError: Device or resource busy")]
+    assert (w.resctrl / group).is_dir()
+    monkeypatch.setattr(ResctrlFs, "remove_group", remove_group)
+    w.loop.cycle(2.0)
+    assert not (w.resctrl / group).exists()
+    assert [r["group"] for r in w.sink.named("resctrl_group_removed")] == [group]
 
 
 @pytest.mark.parametrize("level", ["reclaimed_cores", "shared_cores"])

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
@@ -14,13 +16,15 @@ from hooks.config_fields import frozen_map
 from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import CgroupRef, layout_for, parse_cgroups_path
 from reconciler.host.statefile import StateFile
-from reconciler.host.sysfs import SysFs
+from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.protection import (
     PROTECTION_NOTES,
+    WRITTEN_NOTES,
     AncestorProtection,
     ancestor_sums,
     ancestors,
+    restore_protection,
 )
 from tests.support.fakesys import GIB, MIB, FakeHost
 
@@ -100,6 +104,11 @@ class Tree:
     def apply(self, sums: dict[str, dict[str, int]]) -> None:
         self.protection.apply(sums, "test")
 
+    def restarted(self) -> tuple[AncestorProtection, StateFile]:
+        """A new run's protection writer, on the state file as the last run left it."""
+        notes = StateFile(self.notes.path)
+        return AncestorProtection(self.sysfs, layout_for(self.sysfs), notes), notes
+
 
 def test_raised_lowered_to_what_it_held_and_forgotten(tmp_path: Path) -> None:
     tree = Tree(tmp_path)
@@ -170,6 +179,107 @@ def test_a_new_run_takes_the_notes_up_and_restores(tmp_path: Path) -> None:
     assert again.restore("test") == 1
     assert tree.value(tier) == 0
     assert StateFile(str(tmp_path / "state.json")).entries(PROTECTION_NOTES) == {}
+
+
+def test_after_a_restart_a_file_still_holding_the_last_write_is_written_back(
+        tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    tier = "kubepods/burstable"
+    tree.file(tier).write_text("4096\n")
+    tree.apply({tier: {"memory.min": 100 * MIB}})
+    tree.apply({tier: {"memory.min": 60 * MIB}})
+    assert tree.notes.entries(WRITTEN_NOTES) == {tree.noted(tier): str(60 * MIB)}
+    again, notes = tree.restarted()
+    assert again.restore("test") == 1
+    assert tree.value(tier) == 4096
+    assert StateFile(notes.path).entries(PROTECTION_NOTES) == {}
+    assert StateFile(notes.path).entries(WRITTEN_NOTES) == {}
+
+
+@pytest.mark.parametrize("restore", ["switched off", "reset"])
+def test_after_a_restart_a_value_someone_else_changed_is_not_written_back(
+        tmp_path: Path, restore: str) -> None:
+    tree = Tree(tmp_path)
+    tier, other = "kubepods/burstable", "kubepods"
+    tree.apply({tier: {"memory.min": 100 * MIB}, other: {"memory.min": 100 * MIB}})
+    tree.file(tier).write_text(str(100 * MIB + 4096))  # kubelet, say, one page more
+    again, notes = tree.restarted()
+    with capture_logs() as logs:
+        written = (again.restore("test") if restore == "switched off"
+                   else restore_protection(tree.sysfs, notes, "nri-qos reset"))
+    assert written == 1
+    assert (tree.value(tier), tree.value(other)) == (100 * MIB + 4096, 0)
+    assert StateFile(notes.path).entries(PROTECTION_NOTES) == {}
+    assert StateFile(notes.path).entries(WRITTEN_NOTES) == {}
+    [left] = [r for r in logs if r["event"] == "protection_changed_by_someone_else"]
+    assert (left["path"], left["written"], left["current"]) == (
+        tree.noted(tier), str(100 * MIB), 100 * MIB + 4096)
+
+
+def test_after_a_restart_a_value_someone_else_changed_is_theirs(tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    tier = "kubepods/burstable"
+    tree.apply({tier: {"memory.min": 100 * MIB}})
+    tree.file(tier).write_text(str(300 * MIB))
+    again, notes = tree.restarted()
+    again.apply({tier: {"memory.min": 50 * MIB}}, "test")
+    assert tree.value(tier) == 300 * MIB
+    assert StateFile(notes.path).entries(PROTECTION_NOTES) == {}
+
+
+def test_a_note_without_the_last_write_is_written_back_whatever_the_file_holds(
+        tmp_path: Path) -> None:
+    """A state file with the protection section alone, as an agent that kept no last write
+    leaves it."""
+    tree = Tree(tmp_path)
+    tier = "kubepods/burstable"
+    tree.file(tier).write_text(str(300 * MIB))
+    (tmp_path / "state.json").write_text(
+        json.dumps({PROTECTION_NOTES: {tree.noted(tier): "4096"}}))
+    again, notes = tree.restarted()
+    assert again.restore("test") == 1
+    assert tree.value(tier) == 4096
+    assert StateFile(notes.path).entries(PROTECTION_NOTES) == {}
+
+
+def test_a_last_write_without_its_files_note_is_dropped_by_a_restore(tmp_path: Path) -> None:
+    tree = Tree(tmp_path)
+    tree.notes.put(WRITTEN_NOTES, tree.noted("kubepods"), str(MIB))
+    assert restore_protection(tree.sysfs, tree.notes, "test") == 0
+    assert tree.value("kubepods") == 0
+    assert StateFile(tree.notes.path).entries(WRITTEN_NOTES) == {}
+
+
+def test_no_last_write_is_noted_while_a_write_is_under_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash during the write leaves a note that writes back the value from before, not one
+    that takes the write for someone else's change."""
+    tree = Tree(tmp_path)
+    tier = "kubepods/burstable"
+    tree.apply({tier: {"memory.min": 100 * MIB}})
+    on_disk: list[dict[str, str]] = []
+    write = tree.sysfs.write_if_changed
+
+    def watched(path: str, value: str, reason: str) -> Outcome:
+        on_disk.append(dict(StateFile(tree.notes.path).entries(WRITTEN_NOTES)))
+        return write(path, value, reason)
+
+    monkeypatch.setattr(tree.sysfs, "write_if_changed", watched)
+    tree.apply({tier: {"memory.min": 200 * MIB}})
+    assert on_disk == [{}]
+    assert tree.notes.entries(WRITTEN_NOTES) == {tree.noted(tier): str(200 * MIB)}
+
+
+def test_a_write_the_kernel_refuses_keeps_the_last_write_noted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = Tree(tmp_path)
+    tier = "kubepods/burstable"
+    tree.apply({tier: {"memory.min": 100 * MIB}})
+    monkeypatch.setattr(tree.sysfs, "write_if_changed",
+                        lambda path, value, reason: Outcome.FAILED)
+    tree.apply({tier: {"memory.min": 200 * MIB}})
+    assert tree.value(tier) == 100 * MIB
+    assert StateFile(tree.notes.path).entries(WRITTEN_NOTES) == {tree.noted(tier): str(100 * MIB)}
 
 
 def test_observe_mode_writes_nothing_and_undoes_an_enforcing_run(tmp_path: Path) -> None:

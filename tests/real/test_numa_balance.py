@@ -1,6 +1,7 @@
 """NUMA balance on a real two-node v2 kernel: an offline pod's pages move off the pressed node in
 bounded steps, the online pod's never; a refused move, a step past its deadline, a process and a
-cgroup gone mid-step.
+cgroup gone mid-step; what the balance and the binding changed given back once the pod is no
+longer reclaimed or the loop is switched off.
 
 The guest has two nodes of 2 GiB. A node is made "pressed" by putting the memory guard's
 watermark floor above its free memory (and below the other node's), as the binding test does.
@@ -29,8 +30,14 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.loops.numa_balance import Mover, NumaBalanceLoop
-from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, restore_bindings
-from tests.support.guest_node import MIB, Node, numa_stat
+from reconciler.loops.numa_binding import (
+    NUMA_BALANCE_NOTES,
+    NUMA_NOTES,
+    NumaBindingLoop,
+    restore_bindings,
+)
+from tests.support.builders import LEVEL, api_pod
+from tests.support.guest_node import MIB, Node, numa_stat, one_pod
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
@@ -38,6 +45,9 @@ UID = "4e4e4e4e-0000-4000-8000-0000000000b1"
 CID = "b" * 64
 ONLINE = "4e4e4e4e-0000-4000-8000-0000000000b2"
 ONLINE_CID = "c" * 64
+RAISED = "4e4e4e4e-0000-4000-8000-0000000000b3"
+"""A Burstable pod whose annotation made it ``reclaimed_cores`` after its creation."""
+RAISED_CID = "e" * 64
 REPO = Path(__file__).resolve().parents[2]
 # The deadline of a step whose test is not about deadlines: a step's child starts in 0.8-1.3 s in
 # a TCG guest here, yet one in a CI run gave no answer within 20 s (a busy host stalls a guest).
@@ -266,3 +276,112 @@ def test_on_cgroup_v1_the_balance_does_not_run_and_says_why() -> None:
         "runs": False, "detail": "cgroup v1 is not supported: there a binding's change moves "
                                  "the pages (cpuset.memory_migrate) in one go"}
     assert found["features"]["reconciler.numa_binding"]["runs"] is True
+
+
+# -- undone: the pod no longer reclaimed, or the loop switched off by a reload --------------------
+
+
+def raised(cgroups_path: str) -> NodeState:
+    """:data:`RAISED`'s pod, made ``reclaimed_cores`` by its annotation in the API server; the
+    test takes it back to ``shared_cores`` with :func:`undo`."""
+    state = one_pod(RAISED, "shared_cores", RAISED_CID, cgroups_path)
+    state.apply_meta(api_pod(RAISED, "pod", {LEVEL: "reclaimed_cores"}))
+    return state
+
+
+def undo(how: str, state: NodeState, cfg: list[Config], section: str) -> None:
+    if how == "no longer reclaimed":
+        state.apply_meta(api_pod(RAISED, "pod", {}))
+    elif section == NUMA_NOTES:
+        cfg[0] = dataclasses.replace(cfg[0], numa=dataclasses.replace(cfg[0].numa,
+                                                                      enabled=False))
+    else:
+        cfg[0] = dataclasses.replace(cfg[0], numa_balance=dataclasses.replace(
+            cfg[0].numa_balance, enabled=False))
+
+
+@pytest.mark.parametrize("how", ["no longer reclaimed", "switched off"])
+def test_a_binding_undone_gives_the_pod_back_its_nodes(node: Node, how: str) -> None:
+    cgroup, path = node.container("burstable", RAISED, RAISED_CID)
+    # v2's default for a container: empty, the parent's nodes (both).
+    assert (cgroup / "cpuset.mems").read_text() == "\n"
+    holder = node.holder(cgroup, 32)
+    state = raised(path)
+    # Both nodes above a small floor: the binding takes the one with most headroom, alone, and
+    # (the balance off) moves the pages there in its write.
+    base = config(32 * MIB)
+    cfg = [dataclasses.replace(
+        base, numa=dataclasses.replace(base.numa, enabled=True, max_nodes=1),
+        numa_balance=dataclasses.replace(base.numa_balance, enabled=False))]
+    sink = MemoryAuditSink()
+    sysfs = SysFs("/", AuditLog(sink))
+    notes = StateFile(None)
+    loop = NumaBindingLoop(lambda: cfg[0], state, sysfs, layout_for(sysfs), AuditLog(sink),
+                           notes=notes)
+    loop.cycle(0.0)
+    [bound] = sink.named("numa_binding")
+    chosen = int(str(bound["mems"]))
+    assert (cgroup / "cpuset.mems").read_text().strip() == str(chosen)
+    # cgroup v2 moves the pages with the write.
+    deadline = time.monotonic() + 30
+    while (numa_stat(cgroup, "anon").get(1 - chosen, 0) >= 4 * MIB
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert numa_stat(cgroup, "anon").get(1 - chosen, 0) < 4 * MIB
+    undo(how, state, cfg, NUMA_NOTES)
+    loop.cycle(1.0)
+    # Both nodes again: the kernel takes no empty cpuset.mems back while a process is in it.
+    assert (cgroup / "cpuset.mems").read_text().strip() == "0-1"
+    assert (cgroup / "cpuset.mems.effective").read_text().strip() == "0-1"
+    assert notes.entries(NUMA_NOTES) == {}
+    assert sink.named("cgroup_write_failed") == []
+    holder.kill()
+    holder.wait()
+
+
+@pytest.mark.parametrize("how", ["no longer reclaimed", "switched off"])
+def test_a_balance_undone_gives_the_pod_back_its_nodes(node: Node, tmp_path: Path,
+                                                       how: str) -> None:
+    cgroup, path = node.container("burstable", RAISED, RAISED_CID)
+    # The container's cpuset.mems stays v2's default, empty: its pod's nodes, node 0 while the
+    # pages are allocated, then both (widening moves nothing: the pages stay on node 0).
+    pod = cgroup.parent
+    (pod / "cpuset.mems").write_text("0")
+    holder = node.holder(cgroup, 32)
+    (pod / "cpuset.mems").write_text("0-1")
+    assert (cgroup / "cpuset.mems").read_text() == "\n"
+    assert numa_stat(cgroup, "anon")[0] >= 30 * MIB
+    # Node 0 100 MiB under the floor, node 1 far above it: an online pod's memory on node 0
+    # (never moved) makes the gap where the nodes' own does not.
+    gap = free(1) - free(0)
+    if gap < 400 * MIB:
+        web, _ = node.container("burstable", ONLINE, ONLINE_CID)
+        (web / "cpuset.mems").write_text("0")
+        node.holder(web, (400 * MIB - gap) // MIB + 1)
+    floor = free(0) + 100 * MIB
+    assert free(1) > floor + 200 * MIB
+    state = raised(path)
+    cfg = [config(floor)]
+    sink = MemoryAuditSink()
+    sysfs = SysFs("/", AuditLog(sink))
+    notes = StateFile(str(tmp_path / "state.json"))
+    loop = NumaBalanceLoop(lambda: cfg[0], state, sysfs, layout_for(sysfs), AuditLog(sink),
+                           notes=notes)
+    # A step moves the pod's pages to node 1, then node 0 leaves its cpuset.mems (within a
+    # cycle or two: what the step could not move, page cache no process maps, is seen after).
+    for cycle in range(4):
+        loop.cycle(float(cycle))
+        if (cgroup / "cpuset.mems").read_text().strip() == "1":
+            break
+        time.sleep(0.2)
+    seen = [(s["result"], s["moved_bytes"], s["reason"]) for s in sink.named("numa_balance_step")]
+    assert (cgroup / "cpuset.mems").read_text().strip() == "1", seen
+    assert list(notes.entries(NUMA_BALANCE_NOTES)) == [f"{cgroup}/cpuset.mems"]
+    undo(how, state, cfg, NUMA_BALANCE_NOTES)
+    loop.cycle(10.0)
+    assert (cgroup / "cpuset.mems").read_text().strip() == "0-1"
+    assert (cgroup / "cpuset.mems.effective").read_text().strip() == "0-1"
+    assert notes.entries(NUMA_BALANCE_NOTES) == {}
+    assert sink.named("cgroup_write_failed") == []
+    holder.kill()
+    holder.wait()

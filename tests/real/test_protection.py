@@ -1,6 +1,7 @@
 """Memory protection on a real cgroup v2 kernel: a container's ``memory.min``, or the default
 policy's ``memory.low``, keeps nothing while its pod and tier cgroups are at 0, and keeps its page
-cache once drift gave them the sum below.
+cache once drift gave them the sum below. A restarted agent writes back the values from before
+only where the files still hold its last write.
 
 ``kubepods`` is capped (node-allocatable), an online container holds page cache under its own
 protection, and an offline pod streams a file larger than ``kubepods`` over and over: the
@@ -24,7 +25,7 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
-from reconciler.loops.protection import PROTECTION_NOTES
+from reconciler.loops.protection import PROTECTION_NOTES, WRITTEN_NOTES, AncestorProtection
 from tests.support.guest_node import CGROUP, MIB, Node, memory_stat, read_int
 from tests.support.realroot import data_file
 
@@ -126,3 +127,27 @@ def test_a_containers_protection_holds_only_with_its_ancestors(node: Node, tmp_p
     for rel in (f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable", "kubepods"):
         assert read_int(CGROUP / rel / key) == 0, rel
     assert notes.entries(PROTECTION_NOTES) == {}
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_agent_writes_back_only_what_still_holds_its_last_write(
+        node: Node, tmp_path: Path) -> None:
+    node.container("burstable", ONLINE, ONLINE_CID)
+    pod, tier = f"kubepods/burstable/pod{ONLINE}", "kubepods/burstable"
+    (CGROUP / tier / "memory.low").write_text(str(8 * MIB))  # someone's value before
+    sysfs = SysFs("/", AuditLog(MemoryAuditSink()))
+    state = str(tmp_path / "state.json")
+    sums = {rel: {"memory.low": REQUEST_MIB * MIB} for rel in (pod, tier, "kubepods")}
+    AncestorProtection(sysfs, layout_for(sysfs), StateFile(state)).apply(sums, "drift")
+    for rel in sums:
+        assert read_int(CGROUP / rel / "memory.low") == REQUEST_MIB * MIB, rel
+    # kubelet's MemoryQoS takes the pod's over while the agent is down; the kernel keeps whole
+    # pages of what it is given
+    (CGROUP / pod / "memory.low").write_text(str(200 * MIB + 100))
+    restarted = AncestorProtection(sysfs, layout_for(sysfs), StateFile(state))
+    assert restarted.restore("memory QoS switched off") == 2
+    assert read_int(CGROUP / pod / "memory.low") == 200 * MIB
+    assert read_int(CGROUP / tier / "memory.low") == 8 * MIB
+    assert read_int(CGROUP / "kubepods" / "memory.low") == 0
+    notes = StateFile(state)
+    assert (notes.entries(PROTECTION_NOTES), notes.entries(WRITTEN_NOTES)) == ({}, {})

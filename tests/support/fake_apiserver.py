@@ -1,7 +1,7 @@
 """An HTTP server on 127.0.0.1 that answers like the Kubernetes API server for what nri-qos uses.
 
-Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), the pod
-Eviction subresource, Event creation, node GET and PATCH (of the node and of its status
+Served: pod list and watch (``/api/v1/pods`` with ``fieldSelector=spec.nodeName=X``), pod GET,
+the pod Eviction subresource, Event creation, node GET and PATCH (of the node and of its status
 subresource; a merge patch replaces lists, a strategic merge patch merges the status conditions
 by type, as the API server does). Tests change pods through :meth:`add_pod`, :meth:`modify_pod`,
 :meth:`delete_pod` (each change gets a resourceVersion and a watch event) and inject trouble:
@@ -41,6 +41,8 @@ class _Failure:
     status: int
     remaining: int
     watch_only: bool
+    # The Retry-After header the answer carries (a 429 without one: "1")
+    retry_after: str | None = None
 
 
 @dataclass
@@ -66,7 +68,8 @@ class _State:
     delays: list[_Delay] = field(default_factory=list)
     # Events created, in order
     events: list[dict[str, Any]] = field(default_factory=list)
-    pdb_blocked: set[tuple[str, str]] = field(default_factory=set)
+    # (namespace, name) -> the Retry-After header its 429 carries, if any
+    pdb_blocked: dict[tuple[str, str], str | None] = field(default_factory=dict)
     patch_conflicts: int = 0
     # bumped to end (gracefully) or drop (abruptly) the open watch streams
     end_generation: int = 0
@@ -328,12 +331,14 @@ class FakeApiServer:
 
     def fail_next(
         self, method: str, path_prefix: str, status: int, count: int = 1, *,
-        watch_only: bool = False,
+        watch_only: bool = False, retry_after: str | None = None,
     ) -> None:
-        """The next ``count`` matching requests (only watches, if asked) answer ``status``."""
+        """The next ``count`` matching requests (only watches, if asked) answer ``status``, with
+        ``Retry-After: retry_after`` when given; a 429 as Priority and Fairness does, with
+        ``Retry-After: 1`` unless told otherwise."""
         with self._lock:
             self._state.failures.append(
-                _Failure(method, path_prefix, status, count, watch_only)
+                _Failure(method, path_prefix, status, count, watch_only, retry_after)
             )
 
     def compact(self) -> None:
@@ -360,14 +365,16 @@ class FakeApiServer:
         with self._lock:
             self._state.delays.append(_Delay(method, path_prefix, seconds, count))
 
-    def block_eviction(self, namespace: str, name: str) -> None:
-        """Evictions of this pod answer 429, as with an exhausted PodDisruptionBudget."""
+    def block_eviction(self, namespace: str, name: str, *,
+                       retry_after: str | None = None) -> None:
+        """Evictions of this pod answer 429, as with an exhausted PodDisruptionBudget, with
+        ``Retry-After: retry_after`` when given."""
         with self._lock:
-            self._state.pdb_blocked.add((namespace, name))
+            self._state.pdb_blocked[(namespace, name)] = retry_after
 
     def unblock_eviction(self, namespace: str, name: str) -> None:
         with self._lock:
-            self._state.pdb_blocked.discard((namespace, name))
+            self._state.pdb_blocked.pop((namespace, name), None)
 
     def conflict_next_patches(self, count: int) -> None:
         """Another writer updates the node before each of the next ``count`` patches (409)."""
@@ -415,7 +422,7 @@ class FakeApiServer:
                 return delay.seconds
         return 0.0
 
-    def _take_failure(self, method: str, path: str, watch: bool) -> int | None:
+    def _take_failure(self, method: str, path: str, watch: bool) -> _Failure | None:
         for failure in self._state.failures:
             if failure.watch_only and not watch:
                 continue
@@ -423,7 +430,7 @@ class FakeApiServer:
                 failure.remaining -= 1
                 if failure.remaining <= 0:
                     self._state.failures.remove(failure)
-                return failure.status
+                return failure
         return None
 
 

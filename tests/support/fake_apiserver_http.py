@@ -88,6 +88,14 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return result
 
 
+BUDGET_REFUSAL = "Cannot evict pod as it would violate the pod's disruption budget."
+BUDGET_DETAILS = {"causes": [{
+    "reason": "DisruptionBudget",
+    "message": "The disruption budget pdb needs 1 healthy pods and has 1",
+}]}
+"""The Status the API server sends with a 429 from a PodDisruptionBudget."""
+
+
 class Handler(BaseHTTPRequestHandler):
     api: FakeApiServer
     protocol_version = "HTTP/1.1"
@@ -132,27 +140,36 @@ class Handler(BaseHTTPRequestHandler):
             ):
                 self._status(record, 401, "Unauthorized", "Unauthorized")
                 return
-            injected = api._take_failure(method, parts.path, query.get("watch") == "true")
+            failure = api._take_failure(method, parts.path, query.get("watch") == "true")
             delay = api._take_delay(method, parts.path)
         if delay:
             deadline = time.monotonic() + delay
             with api._lock:
                 while not api._closing and time.monotonic() < deadline:
                     api._lock.wait(deadline - time.monotonic())
-        if injected == 429:
-            # What API Priority and Fairness answers a client it throttles (no disruption
-            # budget involved).
-            self._status(record, 429, "TooManyRequests",
-                         "Too many requests, please try again later.",
-                         details={"retryAfterSeconds": 1}, headers={"Retry-After": "1"})
-            return
-        if injected is not None:
-            self._status(record, injected, "InternalError" if injected >= 500 else "Injected",
-                         f"injected failure {injected}")
+        if failure is not None:
+            sent = None if failure.retry_after is None else {"Retry-After": failure.retry_after}
+            if failure.status == 429:
+                # What API Priority and Fairness answers a client it throttles (no disruption
+                # budget involved).
+                self._status(record, 429, "TooManyRequests",
+                             "Too many requests, please try again later.",
+                             details={"retryAfterSeconds": 1}, headers=sent or {"Retry-After": "1"})
+            else:
+                self._status(record, failure.status,
+                             "InternalError" if failure.status >= 500 else "Injected",
+                             f"injected failure {failure.status}", headers=sent)
             return
         segments = [s for s in parts.path.split("/") if s]
         if method == "GET" and segments == ["api", "v1", "pods"]:
             self._pods(record)
+        elif (method == "GET" and len(segments) == 6
+              and segments[:3] == ["api", "v1", "namespaces"] and segments[4] == "pods"):
+            found = api.pod(segments[3], segments[5])
+            if found is None:
+                self._status(record, 404, "NotFound", f'pods "{segments[5]}" not found')
+            else:
+                self._send_json(record, 200, found)
         elif (method == "POST" and len(segments) == 7
               and segments[:3] == ["api", "v1", "namespaces"]
               and segments[4] == "pods" and segments[6] == "eviction"):
@@ -304,14 +321,10 @@ class Handler(BaseHTTPRequestHandler):
                            f"failed: UID in precondition: {wanted_uid}, UID in object meta: "
                            f"{api._state.pods[key]['metadata'].get('uid')}")
             elif key in api._state.pdb_blocked:
-                self._status(
-                    record, 429, "TooManyRequests",
-                    "Cannot evict pod as it would violate the pod's disruption budget.",
-                    details={"causes": [{
-                        "reason": "DisruptionBudget",
-                        "message": "The disruption budget pdb needs 1 healthy pods and has 1",
-                    }]},
-                )
+                retry_after = api._state.pdb_blocked[key]
+                self._status(record, 429, "TooManyRequests", BUDGET_REFUSAL,
+                             details=BUDGET_DETAILS,
+                             headers=None if retry_after is None else {"Retry-After": retry_after})
                 return
             else:
                 if not dry_run:

@@ -43,6 +43,10 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("config_loaded", ("source",), "A configuration was validated and took effect."),
     AuditEvent("config_rejected", ("source", "errors"),
                "A configuration was invalid; the previous one stays in force.", level="error"),
+    AuditEvent("config_restart_needed", ("source", "keys"),
+               "A reload changed keys the agent reads at start only: keys maps each to its value "
+               "in force and the new one, which takes effect at the next start; the rest of the "
+               "configuration applies.", level="warning"),
     AuditEvent("adjustment_applied", ("pod_uid", "container", "qos_level", "fields"),
                "A CreateContainer answer carried these settings."),
     AuditEvent("adjustment_skipped", ("pod_uid", "container", "reason"),
@@ -132,8 +136,9 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
                "A plugin proposed more pods in a round than are audited one by one (64); the "
                "others were filtered alike without a record each. Once while it lasts."),
     AuditEvent("eviction_deferred", ("pod", "plugin", "why"),
-               "A pod chosen for eviction waits: the rate limit has no token, or a refused or "
-               "failed eviction backs off; once while it stays so."),
+               "A pod chosen for eviction waits: the rate limit has no token, a refused or "
+               "failed eviction backs off, or the API server throttled an earlier eviction of "
+               "the round; once while it stays so."),
     AuditEvent("eviction_chosen", ("pod", "plugin", "reason", "dry_run"),
                "The manager decided to evict the pod now (after filtering, ranking and the rate "
                "limit)."),

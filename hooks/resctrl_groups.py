@@ -78,19 +78,20 @@ class Placement:
     class_group_missing: bool = False
 
 
-def place_container(pod_uid: str, level: str, cfg: ResctrlConfig,
+def place_container(planned: str | None, level: str, cfg: ResctrlConfig,
                     exists: Callable[[str], bool]) -> Placement:
-    """The pod's own group when it exists, else the level's class group when the level uses
-    resctrl and the group exists.
+    """The pod's own group when its plan gives it one (``planned``: the group of
+    :func:`hooks.resctrl_annotation.plan_pod_group` under ``cfg``) and it exists, else the
+    level's class group when the level uses resctrl and the group exists.
 
-    A pod's group exists only while the pod does (created at RunPodSandbox from its annotation,
-    removed with it), so the group on disk is the record of the pod's request: it survives a
-    restart of the agent, and a pod whose group could not be made falls back to its class group
-    the same way on both paths.
+    Both are needed. The plan, because a reload can take a pod's group away while the pod runs:
+    the group then waits for the task-id loop's collection, and no container must join it
+    meanwhile. The group on disk, because it is made at RunPodSandbox and may not have been
+    (classes exhausted, ``mkdir`` refused): such a pod falls back to its class group the same
+    way on both paths, and after a restart of the agent as before it.
     """
-    own = pod_group_name(cfg.group_prefix, pod_uid)
-    if own is not None and exists(own):
-        return Placement(own, pod_group=True)
+    if planned is not None and exists(planned):
+        return Placement(planned, pod_group=True)
     return place_in_class_group(level, cfg, exists)
 
 

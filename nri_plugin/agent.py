@@ -266,7 +266,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
             kubernetes=kubernetes, reconciler_running=background,
             wall_clock=time.time, started_unix=time.time(),
             sections={} if mitigation is None or evictor is None else ladder_sections(
-                mitigation, evictor))
+                mitigation, evictor),
+            restart_needed=lambda: store.restart_needed)
         status = StatusServer(cfg.status.socket, lambda: status_document(sources))
         services.append(status.serve)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.audit import AuditLog
 from hooks.events import Event
 from hooks.memory_qos import MemoryConfig, memory_settings
-from hooks.settings import ContainerSettings
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent
@@ -32,6 +32,8 @@ class MemoryQosCapability(Reporting, Capability):
         self._allocatable = config.memory.node_allocatable_bytes or self._memory_total
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        if not self._cfg.enabled:
+            return EMPTY_SETTINGS
         decision = memory_settings(event.pod, event.container, event.level, self._cfg,
                                    cgroup_v2=self._v2, node_allocatable=self._allocatable)
         self._report(event.pod, event.container.name, decision.problems)

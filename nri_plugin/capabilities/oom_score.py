@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.audit import AuditLog
 from hooks.events import Event
 from hooks.oom_score import OomConfig, oom_score
-from hooks.settings import ContainerSettings
+from hooks.settings import EMPTY_SETTINGS, ContainerSettings
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent
@@ -24,6 +24,8 @@ class OomScoreCapability(Reporting, Capability):
         self._cfg = config.oom
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
+        if not self._cfg.enabled:
+            return EMPTY_SETTINGS
         decision = oom_score(event.pod, event.container, event.level, self._cfg)
         self._report(event.pod, event.container.name, decision.problems)
         return decision.settings

@@ -9,11 +9,11 @@ by running the new one before removing the old one, so the group goes with the l
 its pod that the node state knows.
 
 A reload switching resctrl off removes every group of ours (their tasks go back to the root
-group); any other reload removes the group of a known pod that the pod's plan under the new
-configuration no longer gives it, sets each other pod group of a known pod again from its
-annotation under the new configuration, and in observe mode gives every pod group the kernel's
-default (no limit). The class groups are the daemon's to keep
-(:func:`hooks.resctrl_groups.plan_class_groups`).
+group); any other reload sets each pod group of a known pod again from its annotation under the
+new configuration, and in observe mode gives every pod group the kernel's default (no limit). A
+pod group that the new configuration no longer gives its pod is not removed at the reload: the
+task-id loop moves its tasks out and collects it after its grace. The class groups are the
+daemon's to keep (:func:`hooks.resctrl_groups.plan_class_groups`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from common.audit import AuditLog
 from common.state import NodeState
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
-from hooks.resctrl_annotation import plan_pod_group
+from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION, plan_pod_group
 from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import (
     class_group_name,
@@ -40,11 +40,14 @@ from hooks.untrusted import bounded
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
-from reconciler.host.resctrlfs import GroupError, ResctrlFs, removal_problem
+from reconciler.host.resctrlfs import GroupError, ResctrlFs
 
 HOOK_PROGRAM = "nri-qos-hook"
 SWITCHED_OFF = "resctrl.enabled is false"
-UNWANTED = "the configuration gives it no group of its own"
+MAX_PLANS_KEPT = 4096
+"""Pods whose planned group is kept: more than a node runs (kubelet's maxPods is 110 by
+default); past it the record starts afresh rather than grow with pods it missed the removal
+of."""
 
 log = structlog.get_logger("nri_qos.nri")
 
@@ -65,6 +68,9 @@ class ResctrlCapability(Reporting, Capability):
         # group is not removed between a new sandbox of its pod becoming known and that
         # sandbox making it, nor made after a reload switched resctrl off.
         self._lock = threading.Lock()
+        # pod uid -> (what the plan was made from, the planned group)
+        self._plans: dict[str, tuple[tuple[ResctrlConfig, str, str | None, str | None],
+                                     str | None]] = {}
 
     def reconfigure(self, config: Config) -> None:
         self._set_strict(config)
@@ -77,15 +83,15 @@ class ResctrlCapability(Reporting, Capability):
                 log.warning("resctrl_group_not_removed", group=group, error=problem)
 
     def _keep_pod_groups(self) -> None:
-        """Each pod group as the configuration in force wants it: gone when its pod's plan
-        under the new configuration gives the pod no group of its own (pod groups off, another
-        annotation key, a request neither its level's share nor the caps admit any longer) or
-        another one (another prefix); else in observe mode no limit, and otherwise its pod's
-        annotation under the new caps and level shares. The
-        plan decides, not the containers: a group is made at RunPodSandbox, before any
-        container uses it. A group whose pod is unknown, or that the kernel will not remove
-        yet, is the task-id loop's to collect; the problems of an annotation were audited when
-        its sandbox ran."""
+        """Each pod group of a known pod as the configuration in force wants it: in observe
+        mode no limit, and otherwise its pod's annotation under the new caps and level shares.
+        A group that its pod's plan under the new configuration no longer gives it (pod groups
+        off, another annotation key, a request neither its level's share nor the caps admit any
+        longer) is left alone: new containers no longer join it (:func:`place_container`
+        follows the plan), the task-id loop moves its tasks to their class group and collects it
+        after ``gc_grace_s``. Removing it here could race a CreateContainer that has just named
+        it, and the container would fail to start. A group whose pod is unknown is the loop's
+        too; the problems of an annotation were audited when its sandbox ran."""
         views = {view.info.uid: view for view in self._state.snapshot().pods.values()}
         observing = self._fs.sysfs.held()
         for group in self._fs.our_groups():
@@ -96,11 +102,6 @@ class ResctrlCapability(Reporting, Capability):
             plan = None if view is None else plan_pod_group(view.info, view.level, self._cfg,
                                                             self._fs.info)
             if plan is not None and plan.group != group:
-                try:
-                    self._fs.remove_group(group, reason=f"pod {ref.key}: {UNWANTED}")
-                except OSError as exc:
-                    log.warning("resctrl_group_not_removed", group=group,
-                                error=removal_problem(exc))
                 continue
             try:
                 if observing:
@@ -127,9 +128,11 @@ class ResctrlCapability(Reporting, Capability):
                                       class_groups=self._class_names(), fallback=fallback)
 
     def create_container(self, event: ContainerEvent) -> ContainerSettings:
-        if not self._cfg.enabled:
+        cfg = self._cfg
+        if not cfg.enabled:
             return EMPTY_SETTINGS
-        placement = place_container(event.pod.uid, event.level, self._cfg, self._fs.has_group)
+        placement = place_container(self._planned(event, cfg), event.level, cfg,
+                                    self._fs.has_group)
         group = placement.group
         if group is None:
             if placement.class_group_missing:
@@ -140,16 +143,33 @@ class ResctrlCapability(Reporting, Capability):
                 )
             return EMPTY_SETTINGS
         hooks: tuple[OciHookSpec, ...] = ()
-        mon = self._cfg.monitor_hook
+        mon = cfg.monitor_hook
         if placement.pod_group and mon.enabled and self._fs.has_monitor(group):
-            args = (HOOK_PROGRAM, "resctrl-join", "--root", self._cfg.root, "--group", group)
+            args = (HOOK_PROGRAM, "resctrl-join", "--root", cfg.root, "--group", group)
             hooks = (OciHookSpec(HookStage.PRESTART, mon.path,
                                  args + (("--strict",) if mon.strict else ()),
                                  timeout_s=mon.timeout_s),)
         return ContainerSettings(rdt_class=group, hooks=hooks)
 
+    def _planned(self, event: ContainerEvent, cfg: ResctrlConfig) -> str | None:
+        """The pod's planned group, kept per pod while the configuration, the pod's level and
+        its annotations stay the same: a plan parses the annotation, tens of microseconds that
+        would otherwise be spent again for every container of the pod."""
+        pod = event.pod
+        key = (cfg, event.level, pod.annotations.get(cfg.annotation),
+               pod.annotations.get(KOORDINATOR_ANNOTATION))
+        kept = self._plans.get(pod.uid)
+        if kept is not None and kept[0][0] is cfg and kept[0][1:] == key[1:]:
+            return kept[1]
+        group = plan_pod_group(pod, event.level, cfg, self._fs.info).group
+        if len(self._plans) >= MAX_PLANS_KEPT:
+            self._plans.clear()
+        self._plans[pod.uid] = (key, group)
+        return group
+
     def remove_pod_sandbox(self, event: PodEvent) -> None:
         pod = event.pod
+        self._plans.pop(pod.uid, None)
         own = pod_group_name(self._cfg.group_prefix, pod.uid)
         if own is None:
             return

@@ -50,7 +50,7 @@ from reconciler.loops.cpu_idle import restore_idle
 from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
 from reconciler.loops.memory_guard import restore_tier
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings
-from reconciler.loops.protection import PROTECTION_NOTES, restore_protection
+from reconciler.loops.protection import PROTECTION_NOTES, WRITTEN_NOTES, restore_protection
 from reconciler.mitigation.actions import (
     CONDITION_NOTES,
     TAINT_NOTES,
@@ -113,10 +113,16 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
         steps.append(_noted(f"cpu idle: restore {_listed(idle)}", notes, CPU_IDLE_NOTES,
                             lambda: restore_idle(sysfs, notes, REASON)))
     protection = notes.entries(PROTECTION_NOTES)
-    if protection:
-        steps.append(_noted(
-            f"memory QoS: restore memory.min/memory.low of {len(protection)} pod or tier file(s)",
-            notes, PROTECTION_NOTES, lambda: restore_protection(sysfs, notes, REASON)))
+    # A last write noted without a value from before (a run cut short between writing the file
+    # back and dropping this note) restores nothing, but is the agent's to take away all the same.
+    unpaired = notes.entries(WRITTEN_NOTES).keys() - protection.keys()
+    if protection or unpaired:
+        what = (f"restore memory.min/memory.low of {len(protection)} pod or tier file(s)"
+                if protection else
+                f"forget the last write to {len(unpaired)} file(s) noted without a value "
+                "from before")
+        steps.append(_noted(f"memory QoS: {what}", notes, PROTECTION_NOTES,
+                            lambda: restore_protection(sysfs, notes, REASON)))
     wmark = notes.entries(WMARK_NOTES)
     if wmark:
         steps.append(_noted(f"tune: restore memory.wmark_ratio of {len(wmark)} pod(s)", notes,

@@ -117,6 +117,10 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     out.write(f"agent             nri-qos {agent['version']} (pid {agent['pid']}, plugin "
               f"{agent['plugin']}), up {agent['uptime_s']:.0f} s, config {agent['config']}\n")
     out.write(f"mode              {agent['mode']}\n")
+    # Not in the answer of every agent version: none when missing.
+    for key, values in agent.get("restart_needed", {}).items():
+        out.write(f"restart needed    {key} = {json.dumps(values['new'])} at the next start "
+                  f"({json.dumps(values['in_force'])} in force)\n")
     out.write(f"connection        {conn['state']} since {_since(conn['since_unix'])} "
               f"({conn['for_s']:.1f} s); {conn['connections']} connection(s) so far\n")
     runtime = doc.get("runtime")

@@ -4,7 +4,10 @@
 they need it (the object is frozen, so one event sees one consistent configuration), or subscribe
 to hear about a new one. A reload validates the whole file first and swaps only a valid
 configuration: an invalid file leaves the running one in force, with a ``config_rejected`` audit
-record and an error in the log listing every problem.
+record and an error in the log listing every problem. The keys the agent reads at start only
+(:mod:`nri_plugin.config.start_only`) keep their value at start in the configuration in force; a
+reload that changes one is said in a ``config_restart_needed`` audit record, and the rest of it
+applies.
 
 The configuration is the main file and its drop-ins, ``<main>.d/*.toml`` applied over it in
 lexical order (as containerd's, systemd's and the kubelet's drop-ins are): an overlay or an
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ from common.aio import sleep_until
 from common.audit import AuditLog
 from nri_plugin.config.loader import ConfigError, Layered, drop_in_dir, drop_ins, load_layers
 from nri_plugin.config.schema import Config, in_force
+from nri_plugin.config.start_only import hold_start_values, restart_needed, value_at
 
 DEFAULT_CONFIG_PATH = "/etc/nri-qos/config.toml"
 EMBEDDED_DEFAULTS = "embedded defaults"
@@ -105,6 +109,10 @@ class ConfigStore:
         self._default_path = default_path
         self._current = config if config is not None else Config()
         self._in_force = in_force(self._current)
+        # The configuration the agent started with (its start-only keys stay in force), and the
+        # one the files said last.
+        self._start = self._files = self._current
+        self._restart_needed: Mapping[str, tuple[Any, Any]] = {}
         self._clock = clock
         self._path: Path | None = None
         self._explicit = False
@@ -123,6 +131,12 @@ class ConfigStore:
         """The current configuration as the actions run with it: in observe mode with every
         mitigation rung and the eviction manager held in dry-run (:func:`in_force`)."""
         return self._in_force
+
+    @property
+    def restart_needed(self) -> Mapping[str, tuple[Any, Any]]:
+        """The start-only keys the files set to another value than the one in force: key ->
+        (value in force, value in the files); they take effect at the next start."""
+        return self._restart_needed
 
     @property
     def source(self) -> str:
@@ -148,7 +162,9 @@ class ConfigStore:
         """
         self._explicit = path is not None
         self._path = Path(path) if path is not None else Path(self._default_path)
-        self._swap(*self._read())
+        cfg, source = self._read()
+        self._start = cfg
+        self._swap(cfg, source)
         return self._current
 
     def reload(self) -> bool:
@@ -213,7 +229,9 @@ class ConfigStore:
         cfg: Config = layered.config
         return cfg, sources_text(layered.files)
 
-    def _swap(self, cfg: Config, source: str) -> bool:
+    def _swap(self, files: Config, source: str) -> bool:
+        previous, self._files = self._files, files
+        cfg = hold_start_values(self._start, files)
         old, changed = self._current, cfg != self._current
         self._source = source
         if changed:
@@ -225,6 +243,16 @@ class ConfigStore:
                     log.exception("config_subscriber_failed", subscriber=_name(subscriber))
         # After the subscribers, so a newly configured audit file receives this record.
         self._audit.record("config_loaded", source=self.source, changed=changed)
+        self._restart_needed = restart_needed(self._start, files)
+        # Said when the files change such a key, not again at every later reload.
+        said = {key: {"in_force": held, "new": new}
+                for key, (held, new) in self._restart_needed.items()
+                if value_at(previous, key) != new}
+        if said:
+            self._audit.record("config_restart_needed", source=self.source, keys=said,
+                               hint="these keys are read at start only: their value in force "
+                                    "stays until the agent restarts; the rest of the "
+                                    "configuration applies")
         return changed
 
 

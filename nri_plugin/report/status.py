@@ -7,6 +7,9 @@ socket is 0600, in a directory the server creates 0700) and writes the document 
 connects, then closes. The document carries ``format`` (:data:`STATUS_FORMAT`); readers must
 ignore keys they do not know.
 
+``agent.restart_needed`` maps each key the agent reads at start only and the files set otherwise
+to its value in force and the new one (``in_force``, ``new``): empty unless a reload changed one.
+
 The sections ``mitigation``, ``evictions`` and ``taints`` come from providers handed in
 :attr:`StatusSources.sections` (:func:`ladder_sections` builds them; ``None`` in the document
 when the agent has none, as without the background half): the ladder a mapping (``level``,
@@ -69,6 +72,8 @@ class StatusSources:
     # When the agent started, by ``wall_clock``.
     started_unix: float
     sections: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
+    # The start-only keys the files set otherwise: key -> (value in force, value in the files).
+    restart_needed: Callable[[], Mapping[str, tuple[Any, Any]]] = dict
 
 
 def status_document(src: StatusSources) -> dict[str, Any]:
@@ -104,7 +109,9 @@ def status_document(src: StatusSources) -> dict[str, Any]:
         "agent": {"version": agent_version(), "pid": os.getpid(),
                   "uptime_s": round(wall - src.started_unix, 3),
                   "plugin": f"{stub.identity.index}-{stub.identity.name}",
-                  "config": src.config_source(), "mode": src.config().agent.mode},
+                  "config": src.config_source(), "mode": src.config().agent.mode,
+                  "restart_needed": {key: {"in_force": held, "new": new}
+                                     for key, (held, new) in src.restart_needed().items()}},
         "connection": {"state": stub.connection_state, "for_s": round(age, 3),
                        "since_unix": round(wall - age, 3), "connections": stub.connections},
         "runtime": None if stub.connection_state == "disconnected" or not runtime.name else {

@@ -32,7 +32,7 @@ import contextlib
 import enum
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -41,21 +41,19 @@ from common.aio import Backoff, done_or_stopped, sleep_until
 from common.audit import AuditLog
 from common.state import NodeState
 from hooks.untrusted import bounded
+from reconciler.eviction import proposals
 from reconciler.eviction.api import (
-    ActivePod,
     EvictionPlugin,
-    EvictPods,
     MetType,
-    ThresholdMet,
-    TopPods,
 )
 from reconciler.eviction.calls import PluginCalls
-from reconciler.eviction.choice import PodFacts, PodFilter, rank
+from reconciler.eviction.choice import PodFilter
 from reconciler.eviction.conditions import NodeConditions
-from reconciler.eviction.config import EvictionConfig, grace_of
+from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.facts import pod_facts
 from reconciler.eviction.once import RoundAudit
 from reconciler.eviction.owners import OwnerCheck
+from reconciler.eviction.proposals import Answers, Candidate, Flight
 from reconciler.eviction.ratelimit import TokenBucket
 from reconciler.eviction.remote import PluginDirectory
 from reconciler.eviction.retries import Retries
@@ -86,16 +84,8 @@ class Outcome(enum.StrEnum):
     FAILED = "failed"
     UNAVAILABLE = "unavailable"
     RATE_LIMITED = "rate_limited"
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    facts: PodFacts
-    plugin: str
-    reason: str
-    grace_s: int | None
-    # Forced by its plugin, or the target of a hard-met plugin: evicted before soft candidates.
-    forced: bool
+    # Not asked for: the API server throttled an earlier eviction of the round.
+    THROTTLED = "throttled"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,70 +115,6 @@ class RoundReport:
     # decides from its own data), every plugin answered, none met or proposed a pod, no
     # condition true, no refused eviction waiting.
     quiet: bool = False
-
-
-@dataclass(slots=True)
-class _Flight:
-    """A pod whose eviction was accepted, found gone, or dry-run: not asked again."""
-
-    at: float
-    plugin: str
-    dry: bool
-
-
-MAX_AUDITED_PROPOSALS = 64
-"""Proposals of one plugin audited one by one per round (two records each at most): more than a
-node's offline pods are rarely proposed at once, and a plugin listing thousands of uids must
-not write thousands of records; the rest are counted in one ``eviction_proposals_capped``."""
-
-@dataclass(slots=True)
-class _Answers:
-    threshold: dict[str, ThresholdMet] = field(default_factory=dict)
-    evict: dict[str, EvictPods] = field(default_factory=dict)
-    top: dict[str, TopPods] = field(default_factory=dict)
-
-    def none_met(self, plugins: Sequence[str]) -> bool:
-        """Every one of ``plugins`` answered both calls, and none met its threshold."""
-        return all(name in self.threshold and self.threshold[name].met is MetType.NOT_MET
-                   and name in self.evict for name in plugins)
-
-
-def choose(candidates: Sequence[Candidate], retries: Retries, once: RoundAudit,
-           cfg: EvictionConfig, now: float) -> list[Candidate]:
-    """Forced and hard-met targets ranked, then the best ``soft_per_round`` soft ones; pods
-    backing off after a refusal wait."""
-    ready = []
-    for candidate in candidates:
-        retry = retries.waiting(candidate.facts.pod.uid, now)
-        if retry is not None:
-            once.record("eviction_deferred", candidate.facts.pod.uid, "backoff",
-                        pod=candidate.facts.pod.ref, plugin=candidate.plugin,
-                        why=f"backing off after {retry.backoff.failures} refused or failed "
-                            f"eviction(s); next try in {retry.at - now:.1f} s")
-            continue
-        ready.append(candidate)
-
-    def pod_of(candidate: Candidate) -> ActivePod:
-        return candidate.facts.pod
-
-    forced = rank([c for c in ready if c.forced], pod_of, cfg.sort_keys)
-    soft = rank([c for c in ready if not c.forced], pod_of, cfg.sort_keys)
-    return forced + soft[:cfg.soft_per_round]
-
-
-def is_dry(plugin: str, cfg: EvictionConfig) -> bool:
-    return cfg.dry_run or plugin in cfg.dry_run_plugins
-
-
-def forget_left(flights: dict[str, _Flight], retries: Retries,
-                facts: Mapping[str, PodFacts], cfg: EvictionConfig, now: float) -> None:
-    """Forget evictions of pods that left (or long ago), dry-run ones whose plugin is no
-    longer dry, and retry state of pods that left."""
-    for uid, flight in list(flights.items()):
-        if uid not in facts or now - flight.at >= cfg.reevict_after_s \
-                or (flight.dry and not is_dry(flight.plugin, cfg)):
-            del flights[uid]
-    retries.keep_only(facts)
 
 
 class EvictionManager:
@@ -221,8 +147,8 @@ class EvictionManager:
         self._bucket: TokenBucket | None = None
         self._filter = PodFilter(cfg)
         self._met = MetSmoother()
-        self._conditions = NodeConditions(actions, node, audit, is_dry)
-        self._flights: dict[str, _Flight] = {}
+        self._conditions = NodeConditions(actions, node, audit, proposals.is_dry)
+        self._flights: dict[str, Flight] = {}
         self._retries = Retries()
         self._calls = PluginCalls(audit)
         self._once = RoundAudit(audit)
@@ -319,12 +245,12 @@ class EvictionManager:
 
         snapshot = self._state.snapshot()
         facts = await asyncio.to_thread(pod_facts, snapshot, self._sysfs, self._layout)
-        forget_left(self._flights, self._retries, facts, cfg, now)
+        proposals.forget_left(self._flights, self._retries, facts, cfg, now)
         active = [f.pod for uid, f in facts.items()
                   if not f.terminating and uid not in self._flights]
         self._once.start_round()
 
-        answers = _Answers()
+        answers = Answers()
         deadline = cfg.call_timeout_s
         async with asyncio.TaskGroup() as group:
             for plugin in plugins:
@@ -356,67 +282,15 @@ class EvictionManager:
                     for uid in answers.top[plugin.name].uids}
         proposed |= {request.uid for wanted in answers.evict.values() for request in wanted.pods}
         facts = await self._owners.confirm(facts, proposed, now)
-        candidates = self._candidates(plugins, hard, answers, facts, cfg)
-        chosen = choose(candidates, self._retries, self._once, cfg, now)
+        candidates = proposals.candidates(plugins, hard, answers, facts, cfg, self._flights,
+                                          self._filter, self._once,
+                                          need_description=self._actions.available)
+        chosen = proposals.choose(candidates, self._retries, self._once, cfg, now)
         decisions = await self._evict(chosen, cfg, now)
         self._once.end_round()
-        quiet = not remote and not proposed and not self._retries \
+        quiet = not remote and not proposed and not self._retries.any_waiting(self._now()) \
             and self._conditions.settled() and answers.none_met(names)
         return RoundReport(tuple(decisions), quiet)
-
-    # ---- pods -------------------------------------------------------------------------------
-
-    def _candidates(self, plugins: Sequence[EvictionPlugin],
-                    hard: Sequence[tuple[EvictionPlugin, ThresholdMet]], answers: _Answers,
-                    facts: Mapping[str, PodFacts], cfg: EvictionConfig) -> list[Candidate]:
-        """Every proposal of the round, resolved to a pod, audited, and filtered; one per pod
-        (a forced proposal wins over a soft one, then the first plugin)."""
-        proposals: list[tuple[str, str, str, int | None, bool]] = []
-        for source, threshold in hard:
-            top = answers.top.get(source.name)
-            if top is not None:
-                reason = f"threshold hard-met: {threshold.describe()}"
-                proposals += [(uid, source.name, reason, top.grace_s, True) for uid in top.uids]
-        for source in plugins:
-            wanted = answers.evict.get(source.name)
-            if wanted is not None:
-                proposals += [(req.uid, source.name, req.reason, req.grace_s, req.force)
-                              for req in wanted.pods]
-        need_description = self._actions.available
-        chosen: dict[str, Candidate] = {}
-        # Proposals audited one by one per plugin this round; the rest are counted.
-        audited: dict[str, int] = {}
-        for uid, plugin, reason, grace, forced in proposals:
-            found = facts.get(uid)
-            pod = found.pod.ref if found is not None else f"uid {bounded(uid)}"
-            loud = audited.get(plugin, 0) < MAX_AUDITED_PROPOSALS
-            audited[plugin] = audited.get(plugin, 0) + 1
-            if loud:
-                self._once.record("eviction_candidate", uid, plugin, pod=pod, plugin=plugin,
-                                  reason=reason, force=forced)
-            flight = self._flights.get(uid)
-            if found is None:
-                why: str | None = "not a running pod of this node"
-            elif flight is not None:
-                why = "already being evicted" + (" (dry-run)" if flight.dry else "")
-            else:
-                why = self._filter.why_not(found, need_description=need_description)
-            if why is not None:
-                if loud:
-                    self._once.record("eviction_filtered", uid, plugin, why, pod=pod,
-                                      plugin=plugin, why=why)
-                continue
-            assert found is not None
-            earlier = chosen.get(uid)
-            if earlier is None or (forced and not earlier.forced):
-                grace = grace if grace is not None else grace_of(cfg.grace_period_s)
-                chosen[uid] = Candidate(found, plugin, reason, grace, forced)
-        for plugin, count in audited.items():
-            if count > MAX_AUDITED_PROPOSALS:
-                self._once.record("eviction_proposals_capped", plugin, plugin=plugin,
-                                  proposals=count, audited=MAX_AUDITED_PROPOSALS,
-                                  omitted=count - MAX_AUDITED_PROPOSALS)
-        return list(chosen.values())
 
     # ---- evicting ---------------------------------------------------------------------------
 
@@ -428,15 +302,10 @@ class EvictionManager:
         for index, candidate in enumerate(chosen):
             pod, plugin = candidate.facts.pod, candidate.plugin
             if not bucket.take(now):
-                wait = bucket.wait(now)
-                for late in chosen[index:]:
-                    self._once.record("eviction_deferred", late.facts.pod.uid, "rate limit",
-                               pod=late.facts.pod.ref, plugin=late.plugin,
-                               why=f"rate limit: next token in {wait:.1f} s")
-                    decisions.append(Decision(late.facts.pod.ref, late.plugin,
-                                              Outcome.RATE_LIMITED))
+                decisions += self._defer(chosen[index:], Outcome.RATE_LIMITED,
+                                         f"rate limit: next token in {bucket.wait(now):.1f} s")
                 break
-            dry = is_dry(plugin, cfg)
+            dry = proposals.is_dry(plugin, cfg)
             self._audit.record("eviction_chosen", pod=pod.ref, plugin=plugin,
                                reason=candidate.reason, dry_run=dry, uid=pod.uid,
                                qos_level=pod.qos_level, priority=pod.priority,
@@ -445,17 +314,31 @@ class EvictionManager:
             if dry:
                 self._audit.record("eviction_dry_run", pod=pod.ref, plugin=plugin,
                                    reason=candidate.reason)
-                self._flights[pod.uid] = _Flight(now, plugin, dry=True)
-                outcome = Outcome.DRY_RUN
+                self._flights[pod.uid] = Flight(now, plugin, dry=True)
+                outcome, throttled = Outcome.DRY_RUN, False
             else:
-                outcome = await self._send(candidate, cfg, now)
+                outcome, throttled = await self._send(candidate, cfg, now)
             decisions.append(Decision(pod.ref, plugin, outcome))
             self._recent.append(Recent(now, pod.ref, plugin, outcome, candidate.reason))
             if self._metrics is not None:
                 self._metrics.eviction(plugin, outcome.value)
+            if throttled:
+                # The server throttles this client, not the pod: the rest wait for next round.
+                decisions += self._defer(chosen[index + 1:], Outcome.THROTTLED,
+                                         "the API server throttles evictions: next round")
+                break
         return decisions
 
-    async def _send(self, candidate: Candidate, cfg: EvictionConfig, now: float) -> Outcome:
+    def _defer(self, late: Sequence[Candidate], outcome: Outcome, why: str) -> list[Decision]:
+        """The chosen pods left for a later round, audited once while they stay so."""
+        for candidate in late:
+            self._once.record("eviction_deferred", candidate.facts.pod.uid, outcome.value,
+                              pod=candidate.facts.pod.ref, plugin=candidate.plugin, why=why)
+        return [Decision(c.facts.pod.ref, c.plugin, outcome) for c in late]
+
+    async def _send(self, candidate: Candidate, cfg: EvictionConfig,
+                    now: float) -> tuple[Outcome, bool]:
+        """The outcome, and whether the API server throttled the request."""
         pod, plugin = candidate.facts.pod, candidate.plugin
         bucket = self._bucket
         assert bucket is not None
@@ -464,15 +347,15 @@ class EvictionManager:
         outcome = result.outcome
         if outcome is EvictionOutcome.EVICTED:
             self._retries.done(pod.uid)
-            self._flights[pod.uid] = _Flight(now, plugin, dry=False)
+            self._flights[pod.uid] = Flight(now, plugin, dry=False)
             await self._actions.create_pod_event(
                 PodRef(pod.namespace, pod.name, pod.uid), self._node, EVENT_REASON,
                 f"Evicted by nri-qos, plugin {plugin}: {candidate.reason}")
-            return Outcome.EVICTED
+            return Outcome.EVICTED, False
         if outcome is EvictionOutcome.GONE:
             bucket.give_back(now)
-            self._flights[pod.uid] = _Flight(now, plugin, dry=False)
-            return Outcome.GONE
+            self._flights[pod.uid] = Flight(now, plugin, dry=False)
+            return Outcome.GONE, False
         if outcome is EvictionOutcome.UNAVAILABLE:
             bucket.give_back(now)
             if not self._told_unavailable:
@@ -480,9 +363,10 @@ class EvictionManager:
                 log.warning("eviction_unavailable",
                             detail="no Kubernetes API access: evictions are decided and "
                                    "audited, none can be made")
-        elif outcome is EvictionOutcome.BLOCKED:
-            # A disruption budget (or the API's throttling) said no: nothing was disrupted, so
-            # the token is not spent.
+        elif result.refused:
+            # A disruption budget, the API's throttling or a conflict said no: nothing was
+            # disrupted, so the token is not spent.
             bucket.give_back(now)
-        self._retries.refused(pod.uid, cfg, now, result.retry_after_s)
-        return Outcome(outcome.value)
+        # The wait counts from the answer: the round's earlier requests took their time.
+        self._retries.refused(pod.uid, cfg, self._now(), result.retry_after_s)
+        return Outcome(outcome.value), result.throttled

@@ -28,8 +28,11 @@ class Retries:
     def __init__(self) -> None:
         self._waiting: dict[str, Retry] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._waiting)
+    def any_waiting(self, now: float) -> bool:
+        """Some pod must still wait before its next try. One whose wait is over is left out:
+        it is tried again only if a plugin proposes it again, and such a proposal keeps the
+        rounds going on its own."""
+        return any(now < retry.at for retry in self._waiting.values())
 
     def waiting(self, uid: str, now: float) -> Retry | None:
         """The pod's backoff while it must still wait, else None."""
@@ -38,8 +41,8 @@ class Retries:
 
     def refused(self, uid: str, cfg: EvictionConfig, now: float,
                 retry_after_s: float | None = None) -> None:
-        """One more refusal or failure: the next try after the pod's next backoff, and not
-        before ``retry_after_s``."""
+        """One more refusal or failure, answered at ``now``: the next try after the pod's
+        next backoff, and not before ``retry_after_s``, both counted from the answer."""
         retry = self._waiting.get(uid)
         if retry is None:
             retry = self._waiting[uid] = Retry(now, Backoff(cfg.retry_initial_s, cfg.retry_max_s))

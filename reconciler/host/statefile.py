@@ -16,10 +16,11 @@ cannot restore what it cannot read, and must not fail to start for it. Without a
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import structlog
 
@@ -136,21 +137,38 @@ def state_file(directory: str) -> StateFile:
     return StateFile(os.path.join(directory, STATE_FILE) if directory else None)
 
 
+Resolver = Callable[[SysFs, str, str], str]
+"""What a note is written back as: (the tree, the file's path, its noted value) -> the value."""
+
+
 def restore_noted(sysfs: SysFs, notes: StateFile, section: str, reason: str,
-                  under: str = "") -> int:
+                  under: str = "", *, resolve: Resolver | None = None) -> int:
     """Writes back every file noted in ``section`` (only those whose path starts with
     ``under``; never held back by observe mode: undoing returns the node to what it was),
     forgetting each one restored or gone (a container gone meanwhile has nothing to restore);
-    how many were written."""
+    how many were written. ``resolve`` gives what a note is written back as, where that is not
+    the noted value itself (what an empty ``cpuset.mems`` stands for).
+
+    An empty note the kernel refuses with ENOSPC (an empty ``cpuset.mems`` to a cgroup with
+    processes) would be refused at every try: it is dropped, and said
+    (``restore_abandoned``)."""
     restored = 0
     sysfs = sysfs.unobserved()
     for path, value in notes.entries(section).items():
         if not path.startswith(under):
             continue
-        # A write of no bytes never reaches the kernel: an empty value goes as a newline,
-        # which cgroup files read as empty.
-        outcome = sysfs.write_if_changed(path, value or "\n", reason)
+        wanted = value if resolve is None else resolve(sysfs, path, value)
+        # Only the NUMA sections note a file that can be empty (cpuset.mems; their resolver
+        # turns an empty note into the parent's nodes where it can read them); the files the
+        # other sections note (memory.*, cpu.idle, memory.wmark_ratio, memory_migrate) always
+        # hold a value. A write of no bytes never reaches the kernel: an empty value goes as a
+        # newline, which cgroup files read as empty.
+        outcome, why = sysfs.write_if_changed_why(path, wanted or "\n", reason)
         restored += outcome is Outcome.WRITTEN
-        if outcome is not Outcome.FAILED:
-            notes.forget(section, path)
+        if outcome is Outcome.FAILED:
+            if value or not why.startswith(f"{errno.errorcode[errno.ENOSPC]}:"):
+                continue
+            log.warning("restore_abandoned", section=section, path=path, value=wanted,
+                        error=why, reason=reason)
+        notes.forget(section, path)
     return restored

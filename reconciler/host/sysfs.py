@@ -411,22 +411,33 @@ class SysFs(SysReader):
         self, path: str, value: str, reason: str, *, same: Comparator = same_text
     ) -> Outcome:
         """Write ``value`` unless the file already holds an equal one (by ``same``)."""
+        return self.write_if_changed_why(path, value, reason, same=same)[0]
+
+    def write_if_changed_why(
+        self, path: str, value: str, reason: str, *, same: Comparator = same_text
+    ) -> tuple[Outcome, str]:
+        """As :meth:`write_if_changed`, and why a write failed ("" otherwise), the errno's name
+        first (``ENOSPC: No space left on device``): for a caller whose next step depends on
+        which refusal it was."""
         current = self.read(path)
         if current is None:
             log.debug("write_skipped", reason="file gone", path=path)
-            return self._count(path, Outcome.GONE)
+            return self._count(path, Outcome.GONE), ""
         if same(current, value):
-            return self._count(path, Outcome.UNCHANGED)
-        return self.write(path, value, reason)
+            return self._count(path, Outcome.UNCHANGED), ""
+        return self._write(path, value, reason, False)
 
     def write(self, path: str, value: str, reason: str, *, create: bool = False) -> Outcome:
         """Write unconditionally, with the retry policy; one audit record when it succeeds.
 
         ``create`` as for :meth:`append_ids`.
         """
+        return self._write(path, value, reason, create)[0]
+
+    def _write(self, path: str, value: str, reason: str, create: bool) -> tuple[Outcome, str]:
         real = self.real(path)
         if self._observed_only(path, value, reason):
-            return Outcome.OBSERVED
+            return Outcome.OBSERVED, ""
         data = value.encode("ascii")
         attempt = 0
         while True:
@@ -437,20 +448,20 @@ class SysFs(SysReader):
                 if exc.errno in _GONE_ERRNOS:
                     log.debug("write_skipped", reason="target gone", path=path,
                               error=exc.strerror)
-                    return self._count(path, Outcome.GONE)
+                    return self._count(path, Outcome.GONE), ""
                 if exc.errno in _RETRY_ERRNOS and attempt < self._retries:
                     self._sleep(self._backoff_s * (2 ** (attempt - 1)))
                     continue
+                why = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
                 if exc.errno == errno.EROFS:
                     self._refused_read_only(path, value, reason)
-                    return self._count(path, Outcome.FAILED)
-                self._record("cgroup_write_failed", path=path, value=value.strip(), reason=reason,
-                             error=f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: "
-                                   f"{exc.strerror} (attempt {attempt})")
-                return self._count(path, Outcome.FAILED)
+                else:
+                    self._record("cgroup_write_failed", path=path, value=value.strip(),
+                                 reason=reason, error=f"{why} (attempt {attempt})")
+                return self._count(path, Outcome.FAILED), why
             self._read_only_said = False
             self._record("cgroup_write", path=path, value=value.strip(), reason=reason)
-            return self._count(path, Outcome.WRITTEN)
+            return self._count(path, Outcome.WRITTEN), ""
 
     def _refused_read_only(self, path: str, value: str, reason: str) -> None:
         """A write refused because the tree is read-only: said the first time only."""

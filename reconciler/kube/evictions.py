@@ -38,6 +38,12 @@ MAX_RETRY_AFTER_S = 300
 a second or so, a disruption budget the controller has not counted yet for 10 s; a pod chosen
 under memory pressure that waits longer than five minutes on one header leaves the pressure to
 the kubelet's own eviction."""
+READ_BACK_TIMEOUT_S = 2.0
+"""The longest wait for the read of a pod whose eviction answered 409, and the read is sent
+once (urllib3 would send a GET that timed out three more times): the API server answers a read
+of one pod in milliseconds, and a round's evictions are made one after another, under memory
+pressure, so a slow read must not hold the next candidates for several request timeouts. A pod
+not read back in time counts as not readable (``failed``, tried again after its backoff)."""
 
 
 class EvictionOutcome(enum.StrEnum):
@@ -58,6 +64,14 @@ class EvictionResult:
     message: str = ""
     # The answer's Retry-After, in whole seconds up to MAX_RETRY_AFTER_S: not asked again sooner.
     retry_after_s: int | None = None
+    # A 429 of the API server's own throttling (Priority and Fairness), not a disruption
+    # budget's: it is about this client's requests, not about the pod.
+    throttled: bool = False
+
+    @property
+    def refused(self) -> bool:
+        """The API answered that it evicted nothing (429, 409): no pod was disrupted."""
+        return self.status in (HTTP_TOO_MANY_REQUESTS, HTTP_CONFLICT)
 
 
 class Evictions:
@@ -124,6 +138,7 @@ class Evictions:
         sent = status_body(exc)
         message = status_message(exc, sent)
         gone = exc.status == HTTP_NOT_FOUND
+        throttled = False
         if exc.status == HTTP_CONFLICT and uid is not None:
             # A uid precondition that does not hold (a pod re-created under the name) answers
             # 409, but so do conflicts that say nothing of the pod (its disruption budget's
@@ -143,6 +158,7 @@ class Evictions:
                 # The API server's own throttling (Priority and Fairness): nothing was decided
                 # about the pod, the eviction is tried again after the backoff (and not
                 # before the Retry-After the throttling sent).
+                throttled = True
                 why = f"throttled by the API server: {message}"
         else:
             why = f"API error: {message}"
@@ -154,14 +170,15 @@ class Evictions:
                            **({} if wait is None else {"retry_after_s": wait}))
         outcome = EvictionOutcome.BLOCKED if exc.status == HTTP_TOO_MANY_REQUESTS \
             else EvictionOutcome.FAILED
-        return EvictionResult(outcome, dry_run, exc.status, message, wait)
+        return EvictionResult(outcome, dry_run, exc.status, message, wait, throttled)
 
     def _read_uid(self, rest: Rest, namespace: str, name: str) -> str | None:
-        """The uid of the pod the API has under that name; None when it has none (404)."""
+        """The uid of the pod the API has under that name; None when it has none (404). Sent
+        once, under :data:`READ_BACK_TIMEOUT_S` at most."""
         try:
             found = read_json(rest.request(
                 "GET", f"/api/v1/namespaces/{segment(namespace)}/pods/{segment(name)}",
-                timeout=self._cfg.request_timeout_s))
+                timeout=min(self._cfg.request_timeout_s, READ_BACK_TIMEOUT_S), retry=False))
         except ApiError as exc:
             if exc.status == HTTP_NOT_FOUND:
                 return None

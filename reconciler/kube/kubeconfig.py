@@ -49,6 +49,10 @@ def from_kubeconfig(path: Path, exec_timeout_s: float) -> Credentials:
         doc = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise CredentialsError(f"not YAML: {exc}") from exc
+    except RecursionError as exc:
+        # The loader builds nested collections by recursion: a few kilobytes of brackets
+        # exceed Python's limit, an error no caller's handling of bad credentials expects.
+        raise CredentialsError("not a kubeconfig: YAML nested too deeply to load") from exc
     if not isinstance(doc, dict):
         raise CredentialsError("not a kubeconfig (no mapping at its top)")
     current = doc.get("current-context")

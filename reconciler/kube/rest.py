@@ -49,16 +49,18 @@ class Rest:
         query: Query = (),
         body: Mapping[str, Any] | None = None,
         content_type: str = JSON,
+        retry: bool = True,
     ) -> Any:
         """Sends one request; an answer outside 2xx raises :class:`ApiError` (its ``status``,
-        the Status object the API sent as its ``body``, and the answer's ``headers``)."""
+        the Status object the API sent as its ``body``, and the answer's ``headers``).
+        ``retry``: as :meth:`~reconciler.kube.transport.Api.send`'s."""
         headers = {"Accept": JSON}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body).encode()
         answer = self._api.send(method, path + _query(query), headers=headers, body=data,
-                                timeout=timeout)
+                                timeout=timeout, retry=retry)
         if not 200 <= answer.status <= 299:
             try:
                 text = answer.read().decode(errors="replace")

@@ -13,7 +13,7 @@ import ssl
 import tempfile
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, Literal
 
 import urllib3
 
@@ -53,17 +53,22 @@ class Api:
         self._pool = urllib3.PoolManager(num_pools=1, maxsize=8, **pool)
 
     def send(self, method: str, path_and_query: str, *, headers: Mapping[str, str],
-             body: bytes | None, timeout: Timeout) -> urllib3.BaseHTTPResponse:
+             body: bytes | None, timeout: Timeout,
+             retry: bool = True) -> urllib3.BaseHTTPResponse:
         """One request, its answer's body left unread (a watch streams it).
 
+        ``retry``: urllib3's own retries (its default: up to three more tries of a request
+        that could not connect, and of a GET whose answer timed out, each with the whole
+        ``timeout``); False sends it once, for a caller whose wait must stay one ``timeout``.
         Sent once more when the server refuses its token (401) and the token's source then
         gives another: the server never acted on the refused one, so even a POST is safe to
         repeat."""
         token = self.credentials.token
+        retries: Literal[False] | None = None if retry else False  # None: the pool's own
         if token is None:
-            return self._send(method, path_and_query, headers, body, timeout, None)
+            return self._send(method, path_and_query, headers, body, timeout, None, retries)
         used = token.value()
-        answer = self._send(method, path_and_query, headers, body, timeout, used)
+        answer = self._send(method, path_and_query, headers, body, timeout, used, retries)
         if answer.status != HTTP_UNAUTHORIZED or not token.refused(used):
             return answer
         try:
@@ -74,18 +79,18 @@ class Api:
         if fresh == used:
             return answer
         _discard(answer)
-        return self._send(method, path_and_query, headers, body, timeout, fresh)
+        return self._send(method, path_and_query, headers, body, timeout, fresh, retries)
 
     def _send(self, method: str, path_and_query: str, headers: Mapping[str, str],
-              body: bytes | None, timeout: Timeout,
-              token: str | None) -> urllib3.BaseHTTPResponse:
+              body: bytes | None, timeout: Timeout, token: str | None,
+              retries: Literal[False] | None) -> urllib3.BaseHTTPResponse:
         sent = {"User-Agent": self._agent, **headers}
         if token is not None:
             sent["Authorization"] = f"Bearer {token}"
         limit = (urllib3.Timeout(total=timeout) if isinstance(timeout, (int, float))
                  else urllib3.Timeout(connect=timeout[0], read=timeout[1]))
         return self._pool.request(method, self.credentials.server + path_and_query,
-                                  body=body, headers=sent, timeout=limit,
+                                  body=body, headers=sent, timeout=limit, retries=retries,
                                   preload_content=False, redirect=False)
 
     def close(self) -> None:

@@ -15,7 +15,8 @@ A container's ``cpuset.mems`` (and on v1 ``cpuset.memory_migrate``) from before 
 binding is noted in the state file (:mod:`reconciler.host.statefile`) and written back when the
 binding goes away (switched off by a reload, the container's pod no longer ``reclaimed_cores``,
 or ``nri-qos reset``); notes of containers that are gone are dropped. An empty ``cpuset.mems``
-(v2's default: the parent's nodes) comes back as the nodes it gave (:func:`mems_note`).
+(v2's default: the parent's nodes) comes back as the nodes it gave (:func:`mems_note`), and an
+empty note as the parent's nodes (:func:`mems_restored`).
 """
 
 from __future__ import annotations
@@ -111,24 +112,47 @@ def noted_elsewhere(notes: StateFile, section: str, path: str) -> bool:
     return path in notes.entries(other)
 
 
+EFFECTIVE_MEMS = ("cpuset.mems.effective", "cpuset.effective_mems")
+"""The file of the nodes a cpuset has in effect: v2's name, v1's (a hierarchy has one of them)."""
+
+
+def effective_mems(sysfs: SysFs, cgroup: str) -> str:
+    """The nodes ``cgroup`` has in effect, as its file says them ("" when it has none)."""
+    for name in EFFECTIVE_MEMS:
+        text = sysfs.read(f"{cgroup}/{name}")
+        if text is not None:
+            return text.strip()
+    return ""
+
+
 def mems_note(sysfs: SysFs, cgroup: str, current: str) -> str:
     """What a container's ``cpuset.mems`` (``current``) is noted as, to be written back.
 
     An empty one cannot be written back as it was: the kernel takes a write of no bytes as no
     write at all, and refuses an empty ``cpuset.mems`` to a cgroup with processes (ENOSPC). On
-    v2 it means the parent's nodes, so the nodes it gives (``cpuset.mems.effective``) are noted:
-    the container gets the same nodes back. A v1 cpuset is made with no nodes and holds no
-    process while it has none: empty is noted, and written back as empty
-    (:func:`~reconciler.host.statefile.restore_noted`)."""
+    v2 it means the parent's nodes, so the nodes it gives (:func:`effective_mems`) are noted:
+    the container gets the same nodes back. A v1 cpuset is made with no nodes (none in effect
+    either) and holds no process while it has none: empty is noted, and
+    :func:`mems_restored` gives it the parent's nodes when it goes back."""
     if current.strip():
         return current.strip()
-    return (sysfs.read(f"{cgroup}/cpuset.mems.effective") or "").strip()
+    return effective_mems(sysfs, cgroup)
+
+
+def mems_restored(sysfs: SysFs, path: str, noted: str) -> str:
+    """What a NUMA note of ``path`` is written back as: an empty ``cpuset.mems`` (a v1 cpuset
+    bound before a process joined it, or a note of an earlier agent) as the nodes its parent has
+    in effect, which are the nodes an empty one gives on v2 and the ones a process in it needs
+    on v1, where the kernel refuses an empty one (ENOSPC)."""
+    if noted or not path.endswith("/cpuset.mems"):
+        return noted
+    return effective_mems(sysfs, path.rsplit("/", 2)[0])
 
 
 def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
                      section: str = NUMA_NOTES) -> int:
     """Writes back every cpuset.mems noted in ``section``; how many were written."""
-    return restore_noted(sysfs, notes, section, reason)
+    return restore_noted(sysfs, notes, section, reason, resolve=mems_restored)
 
 
 def release_unreclaimed(items: Iterable[Managed], sysfs: SysFs, layout: CgroupLayout,
@@ -141,7 +165,7 @@ def release_unreclaimed(items: Iterable[Managed], sysfs: SysFs, layout: CgroupLa
     for item in items:
         if item.level != QosLevel.RECLAIMED_CORES:
             restore_noted(sysfs, notes, section, f"pod no longer {QosLevel.RECLAIMED_CORES}",
-                          under=f"{layout.dir('cpuset', item.ref.rel)}/")
+                          under=f"{layout.dir('cpuset', item.ref.rel)}/", resolve=mems_restored)
 
 
 class NumaBindingLoop(Loop):

@@ -26,8 +26,8 @@ the function the CreateContainer answer uses too, with the level the node state 
 
 Garbage collection: a pod group whose pod is no longer known, or whose pod's plan
 (:func:`hooks.resctrl_annotation.plan_pod_group`) under the configuration gives it no group of
-its own (a reload removes such a group at once; this retries one the kernel refused then, and
-collects one a restart finds), is an orphan; it is removed once it has been one for
+its own (after a reload, or found by a restart under such a configuration), is an orphan: no
+container is placed in it any longer, and it is removed once it has been one for
 ``gc_grace_s`` (never before the first NRI state arrived); one the kernel will not remove yet
 (``EBUSY``) stays an orphan, is tried again every cycle and said once, and never holds up the
 cycle's task moves. The class groups are kept as
@@ -117,7 +117,7 @@ class ResctrlTasksLoop(Loop):
         self._managed = ManagedCache() if managed is None else managed
         self._cycles = 0
         # Cached per (managed containers, existing groups): container id -> target, cgroup -> id.
-        self._targets_key: tuple[tuple[Managed, ...], frozenset[str]] | None = None
+        self._targets_key: tuple[tuple[Managed, ...], frozenset[str], ResctrlConfig] | None = None
         self._targets: dict[str, Target] = {}
         self._by_cgroup: dict[str, str] = {}
         self._scanned: dict[str, Target] = {}
@@ -192,17 +192,22 @@ class ResctrlTasksLoop(Loop):
 
     def _targets_for(self, managed: tuple[Managed, ...], existing: frozenset[str],
                      cfg: ResctrlTasksSections) -> dict[str, Target]:
-        key = (managed, existing)
+        key = (managed, existing, cfg.resctrl)
         if self._targets_key is not None and self._targets_key[0] is managed \
-                and self._targets_key[1] == existing:
+                and self._targets_key[1] == existing and self._targets_key[2] is cfg.resctrl:
             return self._targets
         targets: dict[str, Target] = {}
         by_cgroup: dict[str, str] = {}
         monitor_cache: dict[str, bool] = {}
         threads = self._layout.threads_file
         controller = self._layout.task_controller
+        planned: dict[tuple[str, str], str | None] = {}
         for item in managed:
-            placement = place_container(item.view.pod.info.uid, item.level, cfg.resctrl,
+            pod = item.view.pod.info
+            if (pod.uid, item.level) not in planned:
+                planned[pod.uid, item.level] = plan_pod_group(pod, item.level, cfg.resctrl,
+                                                              self._resctrl.info).group
+            placement = place_container(planned[pod.uid, item.level], item.level, cfg.resctrl,
                                         existing.__contains__)
             group = placement.group
             if group is None:

@@ -13,11 +13,15 @@ from hooks.errors import InvalidInput
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
 from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
-from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION
+from hooks.oci_hooks import OciHook, OciHooksConfig, OciLevelHooks
+from hooks.resctrl import ResctrlInfo
+from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION, PodPlan, plan_pod_group
+from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import plan_class_groups
 from hooks.settings import HookStage, OciHookSpec
 from nri_plugin.capabilities import build_capabilities
-from nri_plugin.capabilities.resctrl import ResctrlCapability
+from nri_plugin.capabilities import resctrl as resctrl_capability
+from nri_plugin.capabilities.resctrl import MAX_PLANS_KEPT, ResctrlCapability
 from nri_plugin.config.loader import parse_toml
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
@@ -75,7 +79,7 @@ def world(tmp_path: Path) -> World:
 
 def test_default_chain_and_events(world: World) -> None:
     capabilities = world.capabilities()
-    assert [h.name for h in capabilities] == ["resctrl", "memory_qos", "oom_score"]
+    assert [h.name for h in capabilities] == ["resctrl", "memory_qos", "oom_score", "oci_hooks"]
     assert capabilities[0].events == {Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER,
                                Event.REMOVE_POD_SANDBOX}
     assert all(h.events == {Event.CREATE_CONTAINER} for h in capabilities[1:])
@@ -84,19 +88,57 @@ def test_default_chain_and_events(world: World) -> None:
 def test_without_resctrl_no_resctrl_capability(world: World) -> None:
     capabilities = build_capabilities(world.config, resctrl=None, state=world.state,
                                       audit=world.audit, cgroup_v2=True, memory_total=0)
-    assert [h.name for h in capabilities] == ["memory_qos", "oom_score"]
+    assert [h.name for h in capabilities] == ["memory_qos", "oom_score", "oci_hooks"]
 
 
-def test_disabled_features_are_not_built(tmp_path: Path) -> None:
-    w = World(tmp_path, "enabled = false\n[memory]\nenabled = false\n[oom]\nenabled = false\n")
-    assert w.capabilities() == []
+SWITCHED_OFF = "[memory]\nenabled = false\n[oom]\nenabled = false\n"
 
 
-def test_memory_capability_off_when_nothing_to_do(tmp_path: Path) -> None:
+def answers(capabilities: list[Capability]) -> list[str]:
+    """The capabilities that set something for a reclaimed_cores container whose pod has the
+    Volcano annotation (the level that :func:`with_hooks` gives an OCI hook)."""
+    event = ContainerEvent(pod({VOLCANO_ANNOTATION: '{"memoryQos":{"highRatio":90}}'}), ctr(),
+                           "reclaimed_cores", RUNTIME)
+    return [h.name for h in capabilities
+            if h.name != "resctrl" and not h.create_container(event).is_empty()]
+
+
+def with_hooks(cfg: Config, tool: Path) -> Config:
+    return dataclasses.replace(cfg, oci_hooks=OciHooksConfig(levels={
+        "reclaimed_cores": OciLevelHooks(prestart=(OciHook(path=str(tool)),))}))
+
+
+def test_switched_off_capabilities_answer_nothing(tmp_path: Path) -> None:
+    # resctrl needs its filesystem, opened at start: not built when off at start.
+    w = World(tmp_path, "enabled = false\n" + SWITCHED_OFF)
+    capabilities = w.capabilities()
+    assert [h.name for h in capabilities] == ["memory_qos", "oom_score", "oci_hooks"]
+    assert answers(capabilities) == []
+
+
+def test_memory_capability_answers_nothing_when_nothing_to_do(tmp_path: Path) -> None:
     w = World(tmp_path, "[memory]\nvolcano_annotation = false\n" + "".join(
         f"[memory.levels.{level}]\npolicy = \"none\"\n"
         for level in ("reclaimed_cores", "shared_cores", "dedicated_cores")))
-    assert "memory_qos" not in [h.name for h in w.capabilities()]
+    assert "memory_qos" not in answers(w.capabilities())
+
+
+def test_a_reload_switches_memory_qos_oom_score_and_oci_hooks_off_and_on(
+        tmp_path: Path) -> None:
+    tool = hook_executable(tmp_path / "tool")
+    on = World(tmp_path / "on")
+    off = World(tmp_path / "off", SWITCHED_OFF)
+    capabilities = on.capabilities()
+    capabilities[-1].reconfigure(with_hooks(on.config, tool))
+    assert answers(capabilities) == ["memory_qos", "oom_score", "oci_hooks"]
+    for capability in capabilities:
+        capability.reconfigure(off.config)
+    assert answers(capabilities) == []
+    # Off at start, on at a reload.
+    capabilities = off.capabilities()
+    for capability in capabilities:
+        capability.reconfigure(with_hooks(on.config, tool))
+    assert answers(capabilities) == ["memory_qos", "oom_score", "oci_hooks"]
 
 
 def test_oci_hooks_capability_only_with_configured_hooks(tmp_path: Path) -> None:
@@ -199,6 +241,49 @@ def test_pod_group_lifecycle(world: World) -> None:
     assert (world.root / "nriqos-shared_cores").is_dir()   # class groups are never removed
     assert capability.create_container(
         ContainerEvent(p, ctr(), "shared_cores", RUNTIME)).rdt_class == "nriqos-shared_cores"
+
+
+def test_a_pods_plan_is_made_once_and_again_when_what_it_comes_from_changes(
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
+    world.setup()
+    capability = world.resctrl()
+    plans: list[str] = []
+
+    def counted(pod: PodInfo, level: str, cfg: ResctrlConfig, info: ResctrlInfo) -> PodPlan:
+        plans.append(pod.uid)
+        return plan_pod_group(pod, level, cfg, info)
+
+    monkeypatch.setattr(resctrl_capability, "plan_pod_group", counted)
+    p = pod({KOORDINATOR_ANNOTATION: RECORDED})
+    capability.run_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    plans.clear()
+
+    def clos(of: PodInfo = p, level: str = "shared_cores") -> str | None:
+        return capability.create_container(ContainerEvent(of, ctr(), level, RUNTIME)).rdt_class
+
+    assert [clos(), clos()] == [POD_GROUP, POD_GROUP]
+    assert len(plans) == 1
+    # The annotation gone (an API update of the pod), another level, a reload: planned again.
+    assert clos(dataclasses.replace(p, annotations={})) == "nriqos-shared_cores"
+    assert clos(p, "dedicated_cores") == POD_GROUP
+    capability.reconfigure(parse_toml(Config, f'[resctrl]\nroot = "{world.root}"\n'))
+    assert clos() == POD_GROUP
+    assert len(plans) == 4
+    # Kept for MAX_PLANS_KEPT pods; one more and the record starts afresh.
+    others = [pod(uid=f"other-{i}") for i in range(MAX_PLANS_KEPT - 1)]
+    for other in others:
+        clos(other)
+    plans.clear()
+    assert clos() == POD_GROUP
+    assert plans == []
+    clos(pod(uid="one-too-many"))
+    assert clos() == POD_GROUP
+    assert plans == ["one-too-many", UID]
+    # RemovePodSandbox forgets it.
+    capability.remove_pod_sandbox(PodEvent(p, "shared_cores", RUNTIME))
+    plans.clear()
+    assert clos() == "nriqos-shared_cores"
+    assert plans == [UID]
 
 
 def test_pod_group_stays_while_another_sandbox_of_the_pod_is_there(world: World) -> None:

@@ -93,8 +93,8 @@ async def test_creation_and_reconcile_agree_before_and_after_an_annotation_chang
                 assert set(container.tids) <= set(read_ids(root / created_after / "tasks"))
             managed = ManagedCache().get(state.snapshot())
             assert {m.level for m in managed} == {"reclaimed_cores"}
-            assert {place_container(UID, m.level, cfg.resctrl, fs.has_group).group
-                    for m in managed} == {created_after}
+            assert {place_container(f"nriqos-pod-{UID}", m.level, cfg.resctrl,
+                                    fs.has_group).group for m in managed} == {created_after}
             stub.close()
             await serving
     await simulator.stop()

@@ -12,13 +12,16 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from common.podmeta import PodMeta
 from common.state import NodeState
-from hooks.memory_qos import MemoryLevel
+from hooks.levels import LEVEL_NAMES
+from hooks.memory_qos import VOLCANO_ANNOTATION, MemoryLevel
+from hooks.model import ContainerInfo, PodInfo, RuntimeInfo
 from hooks.oci_hooks import OciHook, OciHooksConfig, OciLevelHooks
 from nri_plugin.capabilities import build_capabilities
 from nri_plugin.capabilities.memory_qos import MemoryQosCapability
 from nri_plugin.cli.probe import report
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
+from nri_plugin.session.capability import ContainerEvent
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.sysfs import SysFs
 from tests.support.fake_apiserver import write_kubeconfig
@@ -170,7 +173,7 @@ def test_switches_are_reported(tmp_path: Path) -> None:
         False, "detection.enabled is false")
 
 
-def test_memory_qos_runs_exactly_when_its_capability_is_built(tmp_path: Path) -> None:
+def test_memory_qos_runs_exactly_when_its_capability_answers(tmp_path: Path) -> None:
     host = host_of(tmp_path, 2)
     cfg = Config()
     idle = dataclasses.replace(cfg, memory=dataclasses.replace(
@@ -183,8 +186,13 @@ def test_memory_qos_runs_exactly_when_its_capability_is_built(tmp_path: Path) ->
         built = build_capabilities(config, resctrl=None, state=NodeState(),
                                    audit=AuditLog(MemoryAuditSink()), cgroup_v2=True,
                                    memory_total=64 * GIB)
+        (memory,) = [c for c in built if isinstance(c, MemoryQosCapability)]
+        container = ContainerInfo("c", "s", "n", memory_limit=GIB, memory_request=GIB // 2)
+        events = [ContainerEvent(PodInfo("s", "u", "p", "ns", annotations={
+            VOLCANO_ANNOTATION: '{"memoryQos":{"highRatio":90}}'}), container, level,
+            RuntimeInfo(cgroup_v2=True)) for level in LEVEL_NAMES]
         assert found["runs"] is runs
-        assert any(isinstance(c, MemoryQosCapability) for c in built) is runs
+        assert any(not memory.create_container(e).is_empty() for e in events) is runs
     assert report(idle, host)["features"]["memory_qos"]["detail"] == (
         "every level's policy is none and memory.volcano_annotation is false: nothing to set")
 

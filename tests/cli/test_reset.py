@@ -254,6 +254,24 @@ def test_reset_leaves_a_protection_someone_else_changed_since_the_agents_last_wr
     assert (notes.entries(PROTECTION_NOTES), notes.entries(WRITTEN_NOTES)) == ({}, {})
 
 
+def test_reset_forgets_a_last_write_noted_without_a_value_from_before(node: Node) -> None:
+    """A run cut short between writing a file back and dropping its last write leaves that
+    note alone: nothing to restore, but the reset takes it away and the file is not touched."""
+    assert node.run()[0] == 0
+    low = node.host.tier_dir("burstable") / "memory.low"
+    low.write_text(f"{GIB}\n")
+    path = "/sys/fs/cgroup/kubepods.slice/kubepods-burstable.slice/memory.low"
+    state_file(node.cfg.reconciler.state_dir).put(WRITTEN_NOTES, path, str(256 << 20))
+    assert node.run(dry_run=True) == (0, "would memory QoS: forget the last write to 1 file(s) "
+                                         "noted without a value from before\n")
+    assert node.run() == (0, "memory QoS: forget the last write to 1 file(s) noted without a "
+                             "value from before: restored 0 file(s)\n")
+    notes = state_file(node.cfg.reconciler.state_dir)
+    assert (notes.entries(PROTECTION_NOTES), notes.entries(WRITTEN_NOTES)) == ({}, {})
+    assert low.read_text() == f"{GIB}\n"
+    assert node.run() == (0, "nothing to undo\n")
+
+
 def test_a_write_the_kernel_refuses_fails_the_reset_and_keeps_its_note(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     write_once = SysFs._write_once

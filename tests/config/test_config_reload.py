@@ -1,21 +1,25 @@
-"""Config store: initial load, reload on change and on request (SIGHUP), rejection of bad files."""
+"""Config store: initial load, reload on change and on request (SIGHUP), rejection of bad files,
+the keys read at start only held at their value at start and said."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from structlog.testing import capture_logs
 
-from common.audit import AuditLog, MemoryAuditSink
+from common.audit import AuditLog, MemoryAuditSink, level_of
+from hooks.config_fields import meta_of
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.schema import Config
-from nri_plugin.config.store import EMBEDDED_DEFAULTS, ConfigStore
+from nri_plugin.config.start_only import START_ONLY, value_at
+from nri_plugin.config.store import EMBEDDED_DEFAULTS, ConfigStore, load_config
 
 HANG_GUARD_S = 10.0  # only stops a broken test from hanging; never a timing assertion
 
@@ -325,3 +329,150 @@ async def test_watch_rejects_a_non_positive_interval(h: Harness) -> None:
     h.store.load_initial(None)
     with pytest.raises(ValueError, match="interval_s"):
         await h.store.watch(asyncio.Event(), interval_s=0)
+
+
+# --- keys read at start only --------------------------------------------------------------------
+
+RELOADED = {
+    "agent.scheduling": ('[agent]\nscheduling = "batch"\n', "batch"),
+    "plugin.name": ('[plugin]\nname = "other"\n', "other"),
+    "plugin.index": ('[plugin]\nindex = "20"\n', "20"),
+    "plugin.socket": ('[plugin]\nsocket = "/run/other/nri.sock"\n', "/run/other/nri.sock"),
+    "plugin.reconnect_initial_ms": ("[plugin]\nreconnect_initial_ms = 501\n", 501),
+    "plugin.reconnect_max_ms": ("[plugin]\nreconnect_max_ms = 30001\n", 30001),
+    "resctrl.enabled": ("[resctrl]\nenabled = true\n", True),
+    "resctrl.root": ('[resctrl]\nroot = "/mnt/resctrl"\n', "/mnt/resctrl"),
+    "resctrl.group_prefix": ('[resctrl]\ngroup_prefix = "other-"\n', "other-"),
+    "resctrl.amd_mb_max": ("[resctrl]\namd_mb_max = 2049\n", 2049),
+    "memory.cgroup_version": ('[memory]\ncgroup_version = "v2"\n', "v2"),
+    "reconciler.enabled": ("[reconciler]\nenabled = true\n", True),
+    "reconciler.root": ('[reconciler]\nroot = "/host"\n', "/host"),
+    "reconciler.cgroup_driver": ('[reconciler]\ncgroup_driver = "systemd"\n', "systemd"),
+    "reconciler.write_retries": ("[reconciler]\nwrite_retries = 4\n", 4),
+    "reconciler.state_dir": ('[reconciler]\nstate_dir = ""\n', ""),
+    "mitigation.drop_cache.workers": ("[mitigation.drop_cache]\nworkers = 3\n", 3),
+    "kubernetes.enabled": ("[kubernetes]\nenabled = false\n", False),
+    "kubernetes.kubeconfig": ('[kubernetes]\nkubeconfig = "/etc/kube.conf"\n',
+                              "/etc/kube.conf"),
+    "kubernetes.node_name": ('[kubernetes]\nnode_name = "node-b"\n', "node-b"),
+    "kubernetes.request_timeout_s": ("[kubernetes]\nrequest_timeout_s = 10.5\n", 10.5),
+    "kubernetes.watch_timeout_s": ("[kubernetes]\nwatch_timeout_s = 301\n", 301),
+    "kubernetes.retry_max_s": ("[kubernetes]\nretry_max_s = 30.5\n", 30.5),
+    "metrics.enabled": ("[metrics]\nenabled = true\n", True),
+    "metrics.address": ('[metrics]\naddress = "0.0.0.0"\n', "0.0.0.0"),
+    "metrics.port": ("[metrics]\nport = 9465\n", 9465),
+    "status.enabled": ("[status]\nenabled = false\n", False),
+    "status.socket": ('[status]\nsocket = "/run/other/status.sock"\n', "/run/other/status.sock"),
+}
+"""A reload's file changing each start-only key, and the value it gives the key."""
+
+SWITCHES = {entry.key for entry in START_ONLY if entry.switch}
+
+
+def start_text(key: str) -> str:
+    """The file the agent starts with: a switch off (else it is not held), the rest default."""
+    if key in SWITCHES:
+        section, name = key.rsplit(".", 1)
+        return f"[{section}]\n{name} = false\n"
+    return ""
+
+
+def test_every_start_only_key_is_reloaded_below() -> None:
+    assert set(RELOADED) == {entry.key for entry in START_ONLY}
+
+
+def test_every_setting_said_to_be_read_at_start_is_start_only() -> None:
+    def said(section: Any, prefix: str) -> Iterator[str]:
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if dataclasses.is_dataclass(value):
+                yield from said(value, f"{prefix}{f.name}.")
+            elif "read at start" in meta_of(f).doc.lower():
+                yield f"{prefix}{f.name}"
+
+    found = set(said(Config(), ""))
+    # The walk reaches nested sections.
+    assert {"agent.scheduling", "mitigation.drop_cache.workers"} <= found
+    assert found <= {entry.key for entry in START_ONLY}
+
+
+LIVE = "[oom]\nenabled = false\n"
+"""A key of none of the start-only keys' sections, which a reload applies."""
+
+
+@pytest.mark.parametrize("key", sorted(RELOADED))
+def test_a_reload_changing_a_start_only_key_keeps_its_value_and_says_so(
+        h: Harness, key: str) -> None:
+    text, new = RELOADED[key]
+    replace_file(h.path, start_text(key))
+    start = value_at(h.store.load_initial(str(h.path)), key)
+    assert start != new
+    replace_file(h.path, text + LIVE)
+    assert h.store.reload() is True
+    assert value_at(h.store.current, key) == start
+    assert value_at(h.store.in_force, key) == start
+    assert h.swaps[-1][1] is h.store.current
+    assert not h.store.current.oom.enabled
+    assert h.store.restart_needed == {key: (start, new)}
+    (said,) = h.sink.named("config_restart_needed")
+    assert said["source"] == str(h.path)
+    assert said["keys"] == {key: {"in_force": start, "new": new}}
+    assert h.audited()[-2:] == ["config_loaded", "config_restart_needed"]
+    assert level_of("config_restart_needed") == "warning"
+
+
+def test_a_reload_changing_only_start_only_keys_changes_nothing_in_force(h: Harness) -> None:
+    replace_file(h.path, "")
+    first = h.store.load_initial(str(h.path))
+    replace_file(h.path, '[resctrl]\ngroup_prefix = "other-"\n[metrics]\nport = 9465\n')
+    assert h.store.reload() is False
+    assert h.store.current is first
+    assert h.swaps == []
+    assert h.sink.named("config_loaded")[-1] == {"source": str(h.path), "changed": False}
+    (said,) = h.sink.named("config_restart_needed")
+    assert said["keys"] == {"resctrl.group_prefix": {"in_force": "nriqos-", "new": "other-"},
+                            "metrics.port": {"in_force": 9464, "new": 9465}}
+
+
+def test_a_pending_key_is_said_once_per_change_and_forgotten_when_set_back(h: Harness) -> None:
+    replace_file(h.path, "")
+    h.store.load_initial(str(h.path))
+    replace_file(h.path, "[metrics]\nport = 9465\n")
+    h.store.reload()
+    # Still in the files, beside a live change: not said again, still pending.
+    replace_file(h.path, "[metrics]\nport = 9465\n" + LIVE)
+    assert h.store.reload() is True
+    assert len(h.sink.named("config_restart_needed")) == 1
+    assert h.store.restart_needed == {"metrics.port": (9464, 9465)}
+    # Another new value: said again, against the value in force.
+    replace_file(h.path, "[metrics]\nport = 9466\n")
+    h.store.reload()
+    assert h.sink.named("config_restart_needed")[-1]["keys"] == {
+        "metrics.port": {"in_force": 9464, "new": 9466}}
+    # Back to the value in force: nothing pending, nothing said.
+    replace_file(h.path, "[metrics]\nport = 9464\n")
+    h.store.reload()
+    assert h.store.restart_needed == {}
+    assert len(h.sink.named("config_restart_needed")) == 2
+
+
+@pytest.mark.parametrize(("start", "reloaded"), [
+    ("", '[agent]\nmode = "enforce"\n[plugin]\ndeadline_ms = 1000\nstrict = true\n'),
+    ("", "[resctrl.levels.reclaimed_cores]\nl3_end_percent = 50\n[resctrl]\npod_groups = false\n"),
+    ("", "[memory]\nenabled = false\n[oom]\nenabled = false\n"),
+    ("", '[logging]\nlevel = "debug"\n[reconciler]\ndrift_interval_s = 5.0\n'),
+    # The switches of parts made at start: switched off and on again after a start with them on.
+    ("", "[resctrl]\nenabled = false\n[reconciler]\nenabled = false\n"),
+    ("[resctrl]\nenabled = false\n[reconciler]\nenabled = false\n", ""),
+])
+def test_a_reload_changing_live_keys_only_says_nothing(h: Harness, start: str,
+                                                       reloaded: str) -> None:
+    replace_file(h.path, "")
+    h.store.load_initial(str(h.path))
+    replace_file(h.path, start)
+    assert h.store.reload() is bool(start)
+    replace_file(h.path, reloaded)
+    assert h.store.reload() is True
+    assert h.store.current == load_config(str(h.path))[0]
+    assert h.store.restart_needed == {}
+    assert h.sink.named("config_restart_needed") == []

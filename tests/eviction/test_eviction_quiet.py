@@ -76,6 +76,22 @@ async def test_a_refused_eviction_waiting_to_be_retried_is_not_quiet(
     assert not await quiet(env)
 
 
+async def test_a_refused_eviction_keeps_rounds_going_only_while_it_waits(
+        tmp_path: Path, fake: FakeApiServer) -> None:
+    """Once its wait is over, the pod is tried again only if a plugin proposes it again, which
+    keeps rounds going by itself; the pod left on the node holds nothing."""
+    env = make_env(tmp_path, fake)
+    env.add_pod("batch1", fake=fake)
+    fake.fail_next("POST", "/api/v1/namespaces/batch/pods/batch1/eviction", 429)
+    forced(env, "batch1")
+    assert await env.round() == [("batch/batch1", "blocked")]
+    env.system.evict = type(env.system.evict)()
+    env.clock.now += 4.999  # the first backoff is 5 s
+    assert not await quiet(env)
+    env.clock.now += 0.001
+    assert await quiet(env)
+
+
 async def test_an_out_of_tree_plugin_is_never_quiet(
         tmp_path: Path, fake: FakeApiServer) -> None:
     """It decides from data of its own, which no level change announces."""

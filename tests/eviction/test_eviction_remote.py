@@ -24,7 +24,7 @@ from reconciler.eviction.api import (
     MetType,
     Operator,
 )
-from reconciler.eviction.manager import MAX_AUDITED_PROPOSALS
+from reconciler.eviction.proposals import MAX_AUDITED_PROPOSALS
 from reconciler.eviction.remote import (
     PluginCallError,
     PluginDirectory,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -96,6 +97,28 @@ def test_other_errors_fail_without_retry(fs: SysFs, tmp_path: Path,
     (tmp_path / "sys/fs/cgroup/dir").mkdir(parents=True)
     assert fs.write("/sys/fs/cgroup/dir", "1", "t") == Outcome.FAILED  # EISDIR
     assert sink.named("cgroup_write_failed")[0]["error"].startswith("EISDIR")
+
+
+def test_write_if_changed_why_says_which_refusal_it_was(
+        fs: SysFs, tmp_path: Path, sink: MemoryAuditSink, monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tmp_path / "sys/fs/cgroup/cpuset.mems", "0\n")
+    write(tmp_path / "sys/fs/cgroup/cpu.idle", "0\n")
+    write_once = SysFs._write_once
+
+    def refuse_empty(real: str, data: bytes, create: bool) -> None:
+        if data == b"\n":  # as the kernel refuses an empty cpuset.mems to a cgroup in use
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_once(real, data, create)
+
+    monkeypatch.setattr(SysFs, "_write_once", staticmethod(refuse_empty))
+    assert fs.write_if_changed_why("/sys/fs/cgroup/cpuset.mems", "\n", "t") == (
+        Outcome.FAILED, f"ENOSPC: {os.strerror(errno.ENOSPC)}")
+    assert sink.named("cgroup_write_failed")[0]["error"] == (
+        f"ENOSPC: {os.strerror(errno.ENOSPC)} (attempt 1)")
+    assert fs.write_if_changed_why("/sys/fs/cgroup/cpu.idle", "1", "t") == (Outcome.WRITTEN, "")
+    assert fs.write_if_changed_why("/sys/fs/cgroup/cpu.idle", "1", "t") == (
+        Outcome.UNCHANGED, "")
+    assert fs.write_if_changed_why("/sys/fs/cgroup/gone", "1", "t") == (Outcome.GONE, "")
 
 
 def test_read_ids(fs: SysFs, tmp_path: Path) -> None:

@@ -319,3 +319,15 @@ def test_a_kubeconfig_is_read_up_to_one_mib(tmp_path: Path) -> None:
     kubeconfig.write_text(text + "x" * (MAX_BYTES - len(text) + 1))
     with pytest.raises(CredentialsError, match=f"larger than {MAX_BYTES} bytes"):
         from_kubeconfig(kubeconfig, 5.0)
+
+
+@pytest.mark.parametrize("nesting", [b"[" * 10_000 + b"]" * 10_000,
+                                     b"{a: " * 10_000 + b"}" * 10_000])
+def test_a_kubeconfig_nested_too_deeply_is_refused_like_any_unusable_one(
+        tmp_path: Path, nesting: bytes) -> None:
+    """The YAML loader recurses per level: its RecursionError is a refusal, not a crash."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_bytes(nesting)
+    assert len(nesting) < MAX_BYTES
+    assert refusal(kubeconfig) == (f"kubeconfig {kubeconfig}: not a kubeconfig: YAML nested "
+                                   "too deeply to load")

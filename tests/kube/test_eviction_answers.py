@@ -1,9 +1,11 @@
 """What an eviction's 409 and 429 answers mean: a conflict is ``gone`` only when the pod read
-back under that name is another one or none, and a ``Retry-After`` comes back with the result,
-bounded. The real client against the fake API server on loopback."""
+back under that name (once, under a bound of its own) is another one or none, a 429 says
+whether the API server throttles, and a ``Retry-After`` comes back with the result, bounded.
+The real client against the fake API server on loopback."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from reconciler.kube import EvictionOutcome, KubeActions, KubernetesConfig
-from reconciler.kube.evictions import MAX_RETRY_AFTER_S, retry_after
+from reconciler.kube.evictions import MAX_RETRY_AFTER_S, READ_BACK_TIMEOUT_S, retry_after
 from tests.support.fake_apiserver import FakeApiServer, client_config, make_pod
 
 EVICTION = "/api/v1/namespaces/default/pods/batch/eviction"
@@ -93,7 +95,7 @@ async def test_a_conflict_whose_pod_cannot_be_read_back_fails(
     if trouble == "500":
         fake.fail_next("GET", POD, 500)
     elif trouble == "timeout":
-        fake.delay_next("GET", POD, 3.0, count=10)  # urllib3 repeats a GET that timed out
+        fake.delay_next("GET", POD, 3.0)
         cfg = replace(cfg, request_timeout_s=0.3)
     else:
         fake.modify_pod("default", "batch", lambda pod: pod["metadata"].pop("uid"))
@@ -106,6 +108,47 @@ async def test_a_conflict_whose_pod_cannot_be_read_back_fails(
         "API answered conflict, and the pod could not be read back: ")
     assert detail in blocked["reason"]
     assert fake.pod("default", "batch") is not None
+
+
+async def test_the_read_back_is_sent_once_under_the_request_timeout_when_shorter(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, audit: MemoryAuditSink
+) -> None:
+    """urllib3 would send a GET that timed out three more times, each with the whole timeout:
+    the round's next candidates would wait for all four."""
+    fake.add_pod(make_pod("batch", uid="uid-1"))
+    fake.fail_next("POST", EVICTION, 409)
+    fake.delay_next("GET", POD, 3.0, count=10)
+    actions = KubeActions(api, replace(cfg, request_timeout_s=0.3), AuditLog(audit))
+    started = time.monotonic()
+    result = await actions.evict("default", "batch", None, False, uid="uid-1")
+    assert time.monotonic() - started < 2 * 0.3
+    assert result.outcome is EvictionOutcome.FAILED
+    assert len(fake.requests("GET", POD)) == 1
+    assert "ReadTimeoutError" in audit.named("eviction_blocked")[0]["reason"]
+
+
+@pytest.mark.parametrize(("delay_s", "read"), [
+    (READ_BACK_TIMEOUT_S - 0.5, True), (READ_BACK_TIMEOUT_S + 1.5, False)])
+async def test_the_read_back_waits_at_most_its_own_bound_under_a_longer_request_timeout(
+    fake: FakeApiServer, actions: KubeActions, cfg: KubernetesConfig, audit: MemoryAuditSink,
+    delay_s: float, read: bool,
+) -> None:
+    assert (READ_BACK_TIMEOUT_S, cfg.request_timeout_s) == (2.0, 5.0)
+    fake.add_pod(make_pod("batch", uid="uid-1"))
+    fake.fail_next("POST", EVICTION, 409)
+    fake.delay_next("GET", POD, delay_s)
+    started = time.monotonic()
+    result = await actions.evict("default", "batch", None, False, uid="uid-1")
+    took = time.monotonic() - started
+    assert result.outcome is EvictionOutcome.FAILED
+    (blocked,) = audit.named("eviction_blocked")
+    if read:
+        assert blocked["reason"].startswith("API answered conflict, the pod is still the one")
+        assert delay_s <= took < READ_BACK_TIMEOUT_S
+    else:
+        assert "ReadTimeoutError" in blocked["reason"]
+        assert READ_BACK_TIMEOUT_S <= took < READ_BACK_TIMEOUT_S + 1.0
+    assert len(fake.requests("GET", POD)) == 1
 
 
 async def test_a_conflict_without_a_uid_precondition_fails_unread(
@@ -142,6 +185,7 @@ async def test_a_throttled_eviction_carries_its_retry_after_bounded(
     fake.fail_next("POST", EVICTION, 429, retry_after=header)
     result = await actions.evict("default", "batch", None, False)
     assert (result.outcome, result.retry_after_s) == (EvictionOutcome.BLOCKED, carried)
+    assert result.throttled
     (blocked,) = audit.named("eviction_blocked")
     assert blocked.get("retry_after_s") == carried
 
@@ -166,6 +210,7 @@ async def test_a_disruption_budget_refusal_carries_its_retry_after_when_it_sends
     result = await actions.evict("default", "batch", None, False)
     assert (result.outcome, result.retry_after_s) == (EvictionOutcome.BLOCKED, carried)
     assert "disruption budget" in result.message
+    assert not result.throttled  # about this pod only
 
 
 def test_the_retry_after_header_is_found_in_any_case() -> None:

@@ -176,6 +176,43 @@ async def test_a_watch_event_nested_too_deeply_is_refused_like_any_malformed_one
     assert not deep
 
 
+@pytest.mark.parametrize("bad", [b"{not json", b'{"type": "ADDED", "object": "not a pod"}',
+                                 b'{"type": "ERROR", "object": {"code": 500}}'])
+async def test_a_malformed_watch_event_is_passed_by_a_relist_not_resumed_into_again(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, monkeypatch: pytest.MonkeyPatch,
+    bad: bytes,
+) -> None:
+    """The server sends the event again to every watch resumed from before it: a watch resumed
+    from the last event seen would read it again and again."""
+    fake.add_pod(make_pod("a"))
+    chunk = Handler._chunk
+    sent: list[str] = []
+
+    def chunking(handler: Handler, doc: Any) -> None:
+        if isinstance(doc, dict) and doc.get("type") == "ADDED" \
+                and doc["object"]["metadata"]["name"] == "b":
+            sent.append(handler.path)
+            data = bad + b"\n"
+            handler.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            handler.wfile.flush()
+            return
+        chunk(handler, doc)
+
+    with capture_logs() as logs:
+        async with watching(api, cfg) as w:
+            assert (await w.next()).name == "a"
+            await until(fake, lambda: fake.open_watches == 1)
+            monkeypatch.setattr(Handler, "_chunk", chunking)
+            fake.add_pod(make_pod("b"))
+            assert (await w.next()).name == "b"  # from the list that follows
+            fake.add_pod(make_pod("c"))
+            assert (await w.next()).name == "c"
+    assert len(sent) == 1
+    assert len(fake.list_requests()) == 2
+    (retry,) = [e for e in logs if e["event"] == "pod_watch_retry"]
+    assert retry["reason"].startswith("malformed watch event, relisting: ")
+
+
 async def test_reconnect_after_dropped_stream_resumes_without_relist(
     fake: FakeApiServer, api: Any, cfg: KubernetesConfig
 ) -> None:

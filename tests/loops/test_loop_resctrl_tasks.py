@@ -139,7 +139,7 @@ def test_new_container_is_placed_in_the_next_cycle_without_a_full_scan(tmp_path:
 
 def test_pod_group_with_monitor_group(tmp_path: Path) -> None:
     w = world(tmp_path)
-    pod = w.host.add_pod(uid(5), tier="burstable", containers=2)
+    pod = w.host.add_pod(uid(5), tier="burstable", containers=2, annotations=ASKS)
     group = f"{PREFIX}pod-{uid(5)}"
     w.host.add_resctrl_group(group, monitor=True)
     w.sync()
@@ -239,6 +239,8 @@ def test_a_live_pods_group_the_configuration_no_longer_gives_it_goes_after_the_g
     w.loop.cycle(249.0)
     assert (w.resctrl / group).is_dir()
     assert w.sink.named("resctrl_group_removed") == []
+    # Still there, but no longer the pod's: its tasks are already in their level's group.
+    assert w.tasks(PREFIX + "shared_cores") == tids
     w.loop.cycle(250.0)
     assert not (w.resctrl / group).exists()
     assert w.sink.named("resctrl_group_removed") == [{
@@ -325,7 +327,7 @@ def test_disabled_level_is_not_managed(tmp_path: Path) -> None:
 def test_monitor_group_made_after_its_group_is_used_from_the_next_full_scan(
         tmp_path: Path) -> None:
     w = world(tmp_path, full_scan_every=2)
-    pod = w.host.add_pod(uid(6), tier="burstable")
+    pod = w.host.add_pod(uid(6), tier="burstable", annotations=ASKS)
     group = f"{PREFIX}pod-{uid(6)}"
     w.host.add_resctrl_group(group)
     w.sync()
@@ -339,7 +341,7 @@ def test_monitor_group_made_after_its_group_is_used_from_the_next_full_scan(
 
 def test_a_refused_move_is_logged_and_the_other_groups_moves_land(tmp_path: Path) -> None:
     w = world(tmp_path, full_scan_every=100)
-    watched = w.host.add_pod(uid(5), tier="burstable")
+    watched = w.host.add_pod(uid(5), tier="burstable", annotations=ASKS)
     group = f"{PREFIX}pod-{uid(5)}"
     w.host.add_resctrl_group(group, monitor=True)
     other = w.host.add_pod(uid(6), tier="besteffort")
@@ -370,7 +372,7 @@ def test_resctrl_switched_off_removes_our_groups_and_back_on_places_every_contai
         tmp_path: Path) -> None:
     w = world(tmp_path, full_scan_every=100)
     reclaimed = w.host.add_pod(uid(1), tier="besteffort")
-    shared = w.host.add_pod(uid(2), tier="burstable")
+    shared = w.host.add_pod(uid(2), tier="burstable", annotations=ASKS)
     group = f"{PREFIX}pod-{uid(2)}"
     w.host.add_resctrl_group(group, monitor=True)
     w.host.add_resctrl_group("COS1")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,13 @@ from reconciler.host.cgroups import layout_for
 from reconciler.host.numa import NumaNode
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.loops.numa_binding import NUMA_NOTES, NumaBindingLoop, choose_nodes
+from reconciler.loops.numa_binding import (
+    NUMA_NOTES,
+    NumaBindingLoop,
+    choose_nodes,
+    mems_note,
+    restore_bindings,
+)
 from tests.support.builders import LEVEL, api_pod
 from tests.support.fakesys import GIB, FakeHost, FakePod
 
@@ -171,3 +179,98 @@ def test_one_unbindable_container_does_not_stop_the_others(tmp_path: Path, versi
     assert "Is a directory" in failed[0]["error"]
     assert mems(host, offline, 1) == "0"
     assert [r["container"] for r in sink.named("numa_binding")] == [healthy.info.name]
+
+
+# -- an empty cpuset.mems given back --------------------------------------------------------------
+
+EFFECTIVE = {1: "cpuset.effective_mems", 2: "cpuset.mems.effective"}
+
+
+def bound_container(tmp_path: Path, version: int) -> tuple[FakeHost, Path, str]:
+    """A container bound to node 0 while its pod was ``reclaimed_cores`` (a Burstable pod,
+    ``shared_cores`` now): its cpuset directory and the system path of its cpuset.mems."""
+    host = FakeHost(tmp_path, version=version, driver="cgroupfs")
+    [container] = host.add_pod("33333333-0000-0000-0000-000000000003",
+                               tier="burstable").containers
+    cpuset = host.cg("cpuset", container.rel)
+    (cpuset / "cpuset.mems").write_text("0\n")
+    prefix = "/sys/fs/cgroup" if version == 2 else "/sys/fs/cgroup/cpuset"
+    return host, cpuset, f"{prefix}/{container.rel}/cpuset.mems"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_empty_note_goes_back_as_the_nodes_the_parent_has_in_effect(
+        tmp_path: Path, version: int) -> None:
+    _, cpuset, path = bound_container(tmp_path, version)
+    (cpuset.parent / EFFECTIVE[version]).write_text("0-1\n")
+    notes = StateFile(None)
+    notes.put(NUMA_NOTES, path, "")  # an earlier agent's note of an empty cpuset.mems
+    sink = MemoryAuditSink()
+    assert restore_bindings(SysFs(tmp_path, AuditLog(sink)), notes, "test") == 1
+    assert (cpuset / "cpuset.mems").read_text() == "0-1"
+    assert notes.entries(NUMA_NOTES) == {}
+    assert sink.named("cgroup_write_failed") == []
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_empty_cpuset_mems_is_noted_as_the_nodes_it_has_in_effect(
+        tmp_path: Path, version: int) -> None:
+    _, cpuset, path = bound_container(tmp_path, version)
+    (cpuset / EFFECTIVE[version]).write_text("1\n")
+    sysfs = SysFs(tmp_path)
+    assert mems_note(sysfs, path.rsplit("/", 1)[0], "\n") == "1"
+    assert mems_note(sysfs, path.rsplit("/", 1)[0], "0\n") == "0"
+
+
+def refusing(monkeypatch: pytest.MonkeyPatch, code: int, *, empty_only: bool = True) -> None:
+    """cpuset.mems writes (of an empty value only: the kernel's ENOSPC to a cgroup with
+    processes) refused with ``code``."""
+    write_once = SysFs._write_once
+
+    def refuse(real: str, data: bytes, create: bool) -> None:
+        if real.endswith("/cpuset.mems") and not (empty_only and data.strip()):
+            raise OSError(code, os.strerror(code))
+        write_once(real, data, create)
+
+    monkeypatch.setattr(SysFs, "_write_once", staticmethod(refuse))
+
+
+@pytest.mark.parametrize(("noted", "code", "dropped"), [
+    ("", errno.ENOSPC, True), ("", errno.EACCES, False), ("0-1", errno.ENOSPC, False)])
+def test_only_an_empty_note_the_kernel_refuses_with_enospc_is_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, noted: str, code: int,
+        dropped: bool) -> None:
+    _, cpuset, path = bound_container(tmp_path, 2)  # the parent's nodes cannot be read
+    refusing(monkeypatch, code, empty_only=not noted)
+    notes = StateFile(None)
+    notes.put(NUMA_NOTES, path, noted)
+    with capture_logs() as logs:
+        assert restore_bindings(SysFs(tmp_path), notes, "test") == 0
+    assert (cpuset / "cpuset.mems").read_text() == "0\n"
+    assert notes.entries(NUMA_NOTES) == ({} if dropped else {path: noted})
+    abandoned = [e for e in logs if e["event"] == "restore_abandoned"]
+    assert [(e["section"], e["path"], e["value"]) for e in abandoned] == (
+        [(NUMA_NOTES, path, "")] if dropped else [])
+
+
+def test_a_pod_whose_empty_note_the_kernel_refuses_is_warned_of_once_not_every_cycle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    host, cpuset, path = bound_container(tmp_path, 1)
+    host.set_numa([(20 * GIB, 64 * GIB, LOW), (2 * GIB, 64 * GIB, LOW)])
+    state = NodeState()
+    state.replace_all(*host.nri())
+    refusing(monkeypatch, errno.ENOSPC)
+    notes = StateFile(None)
+    notes.put(NUMA_NOTES, path, "")
+    sink = MemoryAuditSink()
+    sysfs = SysFs(tmp_path, AuditLog(sink))
+    cfg = Config()
+    loop = NumaBindingLoop(lambda: cfg, state, sysfs, layout_for(sysfs), AuditLog(sink),
+                           notes=notes)
+    with capture_logs() as logs:
+        for now in (0.0, 10.0, 20.0):
+            loop.cycle(now)
+    assert [e["path"] for e in logs if e["event"] == "restore_abandoned"] == [path]
+    assert [r["path"] for r in sink.named("cgroup_write_failed")] == [path]
+    assert notes.entries(NUMA_NOTES) == {}
+    assert (cpuset / "cpuset.mems").read_text() == "0\n"

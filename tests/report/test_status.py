@@ -8,6 +8,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import socket
 import stat
 import tempfile
@@ -329,6 +330,34 @@ async def test_without_the_reconciler_its_features_say_so(tmp_path: Path, short_
     assert "the reconciler, which holds the API client, does not run" in \
         features["kubernetes"]["detail"]
     assert features["resctrl"] == {"runs": False, "detail": "resctrl.enabled is false"}
+
+
+async def test_parts_switched_on_by_a_reload_wait_for_the_next_start_and_say_so(
+        tmp_path: Path, short_dir: Path) -> None:
+    sock = short_dir / "status.sock"
+    config = tmp_path / "config.toml"
+    started = f'[status]\nsocket = "{sock}"\n[agent]\nmode = "observe"\n'
+    config.write_text("[reconciler]\nenabled = false\n[resctrl]\nenabled = false\n" + started)
+    async with serving_daemon(config, RuntimeSimulator(tmp_path / "nri.sock")):
+        config.write_text(started.replace("observe", "enforce"))
+        os.kill(os.getpid(), signal.SIGHUP)
+        async with asyncio.timeout(15):
+            while True:
+                doc = await document(sock)
+                if doc["agent"]["mode"] == "enforce":
+                    break
+                await asyncio.sleep(0.05)
+        _, text, _ = await status(sock, as_json=False)
+    assert doc["agent"]["restart_needed"] == {
+        "reconciler.enabled": {"in_force": False, "new": True},
+        "resctrl.enabled": {"in_force": False, "new": True}}
+    assert doc["reconciler"] == {"running": False, "loops": {}}
+    assert doc["features"]["resctrl"] == {"runs": False, "detail": "resctrl.enabled is false"}
+    assert doc["features"]["reconciler.drift"] == {
+        "runs": False, "detail": "reconciler.enabled is false"}
+    assert ("restart needed    reconciler.enabled = true at the next start (false in force)\n"
+            "restart needed    resctrl.enabled = true at the next start (false in force)\n"
+            in text)
 
 
 async def test_ladder_sections_show_what_the_ladder_and_the_eviction_manager_did(

@@ -31,6 +31,7 @@ import collections
 import contextlib
 import enum
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -153,6 +154,8 @@ class EvictionManager:
         self._calls = PluginCalls(audit)
         self._once = RoundAudit(audit)
         self._told_unavailable = False
+        # Until when the API server's Retry-After on a throttled eviction holds every eviction.
+        self._throttled_until = -math.inf
         self._owners = OwnerCheck(actions)
         self._requests: collections.deque[str] = collections.deque(maxlen=64)
         self._wake = asyncio.Event()
@@ -298,6 +301,9 @@ class EvictionManager:
                      now: float) -> list[Decision]:
         bucket = self._bucket
         assert bucket is not None
+        if chosen and now < self._throttled_until:
+            return self._defer(chosen, Outcome.THROTTLED, "the API server throttles evictions: "
+                               f"next try in {self._throttled_until - now:.1f} s")
         decisions = []
         for index, candidate in enumerate(chosen):
             pod, plugin = candidate.facts.pod, candidate.plugin
@@ -324,8 +330,11 @@ class EvictionManager:
                 self._metrics.eviction(plugin, outcome.value)
             if throttled:
                 # The server throttles this client, not the pod: the rest wait for next round.
-                decisions += self._defer(chosen[index + 1:], Outcome.THROTTLED,
-                                         "the API server throttles evictions: next round")
+                wait = self._throttled_until - self._now()
+                decisions += self._defer(
+                    chosen[index + 1:], Outcome.THROTTLED,
+                    "the API server throttles evictions: " + (
+                        f"next try in {wait:.1f} s" if wait > 0 else "next round"))
                 break
         return decisions
 
@@ -368,5 +377,10 @@ class EvictionManager:
             # disrupted, so the token is not spent.
             bucket.give_back(now)
         # The wait counts from the answer: the round's earlier requests took their time.
-        self._retries.refused(pod.uid, cfg, self._now(), result.retry_after_s)
+        answered = self._now()
+        self._retries.refused(pod.uid, cfg, answered, result.retry_after_s)
+        if result.throttled and result.retry_after_s is not None:
+            # The server asked this client, not this pod, to wait: no eviction before then.
+            self._throttled_until = max(self._throttled_until,
+                                        answered + result.retry_after_s)
         return Outcome(outcome.value), result.throttled

@@ -1,7 +1,8 @@
 """The eviction manager on the API's 409 and 429 answers: a conflict about the pod it chose is
 tried again after the backoff, not taken for the pod's leaving, and gives its token back; a pod
 is never tried again before the ``Retry-After`` its refusal carried, counted from the answer;
-the API server's throttling ends the round, a disruption budget's refusal does not. The real
+the API server's throttling ends the round and its Retry-After holds every pod, a disruption
+budget's refusal does neither. The real
 client against the fake API server, on the manager's injected clock."""
 
 from __future__ import annotations
@@ -114,10 +115,32 @@ async def test_a_throttled_eviction_ends_the_round_and_the_rest_keep_their_token
     assert await env.round() == [("batch/db", "blocked"), ("batch/second", "throttled"),
                                  ("batch/third", "throttled")]
     assert [r.path for r in fake.requests("POST") if r.path.endswith("/eviction")] == [EVICTION]
+    # The fake answers as Priority and Fairness does, with Retry-After: 1.
     assert [(r["pod"], r["why"]) for r in env.sink.named("eviction_deferred")] == [
-        (f"batch/{name}", "the API server throttles evictions: next round")
+        (f"batch/{name}", "the API server throttles evictions: next try in 1.0 s")
         for name in ("second", "third")]
+    env.clock.now += 1.0
     assert await env.round() == [("batch/second", "evicted"), ("batch/third", "evicted")]
+
+
+async def test_a_throttling_retry_after_holds_every_eviction_until_it_ends(
+    tmp_path: Path, fake: FakeApiServer
+) -> None:
+    """The Retry-After of a throttled eviction is the client's to keep, for every pod: the
+    next round sends nothing before it ends."""
+    env = make_env(tmp_path, fake, rate_burst=10)
+    for name, gib in (("db", 2), ("second", 1)):
+        env.add_pod(name, anon=gib * GIB, fake=fake)
+    fake.fail_next("POST", EVICTION, 429, retry_after="7")
+    forced(env, "db", "second")
+    assert await env.round() == [("batch/db", "blocked"), ("batch/second", "throttled")]
+    assert [(r["pod"], r["why"]) for r in env.sink.named("eviction_deferred")] == [
+        ("batch/second", "the API server throttles evictions: next try in 7.0 s")]
+    env.clock.now += 7.0 - 0.001
+    assert await env.round() == [("batch/second", "throttled")]
+    assert len([r for r in fake.requests("POST") if r.path.endswith("/eviction")]) == 1
+    env.clock.now += 0.001
+    assert await env.round() == [("batch/db", "evicted"), ("batch/second", "evicted")]
 
 
 async def test_a_disruption_budget_refusal_does_not_end_the_round(

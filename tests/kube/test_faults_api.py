@@ -146,8 +146,11 @@ async def test_a_throttled_eviction_is_blocked_not_a_budget_and_retried(
     assert blocked["status"] == 429
     assert blocked["reason"] == ("throttled by the API server: Too many requests, please try "
                                  "again later.")
-    # Nothing was evicted: the only token is still there for the next pod.
+    # Nothing was evicted: the only token is still there for the next pod, once the
+    # throttling's Retry-After (1 s) is over.
     forced(env, "second")
+    assert await env.round() == [("batch/second", "throttled")]
+    env.clock.now += 1
     assert await env.round() == [("batch/second", "evicted")]
     forced(env, "first")
     env.clock.now += 5 + 10  # past the backoff, and a token is back

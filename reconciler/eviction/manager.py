@@ -302,8 +302,7 @@ class EvictionManager:
         bucket = self._bucket
         assert bucket is not None
         if chosen and now < self._throttled_until:
-            return self._defer(chosen, Outcome.THROTTLED, "the API server throttles evictions: "
-                               f"next try in {self._throttled_until - now:.1f} s")
+            return self._defer(chosen, Outcome.THROTTLED, self._throttled_why(now))
         decisions = []
         for index, candidate in enumerate(chosen):
             pod, plugin = candidate.facts.pod, candidate.plugin
@@ -330,13 +329,16 @@ class EvictionManager:
                 self._metrics.eviction(plugin, outcome.value)
             if throttled:
                 # The server throttles this client, not the pod: the rest wait for next round.
-                wait = self._throttled_until - self._now()
-                decisions += self._defer(
-                    chosen[index + 1:], Outcome.THROTTLED,
-                    "the API server throttles evictions: " + (
-                        f"next try in {wait:.1f} s" if wait > 0 else "next round"))
+                decisions += self._defer(chosen[index + 1:], Outcome.THROTTLED,
+                                         self._throttled_why(self._now()))
                 break
         return decisions
+
+    def _throttled_why(self, now: float) -> str:
+        """Why a throttled round's pods wait: until the server's Retry-After, or the next round."""
+        wait = self._throttled_until - now
+        return "the API server throttles evictions: " + (
+            f"next try in {wait:.1f} s" if wait > 0 else "next round")
 
     def _defer(self, late: Sequence[Candidate], outcome: Outcome, why: str) -> list[Decision]:
         """The chosen pods left for a later round, audited once while they stay so."""

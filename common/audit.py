@@ -155,6 +155,9 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("eviction_done", ("pod",), "The API accepted an eviction."),
     AuditEvent("eviction_condition", ("node", "condition", "status", "reason"),
                "A plugin's node condition changed (written to the node unless dry_run)."),
+    AuditEvent("eviction_condition_removed", ("node", "condition", "reason"),
+               "The eviction manager is disabled: a condition it keeps (or an earlier run "
+               "left) was taken off the node."),
     AuditEvent("eviction_plugin_registered", ("plugin", "socket"),
                "An out-of-tree eviction plugin's socket appeared; the plugin is used."),
     AuditEvent("eviction_plugin_dropped", ("plugin", "reason"),

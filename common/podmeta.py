@@ -164,7 +164,8 @@ def _put_memory(into: dict[str, int], name: str, resources: Mapping[str, Any]) -
         value = parse_quantity(quantity)
     except ValueError:
         return
-    if value >= 0:
+    # 0 is no request or limit, as to Kubernetes (its QoS class and kubelet's cgroups alike).
+    if value > 0:
         into[name] = value
 
 

@@ -14,7 +14,8 @@ Per level (``memory.levels.<level>.policy``):
     nothing, unless the pod carries the Volcano annotation.
 
 A container without a limit uses node allocatable memory in place of the limit, or gets no
-``memory.high`` (``no_limit``). Every value is rounded down to whole pages, and ``memory.high``
+``memory.high`` (``no_limit``); a limit or request of 0 is none, as to Kubernetes. Every value
+is rounded down to whole pages, a level never sets a ``memory.high`` of 0, and ``memory.high``
 is never set below ``memory.low``.
 
 The ``volcano.sh/colocation-config`` pod annotation holds a ColocationConfiguration spec
@@ -146,6 +147,12 @@ def _pages(value: float, page: int) -> int:
     return int(value // page) * page
 
 
+def _share(amount: int, ratio: int, page: int) -> int:
+    """``ratio`` % of ``amount`` in whole pages, exact: a float product rounds up past the
+    amount itself from about 80 TiB (and past the int64 of the runtime's fields)."""
+    return _pages(amount * ratio // 100, page)
+
+
 def parse_volcano(text: str) -> tuple[Ratios | None, tuple[str, ...]]:
     """Ratios from a ColocationConfiguration spec; (None, ()) when it has no memoryQos."""
     doc, problem = json_object(text, MAX_ANNOTATION_CHARS)
@@ -184,16 +191,20 @@ def _level_values(level: MemoryLevel, request: int | None, limit: int | None,
         return out
     if request is not None:
         if level.min_ratio:
-            out["memory.min"] = _pages(request * level.min_ratio / 100, page)
+            out["memory.min"] = _share(request, level.min_ratio, page)
         if level.low_ratio:
-            out["memory.low"] = _pages(request * level.low_ratio / 100, page)
+            out["memory.low"] = _share(request, level.low_ratio, page)
     if limit is not None:
         if level.policy == "ratios":
             if level.high_ratio:
-                out["memory.high"] = _pages(limit * level.high_ratio / 100, page)
+                out["memory.high"] = _share(limit, level.high_ratio, page)
         else:
             req = min(request or 0, limit)
             out["memory.high"] = _pages(req + level.throttling_factor * (limit - req), page)
+    # A memory.high of 0 (a limit below a page, or throttling_factor 0 without a request)
+    # would stall the container: kubelet's MemoryQoS leaves it out too.
+    if out.get("memory.high") == 0:
+        del out["memory.high"]
     return out
 
 
@@ -204,10 +215,12 @@ def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg
     if level is None:
         return MemoryDecision(EMPTY_SETTINGS)
     page = cfg.page_size
-    limit = container.memory_limit
+    # 0 means none for both, as to Kubernetes and the runtime: a pod spec may say "0", and the
+    # pod watch passes it on.
+    limit = container.memory_limit or None
     if limit is None and level.no_limit == "allocatable" and node_allocatable > 0:
         limit = node_allocatable
-    request = container.memory_request
+    request = container.memory_request or None
     values: dict[str, int | str] = dict(_level_values(level, request, limit, page))
     problems: list[str] = []
     low_from_annotation = False
@@ -221,7 +234,7 @@ def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg
         problems.extend(problems_)
         if ratios is not None:
             if limit is not None:
-                asked = _pages(limit * ratios.high / 100, page)
+                asked = _share(limit, ratios.high, page)
                 policy_high = values.get("memory.high")
                 # The annotation may throttle harder than the level, never lift its throttle.
                 if isinstance(policy_high, int) and asked > policy_high:
@@ -239,7 +252,7 @@ def memory_settings(pod: PodInfo, container: ContainerInfo, level_name: str, cfg
                     problems.append(f"memoryQos.{label} {ratio} is above the allowed {cap} "
                                     f"for {level_name}")
                 elif request is not None:
-                    values[key] = _pages(request * ratio / 100, page)
+                    values[key] = _share(request, ratio, page)
                     low_from_annotation = low_from_annotation or key == "memory.low"
 
     high, low = values.get("memory.high"), values.get("memory.low")

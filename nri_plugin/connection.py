@@ -24,6 +24,8 @@ from nri_plugin.session.stub import PluginStub
 ENV_SOCKET = "NRI_PLUGIN_SOCKET"
 ENV_NAME = "NRI_PLUGIN_NAME"
 ENV_INDEX = "NRI_PLUGIN_IDX"
+MAX_FD = 2**31 - 1
+"""The largest file descriptor number (a C int)."""
 
 log = structlog.get_logger("nri_qos.daemon")
 
@@ -48,7 +50,10 @@ def take_prelaunched_env(environ: MutableMapping[str, str]) -> Prelaunched | Non
     index = environ.pop(ENV_INDEX, "")
     if fd_text is None:
         return None
-    if not fd_text.isdigit():
+    # ASCII digits only (str.isdigit also takes "²"), within a C int: socket() raises
+    # ValueError or OverflowError for larger numbers, which would end the daemon with a traceback.
+    if not (fd_text.isascii() and fd_text.isdigit() and len(fd_text) <= len(str(MAX_FD))
+            and int(fd_text) <= MAX_FD):
         raise ValueError(f"{ENV_SOCKET}={fd_text!r} is not a file descriptor number")
     if len(name) > 3 and name[:2].isdigit() and name[2] == "-":
         index = index or name[:2]

@@ -9,7 +9,8 @@ closed, which goes back to connecting, with the usual backoff.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import structlog
 
@@ -30,8 +31,8 @@ log = structlog.get_logger("nri_qos.nri")
 class Handshake:
     """Where one connection's handshake stands, and its watchdog.
 
-    The session marks each step: :attr:`configured` and :meth:`step` at Configure, :meth:`step`
-    at each Synchronize chunk, :attr:`synchronized` after the last one.
+    The session marks each step: :attr:`configured` and :meth:`step` at Configure,
+    :meth:`answering` around each Synchronize chunk, :attr:`synchronized` after the last one.
     """
 
     def __init__(self, registration_timeout_ms: int) -> None:
@@ -42,10 +43,25 @@ class Handshake:
         self._registered = asyncio.Event()
         # Set at every step of the handshake (Configure, each Synchronize chunk).
         self._progress = asyncio.Event()
+        # Steps the plugin is still working on (the runtime waits for their answers).
+        self._answering = 0
 
     def step(self) -> None:
         """The runtime took a step: the next one gets a fresh deadline."""
         self._progress.set()
+
+    @contextlib.contextmanager
+    def answering(self) -> Iterator[None]:
+        """A step the plugin works on: no deadline runs until it is answered, since the runtime
+        waits for the plugin meanwhile (under its own request timeout); the next step's
+        deadline starts with the answer."""
+        self._answering += 1
+        self.step()
+        try:
+            yield
+        finally:
+            self._answering -= 1
+            self.step()
 
     async def register(self, peer: TtrpcPeer, name: str, index: str, timeout_s: float) -> None:
         """Send RegisterPlugin; a runtime that refuses it ends the connection."""
@@ -82,6 +98,9 @@ class Handshake:
                 step = "the next Synchronize chunk"
             timeout_ms = self.registration_timeout_ms
             self._progress.clear()
+            if self._answering:
+                await self._progress.wait()
+                continue
             if await wait_for_event(self._progress, timeout_ms / 1000) \
                     or self.synchronized.is_set():
                 continue

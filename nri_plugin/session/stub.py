@@ -245,7 +245,9 @@ class PluginStub:
         req = parse_message(api.ConfigureRequest, request.payload)
         if req is None:
             # Half configured is no state to serve from: the answer says why, then the
-            # connection ends (after the answer went out) and the plugin connects again.
+            # connection ends (after the answer went out) and the plugin connects again. What
+            # is read with it is refused meanwhile, also after an earlier good Configure.
+            self.handshake.configured = False
             self._reject(Rejection.BAD_PAYLOAD, "ConfigureRequest payload does not decode")
             peer = self._peer
             if peer is not None:
@@ -284,8 +286,9 @@ class PluginStub:
 
     async def _synchronize(self, request: envelope.Request) -> bytes:
         self._require_configured("Synchronize")
-        self.handshake.step()
-        if await self._synchronizer.take(request.payload, self.terms, self._reject):
+        with self.handshake.answering():
+            more = await self._synchronizer.take(request.payload, self.terms, self._reject)
+        if more:
             return api.SynchronizeResponse(more=True).SerializeToString()
         self.handshake.synchronized.set()
         self._set_state("synchronized")

@@ -68,16 +68,20 @@ APPLIED_FIELDS: tuple[tuple[str, Version, frozenset[str]], ...] = (
 runtime. The ``nri`` rows are by NRI version, for runtimes not listed by name."""
 
 _VERSION_RE = re.compile(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?")
+MAX_VERSION_DIGITS = 9
+"""Digits of one part of a version: no release numbers its parts beyond them, and ``int()``
+refuses a part of more than 4,300 digits, which a runtime's Configure may carry."""
 
 
 def parse_version(text: str) -> Version | None:
     """``"v1.7.24-0ubuntu1"``, ``"2.1.0+unknown"``, ``"2.4.0-beta.0"`` -> (major, minor, patch).
 
     Only the leading numeric part counts: distribution and pre-release suffixes are dropped, so a
-    pre-release compares like its release. None when the text has no leading number.
+    pre-release compares like its release. None when the text has no leading number, or a part
+    of more than :data:`MAX_VERSION_DIGITS` digits.
     """
     match = _VERSION_RE.match(text)
-    if match is None:
+    if match is None or any(len(part or "") > MAX_VERSION_DIGITS for part in match.groups()):
         return None
     major, minor, patch = (int(part) if part else 0 for part in match.groups())
     return (major, minor, patch)

@@ -82,10 +82,7 @@ class TtrpcPeer:
     """
 
     def __init__(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        *,
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
         serve_conn: int,
         call_conn: int,
         handlers: Mapping[tuple[str, str], Handler],
@@ -287,7 +284,12 @@ class TtrpcPeer:
                                 pending: Awaitable[bytes]) -> None:
         try:
             payload = await pending
-        except Exception as exc:
+        except (Exception, asyncio.CancelledError) as exc:
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and task and task.cancelling():
+                raise  # this request's own task is cancelled: the connection is ending
+            # Else the handler raised it (awaiting work cancelled elsewhere): answered, or the
+            # runtime would wait out its timeout and drop the plugin.
             self._answer(stream_id, b"", *_failure(exc, method))
         else:
             self._answer(stream_id, payload, StatusCode.OK, "")

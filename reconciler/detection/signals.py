@@ -77,7 +77,10 @@ class Reading:
     @property
     def fresh(self) -> bool:
         """Whether the latest sample itself is at the level reported (not only held by
-        hysteresis); readings that do not say count as fresh."""
+        hysteresis); readings that do not say count as fresh. An unknown reading is at no
+        level: never fresh (the ladder counts it at its last known level, held)."""
+        if self.level is Level.UNKNOWN:
+            return False
         return self.raw is None or self.raw >= self.level
 
 

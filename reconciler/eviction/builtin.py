@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 from hooks.levels import QosLevel
 from reconciler.detection.counting import Counting
+from reconciler.detection.detectors import RECLAIMED_TIER
 from reconciler.detection.signals import LEVEL_BY_NAME, NODE, Board, Level, Reading
 from reconciler.eviction.api import (
     NOT_MET,
@@ -47,7 +48,6 @@ from reconciler.eviction.config import EvictionConfig, grace_of
 # Detectors whose value falls as things get worse (free memory, fulfillment); the others rise.
 _FALLING = frozenset({"system_free", "numa_free", "fulfillment"})
 
-RECLAIMED_TIER = "tier:reclaimed"
 
 def largest_first(active: Sequence[ActivePod], levels: Sequence[str],
                   top_n: int) -> list[ActivePod]:
@@ -135,9 +135,10 @@ class RssOverusePlugin:
             if reading.detector != "rss_overuse" or reading.pod_uid is None:
                 continue
             pod = by_uid.get(reading.pod_uid)
-            # The detector reports a level above none only while the pod is over its threshold;
-            # the values are checked too, so that a reading that contradicts itself never evicts.
-            if pod is None or reading.level <= Level.NONE or reading.value <= reading.threshold \
+            # Level high is request x factor (low is the request itself: a pod within its
+            # factor is not overusing); the values are checked too, so that a reading that
+            # contradicts itself, or a level held by hysteresis, never evicts.
+            if pod is None or reading.level < Level.HIGH or reading.value <= reading.threshold \
                     or pod.qos_level not in cfg.rss_overuse_levels:
                 continue
             grace = cfg.reclaimed_grace_period_s if pod.qos_level == QosLevel.RECLAIMED_CORES \

@@ -48,6 +48,9 @@ class NodeConditions:
         self._dry = dry
         self._tracker = ConditionTracker()
         self._conditions: dict[str, _Condition] = {}
+        # While the manager is off: when its conditions may be tried again, and how long after.
+        self._withdraw_at = 0.0
+        self._withdraw_backoff: Backoff | None = None
 
     async def keep(self, plugins: Sequence[EvictionPlugin],
                    thresholds: Mapping[str, ThresholdMet], evicts: Mapping[str, EvictPods],
@@ -65,7 +68,10 @@ class NodeConditions:
                 self._audit.record("eviction_condition", node=self._node, condition=name,
                                    status=status, reason=_reason(status),
                                    plugin=state.plugin, message=state.message, dry_run=dry)
-            if dry or not self._actions.available or status == state.written \
+            # A dry-run plugin writes nothing, but a condition this agent wrote True (before a
+            # reload to dry run) is its own to take back once no longer met.
+            undo = dry and state.written is True and not status
+            if (dry and not undo) or not self._actions.available or status == state.written \
                     or now < state.next_try:
                 continue
             written = await self._actions.set_node_condition(
@@ -75,6 +81,34 @@ class NodeConditions:
             else:
                 state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
                 state.next_try = now + state.backoff.next()
+
+    async def withdraw(self, names: Sequence[str], cfg: EvictionConfig, now: float) -> bool:
+        """The manager is switched off: nobody keeps its conditions true to the node any more,
+        so they are taken off it, as an uninstall does: ``names`` (the in-tree ones, which an
+        earlier run may have left) and every one this run reported. True once all are off (or
+        there is no API to reach); a refusal is tried again after a backoff."""
+        if not self._actions.available:
+            return True
+        if now < self._withdraw_at:
+            return False
+        left = []
+        for name in dict.fromkeys([*names, *self._conditions]):
+            outcome = await self._actions.remove_node_condition(self._node, name)
+            if outcome is NodeOutcome.CHANGED:
+                self._audit.record("eviction_condition_removed", node=self._node, condition=name,
+                                   reason="eviction manager disabled")
+            elif outcome is not NodeOutcome.UNCHANGED:
+                left.append(name)
+        if left:
+            self._withdraw_backoff = self._withdraw_backoff or Backoff(cfg.retry_initial_s,
+                                                                       cfg.retry_max_s)
+            self._withdraw_at = now + self._withdraw_backoff.next()
+            return False
+        # Switched on again, the manager starts from nothing, as at a start.
+        self._conditions.clear()
+        self._tracker = ConditionTracker()
+        self._withdraw_at, self._withdraw_backoff = 0.0, None
+        return True
 
     def settled(self) -> bool:
         """No condition is true and none waits for a write to be retried: rounds that find

@@ -47,6 +47,7 @@ from reconciler.eviction.api import (
     EvictionPlugin,
     MetType,
 )
+from reconciler.eviction.builtin import IN_TREE_CONDITIONS
 from reconciler.eviction.calls import PluginCalls
 from reconciler.eviction.choice import PodFilter
 from reconciler.eviction.conditions import NodeConditions
@@ -154,6 +155,8 @@ class EvictionManager:
         self._calls = PluginCalls(audit)
         self._once = RoundAudit(audit)
         self._told_unavailable = False
+        # The manager is off and its node conditions are off the node.
+        self._withdrawn = False
         # Until when the API server's Retry-After on a throttled eviction holds every eviction.
         self._throttled_until = -math.inf
         self._owners = OwnerCheck(actions)
@@ -186,6 +189,7 @@ class EvictionManager:
                 # Cleared before the round: a wake-up while it runs starts the next at once.
                 self._wake.clear()
                 if cfg.enabled:
+                    self._withdrawn = False
                     # A round can wait on a slow API server for many request timeouts in a
                     # row: a stop cancels it rather than waiting for its end.
                     current = asyncio.ensure_future(self.run_round())
@@ -206,6 +210,9 @@ class EvictionManager:
                         await asyncio.wait({current})
                 else:
                     await self._directory.close()
+                    if not self._withdrawn:
+                        self._withdrawn = await self._conditions.withdraw(
+                            IN_TREE_CONDITIONS, cfg, self._now())
                 await sleep_until(delay, stop, self._wake)
         finally:
             if unsubscribe is not None:

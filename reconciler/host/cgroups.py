@@ -197,6 +197,11 @@ class CgroupLayout:
         return "memory.max" if self.v2 else "memory.limit_in_bytes"
 
     @property
+    def unlimited(self) -> str:
+        """What a memory limit file takes for no limit: v1's refuses ``max`` (EINVAL)."""
+        return "max" if self.v2 else "-1"
+
+    @property
     def threads_file(self) -> str:
         """The file listing every thread of a cgroup."""
         return "cgroup.threads" if self.v2 else "tasks"

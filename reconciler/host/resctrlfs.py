@@ -206,7 +206,9 @@ class ResctrlFs:
                            warn: Callable[[str], None]) -> set[str]:
         """Make the class groups of ``plan`` exist with their schemata and remove the ones it
         retires; the groups created or rewritten. A group that cannot be had is warned about
-        and skipped: its level's containers then stay where they are."""
+        and skipped: its level's containers then stay where they are. One the kernel will not
+        remove yet (``EBUSY``, ``EROFS`` ...) is warned about and stays, for the next plan to
+        retire again: the caller goes on with its reload or its cycle's task moves."""
         changed: set[str] = set()
         for group, schemata in plan.ensure.items():
             try:
@@ -215,7 +217,11 @@ class ResctrlFs:
             except (GroupError, OSError) as exc:
                 warn(f"resctrl class group {group} unavailable: {exc}")
         for group, level in plan.remove.items():
-            self.remove_group(group, reason=f"level {level} disabled")
+            try:
+                self.remove_group(group, reason=f"level {level} disabled")
+            except OSError as exc:
+                warn(f"resctrl class group {group} of level {level}, disabled, not removed: "
+                     f"{removal_problem(exc)}")
         return changed
 
     # --- pod groups ----------------------------------------------------------------------------

@@ -219,13 +219,20 @@ def restore_tier(sysfs: SysFs, notes: StateFile, reason: str) -> list[tuple[str,
     """Writes back every tier file the guard changed (the limit first, so the tier is never
     capped below its throttle, and a v1 tier waiting at its squeezed limit is let go before
     its OOM killer is back), forgetting each one restored or gone; the (path, value) pairs
-    written or already so."""
+    written or already so. A tier whose limit the kernel refused keeps its OOM killer off and
+    its note: a task waiting at the limit would be killed for a limit that was not raised."""
     restored = []
     entries = notes.entries(NOTES)
+    refused: set[str] = set()  # tiers whose limit is still the guard's
     for path in sorted(entries, key=_restore_rank):
-        if restore_file(sysfs, notes, NOTES, path, reason) in (Outcome.WRITTEN,
-                                                               Outcome.UNCHANGED):
+        tier, _, name = path.rpartition("/")
+        if name == OOM_CONTROL and tier in refused:
+            continue
+        outcome = restore_file(sysfs, notes, NOTES, path, reason)
+        if outcome in (Outcome.WRITTEN, Outcome.UNCHANGED):
             restored.append((path, entries[path]))
+        elif outcome is Outcome.FAILED and _restore_rank(path) == 0:
+            refused.add(tier)
     return restored
 
 
@@ -370,7 +377,7 @@ class MemoryGuardLoop(Loop):
         if not standing:
             reason = "memory guard: no standing cap"
         capped = cap if cap < UNLIMITED_THRESHOLD else None
-        limit_text = "max" if capped is None else str(cap)
+        limit_text = self._layout.unlimited if capped is None else str(cap)
         if squeeze is not None and tight is not None:
             reason += f"; squeezed to {tight} B ({squeeze.reason})"
         if v2:

@@ -259,6 +259,7 @@ class NumaBalanceLoop(Loop):
         self._paused: dict[str, float] = {}
         self._nothing_to_balance = False
         self._quiet = False
+        self._was_held = False
 
     def interval(self) -> float:
         balance = self._config().numa_balance
@@ -282,6 +283,14 @@ class NumaBalanceLoop(Loop):
                                  NUMA_BALANCE_NOTES)
             self._last = None
             return
+        held = self._sysfs.held()
+        if held and not self._was_held and self._notes.entries(NUMA_BALANCE_NOTES):
+            # Observe: what an enforcing run changed goes back, as the binding's does.
+            restore_bindings(self._sysfs, self._notes,
+                             "observe mode: the node is watched, not acted on",
+                             NUMA_BALANCE_NOTES)
+            self._last = None
+        self._was_held = held
         for path in self._notes.entries(NUMA_BALANCE_NOTES):
             if not self._sysfs.exists(path):
                 self._notes.forget(NUMA_BALANCE_NOTES, path)

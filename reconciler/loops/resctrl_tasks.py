@@ -326,7 +326,7 @@ class ResctrlTasksLoop(Loop):
         # Once per distinct problem: the loop retries every second.
         if problem not in self._class_problems:
             self._class_problems.add(problem)
-            log.warning("resctrl_class_group_not_recreated", error=problem)
+            log.warning("resctrl_class_group_failed", error=problem)
 
     def _collect_garbage(self, existing: set[str], pods: Mapping[str, PodView],
                          cfg: ResctrlTasksSections, now: float, *, synced: bool) -> None:

@@ -167,12 +167,17 @@ class DropCacheAction:
         freed = sum(max(x.freed_bytes, 0) for x in drops)
         results = {x.result for x in drops}
         summary = f"{len(drops)} pod(s), {freed} B freed"
-        if results <= {DONE, SHORT}:
+        # A pod skipped at its write (gone meanwhile, or no longer reclaimed) had nothing to
+        # drop: not a failure, or the ladder would retry the round after its backoff and drop
+        # the other pods' cache again long before repeat_s.
+        if results <= {DONE, SHORT, SKIPPED}:
             short = sum(x.result == SHORT for x in drops)
-            return Result(DONE, f"{summary}; {short} short of the amount asked" if short
-                          else summary)
+            skipped = sum(x.result == SKIPPED for x in drops)
+            notes = [*([f"{short} short of the amount asked"] if short else []),
+                     *([f"{skipped} skipped (gone or no longer reclaimed)"] if skipped else [])]
+            return Result(DONE, "; ".join([summary, *notes]))
         failed = "; ".join(f"{x.pod_uid}: {x.result} {x.detail}" for x in drops
-                           if x.result not in (DONE, SHORT))
+                           if x.result not in (DONE, SHORT, SKIPPED))
         return Result(TIMEOUT if TIMEOUT in results and len(results) == 1 else FAILED,
                       f"{summary}; {failed}")
 

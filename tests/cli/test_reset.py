@@ -32,6 +32,7 @@ from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
 from tests.support.fakesys import GIB, FakeHost
 from tests.support.guard_config import standing
 from tests.support.paths import REPO
+from tests.support.refusals import refuse_writes
 
 TAINT = "nri-qos.io/memory-pressure"
 
@@ -274,18 +275,12 @@ def test_reset_forgets_a_last_write_noted_without_a_value_from_before(node: Node
 
 def test_a_write_the_kernel_refuses_fails_the_reset_and_keeps_its_note(
         node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
-    write_once = SysFs._write_once
-
-    def refuse_idle(real: str, data: bytes, create: bool) -> None:
-        if real.endswith("/cpu.idle"):
-            raise OSError(errno.EACCES, os.strerror(errno.EACCES))
-        write_once(real, data, create)
-
-    monkeypatch.setattr(SysFs, "_write_once", staticmethod(refuse_idle))
     idle = "/sys/fs/cgroup/kubepods.slice/kubepods-besteffort.slice/cpu.idle"
     tier = node.host.tier_dir("besteffort")
     (tier / "cpu.idle").write_text("1\n")
-    code, out = node.run()
+    with monkeypatch.context() as refusing:
+        refuse_writes(refusing, errno.EACCES, lambda real, _: real.endswith("/cpu.idle"))
+        code, out = node.run()
     assert code == 1
     assert (f"cpu idle: restore {idle} to 0: failed (1 file(s) not restored, kept in the "
             f"state file: {idle})") in out.splitlines()
@@ -293,7 +288,6 @@ def test_a_write_the_kernel_refuses_fails_the_reset_and_keeps_its_note(
     assert (tier / "memory.max").read_text().strip() == "max"
     assert not Path(node.cfg.status.socket).exists()
     assert state_file(node.cfg.reconciler.state_dir).entries("cpu_idle") == {idle: "0"}
-    monkeypatch.setattr(SysFs, "_write_once", staticmethod(write_once))
     code, out = node.run()
     assert (code, out) == (0, f"cpu idle: restore {idle} to 0: restored 1 file(s)\n")
     assert (tier / "cpu.idle").read_text().strip() == "0"

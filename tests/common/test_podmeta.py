@@ -143,6 +143,15 @@ def test_bad_values_cost_only_themselves() -> None:
     assert dict(meta.labels) == {"y": "z"}
 
 
+def test_a_memory_quantity_of_0_is_none() -> None:
+    """Kubernetes reads a request or limit of 0 as none (its QoS class, kubelet's cgroups): a
+    limit of 0 taken as one would throttle the container to nothing."""
+    pod = make_pod("p", memory={"a": ("0", "0"), "b": ("0Mi", "1Gi"), "c": ("1Mi", "0Gi")})
+    meta = pod_meta_from_object(pod)
+    assert dict(meta.memory_requests) == {"c": 1 << 20}
+    assert dict(meta.memory_limits) == {"b": 1 << 30}
+
+
 DS = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "agent", "uid": "uid-ds",
       "controller": True}
 

@@ -4,7 +4,6 @@ the real kubernetes client against the fake API server, an injected clock."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from reconciler.eviction.api import (
     ThresholdMet,
     TopPods,
 )
-from tests.support.eviction_env import GIB, NODE, forced, make_env
+from tests.support.eviction_env import GIB, forced, make_env
 from tests.support.fake_apiserver import FakeApiServer, make_pod
 
 # ---- dry-run ------------------------------------------------------------------------------------
@@ -328,58 +327,6 @@ async def test_offered_pods_carry_what_plugins_need(tmp_path: Path, fake: FakeAp
     assert offered == ActivePod(env.uid("a"), "batch", "a", "reclaimed_cores", 7, GIB, 3 * GIB)
 
 
-# ---- conditions ---------------------------------------------------------------------------------
-
-
-async def test_node_condition_written_on_change_and_smoothed(
-    tmp_path: Path, fake: FakeApiServer
-) -> None:
-    env = make_env(tmp_path, fake, condition_transition_s=300.0)
-    name = "NriQosSystemMemoryPressure"
-    met = ThresholdMet(MetType.SOFT_MET, 4.0, 3.0, Operator.LESS_THAN, "node",
-                       Condition(name, True), signal="system_free")
-    calm = dataclasses.replace(met, met=MetType.NOT_MET, condition=Condition(name, False))
-    env.system.threshold = calm
-    await env.round()
-    assert fake.conditions(NODE)[name]["status"] == "False"
-    env.system.threshold = met
-    await env.round()
-    written = fake.conditions(NODE)[name]
-    assert (written["status"], written["reason"]) == ("True", "NriQosThresholdMet")
-    assert written["message"] == "system_pressure: system_free node: 3 < 4"
-    patches = len(fake.requests("PATCH"))
-    await env.round()
-    assert len(fake.requests("PATCH")) == patches  # unchanged: nothing written
-    env.system.threshold = calm
-    env.clock.now += 299.0
-    await env.round()
-    assert fake.conditions(NODE)[name]["status"] == "True"
-    env.clock.now += 1.0
-    await env.round()
-    assert fake.conditions(NODE)[name]["status"] == "False"
-    assert [(c["status"], c["reason"]) for c in env.sink.named("eviction_condition")] == [
-        (False, "NriQosThresholdNotMet"), (True, "NriQosThresholdMet"),
-        (False, "NriQosThresholdNotMet")]
-
-
-async def test_condition_write_failures_retry_with_backoff(
-    tmp_path: Path, fake: FakeApiServer
-) -> None:
-    env = make_env(tmp_path, fake)
-    env.system.threshold = ThresholdMet(MetType.SOFT_MET, condition=Condition("C", True))
-    fake.fail_next("PATCH", f"/api/v1/nodes/{NODE}/status", 500, count=2)
-    await env.round()
-    env.clock.now += 4.9
-    await env.round()
-    assert len(fake.requests("PATCH")) == 1
-    env.clock.now += 0.1
-    await env.round()
-    assert len(fake.requests("PATCH")) == 2
-    env.clock.now += 10
-    await env.round()
-    assert fake.conditions(NODE)["C"]["status"] == "True"
-
-
 # ---- plugins that misbehave ---------------------------------------------------------------------
 
 
@@ -471,13 +418,3 @@ async def test_an_evicted_pod_still_on_the_node_is_asked_again_only_after_the_wi
     assert await env.round() == []
     env.clock.now += 0.001
     assert await env.round() == [("batch/stuck", "evicted")]
-
-
-async def test_conditions_kept_at_most_32(tmp_path: Path) -> None:
-    env = make_env(tmp_path, None)
-    for i in range(40):
-        env.system.threshold = ThresholdMet(MetType.SOFT_MET,
-                                            condition=Condition(f"Invented{i}", True))
-        await env.round()
-    names = {c["condition"] for c in env.sink.named("eviction_condition")}
-    assert names == {f"Invented{i}" for i in range(32)}

@@ -9,7 +9,9 @@ import pytest
 
 from nri_plugin.config.loader import ConfigError, parse_toml
 from nri_plugin.config.schema import Config
+from reconciler.detection.config import DetectionConfig
 from reconciler.detection.counting import Counting
+from reconciler.detection.detectors import RECLAIMED_TIER, fulfillment, rss_overuse
 from reconciler.detection.signals import Board, Level, Reading
 from reconciler.eviction.api import Condition, MetType, Operator
 from reconciler.eviction.builtin import in_tree_plugins
@@ -132,7 +134,7 @@ async def test_top_pods_offline_largest_first(board: Board) -> None:
     top = await wide["numa_pressure"].get_top_eviction_pods(ACTIVE, 1, "numa:0")
     assert (top.uids, top.grace_s) == (("shared",), None)
     # The reclaimed tier's plugin only ever names reclaimed pods.
-    top = await wide["reclaimed_pressure"].get_top_eviction_pods(ACTIVE, 1, "tier:reclaimed")
+    top = await wide["reclaimed_pressure"].get_top_eviction_pods(ACTIVE, 1, RECLAIMED_TIER)
     assert top.uids == ("r-big",)
     assert (await system.get_evict_pods(ACTIVE)).pods == ()
 
@@ -141,7 +143,7 @@ async def test_numa_and_reclaimed_pressure(board: Board) -> None:
     found = in_tree_plugins(board, EvictionConfig, ALONE)
     board.publish("numa_free", [reading("numa_free", "numa:0", Level.NONE),
                                 reading("numa_free", "numa:1", Level.HIGH, 1, 5)])
-    board.publish("fulfillment", [reading("fulfillment", "tier:reclaimed", Level.MEDIUM)])
+    board.publish("fulfillment", [reading("fulfillment", RECLAIMED_TIER, Level.MEDIUM)])
     numa = await found["numa_pressure"].threshold_met()
     assert (numa.met, numa.scope, numa.condition) == (
         MetType.HARD_MET, "numa:1", Condition("NriQosNumaMemoryPressure", True))
@@ -239,5 +241,35 @@ async def test_where_online_pods_have_their_own_signals_node_readings_need_them(
 
 async def test_the_tier_plugin_never_waits_for_the_online_pods(board: Board) -> None:
     found = in_tree_plugins(board, EvictionConfig, lambda: Counting(memcg=True, node=False))
-    board.publish("fulfillment", [reading("fulfillment", "tier:reclaimed", Level.HIGH, 0.4, 0.5)])
+    board.publish("fulfillment",
+                  [reading("fulfillment", RECLAIMED_TIER, Level.HIGH, 0.4, 0.5)])
     assert (await found["reclaimed_pressure"].threshold_met()).met is MetType.HARD_MET
+
+
+async def test_the_tier_plugin_reads_the_fulfillment_detectors_own_reading(board: Board) -> None:
+    """The reading as the fulfillment detector publishes it (its scope included) meets the
+    plugin's threshold: the tier capped at 0.4 of its pods' requests is hard-met."""
+    sample = fulfillment(str(4 * GIB), 10 * GIB, DetectionConfig(), at=1.0)
+    assert sample is not None
+    assert sample.level is Level.HIGH
+    board.publish("fulfillment", [sample.reading(sample.level)])
+    plugin = in_tree_plugins(board, EvictionConfig, ALONE)["reclaimed_pressure"]
+    tier = await plugin.threshold_met()
+    assert (tier.met, tier.condition) == (
+        MetType.HARD_MET, Condition("NriQosReclaimedTierPressure", True))
+    assert tier.scope == sample.scope
+
+
+async def test_rss_overuse_spares_a_pod_over_its_request_but_within_the_factor(
+        board: Board) -> None:
+    """The detector's level low is the request itself; a pod is proposed only once its
+    anonymous memory reaches request x factor (level high), as the detector grades it."""
+    rss = in_tree_plugins(board, EvictionConfig, ALONE)["rss_overuse"]
+    within = rss_overuse("r-big", f"total_rss {GIB + GIB // 50}\n", False, GIB, 1.05, 1.0)
+    over = rss_overuse("r-small", f"total_rss {GIB + GIB // 10}\n", False, GIB, 1.05, 1.0)
+    assert (within.level, over.level) == (Level.LOW, Level.HIGH)
+    board.publish("rss_overuse", [within.reading(within.level), over.reading(over.level)])
+    answer = await rss.get_evict_pods(ACTIVE)
+    assert [p.uid for p in answer.pods] == ["r-small"]
+    assert answer.pods[0].reason == (
+        f"anonymous memory {GIB + GIB // 10} B over {int(GIB * 1.05)} B (request x factor)")

@@ -432,7 +432,7 @@ def test_a_read_only_tree_is_said_once_and_nothing_else_breaks(mounts: Mounts,
     # What the first cycles said (the failed write; class groups whose configured schemata
     # cannot be written, once each) is not said again by the cycles after them.
     assert {e["event"] for e in said_first if e["log_level"] == "warning"} == {
-        "write_failed", "resctrl_class_group_not_recreated"}
+        "write_failed", "resctrl_class_group_failed"}
     assert logs[len(said_first):] == []
 
     # A pod group cannot be made: the pod gets its class group, with the reason.

@@ -25,6 +25,7 @@ from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import check_view, read_meminfo, read_nodes
 from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.values import parse_bytes
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
 
@@ -124,3 +125,15 @@ def test_kernel_errors_are_classified(subtree: Subtree) -> None:
     limit = f"{subtree.container}/memory.limit_in_bytes"
     assert sysfs.write(limit, "lots", "test") == Outcome.FAILED
     assert sink.named("cgroup_write_failed")[0]["error"].startswith("EINVAL")
+
+
+def test_no_limit_is_written_as_the_v1_file_takes_it(subtree: Subtree) -> None:
+    """The guard lifts a tier's limit with the layout's ``unlimited``: v1's file refuses the
+    ``max`` of v2 (EINVAL) and takes ``-1``."""
+    sysfs = SysFs("/", AuditLog(MemoryAuditSink()), backoff_s=0.0)
+    limit = f"{subtree.tier}/memory.limit_in_bytes"
+    assert sysfs.write(limit, str(512 * MIB), "test") == Outcome.WRITTEN
+    assert sysfs.write(limit, "max", "test") == Outcome.FAILED
+    assert int(Path(limit).read_text()) == 512 * MIB
+    assert sysfs.write(limit, CgroupLayout(1, "cgroupfs").unlimited, "test") == Outcome.WRITTEN
+    assert parse_bytes(Path(limit).read_text()) is None

@@ -27,6 +27,7 @@ from reconciler.host.values import (
     same_id_list,
 )
 from tests.support.fakesys import write
+from tests.support.refusals import refuse_writes
 
 
 @pytest.fixture
@@ -103,14 +104,8 @@ def test_write_if_changed_why_says_which_refusal_it_was(
         fs: SysFs, tmp_path: Path, sink: MemoryAuditSink, monkeypatch: pytest.MonkeyPatch) -> None:
     write(tmp_path / "sys/fs/cgroup/cpuset.mems", "0\n")
     write(tmp_path / "sys/fs/cgroup/cpu.idle", "0\n")
-    write_once = SysFs._write_once
-
-    def refuse_empty(real: str, data: bytes, create: bool) -> None:
-        if data == b"\n":  # as the kernel refuses an empty cpuset.mems to a cgroup in use
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        write_once(real, data, create)
-
-    monkeypatch.setattr(SysFs, "_write_once", staticmethod(refuse_empty))
+    # as the kernel refuses an empty cpuset.mems to a cgroup in use
+    refuse_writes(monkeypatch, errno.ENOSPC, lambda _, data: data == b"\n")
     assert fs.write_if_changed_why("/sys/fs/cgroup/cpuset.mems", "\n", "t") == (
         Outcome.FAILED, f"ENOSPC: {os.strerror(errno.ENOSPC)}")
     assert sink.named("cgroup_write_failed")[0]["error"] == (

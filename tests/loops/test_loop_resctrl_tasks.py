@@ -306,14 +306,20 @@ def test_removed_class_group_is_recreated_and_refilled(tmp_path: Path, level: st
     assert set(pod.containers[0].tids) <= w.tasks(PREFIX + level)
 
 
-def test_disabled_level_is_not_managed(tmp_path: Path) -> None:
-    w = world(tmp_path)
+def without_shared_cores(w: World) -> None:
+    """The config store's reload of a configuration whose shared_cores level is disabled, in
+    short."""
     base = Config()
     levels = dict(base.resctrl.levels)
     levels["shared_cores"] = dataclasses.replace(levels["shared_cores"], enabled=False)
     cfg = dataclasses.replace(base, resctrl=dataclasses.replace(
         base.resctrl, levels=MappingProxyType(levels)))
-    w.loop._config = lambda: cfg  # the config store's reload, in short
+    w.loop._config = lambda: cfg
+
+
+def test_disabled_level_is_not_managed(tmp_path: Path) -> None:
+    w = world(tmp_path)
+    without_shared_cores(w)
     w.host.add_pod(uid(1), tier="burstable")
     w.sync()
     w.loop.cycle(0.0)
@@ -322,6 +328,31 @@ def test_disabled_level_is_not_managed(tmp_path: Path) -> None:
     assert [r["group"] for r in w.sink.named("resctrl_group_removed")] == [
         PREFIX + "shared_cores"]
     assert w.sink.named("tasks_moved") == []
+
+
+def test_a_disabled_levels_group_the_kernel_will_not_remove_holds_up_no_task_move(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = world(tmp_path)
+    without_shared_cores(w)
+    pod = w.host.add_pod(uid(1), tier="besteffort")
+    w.sync()
+    remove_group = ResctrlFs.remove_group
+
+    def busy(self: ResctrlFs, name: str, reason: str) -> bool:
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(ResctrlFs, "remove_group", busy)
+    with capture_logs() as logs:
+        w.loop.cycle(0.0)
+        w.loop.cycle(1.0)
+    # The other levels' tasks are placed all the same; the refusal is said once.
+    assert set(pod.containers[0].tids) <= w.tasks(PREFIX + "reclaimed_cores")
+    said = [e["error"] for e in logs if e["event"] == "resctrl_class_group_failed"]
+    assert said == [f"resctrl class group {PREFIX}shared_cores of level shared_cores, disabled, "
+                    "not removed: OSError: Device or resource busy"]
+    monkeypatch.setattr(ResctrlFs, "remove_group", remove_group)
+    w.loop.cycle(2.0)
+    assert not (w.resctrl / (PREFIX + "shared_cores")).exists()
 
 
 def test_monitor_group_made_after_its_group_is_used_from_the_next_full_scan(

@@ -29,6 +29,7 @@ from reconciler.loops.memory_squeeze import (
     same_kill_setting,
 )
 from tests.support.fakesys import GIB, MIB, FakeHost
+from tests.support.refusals import refuse_writes
 
 SQUEEZE = Squeeze(64 * MIB, 256 * MIB, "refaults of online pods")
 KERNEL_TEXT = "oom_kill_disable {}\nunder_oom 0\noom_kill 0\n"
@@ -186,3 +187,33 @@ def test_the_kill_setting_is_read_as_the_kernel_shows_it_or_as_written(
         text: str, value: str | None) -> None:
     assert kill_disabled(text) == value
     assert same_kill_setting(text, "1") is (value == "1")
+
+
+def refuse_limits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel refusing every write to the tier's limit (as v1 does for a limit above the
+    tier's ``memory.memsw.limit_in_bytes``), through every view of the tree."""
+    refuse_writes(monkeypatch, errno.EINVAL,
+                  lambda real, _: real.endswith("memory.limit_in_bytes"))
+
+
+@pytest.mark.parametrize("standing_cap", ["cgroup-v1", "never"])
+def test_a_limit_that_cannot_be_raised_keeps_the_killer_off(
+        tmp_path: Path, standing_cap: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    guard = Guard(tmp_path, standing_cap)
+    guard.squeeze.set(SQUEEZE)
+    guard.loop.cycle(0.0)
+    squeezed = guard.limit()
+    assert guard.killer() == "1"
+    with monkeypatch.context() as refusing:
+        refuse_limits(refusing)
+        guard.squeeze.set(None)
+        guard.loop.cycle(1.0)
+        guard.loop.close()
+        # A task waiting at the squeezed limit must not be OOM-killed for a limit not raised.
+        assert guard.limit() == squeezed
+        assert guard.killer() == "1"
+        assert any(p.endswith(OOM_CONTROL) for p in guard.notes.entries(NOTES))
+    guard.loop.close()
+    assert guard.limit() != squeezed
+    assert guard.killer() == "0"
+    assert guard.notes.entries(NOTES) == {}

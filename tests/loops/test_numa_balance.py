@@ -429,6 +429,21 @@ def test_switched_off_the_balance_writes_back_what_it_changed(tmp_path: Path) ->
     assert notes.entries(NUMA_BALANCE_NOTES) == {}
 
 
+def test_switched_to_observe_the_balance_writes_back_what_it_changed(tmp_path: Path) -> None:
+    host, offline, _, cfg, sysfs, sink, state = setup(tmp_path)
+    observing = [False]
+    notes = StateFile(str(tmp_path / "state.json"))
+    loop = loop_of(cfg, state, sysfs.observing(lambda: observing[0]), sink,
+                   FakeMover(stat_of(host, offline)), notes)
+    loop.cycle(0.0)
+    assert mems(host, offline) == "0-1"
+    observing[0] = True  # as the binding's: given back, and only audited from then on
+    loop.cycle(1.0)
+    assert mems(host, offline) == "0"
+    assert set(notes.entries(NUMA_BALANCE_NOTES).values()) <= {"0"}
+    assert sink.named("write_observed")
+
+
 def test_a_pod_no_longer_reclaimed_gets_its_nodes_back(tmp_path: Path) -> None:
     host, _, online, cfg, sysfs, sink, state = setup(tmp_path)
     state.apply_meta(api_pod(WEB, online.info.name, {LEVEL: "reclaimed_cores"}))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from reconciler.loops.numa_binding import (
 )
 from tests.support.builders import LEVEL, api_pod
 from tests.support.fakesys import GIB, FakeHost, FakePod
+from tests.support.refusals import refuse_writes
 
 LOW = 1000  # pages; the 4 GiB floor dominates
 
@@ -225,14 +225,8 @@ def test_an_empty_cpuset_mems_is_noted_as_the_nodes_it_has_in_effect(
 def refusing(monkeypatch: pytest.MonkeyPatch, code: int, *, empty_only: bool = True) -> None:
     """cpuset.mems writes (of an empty value only: the kernel's ENOSPC to a cgroup with
     processes) refused with ``code``."""
-    write_once = SysFs._write_once
-
-    def refuse(real: str, data: bytes, create: bool) -> None:
-        if real.endswith("/cpuset.mems") and not (empty_only and data.strip()):
-            raise OSError(code, os.strerror(code))
-        write_once(real, data, create)
-
-    monkeypatch.setattr(SysFs, "_write_once", staticmethod(refuse))
+    refuse_writes(monkeypatch, code, lambda real, data: real.endswith("/cpuset.mems")
+                  and not (empty_only and data.strip()))
 
 
 @pytest.mark.parametrize(("noted", "code", "dropped"), [

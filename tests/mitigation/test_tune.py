@@ -359,6 +359,21 @@ async def test_a_repeat_tightens_on_fresh_pressure_only(tmp_path: Path) -> None:
                                 dry_run=False)).result == "done"
 
 
+async def test_a_repeat_on_an_unknown_reading_holding_its_last_level_does_not_tighten(
+        tmp_path: Path) -> None:
+    """The ladder counts an unknown reading at the level it last had, but its sample is at no
+    level: that is not fresh pressure, and the tier is held where it is, not squeezed a step
+    lower every repeat_s for as long as the file stays unreadable."""
+    action, squeeze, _, _ = tune(tmp_path, wmark=False)
+    await action.engage(Cause(Level.LOW, reading(Level.LOW, Level.LOW)), dry_run=False)
+    first = squeeze.current()
+    unknown = Reading("pressure_level", "tier:kubepods", Level.UNKNOWN, 0.0, 0.0, "",
+                      "memory.pressure_level is gone", raw=Level.UNKNOWN)
+    result = await action.repeat(Cause(Level.LOW, unknown), dry_run=False)
+    assert result.result == "unchanged"
+    assert squeeze.current() == first
+
+
 async def test_tune_dry_run_changes_nothing(tmp_path: Path) -> None:
     action, squeeze, host, sink = tune(tmp_path, wmark=True)
     result = await action.engage(Cause(Level.LOW), dry_run=True)

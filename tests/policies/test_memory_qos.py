@@ -108,6 +108,55 @@ def test_no_limit_and_unknown_allocatable_skips_high() -> None:
     assert unified("reclaimed_cores", c=ctr(limit=None), allocatable=0) == {}
 
 
+def test_a_limit_of_0_is_no_limit() -> None:
+    """A pod spec may say `limits.memory: "0"`, which kubelet and the runtime read as no limit
+    (the pod watch passes the 0 on): no memory.high of 0, which would stall the container."""
+    no_limit = {"memory.high": str(8 * GI * 95 // 100 // 4096 * 4096)}
+    assert unified("reclaimed_cores", c=ctr(limit=0, request=None)) == no_limit
+    assert unified("reclaimed_cores", c=ctr(limit=0, request=None), allocatable=0) == {}
+    skip = with_level("reclaimed_cores", policy="ratios", high_ratio=95, no_limit="skip")
+    assert unified("reclaimed_cores", cfg=skip, c=ctr(limit=0, request=None)) == {}
+    kubernetes = with_level("shared_cores", policy="kubernetes")
+    assert unified("shared_cores", cfg=kubernetes, c=ctr(limit=0, request=None)) == {
+        "memory.high": "7730937856"}   # 0.9 x 8 GiB of allocatable
+    # The annotation's highRatio is of the allocatable too.
+    p = pod({VOLCANO_ANNOTATION: '{"memoryQos":{"highRatio":50}}'})
+    assert unified("shared_cores", p=p, c=ctr(limit=0, request=None)) == {
+        "memory.high": str(4 * GI)}
+
+
+def test_a_request_of_0_is_no_request() -> None:
+    """Kubernetes counts a request of 0 as none: min/low are not set, as without a request."""
+    for level in ("dedicated_cores", "shared_cores"):
+        assert unified(level, c=ctr(request=0)) == unified(level, c=ctr(request=None)) == {}
+
+
+def test_a_level_never_writes_a_memory_high_of_0() -> None:
+    """The Kubernetes formula with throttling_factor 0 gives 0 for a container without a
+    request, as a ratio does of a limit below a page: no memory.high then, as kubelet does."""
+    cfg = with_level("shared_cores", policy="kubernetes", throttling_factor=0.0)
+    assert unified("shared_cores", cfg=cfg, c=ctr(request=None)) == {}
+    assert unified("shared_cores", cfg=cfg) == {"memory.high": str(256 * MI)}
+    assert unified("reclaimed_cores", c=ctr(limit=4096, request=None)) == {}
+
+
+def test_ratios_are_exact_at_any_size() -> None:
+    """memory.min/low never above the request, memory.high never above the limit, to the byte,
+    however large: a float product rounds up past them from about 80 TiB."""
+    huge = (1 << 60) - 1
+    cfg = with_level("shared_cores", policy="ratios", min_ratio=100, low_ratio=100,
+                     high_ratio=100)
+    out = unified("shared_cores", cfg=cfg, c=ctr(limit=huge, request=huge))
+    assert out == {key: str(huge // 4096 * 4096)
+                   for key in ("memory.high", "memory.low", "memory.min")}
+    # On cgroup v1 the reservation stays an int64 (the runtime's field) at the largest request.
+    int64_max = (1 << 63) - 1
+    v1 = with_level("shared_cores", policy="ratios", low_ratio=100, v1_reservation=True)
+    d = memory_settings(pod(), ctr(limit=None, request=int64_max), "shared_cores", v1,
+                        cgroup_v2=False, node_allocatable=0)
+    assert d.settings.memory_reservation == int64_max // 4096 * 4096
+
+
 def test_high_never_below_low() -> None:
     cfg = with_level("shared_cores", policy="ratios", low_ratio=100, high_ratio=10)
     out = unified("shared_cores", cfg=cfg, c=ctr(limit=512 * MI, request=512 * MI))

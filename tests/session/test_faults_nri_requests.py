@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
 from hooks.events import Event
+from hooks.model import ContainerInfo, PodInfo
 from hooks.settings import ContainerSettings
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
@@ -220,6 +222,35 @@ async def test_configure_before_the_register_plugin_answer_is_served(session: St
     assert dict(answer.adjust.annotations) == {"quick": "yes"}
     assert setup.stub.rejections.as_dict()["handshake_timeout"] == 0
     assert setup.stub.connection_state == "synchronized"
+
+
+class SlowSynchronize(Capability):
+    """Takes three registration timeouts over Synchronize (a large node's state on a slow /sys),
+    well within the runtime's request timeout."""
+
+    name = "slow-synchronize"
+    events = frozenset({Event.RUN_POD_SANDBOX})
+
+    def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
+        time.sleep(3 * SHORT_MS / 1000)
+
+
+async def test_a_synchronize_the_plugin_still_works_on_is_no_handshake_timeout(
+    session: Start,
+) -> None:
+    # Each handshake deadline is for the runtime's next step. While the plugin works on the
+    # Synchronize the runtime sent, the runtime waits on the plugin (under its request timeout).
+    setup = await session([SlowSynchronize()], cfg=plugin_config(register_timeout_ms=SHORT_MS))
+    runtime = setup.runtime
+    await runtime.register()
+    assert (await runtime.call("Configure", configure_request(SHORT_MS))).ok
+    for more in (True, False):
+        chunk = api.SynchronizeRequest(pods=[pod_message(f"more-{more}")], more=more)
+        reply = await runtime.call("Synchronize", chunk.SerializeToString())
+        assert reply.ok
+    assert setup.stub.connection_state == "synchronized"
+    assert setup.stub.rejections.as_dict()["handshake_timeout"] == 0
+    assert await runtime.create_container_ok()
 
 
 # -- a capability that hangs ----------------------------------------------------------------------

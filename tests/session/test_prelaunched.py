@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from nri_plugin.connection import ENV_INDEX, ENV_NAME, ENV_SOCKET, Prelaunched, take_prelaunched_env
+from nri_plugin.connection import (
+    ENV_INDEX,
+    ENV_NAME,
+    ENV_SOCKET,
+    MAX_FD,
+    Prelaunched,
+    take_prelaunched_env,
+)
 from tests.support.paths import REPO
 from tests.support.prelaunch import create_one_container_then_go
 
@@ -51,6 +58,16 @@ def test_take_prelaunched_env_absent_or_invalid() -> None:
     assert take_prelaunched_env({"HOME": "/root"}) is None
     with pytest.raises(ValueError, match="not a file descriptor"):
         take_prelaunched_env({ENV_SOCKET: "three"})
+
+
+@pytest.mark.parametrize("fd_text", [
+    str(MAX_FD + 1), str(2**64), "9" * 5000, "0" * 11 + "3", "²", "٣", "-3", "",
+])
+def test_take_prelaunched_env_refuses_what_no_descriptor_is(fd_text: str) -> None:
+    # Said at start (exit 2, prelaunched_env_invalid), not raised later from socket.socket().
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        take_prelaunched_env({ENV_SOCKET: fd_text, ENV_NAME: "nri-qos", ENV_INDEX: "10"})
+    assert take_prelaunched_env({ENV_SOCKET: str(MAX_FD)}) == Prelaunched(MAX_FD, "", "")
 
 
 async def test_unusable_inherited_socket_ends_the_daemon(tmp_path: Path) -> None:

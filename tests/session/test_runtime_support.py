@@ -28,6 +28,11 @@ from nri_plugin.wire.runtime_support import (
     ("2", (2, 0, 0)),
     ("", None),
     ("devel", None),
+    ("999999999.0.1", (999999999, 0, 1)),
+    # Not a version any runtime has: unparsable, not an error (int() refuses 4,301 digits).
+    ("1" * 5000, None),
+    ("v1.7." + "9" * 5000, None),
+    ("1." + "0" * 10, None),
 ])
 def test_parse_version(text: str, version: tuple[int, int, int] | None) -> None:
     assert parse_version(text) == version
@@ -50,6 +55,13 @@ def test_parse_version(text: str, version: tuple[int, int, int] | None) -> None:
 def test_containerd_nri_table(containerd: tuple[int, int, int],
                               nri: tuple[int, int, int] | None) -> None:
     assert containerd_nri_version(containerd) == nri
+
+
+def test_absurd_versions_get_the_conservative_answer() -> None:
+    for support in (RuntimeSupport.detect("", "containerd", "2." + "9" * 5000),
+                    RuntimeSupport.detect("v0." + "1" * 5000, "cri-o", "1.34.0")):
+        assert support.valid_events == LEGACY_VALID_EVENTS
+        assert support.pod_rpcs is False
 
 
 def test_stated_nri_version_wins_over_runtime_version() -> None:

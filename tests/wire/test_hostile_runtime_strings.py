@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from nri_plugin.wire.mux import PLUGIN_SERVICE_CONN, RUNTIME_SERVICE_CONN
+from nri_plugin.wire.runtime_support import LEGACY_VALID_EVENTS
 from nri_plugin.wire.status import StatusCode
 from nri_plugin.wire.ttrpc import MAX_DATA_LENGTH, MessageType, encode_frame
 from protos import nri_api_pb2 as api
@@ -64,6 +65,24 @@ enabled = false
     assert sum(error[:100] in line for line in lines) == 1
     events = [json.loads(line) for line in lines if '"nri_event"' in line]
     assert any(line.get("audit") for line in events), "the long-named pod was served"
+
+
+async def test_versions_of_thousands_of_digits_are_unknown_not_a_failed_configure(
+    session: Start,
+) -> None:
+    setup = await session()
+    runtime = setup.runtime
+    await runtime.register()
+    configure = api.ConfigureRequest(runtime_name="containerd", runtime_version="2." + "9" * 5000,
+                                     NRI_version="v0." + "1" * 5000, request_timeout=2000)
+    reply = await runtime.call("Configure", configure.SerializeToString())
+    assert reply.ok, reply.message
+    # An unknown version: only the events every runtime accepts.
+    events = api.ConfigureResponse.FromString(reply.payload).events
+    assert events
+    assert not events & ~LEGACY_VALID_EVENTS
+    assert (await runtime.call("Synchronize", b"")).ok
+    assert await runtime.create_container_ok()
 
 
 # -- 6. refusals are loud, once ------------------------------------------------------------------

@@ -75,11 +75,20 @@ def cancel_now(request: envelope.Request) -> bytes:
     raise asyncio.CancelledError("from the handler's own code")
 
 
+async def await_cancelled(request: envelope.Request) -> bytes:
+    # Work another task cancelled: awaiting it raises CancelledError in this handler's task,
+    # which itself was not cancelled.
+    work: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    work.cancel()
+    return await work
+
+
 HANDLERS: Mapping[tuple[str, str], Handler] = {
     (SERVICE, "EchoNow"): echo_now,
     (SERVICE, "FailNow"): fail_now,
     (SERVICE, "RefuseNow"): refuse_now,
     (SERVICE, "CancelNow"): cancel_now,
+    (SERVICE, "AwaitCancelled"): await_cancelled,
     (SERVICE, "Echo"): echo,
     (SERVICE, "Fail"): fail,
     (SERVICE, "Refuse"): refuse,
@@ -198,6 +207,16 @@ async def test_handlers_answering_at_once(peers: Peers) -> None:
     assert cancelled.value.code == StatusCode.UNKNOWN
     assert "CancelledError" in cancelled.value.message
     assert await peers.client.call(SERVICE, "EchoNow", b"still", timeout_s=5) == b"STILL"
+
+
+async def test_a_waiting_handler_that_raises_cancelled_error_is_answered(peers: Peers) -> None:
+    # Not its task's cancellation (that only comes when the connection ends): the runtime gets
+    # an answer at once instead of waiting out its request timeout and dropping the plugin.
+    with pytest.raises(RpcError) as cancelled:
+        await peers.client.call(SERVICE, "AwaitCancelled", b"", timeout_s=WAIT_S)
+    assert cancelled.value.code == StatusCode.UNKNOWN
+    assert "CancelledError" in cancelled.value.message
+    assert await peers.client.call(SERVICE, "Echo", b"still", timeout_s=WAIT_S) == b"still"
 
 
 async def test_only_handlers_that_wait_get_a_task() -> None:

@@ -191,13 +191,24 @@ class NodeState:
         return self._view(pod)
 
     def pod_identity(self, uid: str = "", ref: str = "") -> tuple[str, str, str] | None:
-        """(uid, namespace, name) of the known pod with this ``uid`` or ``namespace/name``
-        ``ref``; None when there is none. A scan: for audit records, not for every event."""
+        """(uid, namespace, name) of the known pod with this ``uid``, else with this
+        ``namespace/name`` ``ref``; None when there is none. A scan: for audit records, not for
+        every event.
+
+        A name can belong to two known pods: one deleted and created again under it (a
+        StatefulSet's) gets a new uid, and the runtime removes the old sandbox only later. The
+        name then means the pod the API server has under it now (as the pod watch last said),
+        else the first seen."""
         with self._lock:
+            named: list[PodInfo] = []
             for pod in self._pods.values():
-                if (uid and pod.uid == uid) or (ref and f"{pod.namespace}/{pod.name}" == ref):
+                if uid and pod.uid == uid:
                     return pod.uid, pod.namespace, pod.name
-        return None
+                if ref and f"{pod.namespace}/{pod.name}" == ref:
+                    named.append(pod)
+            found = next((pod for pod in named if pod.uid in self._meta),
+                         named[0] if named else None)
+        return None if found is None else (found.uid, found.namespace, found.name)
 
     def _add_pod(self, pod: PodInfo) -> None:
         """Remember ``pod`` (lock held); beyond the limit the oldest pod goes."""
@@ -241,6 +252,11 @@ class NodeState:
                 self._stopped.add(container.id)
             self._changed()
         self._notify(event)
+
+    def container(self, container_id: str) -> ContainerInfo | None:
+        """The container as last put, None when it is not known."""
+        with self._lock:
+            return self._containers.get(container_id)
 
     def remove_container(self, container: ContainerInfo, event: Event) -> None:
         with self._lock:

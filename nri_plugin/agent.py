@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 
+from common.aio import Backoff, sleep_until
 from common.audit import AuditLog
 from common.metrics import Metrics, PluginMetrics
 from common.state import NodeState, report_refusals
@@ -41,7 +42,8 @@ from nri_plugin.session.stub import PluginIdentity, PluginStub
 from nri_plugin.version import agent_version
 from reconciler.detection.service import Detection
 from reconciler.detection.signals import Board, Level
-from reconciler.eviction.builtin import in_tree_plugins
+from reconciler.eviction.builtin import IN_TREE_CONDITIONS, in_tree_plugins
+from reconciler.eviction.conditions import NodeConditions
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrl_mon import read_usage
@@ -55,7 +57,12 @@ from reconciler.loops.common import ManagedCache
 from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
-from reconciler.mitigation.service import Mitigation, build_mitigation, counting_on
+from reconciler.mitigation.service import (
+    UNCONFIRMED,
+    Mitigation,
+    build_mitigation,
+    counting_on,
+)
 from reconciler.runner import build_loops, restore_host, run_reconciler
 
 CAPABILITY_THREADS = 4
@@ -321,29 +328,52 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
         await run_reconciler(loops, state, stop, watcher,
                              read_keys=lambda: store.current.read_keys(),
                              backoff_max=lambda: store.current.reconciler.backoff_max_s,
-                             tracker=tracker)
+                             tracker=tracker,
+                             config_changes=lambda call: store.subscribe(
+                                 lambda old, new: call()))
 
     return run
 
 
 def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog) -> Service:
     """Once at start: restores what the state file says an earlier run changed (host files,
-    then its taint and condition when the API is reachable)."""
+    then, when the API is reachable, its taint and condition, and the in-tree eviction
+    conditions its eviction manager may have left, as that manager does at a start with it
+    off). What the API refuses is tried again (``mitigation.retry_initial_s``, doubling to
+    ``retry_max_s``) until it is done or the agent stops, as the ladder retries a release: a
+    taint left behind would keep new pods off the node for good."""
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         notes = state_file(cfg.reconciler.state_dir)
         reason = "reconciler switched off"
         await asyncio.to_thread(restore_host, sysfs, notes, reason)
-        if not (notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES)):
-            return
+        noted = bool(notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES))
         api = build_api_client(cfg.kubernetes)
         if api is None:
-            log.warning("leftovers_kept", reason="no Kubernetes API access: the taint an "
-                        "earlier run placed stays (nri-qos reset takes it off)")
+            if noted:
+                log.warning("leftovers_kept", reason="no Kubernetes API access: the taint an "
+                            "earlier run placed stays (nri-qos reset takes it off)")
             return
-        taint = TaintAction(lambda: store.current, KubeActions(api, cfg.kubernetes, audit),
-                            node_name(cfg.kubernetes), audit, notes=notes)
-        await taint.release(Cause(Level.NONE, None, reason), dry_run=False)
+        kube = KubeActions(api, cfg.kubernetes, audit)
+        node = node_name(cfg.kubernetes)
+        taint = TaintAction(lambda: store.current, kube, node, audit, notes=notes)
+        # No eviction manager runs to keep them true: they go as an uninstall leaves the node.
+        conditions = NodeConditions(kube, node, audit, lambda plugin, eviction: False)
+        clock = asyncio.get_running_loop().time
+        withdrawn = False
+        backoff: Backoff | None = None
+        while not stop.is_set():
+            if noted:
+                released = await taint.release(Cause(Level.NONE, None, reason), dry_run=False)
+                noted = released.result in UNCONFIRMED
+            if not withdrawn:
+                withdrawn = await conditions.withdraw(IN_TREE_CONDITIONS,
+                                                      store.current.eviction, clock())
+            if not noted and withdrawn:
+                return
+            retry = store.current.mitigation
+            backoff = backoff or Backoff(retry.retry_initial_s, retry.retry_max_s)
+            await sleep_until(backoff.next(), stop)
 
     return run
 

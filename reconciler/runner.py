@@ -27,6 +27,7 @@ import structlog
 
 from common.aio import waker
 from common.audit import AuditLog
+from common.podmeta import PodMeta
 from common.state import NodeState
 from hooks.model import ReadKeys
 from hooks.resctrl_config import ResctrlConfig
@@ -58,6 +59,9 @@ from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import restore_wmark
 
 log = structlog.get_logger("nri_qos.reconciler")
+
+Subscribe = Callable[[Callable[[], None]], Callable[[], None]]
+"""Subscribes a callback to changes; returns the unsubscribe function."""
 
 CLOSE_WAIT_S = 10.0
 """How long a reconciler on its way out waits for the cycles in flight before it closes the
@@ -141,15 +145,44 @@ class _CycleThread(Executor):
         return self.last if self.last is not None and not self.last.done() else None
 
 
+class _PodFeed:
+    """The pod watch's pods into the node state, each with only the annotations some policy
+    reads. A reload that changes those keys puts every pod the watch knows in again, trimmed
+    anew: the watch reports a pod again only when the API changes it, so a pod would keep the
+    old key's value and never show the new key's."""
+
+    def __init__(self, state: NodeState, watcher: PodWatcher,
+                 read_keys: Callable[[], ReadKeys]) -> None:
+        self._state = state
+        self._watcher = watcher
+        self._read_keys = read_keys
+        self._keys = read_keys()
+
+    def __call__(self, meta: PodMeta) -> None:
+        self.refresh()
+        self._state.apply_meta(meta.trimmed(self._keys))
+
+    def refresh(self) -> None:
+        keys = self._read_keys()
+        if keys == self._keys:
+            return
+        self._keys = keys
+        for meta in self._watcher.known():
+            self._state.apply_meta(meta.trimmed(keys))
+
+
 async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Event,
                          watcher: PodWatcher | None, *, read_keys: Callable[[], ReadKeys],
                          backoff_max: Callable[[], float],
                          tracker: LoopTracker | None = None,
-                         close_wait_s: float = CLOSE_WAIT_S) -> None:
+                         close_wait_s: float = CLOSE_WAIT_S,
+                         config_changes: Subscribe | None = None) -> None:
     """Run every loop, and the pod watch when given, until ``stop`` is set. The pod watch keeps
-    of each pod only the annotations some policy reads (``read_keys``); ``tracker`` hears of
-    every cycle. Each loop is closed after its last cycle, also when the reconciler is
-    cancelled (see the module doc; ``close_wait_s``: :data:`CLOSE_WAIT_S`)."""
+    of each pod only the annotations some policy reads (``read_keys``), trimmed anew at a
+    configuration change (``config_changes`` subscribes a callback, called on the event loop,
+    to them); ``tracker`` hears of every cycle. Each loop is closed after its last cycle, also
+    when the reconciler is cancelled (see the module doc; ``close_wait_s``:
+    :data:`CLOSE_WAIT_S`)."""
     if watcher is None:
         log.warning("reconciler_degraded", reason="no Kubernetes pod watch: NRI data only "
                     "(no priority, requests or annotation changes)")
@@ -161,8 +194,10 @@ async def run_reconciler(loops: list[Loop], state: NodeState, stop: asyncio.Even
     try:
         async with asyncio.TaskGroup() as group:
             if watcher is not None:
-                group.create_task(watcher.run(
-                    lambda meta: state.apply_meta(meta.trimmed(read_keys())), stop))
+                feed = _PodFeed(state, watcher, read_keys)
+                if config_changes is not None:
+                    unsubscribe.append(config_changes(feed.refresh))
+                group.create_task(watcher.run(feed, stop))
             for loop, thread in zip(loops, threads, strict=True):
                 wake = asyncio.Event()
                 unsubscribe.append(state.subscribe(waker(running, wake),

@@ -215,7 +215,8 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
     """Runs (or with ``dry_run`` prints) every step; 1 when one failed, else 0.
     ``kubernetes``: reach the API for the node's taint and condition."""
     sysfs = SysFs(cfg.reconciler.root, audit, retries=cfg.reconciler.write_retries)
-    notes = state_file(cfg.reconciler.state_dir)
+    # A dry run changes nothing, the state file included (an invalid one stays where it is).
+    notes = state_file(cfg.reconciler.state_dir, read_only=dry_run)
     steps = _host_steps(cfg, sysfs, notes, audit)
     remark = ""
     if kubernetes and cfg.kubernetes.enabled:
@@ -251,8 +252,9 @@ def main_reset(config_path: str | None, *, dry_run: bool, out: TextIO = sys.stdo
         try:
             cfg, _ = load_config(config_path)
         except ConfigError as exc:
-            for error in exc.errors:
-                err.write(f"{exc.source or config_path}: {error}\n")
+            # Each line names the file it is about (the main file or a drop-in).
+            for line in exc.lines():
+                err.write(f"{line}\n")
             return 2
         logging_setup.apply(cfg.logging)
         if agent_answers(cfg.status.socket):

@@ -10,6 +10,7 @@ unusable), 2 for an invalid configuration; with ``--json`` the failures are JSON
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import sys
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 
 from common import jsondoc
 from hooks.units import quantity
+from hooks.untrusted import bounded
 from nri_plugin.config.loader import ConfigError
 from nri_plugin.config.store import load_config
 
@@ -204,6 +206,15 @@ def main_status(config_path: str | None, socket: str | None, *, as_json: bool,
         return 1
     if as_json:
         out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
-    else:
-        print_status(document, out)
+        return 0
+    # Printed whole or not at all: a JSON object from something else on the socket (or a
+    # document this command cannot read) is refused like any other unusable answer.
+    text = io.StringIO()
+    try:
+        print_status(document, text)
+    except (LookupError, TypeError, AttributeError, ValueError, OverflowError) as exc:
+        err.write(f"nri-qos status: the answer on {socket} is not a status document this "
+                  f"command can read ({type(exc).__name__}: {bounded(str(exc))})\n")
+        return 1
+    out.write(text.getvalue())
     return 0

@@ -249,7 +249,13 @@ class _Builder:
                 return _INVALID
         elif tp is float:
             if isinstance(raw, int | float) and not isinstance(raw, bool):
-                value = float(raw)
+                try:
+                    value = float(raw)
+                except OverflowError:
+                    # tomllib's integers are unbounded; past a float's, past every range too.
+                    self.error(path, f"must be {_range_text(meta.minimum, meta.maximum)}, "
+                                     f"got {_num(raw)}")
+                    return _INVALID
             else:
                 self.error(path, f"must be a number, got {_toml_type(raw)}")
                 return _INVALID
@@ -385,12 +391,16 @@ class Layered:
 
 def drop_in_dir(main: Path) -> Path:
     """Where the drop-ins of ``main`` are: ``config.toml`` -> ``config.toml.d``."""
-    return main.with_name(main.name + ".d")
+    # Not with_name(): it raises for a path without a name ("/", or "" from an unset variable).
+    return main.parent / (main.name + ".d")
 
 
 def drop_ins(main: Path) -> list[Path]:
     """The drop-in files of ``main``, in the order they apply: ``*.toml`` in lexical order
-    (hidden names, such as a ConfigMap volume's ``..data``, left out)."""
+    (hidden names, such as a ConfigMap volume's ``..data``, left out). A path without a file
+    name ("/", "") has none: reading it says what is wrong."""
+    if not main.name:
+        return []
     directory = drop_in_dir(main)
     try:
         names = os.listdir(directory)
@@ -415,7 +425,7 @@ def load_layers(cls: type[Any], files: list[Path]) -> Layered:
         except ConfigError as exc:
             errors.extend(exc.lines())
             continue
-        _merge(merged, document, str(path), origins, ())
+        _merge(merged, document, str(path), origins)
     if errors:
         raise ConfigError(errors)
     builder = _Builder()
@@ -428,17 +438,27 @@ def load_layers(cls: type[Any], files: list[Path]) -> Layered:
 
 
 def _merge(into: dict[str, Any], document: Mapping[str, Any], source: str,
-           origins: dict[KeyPath, str], at: KeyPath) -> None:
-    for key, value in document.items():
-        here = (*at, key)
-        if isinstance(value, dict):
-            table = into.get(key)
-            if not isinstance(table, dict):
-                table = into[key] = {}
-            _merge(table, value, source, origins, here)
+           origins: dict[KeyPath, str]) -> None:
+    # Its own stack, in a recursive walk's order: dotted keys (``a.a.a... = 1``) nest tables
+    # thousands deep in a few kB, which tomllib parses without recursing; a RecursionError here.
+    path: list[str] = []
+    stack = [(into, iter(document.items()))]
+    while stack:
+        target, items = stack[-1]
+        for key, value in items:
+            if isinstance(value, dict):
+                table = target.get(key)
+                if not isinstance(table, dict):
+                    table = target[key] = {}
+                path.append(key)
+                stack.append((table, iter(value.items())))
+                break
+            target[key] = value
+            origins[(*path, key)] = source
         else:
-            into[key] = value
-            origins[here] = source
+            stack.pop()
+            if path:
+                path.pop()
 
 
 def _origin_of(path: str, origins: Mapping[KeyPath, str], fallback: str) -> str:

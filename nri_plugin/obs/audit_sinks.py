@@ -91,11 +91,15 @@ class AuditFile:
     def _rotate(self) -> None:
         self._file.close()
         if self.backups > 0:
-            for i in range(self.backups - 1, 0, -1):
-                older = f"{self.path}.{i}"
-                if os.path.exists(older):
-                    os.replace(older, f"{self.path}.{i + 1}")
-            os.replace(self.path, f"{self.path}.1")
+            # A file removed under us (by hand, by a log shipper) has nothing to keep: a new
+            # one is started and the backups stay, or every rotation would fail and shift them
+            # out.
+            if os.path.exists(self.path):
+                for i in range(self.backups - 1, 0, -1):
+                    older = f"{self.path}.{i}"
+                    if os.path.exists(older):
+                        os.replace(older, f"{self.path}.{i + 1}")
+                os.replace(self.path, f"{self.path}.1")
             self._file = open(self.path, "ab")  # noqa: SIM115
         else:
             self._file = open(self.path, "wb")  # noqa: SIM115

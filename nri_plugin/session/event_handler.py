@@ -14,6 +14,7 @@ It holds no connection: what Configure settled comes with every event as a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,9 +54,16 @@ STATE_EVENTS = frozenset({
 first event until its removal."""
 LIFECYCLE_EVENTS = STATE_EVENTS | frozenset({
     Event.STOP_POD_SANDBOX, Event.UPDATE_POD_SANDBOX, Event.START_CONTAINER,
-    Event.UPDATE_CONTAINER, Event.STOP_CONTAINER,
+    Event.UPDATE_CONTAINER, Event.POST_UPDATE_CONTAINER, Event.STOP_CONTAINER,
 })
-"""Events followed when the reconciler runs: it needs every container's state."""
+"""Events followed when the reconciler runs: it needs every container's state, resources
+changed by an update (an in-place resize) included: UpdateContainer shows the container as it
+was, PostUpdateContainer as the update left it."""
+_KUBELETS_RESOURCES = frozenset({Event.CREATE_CONTAINER, Event.POST_UPDATE_CONTAINER})
+"""Events whose container shows kubelet's resources: at creation, before any plugin adjusted
+them, and after an update, the update's. At every other event the runtime shows its spec with
+this agent's adjustment in it (its ``memory.min``, v1 reservation, ``oom_score_adj``), which,
+read as the request or kubelet's score, would compound at each loop pass."""
 
 # Events at which a pod's unusable QoS values are audited (once per pod and once per container,
 # instead of at every event).
@@ -231,7 +239,8 @@ class EventHandler:
         elif event is Event.REMOVE_CONTAINER:
             self._state.remove_container(container, event)
         elif self._tracking:
-            self._state.put_container(view.info.id, container, event,
+            known = self._state.container(container.id)
+            self._state.put_container(view.info.id, _kubelets(container, known, event), event,
                                       running=event is not Event.STOP_CONTAINER)
 
     def _finish(self, prepared: _Prepared, outcome: ChainOutcome, pod_msg: api.PodSandbox,
@@ -350,3 +359,19 @@ def _calls(event: Event, chain: Sequence[Capability], view: PodView,
         pod_event = PodEvent(pod, level, runtime)
         return [(c.name, bind(c.remove_pod_sandbox, pod_event)) for c in chain]
     return [(c.name, bind(c.observe, event, pod, container)) for c in chain]
+
+
+def _kubelets(container: ContainerInfo, known: ContainerInfo | None,
+              event: Event) -> ContainerInfo:
+    """``container`` with the resources kubelet gave it (:data:`_KUBELETS_RESOURCES`) where
+    ``known`` has them: an update changes the limit and request, never the score."""
+    if known is None or event is Event.CREATE_CONTAINER:
+        return container
+    if event is Event.POST_UPDATE_CONTAINER:
+        return dataclasses.replace(
+            container, oom_score_adj=known.oom_score_adj,
+            memory_request=container.memory_request if container.memory_request is not None
+            else known.memory_request)
+    return dataclasses.replace(container, memory_limit=known.memory_limit,
+                               memory_request=known.memory_request,
+                               oom_score_adj=known.oom_score_adj)

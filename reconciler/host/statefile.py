@@ -41,8 +41,12 @@ forgotten."""
 
 
 class StateFile:
-    def __init__(self, path: str | None) -> None:
+    """``read_only``: the file is read and never changed, an invalid one not set aside (what
+    ``nri-qos reset --dry-run`` needs: it changes nothing on the node)."""
+
+    def __init__(self, path: str | None, *, read_only: bool = False) -> None:
         self.path = path
+        self._read_only = read_only
         self._lock = threading.Lock()
         self._sections: dict[str, dict[str, str]] = self._load()
 
@@ -67,6 +71,9 @@ class StateFile:
                                if isinstance(k, str) and isinstance(v, str)}
                         for name, entries in doc.items() if isinstance(entries, dict)}
         except ValueError as exc:
+            if self._read_only:
+                log.error("state_file_invalid", path=self.path, error=str(exc))
+                return {}
             log.error("state_file_invalid", path=self.path, error=str(exc),
                       kept_as=f"{self.path}.bad")
             try:
@@ -117,7 +124,7 @@ class StateFile:
 
     def _save(self) -> None:
         """Writes the whole file (lock held)."""
-        if self.path is None:
+        if self.path is None or self._read_only:
             return
         tmp = f"{self.path}.tmp"
         try:
@@ -132,9 +139,10 @@ class StateFile:
             log.error("state_file_unwritable", path=self.path, error=str(exc))
 
 
-def state_file(directory: str) -> StateFile:
+def state_file(directory: str, *, read_only: bool = False) -> StateFile:
     """The agent's state file in ``directory`` (memory only when it is empty)."""
-    return StateFile(os.path.join(directory, STATE_FILE) if directory else None)
+    return StateFile(os.path.join(directory, STATE_FILE) if directory else None,
+                     read_only=read_only)
 
 
 Resolver = Callable[[SysFs, str, str], str]

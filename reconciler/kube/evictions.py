@@ -97,10 +97,10 @@ class Evictions:
         """See :meth:`reconciler.kube.actions.KubeActions.evict`."""
         if grace_seconds is not None and grace_seconds < MIN_GRACE_S:
             raise ValueError(f"grace period {grace_seconds} s is below {MIN_GRACE_S} s")
-        pod = f"{namespace}/{name}"
-        self._audit.record("eviction_requested", pod=pod, reason=reason, dry_run=dry_run)
+        pod = _who(namespace, name, uid)
+        self._audit.record("eviction_requested", **pod, reason=reason, dry_run=dry_run)
         if self._rest is None:
-            self._audit.record("eviction_blocked", pod=pod, reason="no Kubernetes API access")
+            self._audit.record("eviction_blocked", **pod, reason="no Kubernetes API access")
             return EvictionResult(EvictionOutcome.UNAVAILABLE, dry_run)
         rest = self._rest
         body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
@@ -126,15 +126,15 @@ class Evictions:
         except ApiError as exc:
             return await self._refused(exc, rest, namespace, name, uid, dry_run)
         except TRANSPORT as exc:
-            self._audit.record("eviction_blocked", pod=pod, reason=f"transport: {exc}")
+            self._audit.record("eviction_blocked", **pod, reason=f"transport: {exc}")
             return EvictionResult(EvictionOutcome.FAILED, dry_run, None, str(exc))
-        self._audit.record("eviction_done", pod=pod, dry_run=dry_run, status=status)
+        self._audit.record("eviction_done", **pod, dry_run=dry_run, status=status)
         return EvictionResult(EvictionOutcome.EVICTED, dry_run, status)
 
     async def _refused(self, exc: ApiError, rest: Rest, namespace: str, name: str,
                        uid: str | None, dry_run: bool) -> EvictionResult:
         """What the API's refusal of an eviction means, audited."""
-        pod = f"{namespace}/{name}"
+        pod = _who(namespace, name, uid)
         sent = status_body(exc)
         message = status_message(exc, sent)
         gone = exc.status == HTTP_NOT_FOUND
@@ -163,10 +163,10 @@ class Evictions:
         else:
             why = f"API error: {message}"
         if gone:
-            self._audit.record("eviction_gone", pod=pod, status=exc.status)
+            self._audit.record("eviction_gone", **pod, status=exc.status)
             return EvictionResult(EvictionOutcome.GONE, dry_run, exc.status, message)
         wait = retry_after(exc.headers)
-        self._audit.record("eviction_blocked", pod=pod, status=exc.status, reason=why,
+        self._audit.record("eviction_blocked", **pod, status=exc.status, reason=why,
                            **({} if wait is None else {"retry_after_s": wait}))
         outcome = EvictionOutcome.BLOCKED if exc.status == HTTP_TOO_MANY_REQUESTS \
             else EvictionOutcome.FAILED
@@ -213,6 +213,14 @@ class Evictions:
             log.warning("owner_check_failed", namespace=namespace, owner=owner.name,
                         reason=describe(exc))
         return None
+
+
+def _who(namespace: str, name: str, uid: str | None) -> dict[str, str]:
+    """The pod's fields in its eviction records: its uid too when the eviction names one, as
+    the name alone can belong to another pod the node still knows (one deleted and created
+    again under it)."""
+    return {"pod": f"{namespace}/{name}"} if uid is None else {
+        "pod": f"{namespace}/{name}", "pod_uid": uid}
 
 
 def retry_after(headers: Mapping[str, str]) -> int | None:

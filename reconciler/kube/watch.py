@@ -56,7 +56,12 @@ class _Stopped(Exception):
 
 
 class _Gone(Exception):
-    """The watch's resourceVersion is too old (410); only a fresh list can continue."""
+    """The watch's resourceVersion is too old (410); only a fresh list can continue. ``events``:
+    how many the watch had delivered before."""
+
+    def __init__(self, events: int = 0) -> None:
+        super().__init__(events)
+        self.events = events
 
 
 class _Malformed(Exception):
@@ -166,6 +171,10 @@ class PodWatcher:
         # resourceVersion to watch from: set by a list, advanced by every event; None = relist
         self._resume_from: str | None = None
 
+    def known(self) -> tuple[PodMeta, ...]:
+        """Every pod the watch knows now, whole (on the event loop's thread, as the watch)."""
+        return tuple(self._known.values())
+
     async def run(self, on_event: Callable[[PodMeta], None], stop: asyncio.Event) -> None:
         if self._api is None:
             log.warning("pod_watch_off", detail="no Kubernetes API; pod metadata from NRI only")
@@ -191,9 +200,13 @@ class PodWatcher:
                     reason = "watch ended at once"
                 except _Stopped:
                     return
-                except _Gone:
+                except _Gone as gone:
                     self._resume_from = None
-                    if not relisting:
+                    if gone.events:
+                        # It delivered events first: a watch that went well, not one that
+                        # expired at its start.
+                        backoff.reset()
+                    if not relisting or gone.events:
                         log.info("pod_watch_expired", node=self._node, detail="relisting")
                         continue
                     # Expired straight after a fresh list: the server is unwell; do not spin.
@@ -322,6 +335,8 @@ class PodWatcher:
                         self._apply(jsondoc.loads(line), on_event)
                     except ValueError as exc:
                         raise _Malformed(describe(exc)) from exc
+                    except _Gone:
+                        raise _Gone(events) from None
                     events += 1
         finally:
             self._stream = None

@@ -76,7 +76,9 @@ class DriftLoop(Loop):
     limit."""
 
     name = "drift"
-    wake_events = frozenset({Event.START_CONTAINER, Event.UPDATE_CONTAINER})
+    # PostUpdateContainer: a resize's new limit is known from there, not at UpdateContainer.
+    wake_events = frozenset({Event.START_CONTAINER, Event.UPDATE_CONTAINER,
+                             Event.POST_UPDATE_CONTAINER})
     wake_on_meta = True
 
     def __init__(self, config: Callable[[], DriftSections], state: NodeState, sysfs: SysFs,

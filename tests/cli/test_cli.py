@@ -70,6 +70,26 @@ def test_check_config_on_a_missing_explicit_file(
     ]
 
 
+@pytest.mark.parametrize("path", ["/", ""], ids=["root", "empty"])
+def test_check_config_on_a_path_that_names_no_file(
+    path: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ``--config "$UNSET"``: a path without a file name has no drop-in directory beside it.
+    assert main(["check-config", path]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"{path or '.'}: cannot read: Is a directory"
+    assert len(err) == 2
+
+
+async def test_the_daemon_refuses_a_config_path_that_names_no_file(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert await daemon.serve("/", None, None, stop=asyncio.Event(), prelaunched=None) == 2
+    (refusal,) = [json.loads(line) for line in capsys.readouterr().err.splitlines()
+                  if "config_invalid" in line]
+    assert refusal["errors"] == ["/: cannot read: Is a directory"]
+
+
 def test_run_hands_its_arguments_to_the_daemon(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str | None, ...]] = []
 

@@ -149,6 +149,39 @@ def test_status_json_without_an_agent_is_json(short_dir: Path) -> None:
     assert "no nri-qos agent is running" in answer["error"]
 
 
+def answering_once(path: Path, answer: bytes) -> threading.Thread:
+    """Something that is not the agent on its status socket: it writes ``answer`` to the first
+    client and closes."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("answer", [b"{}", b'{"format": 1, "agent": []}', b'{"format": 1}'],
+                         ids=["empty-object", "wrong-shape", "format-only"])
+def test_status_refuses_a_json_object_that_is_not_a_status_document(
+        short_dir: Path, answer: bytes) -> None:
+    path = short_dir / "status.sock"
+    server = answering_once(path, answer)
+    done = nri_qos("status", "--status-socket", str(path))
+    server.join(5)
+    assert "Traceback" not in done.stderr
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"nri-qos status: the answer on {path} is not a status "
+                                  "document"), done.stderr
+    assert done.stdout == ""
+
+
 def closed_pipe() -> int:
     """The write end of a pipe whose reader is already gone: every write fails with EPIPE."""
     read, write = os.pipe()

@@ -93,6 +93,18 @@ def node(tmp_path: Path) -> Node:
     return Node(host, cfg, sink)
 
 
+def test_a_dry_run_leaves_an_invalid_state_file_where_it_is(node: Node) -> None:
+    """A real reset sets an invalid state file aside (``.bad``) and starts from nothing; a dry
+    run changes nothing on the node, that file included."""
+    path = Path(node.cfg.reconciler.state_dir) / "state.json"
+    path.write_text("{not json")
+    node.run(dry_run=True)
+    assert path.read_text() == "{not json"
+    assert not Path(f"{path}.bad").exists()
+    node.run()
+    assert Path(f"{path}.bad").read_text() == "{not json"
+
+
 def test_dry_run_says_everything_and_changes_nothing(node: Node) -> None:
     before = node.tree()
     writes = len(node.sink.records)
@@ -156,6 +168,21 @@ def test_a_running_agent_stops_the_reset(node: Node, tmp_path: Path) -> None:
     out = io.StringIO()
     assert main_reset(str(config), dry_run=False, out=out, err=err) == 0
     assert "memory guard: restore" in out.getvalue()
+
+
+def test_an_invalid_configuration_stops_the_reset_naming_each_file_once(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[plugin]\nstrict = 1\n")
+    (tmp_path / "config.toml.d").mkdir()
+    drop_in = tmp_path / "config.toml.d" / "50-x.toml"
+    drop_in.write_text("[numa]\nenabeld = true\n")
+    out, err = io.StringIO(), io.StringIO()
+    assert main_reset(str(config), dry_run=True, out=out, err=err) == 2
+    assert out.getvalue() == ""
+    lines = err.getvalue().splitlines()
+    assert lines[0] == f"{config}: plugin.strict: must be a boolean, got integer"
+    assert lines[1].startswith(f"{drop_in}: numa.enabeld: unknown key (known keys: ")
+    assert len(lines) == 2
 
 
 def test_the_command_line_has_reset() -> None:

@@ -101,6 +101,25 @@ def test_pod_watch_metadata_overrides_nri() -> None:
     assert view.pod.meta is None
 
 
+def test_a_name_taken_again_is_the_pod_the_api_has_under_it() -> None:
+    """A pod deleted and created again under its name (a StatefulSet's) has a new uid; until
+    the runtime removes the old sandbox both are known, and a record naming the pod by
+    namespace/name is about the one the API server has under that name now."""
+    state = NodeState()
+    old = PodInfo(id="s-old", uid="uid-old", name="web-0", namespace="shop")
+    new = PodInfo(id="s-new", uid="uid-new", name="web-0", namespace="shop")
+    state.pod_view("s-old", lambda: old)
+    state.apply_meta(meta(0, uid="uid-old", namespace="shop", name="web-0"))
+    assert state.pod_identity(ref="shop/web-0") == ("uid-old", "shop", "web-0")
+    state.apply_meta(meta(0, uid="uid-old", namespace="shop", name="web-0", deleted=True))
+    state.apply_meta(meta(0, uid="uid-new", namespace="shop", name="web-0"))
+    state.pod_view("s-new", lambda: new)
+    assert state.pod_identity(ref="shop/web-0") == ("uid-new", "shop", "web-0")
+    assert state.pod_identity(uid="uid-old") == ("uid-old", "shop", "web-0")
+    state.remove_pod("s-old", Event.REMOVE_POD_SANDBOX)
+    assert state.pod_identity(ref="shop/web-0") == ("uid-new", "shop", "web-0")
+
+
 def test_metadata_before_the_pod_arrives_applies_later() -> None:
     state = NodeState()
     state.apply_meta(meta(7, priority=3))

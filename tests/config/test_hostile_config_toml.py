@@ -235,6 +235,20 @@ def integer_of_twenty_thousand_bits(t: Tree) -> Expected:
     return ["plugin.deadline_ms: must be 10..60000, got an integer beyond 64 bits"]
 
 
+def integer_beyond_a_floats_range_for_a_number(t: Tree) -> Expected:
+    # float() of it raised OverflowError: a crash of check-config, of the daemon at start and of
+    # the reload watcher (and with it the whole agent).
+    t.put(f"[kubernetes]\nrequest_timeout_s = 1{'0' * 400}\n")
+    return ["kubernetes.request_timeout_s: must be 0.1..300, got an integer beyond 64 bits"]
+
+
+def tables_nested_deep_by_dotted_keys(t: Tree) -> Expected:
+    # tomllib parses dotted keys without recursing; merging the files' tables recursed once per
+    # level, a RecursionError.
+    t.put("a" + ".a" * 5000 + " = 1\n")
+    return [Starts("a: unknown key (known keys: agent, ")]
+
+
 def byte_size_negative(t: Tree) -> Expected:
     t.put('[logging]\naudit_max_bytes = "-1Gi"\n')
     return ["logging.audit_max_bytes: not a byte size: '-1Gi' (use e.g. 4Gi, 512Mi, 100M or a "
@@ -260,8 +274,9 @@ CASES: list[Case] = [
     wrong_type_boolean_for_number, out_of_range_below, out_of_range_largest_64_bit_integer,
     out_of_range_beyond_64_bits, out_of_range_nan, out_of_range_negative_infinity,
     byte_size_of_four_hundred_digits, byte_size_just_over_the_range,
-    integer_of_five_thousand_digits, integer_of_twenty_thousand_bits, byte_size_negative,
-    choice_outside_the_list,
+    integer_of_five_thousand_digits, integer_of_twenty_thousand_bits,
+    integer_beyond_a_floats_range_for_a_number, tables_nested_deep_by_dotted_keys,
+    byte_size_negative, choice_outside_the_list,
 ]
 
 

@@ -41,6 +41,7 @@ from tests.support.manifests import (
     built,
     container_of,
     one,
+    yaml_docs,
 )
 from tests.support.paths import REPO
 from tests.support.prelaunch import create_one_container_then_go
@@ -263,7 +264,8 @@ def test_daemonset_runs_the_agent(daemonset: Doc, shipped_config: Config) -> Non
     security = container["securityContext"]
     assert security["privileged"] is False
     assert security["readOnlyRootFilesystem"] is True
-    assert security["capabilities"] == {"drop": ["ALL"], "add": ["DAC_OVERRIDE", "SYS_RESOURCE"]}
+    assert security["capabilities"] == {
+        "drop": ["ALL"], "add": ["DAC_OVERRIDE", "SYS_NICE", "SYS_PTRACE", "SYS_RESOURCE"]}
     args = build_parser().parse_args(container["command"][1:])
     assert container["command"][0] == "nri-qos"
     assert args.command == "run"
@@ -298,6 +300,22 @@ def test_probes_ask_the_metrics_endpoint(daemonset: Doc, shipped_config: Config)
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(metrics.port)
+
+
+def test_the_reset_job_sees_an_agent_answering_on_the_node(
+        daemonset: Doc, shipped_config: Config) -> None:
+    """``nri-qos reset`` refuses to run while an agent answers on the status socket (a pod of
+    the deleted DaemonSet still in its grace period, a systemd agent): it must look at the
+    host's socket, where the DaemonSet's agent serves it, not at a directory of its own."""
+    (job,) = yaml_docs((DEPLOY / "uninstall" / "reset-job.yaml").read_text())
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    status_dir = str(PurePosixPath(shipped_config.status.socket).parent)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (status_mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == status_dir]
+    assert volumes[status_mount["name"]].get("hostPath", {}).get("path") == _host_path_of(
+        daemonset, status_dir)
+    assert not status_mount.get("readOnly", False)  # it removes a socket left behind
 
 
 def test_rbac_binds_the_daemonset_account(daemonset: Doc) -> None:

@@ -77,6 +77,10 @@ async def _watch(d: Drive) -> None:
     await task
 
 
+async def _known(d: Drive) -> None:
+    assert PodWatcher(d.api, d.cfg, d.node).known() == ()  # no call of its own
+
+
 async def _evict(d: Drive) -> None:
     await d.actions().evict("default", "p1", None, dry_run=True)
     # A uid precondition that does not hold: the 409 has the pod read back.
@@ -116,6 +120,7 @@ DRIVERS: dict[str, Callable[[Drive], Awaitable[None]]] = {
     "build_api_client": _build_api_client,
     "node_name": _node_name,
     "PodWatcher.run": _watch,
+    "PodWatcher.known": _known,
     "KubeActions.evict": _evict,
     "KubeActions.add_taint": _add_taint,
     "KubeActions.remove_taint": _remove_taint,

@@ -15,7 +15,7 @@ from common.state import NodeState
 from nri_plugin.config.schema import Config
 from reconciler.host.probe import probe_host
 from reconciler.host.sysfs import SysFs
-from reconciler.kube import KubernetesConfig, PodWatcher, build_api_client
+from reconciler.kube import Api, KubernetesConfig, PodWatcher, build_api_client
 from reconciler.runner import build_loops, run_reconciler
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.support.fakesys import GIB, FakeHost
@@ -34,6 +34,16 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
         # Polling: the condition is a file the reconciler writes from its own thread.
         while not predicate():  # noqa: ASYNC110
             await asyncio.sleep(0.02)
+
+
+def watch(tmp_path: Path, server: FakeApiServer) -> tuple[Api, PodWatcher]:
+    """The real client and pod watch of node-a against ``server``."""
+    kube = KubernetesConfig(kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig",
+                                                            server.url)),
+                            request_timeout_s=5.0, retry_max_s=0.2)
+    api = build_api_client(kube)
+    assert api is not None
+    return api, PodWatcher(api, kube, "node-a", initial_backoff_s=0.01)
 
 
 def set_level(level: str) -> Callable[[dict[str, Any]], None]:
@@ -75,12 +85,7 @@ async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: P
     with FakeApiServer() as server:
         server.add_pod(make_pod("web-0", uid=UID, node="node-a",
                                 memory={"c0": ("256Mi", "1Gi")}))
-        kube = KubernetesConfig(kubeconfig=str(write_kubeconfig(tmp_path / "kubeconfig",
-                                                                server.url)),
-                                request_timeout_s=5.0, retry_max_s=0.2)
-        api = build_api_client(kube)
-        assert api is not None
-        watcher = PodWatcher(api, kube, "node-a", initial_backoff_s=0.01)
+        api, watcher = watch(tmp_path, server)
         loops = build_loops(lambda: cfg, state, sysfs, probe_host(sysfs), None, audit)
         task = asyncio.create_task(run_reconciler(loops, state, stop, watcher,
                                                   read_keys=cfg.read_keys,
@@ -100,3 +105,53 @@ async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: P
             stop.set()
             await asyncio.wait_for(task, 15)
             api.close()
+
+
+async def test_a_reload_that_reads_another_annotation_reads_it_on_every_known_pod(
+        tmp_path: Path) -> None:
+    """The watch reports a pod again only when the API changes it: a reload that moves the
+    level annotation to another key must trim the pods it knows anew, or they keep the old
+    key's value and never show the new one."""
+    host = FakeHost(tmp_path / "host", version=2, driver="systemd")
+    host.set_numa([(8 * GIB, 16 * GIB, 100)])
+    pod = host.add_pod(UID, name="web-0", tier="burstable", memory_limit=1 * GIB)
+    pid = pod.containers[0].pids[0]
+    base = Config()
+    cfg = [dataclasses.replace(base, reconciler=dataclasses.replace(
+        base.reconciler, drift_interval_s=3600.0))]
+    state = NodeState(lambda: cfg[0].qos)
+    state.replace_all(*host.nri())
+    audit = AuditLog(MemoryAuditSink())
+    sysfs = SysFs(host.root, audit)
+    stop = asyncio.Event()
+    subscribers: list[Callable[[], None]] = []
+
+    def subscribe(call: Callable[[], None]) -> Callable[[], None]:
+        subscribers.append(call)
+        return lambda: subscribers.remove(call)
+
+    def oom() -> str:
+        return (host.root / f"proc/{pid}/oom_score_adj").read_text().strip()
+
+    with FakeApiServer() as server:
+        server.add_pod(make_pod("web-0", uid=UID, node="node-a",
+                                annotations={"example.com/tier": "reclaimed_cores"},
+                                memory={"c0": ("256Mi", "1Gi")}))
+        api, watcher = watch(tmp_path, server)
+        loops = build_loops(lambda: cfg[0], state, sysfs, probe_host(sysfs), None, audit)
+        task = asyncio.create_task(run_reconciler(
+            loops, state, stop, watcher, read_keys=lambda: cfg[0].read_keys(),
+            backoff_max=lambda: 60, config_changes=subscribe))
+        try:
+            await until(lambda: state.snapshot().containers[0].info.memory_request == 256 << 20)
+            assert oom() == "0"
+            cfg[0] = dataclasses.replace(cfg[0], qos=dataclasses.replace(
+                cfg[0].qos, annotation="example.com/tier"))
+            for call in list(subscribers):
+                call()  # the reload, as the config store calls its subscribers
+            await until(lambda: oom() == "1000")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
+            api.close()
+        assert subscribers == []

@@ -77,7 +77,9 @@ async def test_a_conflict_with_the_pod_replaced_or_gone_is_gone(
     assert (result.outcome, result.status) == (EvictionOutcome.GONE, 409)
     assert [r.status for r in fake.requests("GET", POD)] == [
         200 if api_has == "another pod" else 404]
-    assert audit.named("eviction_gone") == [{"pod": "default/batch", "status": 409}]
+    # The record is about the pod asked for, not the one the API has under its name now.
+    assert audit.named("eviction_gone") == [
+        {"pod": "default/batch", "pod_uid": "uid-1", "status": 409}]
     assert audit.named("eviction_blocked") == []
 
 

@@ -4,7 +4,7 @@ loopback: evictions, taints, pod events and node conditions."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,6 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
+from common.state import NodeState
+from hooks.model import PodInfo
 from reconciler.kube import (
     NODE_UPDATE_ATTEMPTS,
     EvictionOutcome,
@@ -166,6 +168,37 @@ async def test_an_eviction_names_the_pod_decided_upon_by_uid(
     assert result.outcome is EvictionOutcome.EVICTED
     assert fake.requests("POST")[-1].body["deleteOptions"] == {
         "gracePeriodSeconds": 5, "preconditions": {"uid": "uid-new"}}
+
+
+async def test_the_records_of_an_eviction_name_the_pod_decided_upon_by_uid(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, audit: MemoryAuditSink
+) -> None:
+    """The pod is evicted by uid; its records say that uid, not the one of another pod the node
+    knows under its name (deleted and created again, the old sandbox not yet removed)."""
+    state = NodeState()
+    for sandbox, uid in (("s-old", "uid-old"), ("s-new", "uid-new")):
+        state.pod_view(sandbox, lambda sandbox=sandbox, uid=uid: PodInfo(  # type: ignore[misc]
+            id=sandbox, uid=uid, name="web-0", namespace="shop"))
+    log = AuditLog(audit)
+
+    def identity(fields: Mapping[str, Any]) -> Mapping[str, str]:
+        found = state.pod_identity(uid=str(fields.get("pod_uid", "")),
+                                   ref=str(fields.get("pod", "")))
+        return {} if found is None else dict(zip(("pod_uid", "pod_namespace", "pod_name"),
+                                                 found, strict=True))
+
+    log.identify(identity)
+    fake.add_pod(make_pod("web-0", namespace="shop", uid="uid-new"))
+    actions = KubeActions(api, cfg, log)
+    assert (await actions.evict("shop", "web-0", None, False, uid="uid-new")).outcome is \
+        EvictionOutcome.EVICTED
+    assert (await actions.evict("shop", "web-0", None, False, uid="uid-new")).outcome is \
+        EvictionOutcome.GONE
+    records = [(name, fields) for name, fields in audit.records if name.startswith("eviction_")]
+    assert [name for name, _ in records] == ["eviction_requested", "eviction_done",
+                                             "eviction_requested", "eviction_gone"]
+    assert {(f["pod_uid"], f["pod_namespace"], f["pod_name"]) for _, f in records} == {
+        ("uid-new", "shop", "web-0")}
 
 
 @pytest.mark.parametrize("grace", [0, -1])

@@ -304,6 +304,45 @@ async def test_watch_expiring_right_after_a_list_backs_off(
     assert len(fake.list_requests()) == 4
 
 
+async def test_a_watch_that_expires_after_delivering_events_relists_at_once(
+    fake: FakeApiServer, api: Any, cfg: KubernetesConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first watch after a list delivers events, then the server says 410: the watch went
+    somewhere, so it is not one that expired right after its list (the server unwell): the
+    relist follows at once, not after the backoff grown by failures before the list."""
+    fake.add_pod(make_pod("a"))
+    fake.fail_next("GET", "/api/v1/pods", 500, count=2)  # the backoff grows before the list
+    chunk = Handler._chunk
+
+    def chunking(handler: Handler, doc: Any) -> None:
+        if isinstance(doc, dict) and doc.get("type") == "ADDED" \
+                and doc["object"]["metadata"]["name"] == "c":
+            doc = {"type": "ERROR", "object": {"kind": "Status", "code": 410,
+                                               "reason": "Expired", "message": "too old"}}
+        chunk(handler, doc)
+
+    monkeypatch.setattr(Handler, "_chunk", chunking)
+    seen: asyncio.Queue[PodMeta] = asyncio.Queue()
+    stop = asyncio.Event()
+    watcher = PodWatcher(api, replace(cfg, retry_max_s=60), "node-a", initial_backoff_s=0.5)
+    with capture_logs() as logs:
+        task = asyncio.create_task(watcher.run(seen.put_nowait, stop))
+        try:
+            assert (await asyncio.wait_for(seen.get(), BOUND_S)).name == "a"
+            await until(fake, lambda: fake.open_watches == 1)
+            fake.add_pod(make_pod("b"))
+            assert (await asyncio.wait_for(seen.get(), BOUND_S)).name == "b"
+            fake.add_pod(make_pod("c"))
+            # The backoff stands at 2 s after the failed lists; the relist comes before.
+            assert (await asyncio.wait_for(seen.get(), 1.5)).name == "c"
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, BOUND_S)
+    assert len(fake.list_requests()) == 4
+    assert [e["event"] for e in logs if e["event"].startswith("pod_watch")] == [
+        "pod_watch_retry", "pod_watch_retry", "pod_watch_expired"]
+
+
 async def test_failing_consumer_does_not_stop_the_watch(
     fake: FakeApiServer, api: Any, cfg: KubernetesConfig
 ) -> None:

@@ -217,6 +217,22 @@ def test_a_first_line_longer_than_the_limit_leaves_no_empty_backup(tmp_path: Pat
     assert [r["i"] for r in read_lines(path)] == [1]
 
 
+def test_a_file_removed_under_the_agent_is_started_anew_at_rotation(tmp_path: Path) -> None:
+    """An operator (or a log shipper) removed the file: lines go on to the removed file until
+    it is full, then a new file starts, and the backups stay where they are."""
+    path = tmp_path / "audit.jsonl"
+    (tmp_path / "audit.jsonl.1").write_text('{"i": 0}\n', encoding="utf-8")
+    f = AuditFile(str(path), max_bytes=20, backups=2)  # two 8-byte lines a file
+    f.write({"i": 1})
+    path.unlink()
+    for i in range(2, 7):
+        f.write({"i": i})
+    f.close()
+    assert [r["i"] for r in read_lines(tmp_path / "audit.jsonl.2")] == [0]
+    assert [r["i"] for r in read_lines(tmp_path / "audit.jsonl.1")] == [3, 4]
+    assert [r["i"] for r in read_lines(path)] == [5, 6]
+
+
 def test_audit_file_is_thread_safe(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     f = AuditFile(str(path), max_bytes=4096, backups=50)

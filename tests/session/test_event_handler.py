@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -211,3 +212,49 @@ async def test_a_policy_from_requests_protects_at_creation(executor, text: str,
     assert isinstance(answer, bytes)
     unified = api.CreateContainerResponse.FromString(answer).adjust.linux.resources.unified
     assert dict(unified) == {key: str(256 << 20)}
+
+
+def sized(limit: int, request: int | None = None, oom: int | None = None,
+          cid: str = "c1") -> api.Container:
+    """A container as the runtime shows it: its limit, kubelet's memory.min, its score."""
+    made = ctr(cid)
+    made.linux.resources.memory.limit.value = limit
+    if request is not None:
+        made.linux.resources.unified["memory.min"] = str(request)
+    if oom is not None:
+        made.linux.oom_score_adj.value = oom
+    return made
+
+
+async def test_an_update_is_followed_and_the_agents_own_values_never_read_back(
+        executor) -> None:
+    """A resize shows its new limit at PostUpdateContainer only (containerd's recordings: 512
+    MiB at UpdateContainer, 384 after). The events between show the spec with the agent's
+    adjustment in it: read as kubelet's request or score, it would compound."""
+    world = World(executor, [])
+    world.handler = EventHandler(config=Config, capabilities=[], audit=AuditLog(world.sink),
+                                 executor=executor, state=world.state, track_containers=True)
+    assert Event.POST_UPDATE_CONTAINER in world.handler.followed
+    mib = 1 << 20
+
+    def held() -> tuple[int | None, int | None, int | None]:
+        known = world.state.container("c1")
+        assert known is not None
+        return known.memory_limit, known.memory_request, known.oom_score_adj
+
+    handle = functools.partial(world.handler.handle, pod_msg=sandbox(), terms=CONTAINERD)
+    handle(Event.RUN_POD_SANDBOX, container_msg=None)
+    handle(Event.CREATE_CONTAINER, container_msg=sized(512 * mib, 256 * mib, oom=900))
+    assert held() == (512 * mib, 256 * mib, 900)
+    # started with the agent's memory.min (half the request) and score in its spec
+    handle(Event.START_CONTAINER, container_msg=sized(512 * mib, 128 * mib, oom=950))
+    assert held() == (512 * mib, 256 * mib, 900)
+    handle(Event.UPDATE_CONTAINER, container_msg=sized(512 * mib, 128 * mib, oom=950))
+    assert held() == (512 * mib, 256 * mib, 900)
+    handle(Event.POST_UPDATE_CONTAINER, container_msg=sized(384 * mib, 192 * mib, oom=950))
+    assert held() == (384 * mib, 192 * mib, 900)
+    # an update whose resources say no request keeps the one known
+    handle(Event.POST_UPDATE_CONTAINER, container_msg=sized(640 * mib, oom=950))
+    assert held() == (640 * mib, 192 * mib, 900)
+    handle(Event.STOP_CONTAINER, container_msg=sized(640 * mib, 96 * mib, oom=950))
+    assert held() == (640 * mib, 192 * mib, 900)

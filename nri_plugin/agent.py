@@ -171,6 +171,7 @@ def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigSt
         return None
     logging_setup.apply(store.current.logging)
     store.subscribe(lambda old, new: logging_setup.apply(new.logging))
+    store.on_load(lambda took_effect: logging_setup.retry_file() if took_effect else None)
     return store
 
 
@@ -309,7 +310,12 @@ def _counts(state: NodeState) -> tuple[int, int]:
 def _reconfigurer(capabilities: list[Capability]) -> Callable[[Config, Config], None]:
     def reconfigure(old: Config, new: Config) -> None:
         for capability in capabilities:
-            capability.reconfigure(new)
+            # One failing must not leave the ones after it on the old configuration while the
+            # loops run the new one.
+            try:
+                capability.reconfigure(new)
+            except Exception:
+                log.exception("capability_reconfigure_failed", capability=capability.name)
 
     return reconfigure
 

@@ -204,17 +204,19 @@ def main_status(config_path: str | None, socket: str | None, *, as_json: bool,
             _json_failure(out, str(exc), socket)
         err.write(f"nri-qos status: {exc}\n")
         return 1
-    if as_json:
-        out.write(json.dumps(document, indent=2, sort_keys=True) + "\n")
-        return 0
     # Printed whole or not at all: a JSON object from something else on the socket (or a
-    # document this command cannot read) is refused like any other unusable answer.
+    # document this command cannot read) is refused like any other unusable answer, in both
+    # forms (a script reading --json must not take it for the agent's).
     text = io.StringIO()
     try:
         print_status(document, text)
     except (LookupError, TypeError, AttributeError, ValueError, OverflowError) as exc:
-        err.write(f"nri-qos status: the answer on {socket} is not a status document this "
-                  f"command can read ({type(exc).__name__}: {bounded(str(exc))})\n")
+        message = (f"the answer on {socket} is not a status document this command can read "
+                   f"({type(exc).__name__}: {bounded(str(exc))})")
+        if as_json:
+            _json_failure(out, message, socket)
+        err.write(f"nri-qos status: {message}\n")
         return 1
-    out.write(text.getvalue())
+    out.write(json.dumps(document, indent=2, sort_keys=True) + "\n" if as_json
+              else text.getvalue())
     return 0

@@ -182,6 +182,12 @@ class LoggingSetup:
         self.sink.set_stream(audit_stream, errors)
         self._apply_file(cfg, errors)
 
+    def retry_file(self) -> None:
+        """A configuration was loaded, changed or not: an audit file that could not be opened
+        is tried again."""
+        if self._file_key is None and self.cfg.audit_file:
+            self._apply_file(self.cfg, structlog.get_logger(LOGS_LOGGER))
+
     def _route_stdlib(self, renderer: Processor) -> None:
         root = logging.getLogger()
         # One setup is in force per process: a new one replaces any earlier one's handler.
@@ -213,7 +219,9 @@ class LoggingSetup:
         try:
             file = AuditFile(cfg.audit_file, cfg.audit_max_bytes, cfg.audit_backups)
         except OSError as exc:
-            # Fail open: the records still reach the log stream.
+            # Fail open: the records still reach the log stream. Not remembered as applied:
+            # the next load tries again (the directory made meanwhile, then a SIGHUP).
+            self._file_key = None
             self.sink.set_file(None)
             errors.error("audit_file_unavailable", path=cfg.audit_file,
                          error=exc.strerror or str(exc),

@@ -117,6 +117,9 @@ class DropCacheAction:
                                         thread_name_prefix="nri-qos-drop-cache")
         self._lock = threading.Lock()
         self._busy: set[str] = set()
+        # Pods whose cache this engagement dropped: the ladder's retry of a failed round then
+        # drops only what failed, not the others' cache again long before repeat_s.
+        self._dropped: set[str] = set()
 
     def close(self) -> None:
         """The agent stops: running drops are killed (their writers die, the kernel stops
@@ -151,10 +154,12 @@ class DropCacheAction:
         if self.problem:
             return Result(SKIPPED, self.problem)
         rung = self._config().mitigation.drop_cache
-        chosen = plan(await asyncio.to_thread(self.candidates), rung, self.busy())
+        chosen = plan(await asyncio.to_thread(self.candidates), rung,
+                      self.busy() | self._dropped)
         if not chosen:
             return Result(UNCHANGED, f"no reclaimed pod with {rung.min_cache_bytes} B of page "
-                                     "cache or more (and no drop running)")
+                                     "cache or more (not dropped already by this engagement, "
+                                     "no drop running)")
         names = ", ".join(f"{c.pod.name} ({c.cache_bytes} B)" for c in chosen)
         if dry_run:
             return Result(DRY_RUN, f"would drop the cache of {names}")
@@ -164,6 +169,7 @@ class DropCacheAction:
         reason = cause.text()
         drops = await asyncio.gather(*(loop.run_in_executor(self._pool, self.drop, c, rung,
                                                             reason) for c in chosen))
+        self._dropped.update(x.pod_uid for x in drops if x.result in (DONE, SHORT))
         freed = sum(max(x.freed_bytes, 0) for x in drops)
         results = {x.result for x in drops}
         summary = f"{len(drops)} pod(s), {freed} B freed"
@@ -182,9 +188,11 @@ class DropCacheAction:
                       f"{summary}; {failed}")
 
     async def repeat(self, cause: Cause, dry_run: bool) -> Result:
+        self._dropped.clear()  # repeat_s has passed: every pod's cache may go again
         return await self.engage(cause, dry_run)
 
     async def release(self, cause: Cause, dry_run: bool) -> Result:
+        self._dropped.clear()
         return Result(UNCHANGED, "nothing to undo: caches refill by themselves")
 
     def drop(self, candidate: Candidate, rung: DropCacheRung, reason: str) -> Drop:

@@ -169,17 +169,23 @@ def answering_once(path: Path, answer: bytes) -> threading.Thread:
 
 @pytest.mark.parametrize("answer", [b"{}", b'{"format": 1, "agent": []}', b'{"format": 1}'],
                          ids=["empty-object", "wrong-shape", "format-only"])
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
 def test_status_refuses_a_json_object_that_is_not_a_status_document(
-        short_dir: Path, answer: bytes) -> None:
+        short_dir: Path, answer: bytes, as_json: bool) -> None:
     path = short_dir / "status.sock"
     server = answering_once(path, answer)
-    done = nri_qos("status", "--status-socket", str(path))
+    done = nri_qos("status", "--status-socket", str(path), *(["--json"] if as_json else []))
     server.join(5)
     assert "Traceback" not in done.stderr
     assert done.returncode == 1
     assert done.stderr.startswith(f"nri-qos status: the answer on {path} is not a status "
                                   "document"), done.stderr
-    assert done.stdout == ""
+    if as_json:  # still JSON, saying the agent's answer was not one
+        failure = json.loads(done.stdout)
+        assert (failure["running"], failure["socket"]) == (False, str(path))
+        assert failure["error"].startswith(f"the answer on {path} is not a status document")
+    else:
+        assert done.stdout == ""
 
 
 def closed_pipe() -> int:

@@ -238,6 +238,30 @@ async def test_a_pod_gone_meanwhile_does_not_fail_the_round(v2: Tree) -> None:
     assert result.result == "done", result
 
 
+async def test_a_retry_drops_only_what_failed_and_a_repeat_everything_again(v2: Tree) -> None:
+    """The ladder retries a failed round after its backoff (from 1 s): the pods whose cache
+    went stay as they are until repeat_s, when every pod's cache may go again."""
+    odd = v2.pod("odd", "reclaimed_cores", 300 * MIB)
+    big = v2.pod("big", "reclaimed_cores", 200 * MIB)
+    (odd / "memory.reclaim").unlink()
+    (odd / "memory.reclaim").mkdir()  # EISDIR: a write the kernel refuses
+    action, _ = v2.action()
+
+    def attempts() -> list[str]:
+        return sorted(r["pod_uid"][:3] for r in v2.sink.named("drop_cache_finished"))
+
+    assert (await action.engage(CAUSE, dry_run=False)).result == "failed"
+    assert attempts() == ["big", "odd"]
+    (big / "memory.reclaim").write_text("")
+    assert (await action.engage(CAUSE, dry_run=False)).result == "failed"
+    assert attempts() == ["big", "odd", "odd"]
+    assert (big / "memory.reclaim").read_text() == ""
+    await action.repeat(CAUSE, dry_run=False)
+    action.close()
+    assert attempts() == ["big", "big", "odd", "odd", "odd"]
+    assert (big / "memory.reclaim").read_text() == str(200 * MIB)
+
+
 async def test_at_most_one_drop_per_pod(tmp_path: Path) -> None:
     tree = Tree(tmp_path, 2, timeout_s=1.0)
     stuck = tree.pod("stuck", "reclaimed_cores", 300 * MIB)

@@ -191,6 +191,13 @@ def test_unopenable_audit_file_fails_open(
     assert problem["path"] == str(missing)
     assert record["event"] == "eviction_done"
     assert setup.sink.file is None
+    # A reload of the same configuration (SIGHUP) after the directory is made opens it.
+    missing.parent.mkdir()
+    setup.retry_file()
+    setup.audit.record("eviction_done", pod="ns/q")
+    assert [json.loads(line)["pod"] for line in missing.read_text().splitlines()] == ["ns/q"]
+    setup.retry_file()  # open: nothing more to try
+    assert setup.sink.file is not None
 
 
 def test_standard_library_logging_is_routed(make_setup: Callable[..., LoggingSetup]) -> None:

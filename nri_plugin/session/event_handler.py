@@ -239,8 +239,9 @@ class EventHandler:
         elif event is Event.REMOVE_CONTAINER:
             self._state.remove_container(container, event)
         elif self._tracking:
-            known = self._state.container(container.id)
-            self._state.put_container(view.info.id, _kubelets(container, known, event), event,
+            if event is not Event.CREATE_CONTAINER:  # new at creation: nothing known to keep
+                container = _kubelets(container, self._state.container(container.id), event)
+            self._state.put_container(view.info.id, container, event,
                                       running=event is not Event.STOP_CONTAINER)
 
     def _finish(self, prepared: _Prepared, outcome: ChainOutcome, pod_msg: api.PodSandbox,
@@ -363,11 +364,12 @@ def _calls(event: Event, chain: Sequence[Capability], view: PodView,
 
 def _kubelets(container: ContainerInfo, known: ContainerInfo | None,
               event: Event) -> ContainerInfo:
-    """``container`` with the resources kubelet gave it (:data:`_KUBELETS_RESOURCES`) where
-    ``known`` has them: an update changes the limit and request, never the score."""
-    if known is None or event is Event.CREATE_CONTAINER:
+    """``container`` with the resources kubelet gave it where ``known`` has them: from the
+    events of :data:`_KUBELETS_RESOURCES` the limit and request they show (an update's request
+    only when it says one), never the score, which no update changes."""
+    if known is None:
         return container
-    if event is Event.POST_UPDATE_CONTAINER:
+    if event in _KUBELETS_RESOURCES:
         return dataclasses.replace(
             container, oom_score_adj=known.oom_score_adj,
             memory_request=container.memory_request if container.memory_request is not None

@@ -125,8 +125,9 @@ CATALOGUE: Mapping[str, AuditEvent] = _catalogue(
     AuditEvent("drop_cache_finished", ("path", "duration_s", "result", "pod_uid",
                                        "usage_before_bytes", "usage_after_bytes",
                                        "freed_bytes"),
-               "A drop-cache write ended (done, failed, timeout, skipped), with the pod's "
-               "memory usage before and after."),
+               "A drop-cache write ended (done, short: cgroup v2's memory.reclaim freed less "
+               "than asked, failed, timeout, skipped), with the pod's memory usage before and "
+               "after."),
     AuditEvent("eviction_candidate", ("pod", "plugin", "reason"),
                "A plugin proposed the pod for eviction (once while it keeps proposing it)."),
     AuditEvent("eviction_filtered", ("pod", "plugin", "why"),

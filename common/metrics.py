@@ -87,7 +87,7 @@ class Metrics:
         self._writes = Counter(
             f"{PREFIX}_host_writes_total",
             "Writes to cgroup, procfs and resctrl files, per file name and outcome (written, "
-            "unchanged, gone, failed).", ["file", "outcome"], registry=r)
+            "unchanged, gone, failed, timeout, observed).", ["file", "outcome"], registry=r)
 
     def config_reload(self, ok: bool, unix_time: float) -> None:
         """A configuration load took effect (``ok``) or was refused."""

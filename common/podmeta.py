@@ -77,6 +77,8 @@ class PodMeta:
     # True once metadata.deletionTimestamp is set: the pod is shutting down (graceful deletion,
     # an accepted eviction)
     terminating: bool = False
+    # metadata.deletionGracePeriodSeconds: the grace the deletion gave the pod (None: not given)
+    deletion_grace_s: int | None = None
     # The controlling owner when it names an apps/v1 DaemonSet (kubectl drain's test), to be
     # confirmed against the API before the pod counts as a DaemonSet's
     daemonset: OwnerRef | None = None
@@ -120,6 +122,7 @@ def pod_meta_from_object(obj: Mapping[str, Any], *, deleted: bool = False) -> Po
     """The :class:`PodMeta` of a v1 Pod JSON object; missing or odd fields become empty/None."""
     metadata = _mapping(obj.get("metadata")) if isinstance(obj, Mapping) else _EMPTY
     spec = _mapping(obj.get("spec")) if isinstance(obj, Mapping) else _EMPTY
+    status = _mapping(obj.get("status")) if isinstance(obj, Mapping) else _EMPTY
     requests: dict[str, int] = {}
     limits: dict[str, int] = {}
     for container in _running_containers(spec):
@@ -129,6 +132,7 @@ def pod_meta_from_object(obj: Mapping[str, Any], *, deleted: bool = False) -> Po
         resources = _mapping(container.get("resources"))
         _put_memory(requests, name, _mapping(resources.get("requests")))
         _put_memory(limits, name, _mapping(resources.get("limits")))
+    _bound_by_status(requests, status)
     priority = spec.get("priority")
     return PodMeta(
         uid=_string(metadata.get("uid")),
@@ -142,6 +146,7 @@ def pod_meta_from_object(obj: Mapping[str, Any], *, deleted: bool = False) -> Po
         memory_limits=MappingProxyType(limits),
         deleted=deleted,
         terminating=metadata.get("deletionTimestamp") is not None,
+        deletion_grace_s=_integer(metadata.get("deletionGracePeriodSeconds")),
     )
 
 
@@ -154,6 +159,23 @@ def _running_containers(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         if _mapping(c).get("restartPolicy") == "Always"
     ]
     return found
+
+
+def _bound_by_status(requests: dict[str, int], status: Mapping[str, Any]) -> None:
+    """Each request at most what the status says kubelet gave the container. With in-place
+    resize the spec holds what the pod's author asked for, which kubelet may not grant (an
+    infeasible resize stays in the spec; the scheduler then counts the status's), while the
+    status holds what the container runs with; a resize down counts from the spec at once."""
+    for key in ("containerStatuses", "initContainerStatuses"):
+        for container in (_mapping(c) for c in _list(status.get(key))):
+            name = container.get("name")
+            if not isinstance(name, str) or name not in requests:
+                continue
+            granted: dict[str, int] = {}
+            _put_memory(granted, name, _mapping(
+                _mapping(container.get("resources")).get("requests")))
+            if name in granted:
+                requests[name] = min(requests[name], granted[name])
 
 
 def _put_memory(into: dict[str, int], name: str, resources: Mapping[str, Any]) -> None:
@@ -192,6 +214,10 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
+
+
+def _integer(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _string(value: Any) -> str:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -163,15 +163,20 @@ class NodeState:
 
     # -- NRI side --------------------------------------------------------------------------------
 
-    def replace_all(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
+    def replace_all(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo], *,
+                    stopped: Collection[str] = ()) -> None:
+        """The runtime's whole view (Synchronize); ``stopped``: the ids of the containers it
+        lists as stopped (exited, not removed yet), kept but not running. A container known
+        already keeps kubelet's request and score (see :func:`_kubelets`)."""
         with self._lock:
             self._pods = {p.id: p for p in pods[-self._pod_limit:]}
             # The views of pods the runtime no longer lists go with them.
             self._views = {k: v for k, v in self._views.items() if k in self._pods}
             self._refused = {k: v for k, v in self._refused.items() if k in self._pods}
-            kept = [c for c in containers if c.pod_sandbox_id in self._pods]
+            kept = [_kubelets(c, self._containers.get(c.id)) for c in containers
+                    if c.pod_sandbox_id in self._pods]
             self._containers = {c.id: c for c in kept[-self._container_limit:]}
-            self._stopped.clear()
+            self._stopped = {cid for cid in stopped if cid in self._containers}
             self._synced = True
             self._changed()
         self._notify(None, everyone=True)
@@ -305,15 +310,17 @@ class NodeState:
     def snapshot(self) -> Snapshot:
         # The merge is O(pods + containers): it runs outside the lock, on copies, so NRI events
         # (applied inline on the event loop) never wait for a snapshot of a large node.
+        # The [qos] section is read once: a reload landing while the views are worked out
+        # must not leave a snapshot that is half the old section's and half the new one's.
+        qos = self._qos()
         with self._lock:
             cached = self._snapshot
-            if cached is not None and cached.version == self._version \
-                    and cached.qos is self._qos():
+            if cached is not None and cached.version == self._version and cached.qos is qos:
                 return cached
             version = self._version
             pods, containers = list(self._pods.values()), list(self._containers.values())
             stopped = frozenset(self._stopped)
-        views = {pod.id: self._view(pod) for pod in pods}
+        views = {pod.id: self._view(pod, qos) for pod in pods}
         merged = []
         for c in containers:
             pod_view = views.get(c.pod_sandbox_id)
@@ -322,18 +329,19 @@ class NodeState:
                                             c.id not in stopped))
         snapshot = Snapshot(version, MappingProxyType(views), tuple(merged),
                             frozenset(p.info.uid for p in views.values()),
-                            qos=self._qos())
+                            qos=qos)
         with self._lock:
             if self._snapshot is None or self._snapshot.version <= version:
                 self._snapshot = snapshot
         return snapshot
 
-    def _view(self, pod: PodInfo) -> PodView:
-        """The pod's merged view and level, worked out again only when the NRI pod, its metadata
-        or the ``[qos]`` section changed. Read without the lock (a race computes the same view
-        twice); kept only while the pod is still the state's, so a pod that went meanwhile
-        leaves nothing behind."""
-        qos = self._qos()
+    def _view(self, pod: PodInfo, qos: QosConfig | None = None) -> PodView:
+        """The pod's merged view and level under ``qos`` (the section in force when None),
+        worked out again only when the NRI pod, its metadata or the ``[qos]`` section changed.
+        Read without the lock (a race computes the same view twice); kept only while the pod is
+        still the state's, so a pod that went meanwhile leaves nothing behind."""
+        if qos is None:
+            qos = self._qos()
         meta = self._meta.get(pod.uid)
         cached = self._views.get(pod.id)
         if cached is not None and cached[0] is pod and cached[1] is meta and cached[2] is qos:
@@ -388,6 +396,18 @@ def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:
         labels=MappingProxyType(dict(meta.labels)),
         priority=meta.priority if meta.priority is not None else pod.priority,
     )
+
+
+def _kubelets(listed: ContainerInfo, known: ContainerInfo | None) -> ContainerInfo:
+    """A container as Synchronize lists it, with kubelet's request and score where its events
+    told them (``known``): the runtime lists its spec with this agent's adjustment in it (its
+    ``memory.min``, v1 reservation, ``oom_score_adj``), which, read as kubelet's, would compound
+    at every reconnect."""
+    if known is None or (known.memory_request == listed.memory_request
+                         and known.oom_score_adj == listed.oom_score_adj):
+        return listed
+    return dataclasses.replace(listed, memory_request=known.memory_request,
+                               oom_score_adj=known.oom_score_adj)
 
 
 def merge_container(container: ContainerInfo, meta: PodMeta | None) -> ContainerInfo:

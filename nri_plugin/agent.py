@@ -119,9 +119,12 @@ def probe(cfg: Config, audit: AuditLog) -> tuple[HostInfo, SysFs]:
     return host, sysfs
 
 
-def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs,
-             audit: AuditLog) -> ResctrlFs | None:
-    """The resctrl filesystem when usable, its class groups set up now and on every reload."""
+def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs, audit: AuditLog,
+             notes: StateFile | None) -> ResctrlFs | None:
+    """The resctrl filesystem when usable, its class groups set up now and on every reload.
+    ``notes``: the agent's state file (None for a simulation, which leaves the node as it is):
+    the prefix the groups are made with is noted, and the groups of one noted by an earlier run
+    go."""
     cfg = store.current
     if not cfg.resctrl.enabled:
         return None
@@ -134,6 +137,10 @@ def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs,
     def warn(message: str) -> None:
         log.warning("resctrl_unavailable", reason=message)
 
+    if notes is not None:
+        _remove_old_groups(fs, notes)
+        fs.note_prefix(notes)
+
     def setup(new: Config) -> None:
         # Switched off, every group goes: the resctrl capability removes them on the reload.
         if new.resctrl.enabled:
@@ -145,7 +152,16 @@ def _resctrl(store: ConfigStore, host: HostInfo, sysfs: SysFs,
     return fs
 
 
-def _remove_resctrl_groups(cfg: Config, sysfs: SysFs, audit: AuditLog) -> None:
+def _remove_old_groups(fs: ResctrlFs, notes: StateFile) -> None:
+    """The groups made with a prefix other than the one in force go (``resctrl.group_prefix``
+    changed since an earlier run); one the kernel will not remove yet stays, with its note, for
+    the next start or ``nri-qos reset``."""
+    for group, problem in fs.remove_old_groups(notes, "resctrl.group_prefix changed").items():
+        log.warning("resctrl_group_not_removed", group=group, error=problem)
+
+
+def _remove_resctrl_groups(cfg: Config, sysfs: SysFs, audit: AuditLog,
+                           notes: StateFile) -> None:
     """resctrl switched off before this start: the groups an earlier run made go, as at a
     reload that switches it off (their tasks go back to the root group). Without resctrl
     mounted (and usable) at ``resctrl.root`` there is nothing of ours: nothing is said."""
@@ -157,6 +173,8 @@ def _remove_resctrl_groups(cfg: Config, sysfs: SysFs, audit: AuditLog) -> None:
     # start or ``nri-qos reset`` does.
     for group, problem in fs.remove_our_groups(reason=SWITCHED_OFF).items():
         log.warning("resctrl_group_not_removed", group=group, error=problem)
+    _remove_old_groups(fs, notes)
+    fs.forget_prefixes(notes, own=True)
 
 
 def load_store(config_path: str | None, logging_setup: LoggingSetup) -> ConfigStore | None:
@@ -197,9 +215,11 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     audit.identify(functools.partial(_pod_identity, state))
     board = Board()
     tracker = LoopTracker(reconciler_metrics)
-    resctrl = _resctrl(store, host, sysfs, audit)
-    if run_background and not cfg.resctrl.enabled:
-        _remove_resctrl_groups(cfg, sysfs, audit)
+    # What the agent changed and must restore, kept across runs; a simulation touches none.
+    notes = state_file(cfg.reconciler.state_dir) if run_background else None
+    resctrl = _resctrl(store, host, sysfs, audit, notes)
+    if notes is not None and not cfg.resctrl.enabled:
+        _remove_resctrl_groups(cfg, sysfs, audit, notes)
     capabilities = build_capabilities(cfg, resctrl=resctrl, state=state, audit=audit,
                                       cgroup_v2=host.cgroup.v2,
                                       memory_total=host.memory_total_bytes)
@@ -227,12 +247,12 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     # from here (no credentials), the agent runs without it.
     kubernetes: bool | None = None
     if background:
+        assert notes is not None  # the background half runs only for a real agent
         api = build_api_client(cfg.kubernetes)
         kubernetes = api is not None
         node = node_name(cfg.kubernetes)
         kube = KubeActions(api, cfg.kubernetes, audit)
         squeeze = GuardSqueeze()
-        notes = state_file(cfg.reconciler.state_dir)
         # One parse of the node state's containers for the loops, detection and the actions.
         managed = ManagedCache()
         # One reading of the zones' watermarks, aged, for detection and the loops alike.
@@ -243,7 +263,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
         evictor = EvictionManager(
             lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
             in_tree_plugins(board, lambda: store.in_force.eviction, counting),
-            metrics=reconciler_metrics, changes=board.subscribe)
+            metrics=reconciler_metrics, changes=board.subscribe, notes=notes)
         mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
                                       kube=kube, node=node,
                                       squeeze=squeeze, evictor=evictor, managed=managed,
@@ -343,11 +363,12 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
 
 def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog) -> Service:
     """Once at start: restores what the state file says an earlier run changed (host files,
-    then, when the API is reachable, its taint and condition, and the in-tree eviction
-    conditions its eviction manager may have left, as that manager does at a start with it
-    off). What the API refuses is tried again (``mitigation.retry_initial_s``, doubling to
-    ``retry_max_s``) until it is done or the agent stops, as the ladder retries a release: a
-    taint left behind would keep new pods off the node for good."""
+    then, when the API is reachable, its taint and condition, and the eviction conditions its
+    eviction manager may have left, the in-tree ones and those noted in the state file, as that
+    manager does at a start with it off). What the API refuses is tried again
+    (``mitigation.retry_initial_s``, doubling to ``retry_max_s``) until it is done or the agent
+    stops, as the ladder retries a release: a taint left behind would keep new pods off the node
+    for good."""
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
         notes = state_file(cfg.reconciler.state_dir)
@@ -364,7 +385,7 @@ def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog) -> Service:
         node = node_name(cfg.kubernetes)
         taint = TaintAction(lambda: store.current, kube, node, audit, notes=notes)
         # No eviction manager runs to keep them true: they go as an uninstall leaves the node.
-        conditions = NodeConditions(kube, node, audit, lambda plugin, eviction: False)
+        conditions = NodeConditions(kube, node, audit, lambda plugin, eviction: False, notes)
         clock = asyncio.get_running_loop().time
         withdrawn = False
         backoff: Backoff | None = None

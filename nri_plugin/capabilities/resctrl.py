@@ -19,6 +19,7 @@ daemon's to keep (:func:`hooks.resctrl_groups.plan_class_groups`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import structlog
 
@@ -26,6 +27,7 @@ from common.audit import AuditLog
 from common.state import NodeState
 from hooks.events import Event
 from hooks.levels import LEVEL_NAMES
+from hooks.model import ContainerInfo, PodInfo
 from hooks.resctrl_annotation import KOORDINATOR_ANNOTATION, plan_pod_group
 from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import (
@@ -40,7 +42,7 @@ from hooks.untrusted import bounded
 from nri_plugin.capabilities.reporting import Reporting
 from nri_plugin.config.schema import Config
 from nri_plugin.session.capability import Capability, ContainerEvent, PodEvent
-from reconciler.host.resctrlfs import GroupError, ResctrlFs
+from reconciler.host.resctrlfs import GroupError, ResctrlFs, removal_problem
 
 HOOK_PROGRAM = "nri-qos-hook"
 SWITCHED_OFF = "resctrl.enabled is false"
@@ -166,6 +168,29 @@ class ResctrlCapability(Reporting, Capability):
             self._plans.clear()
         self._plans[pod.uid] = (key, group)
         return group
+
+    def synchronize(self, pods: Sequence[PodInfo], containers: Sequence[ContainerInfo]) -> None:
+        """The runtime's whole list: the pod groups of pods it no longer runs go. A pod removed
+        while the plugin was not connected (a runtime restart, the agent's own restart) got no
+        RemovePodSandbox, and with the reconciler off no task-id loop collects its group: it
+        would keep a CLOS for good. No sandbox is created between the list and the events after
+        it, so a pod not listed has no group to keep."""
+        listed = {pod.uid for pod in pods}
+        with self._lock:
+            if not self._cfg.enabled:
+                return
+            for group in self._fs.our_groups():
+                ref = parse_group_name(self._fs.prefix, group, LEVEL_NAMES)
+                if ref is None or ref.kind != "pod" or ref.key in listed:
+                    continue
+                try:
+                    self._fs.remove_group(group, reason=f"pod {ref.key} is gone (the runtime "
+                                                        "no longer lists it)")
+                except OSError as exc:
+                    # EBUSY and the like: the task-id loop, where it runs, tries again.
+                    log.warning("resctrl_group_not_removed", group=group,
+                                error=removal_problem(exc))
+        self._plans = {uid: plan for uid, plan in self._plans.items() if uid in listed}
 
     def remove_pod_sandbox(self, event: PodEvent) -> None:
         pod = event.pod

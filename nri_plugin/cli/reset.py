@@ -6,11 +6,12 @@ configuration, so an effect of an earlier run is found whatever the configuratio
 * the memory guard's cap and squeeze on the BestEffort tier: the files' earlier values;
 * ``memory.wmark_ratio`` the tune rung lowered on reclaimed pods: the earlier values;
 * ``cpuset.mems`` the NUMA binding set on reclaimed containers: the earlier values;
-* the mitigation taint (every key noted, and the configured one), its node condition and the
-  in-tree eviction plugins' conditions (taken off the node's status), when the Kubernetes API
-  is reachable;
-* resctrl control groups carrying the agent's prefix (removing a group hands its tasks back to
-  the default group);
+* the mitigation taint (every key noted, and the configured one), its node condition, the
+  in-tree eviction plugins' conditions and every condition the eviction manager noted writing
+  True (an out-of-tree plugin's), taken off the node's status, when the Kubernetes API is
+  reachable;
+* resctrl control groups carrying the agent's prefix, or a prefix an earlier run noted making
+  groups with (removing a group hands its tasks back to the default group);
 * the status socket file.
 
 Every step is idempotent: a second reset finds nothing to do. A step that fails (a write the
@@ -40,8 +41,9 @@ from nri_plugin.config.schema import Config
 from nri_plugin.config.store import load_config
 from nri_plugin.obs.logs import LoggingSetup
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS
+from reconciler.eviction.conditions import EVICTION_CONDITION_NOTES
 from reconciler.host.probe import probe_host
-from reconciler.host.resctrlfs import ResctrlFs, removal_problem
+from reconciler.host.resctrlfs import PREFIX_NOTES, ResctrlFs, removal_problem
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
@@ -147,7 +149,10 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
             return "removed" if fs.remove_group(group, REASON) else "already gone"
 
         steps += [Step(f"resctrl: remove group {group}", functools.partial(remove_group, group))
-                  for group in fs.our_groups()]
+                  for group in [*fs.our_groups(), *fs.old_groups(notes)]]
+        if notes.entries(PREFIX_NOTES):
+            steps.append(Step("resctrl: forget the group prefixes noted",
+                              functools.partial(_forget_prefixes, fs, notes)))
     status = cfg.status.socket
     try:
         is_socket = stat.S_ISSOCK(os.lstat(status).st_mode)
@@ -156,6 +161,16 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
     if is_socket:
         steps.append(Step(f"status: remove socket {status}", lambda: _unlink(status)))
     return steps
+
+
+def _forget_prefixes(fs: ResctrlFs, notes: StateFile) -> str:
+    """Forgets every group prefix noted of which no group is left; failed while one is."""
+    fs.forget_prefixes(notes, own=True)
+    left = sorted(prefix for prefix, mount in notes.entries(PREFIX_NOTES).items()
+                  if mount == fs.mount)
+    if left:
+        return f"failed (groups of {', '.join(left)} left, kept in the state file)"
+    return "done"
 
 
 def _unlink(path: str) -> str:
@@ -176,7 +191,7 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
     rung = cfg.mitigation.taint
     keys = list(dict.fromkeys([*notes.entries(TAINT_NOTES), rung.key]))
     kinds = list(dict.fromkeys([*notes.entries(CONDITION_NOTES), rung.condition,
-                                *IN_TREE_CONDITIONS]))
+                                *IN_TREE_CONDITIONS, *notes.entries(EVICTION_CONDITION_NOTES)]))
 
     def remove(key: str) -> str:
         outcome = asyncio.run(kube.remove_taint(node, key, reason=REASON))
@@ -189,6 +204,7 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
         outcome = asyncio.run(kube.remove_node_condition(node, kind))
         if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
             notes.forget(CONDITION_NOTES, kind)
+            notes.forget(EVICTION_CONDITION_NOTES, kind)
         return {NodeOutcome.CHANGED: "removed", NodeOutcome.UNCHANGED: "not there"}.get(
             outcome, f"failed ({outcome.value})")
 
@@ -203,7 +219,8 @@ def _unreached(notes: StateFile) -> str:
     """What an earlier run placed on the node that a reset without the API leaves there ("" when
     nothing): said, since the state file keeps it for a reset with the API."""
     placed = [f"taint {key}" for key in notes.entries(TAINT_NOTES)] + [
-        f"condition {kind}" for kind in notes.entries(CONDITION_NOTES)]
+        f"condition {kind}" for kind in dict.fromkeys([*notes.entries(CONDITION_NOTES),
+                                                       *notes.entries(EVICTION_CONDITION_NOTES)])]
     if not placed:
         return ""
     return (f"[kubernetes] enabled is false: {', '.join(placed)} placed by an earlier run "

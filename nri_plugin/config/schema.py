@@ -31,6 +31,7 @@ from nri_plugin.scheduling import BATCH, NORMAL
 from reconciler.detection.config import DetectionConfig
 from reconciler.eviction.choice import READ_ANNOTATIONS as EVICTION_ANNOTATIONS
 from reconciler.eviction.config import EvictionConfig
+from reconciler.eviction.selector import label_keys
 from reconciler.kube import KubernetesConfig
 from reconciler.loops.base import ReconcilerConfig
 from reconciler.loops.cpu_idle import CpuIdleConfig
@@ -218,7 +219,8 @@ class Config:
             VOLCANO_COLOCATION_ANNOTATION, self.resctrl.annotation, KOORDINATOR_ANNOTATION,
             self.oom.annotation, self.detection.rss_overuse_annotation, *EVICTION_ANNOTATIONS,
             self.offload.annotation,
-        }), labels=frozenset({KOORDINATOR_KEY}))
+        }), labels=frozenset({KOORDINATOR_KEY,
+                              *label_keys(self.eviction.exclude_selectors)}))
 
     def validate(self) -> list[tuple[str, str]]:
         """Hook executables named anywhere in the configuration must be trusted files."""

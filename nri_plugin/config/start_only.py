@@ -52,6 +52,10 @@ START_ONLY: tuple[StartOnly, ...] = (
               "by it; changed, the groups made with the old one would be left behind"),
     StartOnly("resctrl.amd_mb_max", "the resctrl probe scales AMD memory bandwidth by it"),
     StartOnly("memory.cgroup_version", "the host probe fixes the cgroup layout"),
+    StartOnly("memory_guard.numa_view_tolerance_percent", "the host probe judges once whether "
+              "the NUMA nodes add up to the machine; detection's numa_free and the features "
+              "`nri-qos status` shows keep that judgement, so the memory guard's own check "
+              "keeps the same tolerance"),
     StartOnly("reconciler.enabled", "the reconciler, the pod watch, detection, the mitigation "
               "ladder and the eviction manager are made only when it is on at start",
               switch=True),

@@ -202,8 +202,9 @@ def _detector(name: str, what: Callable[[Config, HostInfo], Feature]
 def _numa_free(cfg: Config, host: HostInfo) -> Feature:
     if not host.numa_view.consistent:
         return Feature(False, f"{host.numa_view.describe()}: system_free covers the machine")
-    if not host.numa_nodes:
-        return Feature(False, "no NUMA nodes in sysfs: system_free covers the machine")
+    if not host.numa_sysfs:
+        return Feature(False, "no NUMA nodes in sysfs (the kernel has no NUMA): system_free "
+                              "covers the machine")
     return Feature(True, f"free memory of {len(host.numa_nodes)} NUMA node(s) vs their "
                          "watermarks")
 
@@ -211,7 +212,10 @@ def _numa_free(cfg: Config, host: HostInfo) -> Feature:
 def _psi(cfg: Config, host: HostInfo) -> Feature:
     path, reason = psi_path(cfg.detection, host)
     pods = ""
-    if host.cgroup.v2:
+    if host.cgroup.v2 and host.psi.readable and not host.pod_psi:
+        pods = ("; the online pods have no memory.pressure (PSI off for cgroups: "
+                "cgroup_disable=pressure)")
+    elif host.cgroup.v2:
         problem = pod_trigger_problem(cfg, host)
         pods = ("; each online pod's memory.pressure, with a trigger of its own" if not problem
                 else f"; each online pod's memory.pressure, without a trigger of its own "

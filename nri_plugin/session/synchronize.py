@@ -50,6 +50,8 @@ class SyncProgress:
     started: float
     pods: list[PodInfo] = dataclasses.field(default_factory=list)
     containers: list[ContainerInfo] = dataclasses.field(default_factory=list)
+    # Ids of the containers listed as stopped (exited, not removed yet).
+    stopped: set[str] = dataclasses.field(default_factory=set)
     listed_pods: int = 0
     listed_containers: int = 0
     wire_bytes: int = 0
@@ -152,9 +154,13 @@ class Synchronizer:
                 await asyncio.sleep(0)
         for container_msg in req.containers:
             try:
-                sync.containers.append(container_info(container_msg))
+                info = container_info(container_msg)
             except MessageError as exc:
                 _note_refusal(sync, f"container {bounded(container_msg.name)}: {exc}")
+            else:
+                sync.containers.append(info)
+                if container_msg.state == api.CONTAINER_STOPPED:
+                    sync.stopped.add(info.id)
             done += 1
             if done % SYNC_BATCH == 0:
                 await asyncio.sleep(0)
@@ -184,7 +190,7 @@ class Synchronizer:
         if sync.first_ignored is not None:
             # One record for all of them, as for the refused objects.
             record_ignored(self._audit, sync.first_ignored, others=sync.ignored_pods - 1)
-        self._state.replace_all(pods, containers)
+        self._state.replace_all(pods, containers, stopped=sync.stopped)
         if self._capabilities:
             calls = [(c.name, bind(c.synchronize, tuple(pods), tuple(containers)))
                      for c in self._capabilities]

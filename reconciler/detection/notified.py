@@ -3,7 +3,8 @@
 * **node PSI** (:class:`NodePsi`): a PSI trigger on ``/proc/pressure/memory`` when the kernel
   accepts the configured (sub-second) window, else the cumulative stall counter polled every
   ``psi_poll_interval_ms``; chosen again, and the trigger armed anew, when a reload changes its
-  window or threshold;
+  window or threshold; no trigger stays registered with the kernel while the psi detector is
+  switched off;
 * **memcg pressure events** (:class:`PressureLevels`, cgroup v1): the kernel's
   ``memory.pressure_level`` notifications of the root memcg (reclaim for the whole node) and of
   kubelet's pods and burstable cgroups (reclaim forced by their limits). The events come
@@ -64,7 +65,8 @@ def pressure_level_problem(host: HostInfo) -> str:
     if host.cgroup.v2:
         return "cgroup v2 has no memory.pressure_level (PSI serves instead)"
     if not host.memcg.pressure_level:
-        return "the memory controller has no memory.pressure_level"
+        return host.memcg.pressure_level_problem or (
+            "the memory controller has no memory.pressure_level")
     return ""
 
 
@@ -97,8 +99,15 @@ class NodePsi:
     async def run(self, stop: asyncio.Event) -> None:
         """Watch until ``stop``; a reload that changes the trigger's window or threshold arms
         it anew (noticed at the watch's next look, within ``QUIET_TRIGGER_RECHECK_S``), as the
-        online pods' triggers are."""
+        online pods' triggers are. A reload that switches the psi detector off ends the watch,
+        its trigger with it, as the online pods' triggers are disarmed: the kernel would keep
+        one registered for nobody, and wake its PSI thread for it at every stall."""
         while not stop.is_set():
+            cfg = self._config()
+            if not active(cfg, PSI):
+                self._publisher.withdraw(PSI, NODE)
+                await sleep_until(period(cfg, PSI), stop)
+                continue
             await self._watch(stop)
 
     async def _watch(self, stop: asyncio.Event) -> None:
@@ -118,10 +127,11 @@ class NodePsi:
         relay.add_done_callback(lambda _task: done.set())
 
         def running() -> bool:
-            if trigger_spec(self._config().detection) != armed:
+            now = self._config()
+            if trigger_spec(now.detection) != armed or not active(now, PSI):
                 done.set()
                 return False
-            return active(self._config(), PSI)
+            return True
 
         def pause() -> None:
             before[0] = None

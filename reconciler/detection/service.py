@@ -266,10 +266,13 @@ class DetectorsLoop(Loop):
                                annotation=bounded(annotation), reason=problem, pod=pod.name)
 
     def _fulfillment(self, cfg: DetectionConfig, now: float) -> None:
-        requests = sum(p.request_bytes for p in self._pods.pods()
-                       if p.level == QosLevel.RECLAIMED_CORES)
         layout = self._host.cgroup
         tier = layout.tier_dir("memory", BESTEFFORT)
+        # Only the pods the tier's cap bounds: any pod may claim reclaimed_cores, and one of
+        # another tier, which the cap never holds back, would have the tier's pods evicted
+        # for a shortage of its own making.
+        requests = sum(p.request_bytes for p in self._pods.pods()
+                       if p.level == QosLevel.RECLAIMED_CORES and p.cgroup.startswith(tier + "/"))
         limit = self._sysfs.read(f"{tier}/{layout.limit_file}")
         sample = d.fulfillment(limit, requests, cfg, now)
         self._publisher.offer(FULFILLMENT, [] if sample is None else [sample])

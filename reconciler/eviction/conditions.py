@@ -1,6 +1,11 @@
 """Node conditions that eviction plugins report: true as soon as one is met, false after
 ``condition_transition_s`` without being met, audited when they change and written to the
-Node (unless dry-run), with a backoff while the API server refuses."""
+Node (unless dry-run), with a backoff while the API server refuses.
+
+A condition is noted in the state file before it is written True, and forgotten once written
+False or taken off the node: an out-of-tree plugin's condition is in no list of the agent's, so
+without the note a run cut short would leave it True for good, unknown to the next run (which
+sets it False, or takes it off with the manager switched off) and to ``nri-qos reset``."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from hooks.untrusted import bounded
 from reconciler.eviction.api import EvictionPlugin, EvictPods, ThresholdMet
 from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.smoothing import ConditionTracker
+from reconciler.host.statefile import StateFile
 from reconciler.kube import KubeActions, NodeOutcome
 
 CONDITION_MET = "NriQosThresholdMet"
@@ -20,6 +26,8 @@ CONDITION_NOT_MET = "NriQosThresholdNotMet"
 # Conditions kept at most: far above what the in-tree and any sane set of out-of-tree plugins
 # use; a plugin inventing names cannot make the agent grow without bound.
 MAX_CONDITIONS = 32
+EVICTION_CONDITION_NOTES = "eviction_condition"
+"""The state file's section: node condition the eviction manager wrote True -> its plugin."""
 
 
 @dataclass(slots=True)
@@ -38,16 +46,21 @@ def _reason(status: bool) -> str:
 
 class NodeConditions:
     """Each condition belongs to the first plugin that reported it. ``dry(plugin, cfg)``:
-    whether that plugin's effects are only audited."""
+    whether that plugin's effects are only audited. ``notes``: the agent's state file; the
+    conditions an earlier run wrote True and did not take back are this run's from the start."""
 
     def __init__(self, actions: KubeActions, node: str, audit: AuditLog,
-                 dry: Callable[[str, EvictionConfig], bool]) -> None:
+                 dry: Callable[[str, EvictionConfig], bool],
+                 notes: StateFile | None = None) -> None:
         self._actions = actions
         self._node = node
         self._audit = audit
         self._dry = dry
+        self._notes = notes if notes is not None else StateFile(None)
         self._tracker = ConditionTracker()
-        self._conditions: dict[str, _Condition] = {}
+        self._conditions: dict[str, _Condition] = {
+            name: _Condition(plugin, written=True) for name, plugin in
+            list(self._notes.entries(EVICTION_CONDITION_NOTES).items())[:MAX_CONDITIONS]}
         # While the manager is off: when its conditions may be tried again, and how long after.
         self._withdraw_at = 0.0
         self._withdraw_backoff: Backoff | None = None
@@ -74,10 +87,14 @@ class NodeConditions:
             if (dry and not undo) or not self._actions.available or status == state.written \
                     or now < state.next_try:
                 continue
+            if status:
+                self._notes.put(EVICTION_CONDITION_NOTES, name, state.plugin)
             written = await self._actions.set_node_condition(
                 self._node, name, status, _reason(status), state.message)
             if written in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
                 state.written, state.backoff, state.next_try = status, None, 0.0
+                if not status:
+                    self._notes.forget(EVICTION_CONDITION_NOTES, name)
             else:
                 state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
                 state.next_try = now + state.backoff.next()
@@ -85,8 +102,8 @@ class NodeConditions:
     async def withdraw(self, names: Sequence[str], cfg: EvictionConfig, now: float) -> bool:
         """The manager is switched off: nobody keeps its conditions true to the node any more,
         so they are taken off it, as an uninstall does: ``names`` (the in-tree ones, which an
-        earlier run may have left) and every one this run reported. True once all are off (or
-        there is no API to reach); a refusal is tried again after a backoff."""
+        earlier run may have left), every one this run reported and every one noted. True once
+        all are off (or there is no API to reach); a refusal is tried again after a backoff."""
         if not self._actions.available:
             return True
         if now < self._withdraw_at:
@@ -99,6 +116,8 @@ class NodeConditions:
                                    reason="eviction manager disabled")
             elif outcome is not NodeOutcome.UNCHANGED:
                 left.append(name)
+                continue
+            self._notes.forget(EVICTION_CONDITION_NOTES, name)
         if left:
             self._withdraw_backoff = self._withdraw_backoff or Backoff(cfg.retry_initial_s,
                                                                        cfg.retry_max_s)

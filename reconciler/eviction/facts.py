@@ -3,12 +3,18 @@ anonymous memory it uses now (read from its cgroups), with what the API server s
 
 from __future__ import annotations
 
+from common.podmeta import PodMeta
 from common.state import Snapshot
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.choice import PodFacts
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
+
+MAX_SPARED_TERMINATION_S = 600
+"""The longest grace period of a deletion that spares a terminating pod: such a pod is gone
+within it anyway. A longer one is its author's to choose (``terminationGracePeriodSeconds`` has
+no upper bound) and, with SIGTERM ignored, would keep the pod running and spared for good."""
 
 
 def pod_facts(snapshot: Snapshot, sysfs: SysFs, layout: CgroupLayout) -> dict[str, PodFacts]:
@@ -31,7 +37,13 @@ def pod_facts(snapshot: Snapshot, sysfs: SysFs, layout: CgroupLayout) -> dict[st
                         request, usage)
         facts[info.uid] = PodFacts(
             pod, info.labels, info.annotations,
-            terminating=meta.terminating if meta is not None else False,
+            terminating=meta is not None and _going(meta),
             described=meta is not None,
             claimed_daemonset=meta.daemonset if meta is not None else None)
     return facts
+
+
+def _going(meta: PodMeta) -> bool:
+    """The pod is being deleted with a grace period that ends it soon."""
+    return meta.terminating and (meta.deletion_grace_s is None
+                                 or meta.deletion_grace_s <= MAX_SPARED_TERMINATION_S)

@@ -61,8 +61,10 @@ from reconciler.eviction.remote import PluginDirectory
 from reconciler.eviction.retries import Retries
 from reconciler.eviction.smoothing import MetSmoother
 from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import EvictionOutcome, KubeActions, PodRef
+from reconciler.loops.base import ReconcilerConfig
 from reconciler.metrics import ReconcilerMetrics
 
 log = structlog.get_logger("nri_qos.eviction")
@@ -72,6 +74,9 @@ RECENT_KEPT = 20
 """Decisions kept for ``nri-qos status``."""
 
 class EvictionSections(Protocol):
+    @property
+    def reconciler(self) -> ReconcilerConfig: ...
+
     @property
     def eviction(self) -> EvictionConfig: ...
 
@@ -123,15 +128,16 @@ class EvictionManager:
     """See the module doc. ``in_tree``: every in-tree plugin by name (``[eviction] plugins``
     chooses which run); ``node``: this node's name, for Events and conditions; ``changes``:
     subscribes a callback (called from any thread) to changes of what the in-tree plugins read
-    (the detectors' levels), which end a quiet wait at once."""
+    (the detectors' levels), which end a quiet wait at once; ``notes``: the agent's state file
+    (the node conditions written True)."""
 
     def __init__(self, config: Callable[[], EvictionSections], state: NodeState,
                  actions: KubeActions, node: str, audit: AuditLog, sysfs: SysFs,
                  layout: CgroupLayout, in_tree: Mapping[str, EvictionPlugin], *,
                  clock: Callable[[], float] | None = None,
                  metrics: ReconcilerMetrics | None = None,
-                 changes: Callable[[Callable[[], None]], Callable[[], None]] | None = None
-                 ) -> None:
+                 changes: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+                 notes: StateFile | None = None) -> None:
         self._config = config
         self._changes = changes
         self._metrics = metrics
@@ -149,7 +155,7 @@ class EvictionManager:
         self._bucket: TokenBucket | None = None
         self._filter = PodFilter(cfg)
         self._met = MetSmoother()
-        self._conditions = NodeConditions(actions, node, audit, proposals.is_dry)
+        self._conditions = NodeConditions(actions, node, audit, proposals.is_dry, notes)
         self._flights: dict[str, Flight] = {}
         self._retries = Retries()
         self._calls = PluginCalls(audit)
@@ -184,11 +190,14 @@ class EvictionManager:
         unsubscribe = self._changes(self._wake_up) if self._changes is not None else None
         try:
             while not stop.is_set():
-                cfg = self._config().eviction
+                sections = self._config()
+                cfg = sections.eviction
                 delay = cfg.interval_s
                 # Cleared before the round: a wake-up while it runs starts the next at once.
                 self._wake.clear()
-                if cfg.enabled:
+                # A reload that switches the reconciler off switches the manager off with the
+                # rest of the background half, its node conditions with it.
+                if cfg.enabled and sections.reconciler.enabled:
                     self._withdrawn = False
                     # A round can wait on a slow API server for many request timeouts in a
                     # row: a stop cancels it rather than waiting for its end.
@@ -317,7 +326,11 @@ class EvictionManager:
                 decisions += self._defer(chosen[index:], Outcome.RATE_LIMITED,
                                          f"rate limit: next token in {bucket.wait(now):.1f} s")
                 break
-            dry = proposals.is_dry(plugin, cfg)
+            # Also the configuration in force now: the evictions before this one may have
+            # taken their request timeouts, and a reload meanwhile (observe mode, dry run)
+            # holds the ones not sent yet.
+            dry = proposals.is_dry(plugin, cfg) or proposals.is_dry(plugin,
+                                                                    self._config().eviction)
             self._audit.record("eviction_chosen", pod=pod.ref, plugin=plugin,
                                reason=candidate.reason, dry_run=dry, uid=pod.uid,
                                qos_level=pod.qos_level, priority=pod.priority,

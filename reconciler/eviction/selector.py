@@ -11,7 +11,7 @@ ending alphanumeric); values follow the name rule and may be empty.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 _NAME = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
@@ -110,6 +110,19 @@ def parse_selector(text: str) -> Selector:
     if not text.strip():
         raise SelectorError("empty selector (it would match every pod)")
     return Selector(text, tuple(_requirement(part) for part in _split(text)))
+
+
+def label_keys(texts: Iterable[str]) -> frozenset[str]:
+    """The label keys the selectors ``texts`` read (an unparsable one reads none): the pods'
+    labels are kept only under keys some policy reads, and a label left out would make
+    ``key=value`` spare nothing and ``key!=value`` spare every pod."""
+    keys: set[str] = set()
+    for text in texts:
+        try:
+            keys.update(r.key for r in parse_selector(text).requirements)
+        except SelectorError:
+            continue
+    return frozenset(keys)
 
 
 def check_selectors(value: object) -> str | None:

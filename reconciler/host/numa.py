@@ -214,14 +214,21 @@ def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None,
         text = meminfo if meminfo is not None else sysfs.read(MEMINFO)
         if text is None:
             return []
-        info = parse_meminfo(text)
-        return [NumaNode(0, info.get("MemFree", 0), info.get("MemTotal", 0),
-                         sum(lows.values()))]
+        free, total = _free_and_total(parse_meminfo(text), MEMINFO)
+        return [NumaNode(0, free, total, sum(lows.values()))]
     for node in ids:
         text = sysfs.read(f"{NODE_DIR}/node{node}/meminfo")
         if text is None:
             continue
-        info = parse_meminfo(text)
-        nodes.append(NumaNode(node, info.get("MemFree", 0), info.get("MemTotal", 0),
-                              lows.get(node, 0)))
+        free, total = _free_and_total(parse_meminfo(text), f"node {node} meminfo")
+        nodes.append(NumaNode(node, free, total, lows.get(node, 0)))
     return nodes
+
+
+def _free_and_total(info: Mapping[str, int], what: str) -> tuple[int, int]:
+    """MemFree and MemTotal, which every kernel writes: a file without them was cut short,
+    and taking the missing figure for 0 would read as a node with no free memory."""
+    for name in ("MemFree", "MemTotal"):
+        if name not in info:
+            raise NumaFormatError(f"{what} lacks {name}")
+    return info["MemFree"], info["MemTotal"]

@@ -21,6 +21,7 @@ from reconciler.host.numa import (
     NumaNode,
     NumaView,
     check_view,
+    node_ids,
     read_meminfo,
     read_nodes,
 )
@@ -51,6 +52,8 @@ class MemcgKnobs:
     pressure_level: bool = False  # v1 memory.pressure_level: eventfd notifications
     numa_stat: bool = False  # memory.numa_stat: usage per NUMA node
     refaults: bool = False  # memory.stat counts working-set refaults (v1: Linux 5.9+ or so)
+    # v1: why memory.pressure_level notifications cannot be had ("" when they can).
+    pressure_level_problem: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,9 @@ class PsiSupport:
     system: TriggerSupport
     # On the memory.pressure file of kubelet's pods cgroup (cgroup v2 only), else None.
     cgroup: TriggerSupport | None
+    # cgroup v2 cgroups have pressure files of their own: not where PSI is on for the node
+    # only (``cgroup_disable=pressure``).
+    cgroups: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,9 @@ class HostInfo:
     zswap: bool = False
     # The BestEffort tier's cgroup has cpu.idle (Linux 5.15+, the cpu controller there).
     cpu_idle: bool = False
+    # sysfs lists NUMA nodes (a kernel without NUMA has none: ``numa_nodes`` is then the
+    # machine as one node 0, from /proc/meminfo).
+    numa_sysfs: bool = False
 
     @property
     def memory_total_bytes(self) -> int:
@@ -103,8 +112,8 @@ class HostInfo:
 
     @property
     def pod_psi(self) -> bool:
-        """Each cgroup has its own memory.pressure: cgroup v2 with PSI on."""
-        return self.cgroup.v2 and self.psi.readable
+        """Each cgroup has its own memory.pressure: cgroup v2 with PSI on, cgroups' too."""
+        return self.cgroup.v2 and self.psi.readable and self.psi.cgroups
 
     @property
     def pod_refaults(self) -> bool:
@@ -132,6 +141,7 @@ def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str
         warnings.append("/proc/meminfo is unreadable: node-wide limits use the NUMA nodes' sum")
     elif not view.consistent:
         warnings.append(view.describe() + "; node-wide limits use /proc/meminfo")
+    memcg = _memcg_knobs(sysfs, layout)
     resctrl: ResctrlInfo | None = None
     resctrl_problem = ""
     if resctrl_mount is not None:
@@ -143,11 +153,12 @@ def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str
     return HostInfo(
         root=str(sysfs.root), kernel=kernel, cgroup=layout,
         meminfo_total_bytes=meminfo.get("MemTotal", 0), numa_nodes=nodes, numa_view=view,
-        resctrl=resctrl, resctrl_problem=resctrl_problem, memcg=_memcg_knobs(sysfs, layout),
-        psi=_psi(sysfs, layout), warnings=tuple(warnings),
+        resctrl=resctrl, resctrl_problem=resctrl_problem, memcg=memcg,
+        psi=_psi(sysfs, layout, memcg.where), warnings=tuple(warnings),
         swap_total_bytes=meminfo.get("SwapTotal", 0),
         zswap=(sysfs.read(ZSWAP_ENABLED) or "").strip() in ("Y", "1"),
         cpu_idle=sysfs.exists(f"{layout.tier_dir('cpu', BESTEFFORT)}/cpu.idle"),
+        numa_sysfs=bool(node_ids(sysfs)),
     )
 
 
@@ -173,10 +184,25 @@ def _memcg_knobs(sysfs: SysFs, layout: CgroupLayout) -> MemcgKnobs:
         return MemcgKnobs(where, reclaim=has("memory.reclaim"), high=has("memory.high"),
                           wmark_ratio=has("memory.wmark_ratio"), numa_stat=has("memory.numa_stat"),
                           refaults=refaults)
+    level_problem = _pressure_level_problem(sysfs, f"{CGROUP_MOUNT}/memory")
     return MemcgKnobs(where, wmark_ratio=has("memory.wmark_ratio"),
-                      force_empty=has("memory.force_empty"),
-                      pressure_level=sysfs.exists(f"{CGROUP_MOUNT}/memory/memory.pressure_level"),
-                      numa_stat=has("memory.numa_stat"), refaults=refaults)
+                      force_empty=has("memory.force_empty"), pressure_level=not level_problem,
+                      numa_stat=has("memory.numa_stat"), refaults=refaults,
+                      pressure_level_problem=level_problem)
+
+
+def _pressure_level_problem(sysfs: SysFs, root: str) -> str:
+    """"" when the root memcg takes a ``memory.pressure_level`` registration (made and at once
+    dropped), else why not: a file that is there but whose registration is refused would leave
+    the ladder waiting for events that never come."""
+    if not sysfs.exists(f"{root}/memory.pressure_level"):
+        return "the memory controller has no memory.pressure_level"
+    try:
+        os.close(sysfs.register_memcg_event(root, "memory.pressure_level", "low"))
+    except OSError as exc:
+        return ("cgroup.event_control refuses memory.pressure_level registrations "
+                f"({_errno_text(exc)})")
+    return ""
 
 
 def _counts_refaults(stat: str | None, v2: bool) -> bool:
@@ -186,16 +212,26 @@ def _counts_refaults(stat: str | None, v2: bool) -> bool:
         return False
 
 
-def _psi(sysfs: SysFs, layout: CgroupLayout) -> PsiSupport:
-    readable = sysfs.read(PSI_MEMORY) is not None
+def _psi(sysfs: SysFs, layout: CgroupLayout, where: str) -> PsiSupport:
+    """``where``: a cgroup of the memory hierarchy (:func:`_probe_cgroup`)."""
+    why = "PSI is not available (kernel without CONFIG_PSI, or psi=0)"
+    try:
+        readable = sysfs.read(PSI_MEMORY) is not None
+    except OSError as exc:
+        # A kernel booted with psi=0 may keep the file and refuse every read (EOPNOTSUPP).
+        readable = False
+        why = f"PSI is off: reading {PSI_MEMORY} fails ({_errno_text(exc)}; psi=0?)"
     system = trigger_support(sysfs, PSI_MEMORY) if readable else TriggerSupport(
-        PSI_MEMORY, None, "PSI is not available (kernel without CONFIG_PSI, or psi=0)")
+        PSI_MEMORY, None, why)
     cgroup = None
     if layout.v2:
         path = f"{layout.tier_dir('memory', 'guaranteed')}/memory.pressure"
         cgroup = trigger_support(sysfs, path) if sysfs.exists(path) else TriggerSupport(
             path, None, "no memory.pressure file")
-    return PsiSupport(readable, system, cgroup)
+    # The root's file, else the examined cgroup's (the root has none before Linux 5.2).
+    cgroups = layout.v2 and any(sysfs.exists(f"{d}/memory.pressure")
+                                for d in (layout.dir("memory", ""), where))
+    return PsiSupport(readable, system, cgroup, cgroups)
 
 
 def trigger_support(sysfs: SysFs, path: str) -> TriggerSupport:
@@ -205,9 +241,12 @@ def trigger_support(sysfs: SysFs, path: str) -> TriggerSupport:
         try:
             fd = sysfs.open_trigger(path, f"some {window // 10} {window}")
         except OSError as exc:
-            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-            problem = f"{name}: {exc.strerror}"
+            problem = _errno_text(exc)
             continue
         os.close(fd)
         return TriggerSupport(path, window, "")
     return TriggerSupport(path, None, f"the kernel refused every window tried ({problem})")
+
+
+def _errno_text(exc: OSError) -> str:
+    return f"{errno.errorcode.get(exc.errno or 0, str(exc.errno))}: {exc.strerror}"

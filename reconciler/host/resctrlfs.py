@@ -17,8 +17,9 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Mapping
 
 from common.audit import AuditLog
+from hooks.levels import LEVEL_NAMES
 from hooks.resctrl import Allocation, ResctrlInfo, Schemata, build_schemata
-from hooks.resctrl_groups import ClassGroupPlan, valid_group_name
+from hooks.resctrl_groups import ClassGroupPlan, parse_group_name, valid_group_name
 from hooks.untrusted import bounded_repr
 from reconciler.host.resctrl_files import (
     INFO_FILES,
@@ -29,9 +30,13 @@ from reconciler.host.resctrl_files import (
     schemata_matches,
     schemata_text,
 )
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 
 _NOT_GROUPS = frozenset({"info", "mon_groups", "mon_data"})
+PREFIX_NOTES = "resctrl_prefix"
+"""The state file's section: each group prefix the agent made groups with -> the resctrl mount
+(``resctrl.group_prefix`` is read at start, so a run with another one would not find them)."""
 
 
 class GroupError(Exception):
@@ -141,6 +146,45 @@ class ResctrlFs:
         """Control groups carrying this agent's prefix (for garbage collection)."""
         return [g for g in self.control_groups()
                 if g.startswith(self.prefix) and valid_group_name(g)]
+
+    # --- group prefixes of earlier runs --------------------------------------------------------
+
+    def note_prefix(self, notes: StateFile) -> None:
+        """Notes this filesystem's prefix before any group is made with it: a later run with
+        another prefix finds the groups by it (:meth:`old_groups`)."""
+        notes.put(PREFIX_NOTES, self.prefix, self.mount)
+
+    def old_groups(self, notes: StateFile) -> list[str]:
+        """The groups made with the other prefixes noted for this mount (a group that is one
+        of this prefix's own too is left out)."""
+        return [group for group in self.control_groups()
+                for prefix in self._old_prefixes(notes)
+                if parse_group_name(prefix, group, LEVEL_NAMES) is not None
+                and parse_group_name(self.prefix, group, LEVEL_NAMES) is None]
+
+    def forget_prefixes(self, notes: StateFile, *, own: bool) -> None:
+        """Forgets each other prefix noted for this mount, and with ``own`` this one, whose
+        groups are all gone."""
+        groups = self.control_groups()
+        for prefix in [*self._old_prefixes(notes), *([self.prefix] if own else [])]:
+            if not any(parse_group_name(prefix, g, LEVEL_NAMES) is not None for g in groups):
+                notes.forget(PREFIX_NOTES, prefix)
+
+    def remove_old_groups(self, notes: StateFile, reason: str) -> dict[str, str]:
+        """Removes the groups of :meth:`old_groups` and forgets the prefixes left without any;
+        the groups that could not be removed yet, with why."""
+        failed = {}
+        for group in self.old_groups(notes):
+            try:
+                self.remove_group(group, reason=reason)
+            except OSError as exc:
+                failed[group] = removal_problem(exc)
+        self.forget_prefixes(notes, own=False)
+        return failed
+
+    def _old_prefixes(self, notes: StateFile) -> list[str]:
+        return [prefix for prefix, mount in notes.entries(PREFIX_NOTES).items()
+                if mount == self.mount and prefix != self.prefix]
 
     # --- schemata ------------------------------------------------------------------------------
 

@@ -334,11 +334,11 @@ class SysFs(SysReader):
             return Outcome.OBSERVED, "observe mode: not written"
         code, _, why = self._children.run(
             WRITER, [self.real(path), value, str(os.getpid()), str(nice)], timeout_s, "writer")
-        if code is None:
-            return Outcome.TIMEOUT, why
-        if code == 0:
-            return Outcome.WRITTEN, ""
-        return (Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED), why
+        outcome = (Outcome.TIMEOUT if code is None else Outcome.WRITTEN if code == 0
+                   else Outcome.GONE if code in _GONE_ERRNOS else Outcome.FAILED)
+        # A short reclaim is the kernel's answer to the amount asked, not a refused write.
+        self._count(path, Outcome.WRITTEN if short_reclaim(outcome, why) else outcome)
+        return outcome, why
 
     def move_pages_bounded(self, pids: Sequence[int], hot: int, cool: int, budget_bytes: int,
                            timeout_s: float) -> tuple[Outcome, int, str]:
@@ -361,11 +361,10 @@ class SysFs(SysReader):
                 *map(str, pids)]
         code, out, why = self._children.run(MOVER, argv, timeout_s, "child")
         moved = int(out) * PAGE_SIZE if out.strip().isdigit() else 0
-        if code is None:
-            return Outcome.TIMEOUT, moved, why
-        if code == 0:
-            return Outcome.WRITTEN, moved, ""
-        return Outcome.FAILED, moved, why
+        outcome = (Outcome.TIMEOUT if code is None else Outcome.WRITTEN if code == 0
+                   else Outcome.FAILED)
+        self._count(f"/proc/{pids[0] if pids else 0}/move_pages", outcome)
+        return outcome, moved, why
 
     def kill_writers(self) -> int:
         """The agent stops: kills every child writer still running (the kernel stops its

@@ -101,6 +101,8 @@ log = structlog.get_logger("nri_qos.reconciler")
 
 
 STANDING_CAP = ("always", "cgroup-v1", "never")
+NO_USAGE = ("the BestEffort cgroup has no memory usage file: the memory controller is not "
+            "enabled in its parents' cgroup.subtree_control (cgroup v2)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +152,8 @@ class MemoryGuardConfig:
     )
     numa_view_tolerance_percent: float = setting(
         10.0, "When the NUMA nodes' MemTotal differs from /proc/meminfo's by more than this, "
-        "node-wide figures come from /proc/meminfo (hot-added or ballooned memory).",
+        "node-wide figures come from /proc/meminfo (hot-added or ballooned memory). Read at "
+        "start.",
         unit="percent", minimum=0, maximum=100,
     )
 
@@ -314,15 +317,14 @@ class MemoryGuardLoop(Loop):
         page = PAGE_SIZE
         sysfs, v2 = self._sysfs, self._layout.v2
         tier = self._layout.tier_dir("memory", BESTEFFORT)
-        if not sysfs.is_dir(tier):
-            if not self._warned_missing:
-                self._warned_missing = True
-                log.warning("memory_guard_idle", reason="no BestEffort cgroup", path=tier)
-            return
-        self._warned_missing = False
         usage = sysfs.read_int(f"{tier}/{'memory.current' if v2 else 'memory.usage_in_bytes'}")
         if usage is None:
+            if not self._warned_missing:
+                self._warned_missing = True
+                log.warning("memory_guard_idle", path=tier, reason=NO_USAGE if sysfs.is_dir(tier)
+                            else "no BestEffort cgroup")
             return
+        self._warned_missing = False
         squeeze = self._squeeze.current() if self._squeeze is not None else None
         if squeeze is None:
             self._held = None

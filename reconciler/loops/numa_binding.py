@@ -189,6 +189,9 @@ class NumaBindingLoop(Loop):
         self._audit = audit
         self._managed = ManagedCache() if managed is None else managed
         self._chosen: frozenset[int] = frozenset()
+        # Said that a container's cgroup has no cpuset.mems (said once: every cycle would
+        # find it so again).
+        self._said_no_cpuset = False
 
     def interval(self) -> float:
         return self._config().numa.interval_s
@@ -244,6 +247,13 @@ class NumaBindingLoop(Loop):
         cgroup = self._layout.dir("cpuset", item.ref.rel)
         current = self._sysfs.read(f"{cgroup}/cpuset.mems")
         if current is None:
+            if not self._said_no_cpuset and self._sysfs.is_dir(cgroup):
+                # Not a container gone meanwhile: its cgroup is there without the file.
+                self._said_no_cpuset = True
+                log.warning("numa_binding_unavailable", path=cgroup,
+                            reason="no cpuset.mems: the cpuset controller is not enabled in "
+                                   "the parents' cgroup.subtree_control (cgroup v2); "
+                                   "reclaimed pods are not bound")
             return
         nodes = set(chosen)
         if balancing:

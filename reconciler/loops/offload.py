@@ -279,4 +279,8 @@ def offload_problem(host: HostInfo) -> str:
         return "cgroup v1 has no memory.reclaim (offloading needs cgroup v2)"
     if not host.memcg.reclaim:
         return "the kernel has no memory.reclaim (Linux 5.19+)"
+    if not host.psi.cgroups:
+        # Each step is judged by the container's stalls: without them nothing would be taken.
+        return ("the cgroups have no memory.pressure (PSI off for cgroups: "
+                "cgroup_disable=pressure), which offloading backs off on")
     return ""

@@ -423,6 +423,13 @@ class TuneAction:
     def _restore_wmark(self, reason: str) -> int:
         return restore_wmark(self._sysfs, self._notes, f"tune memcg released: {reason}")
 
+    def close(self) -> None:
+        """The agent stops: the reclaimed pods get their memory.wmark_ratio back, as the tier
+        gets back what the squeeze took (the memory guard's close): nobody watches the pressure
+        that lowered it any more. A write refused keeps its note for the next start or
+        ``nri-qos reset``."""
+        self._restore_wmark("agent stopping")
+
 
 WMARK_NOTES = "wmark_ratio"
 """The state file's section: memory.wmark_ratio file -> its value before the tune rung."""

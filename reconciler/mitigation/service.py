@@ -202,6 +202,8 @@ class Mitigation:
         self._cause = Cause(Level.NONE)
         self._last_known: dict[tuple[str, str], Level] = {}
         self._last: dict[str, tuple[str, str, str]] = {}
+        # rung -> the dry run its last engage or repeat was submitted with, while engaged
+        self._modes: dict[str, bool] = {}
         # Set while running: the clock, and the wake-up of the loop after a step's result.
         self._now: Callable[[], float] = lambda: 0.0
         self._wake: Callable[[], None] = lambda: None
@@ -283,11 +285,31 @@ class Mitigation:
             if self._metrics is not None:
                 self._metrics.ladder_level(int(cause.level))
         self._cause = cause
-        for name, step in self._ladder.step(cause.level, now, rungs_of(cfg),
-                                            cfg.mitigation.cooldown_s):
+        due = dict(self._ladder.step(cause.level, now, rungs_of(cfg), cfg.mitigation.cooldown_s))
+        for name in self._ladder.engaged:
+            # An engaged rung whose dry run was switched while the level holds (a reload, or
+            # the node switched between observe and enforce): into dry run, what it placed is
+            # undone now, not when the pressure ends; out of it, it acts now. The ladder keeps
+            # it engaged either way; a repeat due now is the step that switches.
+            was = self._modes.get(name)
+            if was is not None and was != dry_run_of(cfg.mitigation, name) \
+                    and due.get(name, Step.REPEAT) is Step.REPEAT:
+                due[name] = Step.ENGAGE
+        for name, step in due.items():
             runner = runners.get(name)
+            dry_run = dry_run_of(cfg.mitigation, name)
+            step_cause = cause
+            if step is Step.RELEASE:
+                self._modes.pop(name, None)
+            else:
+                switched = self._modes.get(name) not in (None, dry_run)
+                self._modes[name] = dry_run
+                if switched and dry_run:
+                    # A release in dry run undoes only what this agent placed.
+                    step, step_cause = Step.RELEASE, Cause(
+                        cause.level, None, "the rung switched to dry run: what it placed goes")
             if runner is not None:
-                runner.submit(step, cause, dry_run_of(cfg.mitigation, name), group)
+                runner.submit(step, step_cause, dry_run, group)
             else:
                 # No action for the rung: nothing to confirm, nothing to retry.
                 self._ladder.finished(name, step, True, now, Backoff(
@@ -335,13 +357,18 @@ def build_mitigation(config: Callable[[], LadderSections], board: Board, state: 
     taint = TaintAction(config, kube, node, audit, metrics, notes)
     pods = PodIndex(state, host.cgroup, managed)
     drop_cache = DropCacheAction(config, sysfs, host, pods, audit, metrics=metrics)
+    tune = TuneAction(config, squeeze, sysfs, host, pods, lambda: config().reconciler.enabled,
+                      notes, metrics=metrics, audit=audit)
     actions: dict[str, Action] = {
         "taint": taint,
-        "tune": TuneAction(config, squeeze, sysfs, host, pods,
-                           lambda: config().reconciler.enabled, notes, metrics=metrics,
-                           audit=audit),
+        "tune": tune,
         "drop_cache": drop_cache,
         "evict": EvictAction(evictor),
     }
-    return Mitigation(config, board, actions, audit, close=drop_cache.close, metrics=metrics,
+
+    def close() -> None:
+        drop_cache.close()
+        tune.close()
+
+    return Mitigation(config, board, actions, audit, close=close, metrics=metrics,
                       taints=taint.placed, counted=counting_on(config, host))

@@ -345,6 +345,8 @@ RELOADED = {
     "resctrl.group_prefix": ('[resctrl]\ngroup_prefix = "other-"\n', "other-"),
     "resctrl.amd_mb_max": ("[resctrl]\namd_mb_max = 2049\n", 2049),
     "memory.cgroup_version": ('[memory]\ncgroup_version = "v2"\n', "v2"),
+    "memory_guard.numa_view_tolerance_percent": (
+        "[memory_guard]\nnuma_view_tolerance_percent = 20.0\n", 20.0),
     "reconciler.enabled": ("[reconciler]\nenabled = true\n", True),
     "reconciler.root": ('[reconciler]\nroot = "/host"\n', "/host"),
     "reconciler.cgroup_driver": ('[reconciler]\ncgroup_driver = "systemd"\n', "systemd"),

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from common.aio import sleep_until
+from reconciler.detection import notified
 from reconciler.detection.config import PRESSURE_LEVEL
 from reconciler.detection.notified import NodePsi
 from reconciler.detection.sections import SWITCHED_OFF_RECHECK_S
@@ -63,6 +64,7 @@ async def test_the_node_psi_switched_off_looks_again_after_the_recheck(
         return await sleep_until(min(seconds, 0.01), *events)
 
     monkeypatch.setattr(pressure, "sleep_until", record)
+    monkeypatch.setattr(notified, "sleep_until", record)  # the wait while switched off
     await asyncio.wait_for(psi.run(stop), 10)
     assert psi.mode == "poll"
     assert sleeps[:3] == [0.02] * 3  # polling while on

@@ -352,12 +352,13 @@ async def test_the_ladder_removes_its_taint_after_a_reload_to_dry_run(
     task = asyncio.create_task(ladder.mitigation.run(ladder.stop))
     try:
         await reload_while_tainted(ladder, fake, dry_run=True)
-        await ladder.until(lambda: len(ladder.sink.named("mitigation_action")) == 3)
-        assert fake.taints("node-a") == []
-        assert condition(fake)["status"] == "False"  # type: ignore[index]
-        last = ladder.sink.named("mitigation_action")[-1]
-        assert (last["step"], last["result"], last["dry_run"]) == ("release", "done", True)
-        assert ladder.mitigation.state().releasing == ()
+        await ladder.until(lambda: fake.taints("node-a") == [])
+        await ladder.until(lambda: condition(fake)["status"] == "False")  # type: ignore[index]
+        await ladder.until(lambda: ladder.mitigation.state().engaged == ())
+        await ladder.until(lambda: ladder.mitigation.state().releasing == ())
+        steps = [(r["step"], r["result"], r["dry_run"])
+                 for r in ladder.sink.named("mitigation_action")]
+        assert ("release", "done", True) in steps[2:]
     finally:
         ladder.stop.set()
         await asyncio.wait_for(task, BOUND_S)

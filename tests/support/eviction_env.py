@@ -26,6 +26,7 @@ from reconciler.eviction.api import (
 from reconciler.eviction.config import EvictionConfig
 from reconciler.eviction.manager import EvictionManager
 from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, KubernetesConfig, build_api_client
 from reconciler.metrics import ReconcilerMetrics
@@ -135,8 +136,8 @@ class Env:
 
 
 def make_env(tmp_path: Path, fake: FakeApiServer | None, *, request_timeout_s: float = 2.0,
-             **changes: Any) -> Env:
-    """``changes``: to the ``[eviction]`` section."""
+             notes: StateFile | None = None, **changes: Any) -> Env:
+    """``changes``: to the ``[eviction]`` section; ``notes``: the agent's state file."""
     host = FakeHost(tmp_path / "host")
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
@@ -158,7 +159,7 @@ def make_env(tmp_path: Path, fake: FakeApiServer | None, *, request_timeout_s: f
         lambda: cfg[0], state, KubeActions(api, kube, audit), NODE, audit,
         SysFs(host.root), CgroupLayout(1, "cgroupfs"),
         {"system_pressure": system, "rss_overuse": rss}, clock=clock, metrics=metrics,
-        changes=changed.subscribe)
+        changes=changed.subscribe, notes=notes)
     return Env(host, state, sink, clock, system, rss, manager, cfg, metrics, changed)
 
 

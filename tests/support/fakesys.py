@@ -77,8 +77,15 @@ class FakeHost:
         self.cgroup = root / "sys/fs/cgroup"
         if version == 2:
             write(self.cgroup / "cgroup.controllers", "cpuset cpu io memory pids\n")
+            # A kernel with PSI on has pressure files in every cgroup, the root's included.
+            write(self.cgroup / "memory.pressure",
+                  "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+                  "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
         for tier in ("guaranteed", "burstable", "besteffort"):
             self._make_dir(self.tier_rel(tier))
+        if version == 1:
+            # Every v1 cgroup has it; a registration written to the plain file is taken.
+            write(self.cg("memory", "") / "cgroup.event_control", "")
         (root / "proc").mkdir(parents=True, exist_ok=True)
 
     # -- layout ----------------------------------------------------------------------------------

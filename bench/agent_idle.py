@@ -96,7 +96,9 @@ async def one_round(name: str, work: Path, kubeconfig: Path, settle_s: float,
                     window_s: float, source: Path = REPO) -> dict[str, float]:
     config = work / f"{name}.toml"
     config.write_text(
-        f'[reconciler]\nstate_dir = "{work / "state"}"\n'
+        # kubelet's driver: a machine without kubelet cannot show it, and an agent that
+        # cannot tell would wait for kubelet instead of running its loops
+        f'[reconciler]\nstate_dir = "{work / "state"}"\ncgroup_driver = "cgroupfs"\n'
         f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE_NAME}"\n'
         f'[status]\nsocket = "{work / "status.sock"}"\n' + CONFIGS[name])
     socket = work / "nri.sock"

@@ -165,7 +165,7 @@ def _bound_by_status(requests: dict[str, int], status: Mapping[str, Any]) -> Non
     """Each request at most what the status says kubelet gave the container. With in-place
     resize the spec holds what the pod's author asked for, which kubelet may not grant (an
     infeasible resize stays in the spec; the scheduler then counts the status's), while the
-    status holds what the container runs with; a resize down counts from the spec at once."""
+    status holds what kubelet allocated; a resize down counts from the spec at once."""
     for key in ("containerStatuses", "initContainerStatuses"):
         for container in (_mapping(c) for c in _list(status.get(key))):
             name = container.get("name")

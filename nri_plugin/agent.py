@@ -6,6 +6,8 @@ config watcher, the reconciler with its pod watch, interference detection, the m
 the eviction manager, the metrics endpoint and the status socket), each handed exactly what it
 needs. The board and the Kubernetes client are made here, once: detection publishes on the board,
 the ladder, the eviction manager's in-tree plugins, the metrics and the status read it.
+Started before kubelet with the cgroup driver to detect, the parts acting on cgroups are made
+once kubelet's pods cgroup is there (:func:`_after_kubelet`).
 :func:`run_agent` runs them all in one :class:`asyncio.TaskGroup` until stop. The daemon
 (``nri-qos run``) and the simulation (``nri-qos simulate``) are two callers, with a real host and
 a simulated one.
@@ -18,7 +20,7 @@ import functools
 import gc
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,7 @@ from reconciler.detection.signals import Board, Level
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS, in_tree_plugins
 from reconciler.eviction.conditions import NodeConditions
 from reconciler.eviction.manager import EvictionManager
+from reconciler.host.cgroups import kubelet_driver
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
@@ -68,6 +71,10 @@ from reconciler.runner import build_loops, restore_host, run_reconciler
 CAPABILITY_THREADS = 4
 """Worker threads running capabilities that may block; more than one so one stuck past its
 deadline does not hold up the next event."""
+KUBELET_CGROUP_POLL_S = 1.0
+"""How often an agent started before kubelet looks for kubelet's pods cgroup."""
+KUBELET_CGROUPS = ("kubepods.slice", "kubepods")
+"""kubelet's pods cgroup under the systemd and the cgroupfs driver."""
 RECONCILER_FIELDS = frozenset({"oom_score_adj", "unified", "memory_limit", "memory_reservation",
                                "rdt_class"})
 """Settings the loops apply to running containers: drift (memcg values, oom_score_adj) and the
@@ -103,6 +110,8 @@ class Agent:
     evictor: EvictionManager | None = None
     # The mitigation ladder, when the background services run.
     mitigation: Mitigation | None = None
+    # Where the event loop's writes of the state file run (its fsync can take seconds).
+    state_writer: ThreadPoolExecutor | None = None
 
 
 def probe(cfg: Config, audit: AuditLog) -> tuple[HostInfo, SysFs]:
@@ -216,7 +225,10 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     board = Board()
     tracker = LoopTracker(reconciler_metrics)
     # What the agent changed and must restore, kept across runs; a simulation touches none.
-    notes = state_file(cfg.reconciler.state_dir) if run_background else None
+    # One thread writes for the event loop, in the order asked.
+    state_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nri-qos-state")
+    notes = state_file(cfg.reconciler.state_dir, writer=state_writer) if run_background \
+        else None
     resctrl = _resctrl(store, host, sysfs, audit, notes)
     if notes is not None and not cfg.resctrl.enabled:
         _remove_resctrl_groups(cfg, sysfs, audit, notes)
@@ -246,39 +258,25 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     # None: the Kubernetes API is not used (no background half); False: it is not reachable
     # from here (no credentials), the agent runs without it.
     kubernetes: bool | None = None
+    # The ladder's and the eviction manager's status sections, once they are made.
+    sections: dict[str, Callable[[], Any]] = {}
+    # The host the status reports: probed again once kubelet's pods cgroup is there.
+    probed = [host]
     if background:
         assert notes is not None  # the background half runs only for a real agent
         api = build_api_client(cfg.kubernetes)
         kubernetes = api is not None
-        node = node_name(cfg.kubernetes)
-        kube = KubeActions(api, cfg.kubernetes, audit)
-        squeeze = GuardSqueeze()
-        # One parse of the node state's containers for the loops, detection and the actions.
-        managed = ManagedCache()
-        # One reading of the zones' watermarks, aged, for detection and the loops alike.
-        watermarks = Watermarks(sysfs)
-        # Which readings count for the ladder, its eviction plugins and detection's pace.
-        counting = counting_on(lambda: store.in_force, host)
-        # The actions read the configuration in force: observe mode holds them in dry-run.
-        evictor = EvictionManager(
-            lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
-            in_tree_plugins(board, lambda: store.in_force.eviction, counting),
-            metrics=reconciler_metrics, changes=board.subscribe, notes=notes)
-        mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
-                                      kube=kube, node=node,
-                                      squeeze=squeeze, evictor=evictor, managed=managed,
-                                      metrics=reconciler_metrics, notes=notes)
-        services.append(_reconciler(store, state, sysfs, host, resctrl, audit, api, node,
-                                    squeeze, reconciler_metrics, tracker, managed, notes,
-                                    mitigation.engaged, watermarks))
-        services.append(Detection(lambda: store.current, board, state, sysfs, host, audit,
-                                  managed=managed, watermarks=watermarks,
-                                  counting=counting).run)
-        services.append(evictor.run)
-        services.append(mitigation.run)
+        start = functools.partial(_cgroup_services, store, state, sysfs, audit, board,
+                                  reconciler_metrics, tracker, resctrl, notes, api)
+        if host.cgroup.awaiting_kubelet:
+            services.append(_after_kubelet(store, audit, sysfs, start, sections, probed))
+        else:
+            evictor, mitigation, started = start(host)
+            services.extend(started)
+            sections.update(ladder_sections(mitigation, evictor))
     elif run_background:
         # The reconciler is off: what an earlier run of it left on the node goes now.
-        services.append(_leftovers(store, sysfs, audit))
+        services.append(_leftovers(store, sysfs, audit, state_writer))
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
     endpoint = status = None
@@ -290,21 +288,86 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     if run_background and cfg.status.enabled:
         sources = StatusSources(
             stub=stub, state=state, tracker=tracker, board=board, config=lambda: store.in_force,
-            config_source=lambda: store.source, host=host,
+            config_source=lambda: store.source, host=lambda: probed[0],
             kubernetes=kubernetes, reconciler_running=background,
-            wall_clock=time.time, started_unix=time.time(),
-            sections={} if mitigation is None or evictor is None else ladder_sections(
-                mitigation, evictor),
+            wall_clock=time.time, started_unix=time.time(), sections=sections,
             restart_needed=lambda: store.restart_needed)
         status = StatusServer(cfg.status.socket, lambda: status_document(sources))
         services.append(status.serve)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",
              capabilities=[c.name for c in capabilities], config=store.source,
-             cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}",
+             cgroup=f"v{host.cgroup.version}/" + (
+                 "awaiting kubelet" if host.cgroup.awaiting_kubelet else host.cgroup.driver),
              memory_total_bytes=host.memory_total_bytes,
              reconciler=reconcile and run_background)
     return Agent(store, audit, host, state, stub, tuple(services), executor, reconciler_fields,
-                 metrics, board, tracker, endpoint, status, evictor, mitigation)
+                 metrics, board, tracker, endpoint, status, evictor, mitigation, state_writer)
+
+
+def _cgroup_services(store: ConfigStore, state: NodeState, sysfs: SysFs, audit: AuditLog,
+                     board: Board, reconciler_metrics: ReconcilerMetrics, tracker: LoopTracker,
+                     resctrl: ResctrlFs | None, notes: StateFile, api: Api | None,
+                     host: HostInfo) -> tuple[EvictionManager, Mitigation, list[Service]]:
+    """The parts that act on cgroup paths of ``host``'s layout: the reconciler (with the pod
+    watch), detection, the eviction manager and the mitigation ladder."""
+    cfg = store.current
+    node = node_name(cfg.kubernetes)
+    kube = KubeActions(api, cfg.kubernetes, audit)
+    squeeze = GuardSqueeze()
+    # One parse of the node state's containers for the loops, detection and the actions.
+    managed = ManagedCache()
+    # One reading of the zones' watermarks, aged, for detection and the loops alike.
+    watermarks = Watermarks(sysfs)
+    # Which readings count for the ladder, its eviction plugins and detection's pace.
+    counting = counting_on(lambda: store.in_force, host)
+    # The actions read the configuration in force: observe mode holds them in dry-run.
+    evictor = EvictionManager(
+        lambda: store.in_force, state, kube, node, audit, sysfs, host.cgroup,
+        in_tree_plugins(board, lambda: store.in_force.eviction, counting),
+        metrics=reconciler_metrics, changes=board.subscribe, notes=notes)
+    mitigation = build_mitigation(lambda: store.in_force, board, state, sysfs, host, audit,
+                                  kube=kube, node=node,
+                                  squeeze=squeeze, evictor=evictor, managed=managed,
+                                  metrics=reconciler_metrics, notes=notes)
+    return evictor, mitigation, [
+        _reconciler(store, state, sysfs, host, resctrl, audit, api, node, squeeze,
+                    reconciler_metrics, tracker, managed, notes, mitigation.engaged,
+                    watermarks),
+        Detection(lambda: store.current, board, state, sysfs, host, audit, managed=managed,
+                  watermarks=watermarks, counting=counting).run,
+        evictor.run, mitigation.run]
+
+
+def _after_kubelet(store: ConfigStore, audit: AuditLog, sysfs: SysFs,
+                   start: Callable[[HostInfo], tuple[EvictionManager, Mitigation,
+                                                     list[Service]]],
+                   sections: dict[str, Callable[[], Any]], probed: list[HostInfo]) -> Service:
+    """With ``cgroup_driver = "auto"``, an agent started before kubelet (a node booting) cannot
+    tell the driver: kubelet has made neither ``kubepods.slice`` nor ``kubepods``. A guess
+    would point every loop, detector and the guard at cgroups that are not kubelet's. The NRI
+    side does not need the layout and serves meanwhile; the parts that do are made once the
+    pods cgroup is there (looked for every :data:`KUBELET_CGROUP_POLL_S`), from the host
+    probed again then, and run until stop."""
+    async def run(stop: asyncio.Event) -> None:
+        host = probed[0]
+        log.warning("waiting_for_kubelet_cgroup", cgroups=list(KUBELET_CGROUPS),
+                    hint="cgroup_driver is auto and kubelet has not made its pods cgroup yet: "
+                         "the reconciler, detection, the ladder and eviction start once it is "
+                         "there (or set [reconciler] cgroup_driver)")
+        while host.cgroup.awaiting_kubelet:
+            if await sleep_until(KUBELET_CGROUP_POLL_S, stop):
+                return
+            if kubelet_driver(sysfs, host.cgroup.version) is not None:
+                host, _ = await asyncio.to_thread(probe, store.current, audit)
+        evictor, mitigation, services = start(host)
+        probed[0] = host
+        sections.update(ladder_sections(mitigation, evictor))
+        log.info("kubelet_cgroup_found", cgroup=f"v{host.cgroup.version}/{host.cgroup.driver}")
+        async with asyncio.TaskGroup() as group:
+            for service in services:
+                group.create_task(service(stop))
+
+    return run
 
 
 def _pod_identity(state: NodeState, fields: Mapping[str, Any]) -> Mapping[str, str]:
@@ -361,17 +424,18 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
     return run
 
 
-def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog) -> Service:
+def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog,
+               writer: Executor | None = None) -> Service:
     """Once at start: restores what the state file says an earlier run changed (host files,
     then, when the API is reachable, its taint and condition, and the eviction conditions its
     eviction manager may have left, the in-tree ones and those noted in the state file, as that
     manager does at a start with it off). What the API refuses is tried again
     (``mitigation.retry_initial_s``, doubling to ``retry_max_s``) until it is done or the agent
     stops, as the ladder retries a release: a taint left behind would keep new pods off the node
-    for good."""
+    for good. ``writer``: where the state file is written (off the event loop)."""
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
-        notes = state_file(cfg.reconciler.state_dir)
+        notes = state_file(cfg.reconciler.state_dir, writer=writer)
         reason = "reconciler switched off"
         await asyncio.to_thread(restore_host, sysfs, notes, reason)
         noted = bool(notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES))
@@ -422,5 +486,8 @@ async def run_agent(agent: Agent, connection: Connection, stop: asyncio.Event) -
     finally:
         gc.unfreeze()
         agent.executor.shutdown(wait=False, cancel_futures=True)
+        if agent.state_writer is not None:
+            # Writes still queued are awaited by their callers (bounded), so none is cut.
+            agent.state_writer.shutdown(wait=False)
         log.info("stopped")
     return 0 if connected.result() else 1

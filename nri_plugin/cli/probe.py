@@ -50,8 +50,10 @@ def report(cfg: Config, host: HostInfo) -> dict[str, Any]:
         "numa_nodes": [{"id": n.id, "total_bytes": n.total_bytes, "free_bytes": n.free_bytes,
                         "low_watermark_bytes": n.low_watermark_bytes} for n in host.numa_nodes],
         "numa_view_consistent": host.numa_view.consistent,
+        # awaiting_kubelet: the driver is auto and kubelet's pods cgroup is not there yet; the
+        # agent's reconciler, detection, ladder and eviction wait for it.
         "cgroup": {"version": host.cgroup.version, "driver": host.cgroup.driver,
-                   "mount": host.cgroup.mount},
+                   "mount": host.cgroup.mount, "awaiting_kubelet": host.cgroup.awaiting_kubelet},
         "memcg": asdict(host.memcg),
         "resctrl": resctrl,
         "psi": {"readable": host.psi.readable, "system_trigger": _trigger(host.psi.system),
@@ -67,7 +69,10 @@ def report(cfg: Config, host: HostInfo) -> dict[str, Any]:
 def _print(found: dict[str, Any], out: TextIO) -> None:
     cgroup = found["cgroup"]
     out.write(f"kernel            {found['kernel']}\n")
-    out.write(f"cgroup            v{cgroup['version']}, {cgroup['driver']} driver\n")
+    out.write(f"cgroup            v{cgroup['version']}, " + (
+        "driver not known yet: kubelet has made neither kubepods.slice nor kubepods (the "
+        "reconciler waits for it)" if cgroup["awaiting_kubelet"]
+        else f"{cgroup['driver']} driver") + "\n")
     out.write(f"mode              {found['mode']}\n")
     out.write(f"memory            {human_bytes(found['memory_total_bytes'])} for node-wide "
               "limits\n")

@@ -142,7 +142,9 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     for name, feature in doc["features"].items():
         out.write(f"  {'on ' if feature['runs'] else 'off'} {name:<26} {feature['detail']}\n")
     reconciler = doc["reconciler"]
-    if not reconciler["running"]:
+    if reconciler.get("waiting_for"):
+        out.write(f"reconciler        waiting for {reconciler['waiting_for']}\n")
+    elif not reconciler["running"]:
         out.write("reconciler        not running\n")
     else:
         out.write("reconciler loops\n")

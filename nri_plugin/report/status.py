@@ -49,6 +49,9 @@ from reconciler.mitigation.service import Mitigation
 STATUS_FORMAT = 1
 EXTENSION_SECTIONS = ("mitigation", "evictions", "taints")
 """Sections other subsystems provide; None in the document when no provider is registered."""
+KUBELET_WAIT = ("kubelet's pods cgroup (kubepods.slice or kubepods): cgroup_driver is auto and "
+                "kubelet has not made it yet")
+"""Why the reconciler's parts wait, in ``reconciler.waiting_for``."""
 WRITE_TIMEOUT_S = 5.0
 
 log = structlog.get_logger("nri_qos.status")
@@ -64,7 +67,8 @@ class StatusSources:
     board: Board
     config: Callable[[], Config]
     config_source: Callable[[], str]
-    host: HostInfo
+    # The host as last probed (probed again once kubelet's pods cgroup is there).
+    host: Callable[[], HostInfo]
     # Whether the reconciler got a Kubernetes API client (None: not started, or not running).
     kubernetes: bool | None
     reconciler_running: bool
@@ -88,14 +92,19 @@ def status_document(src: StatusSources) -> dict[str, Any]:
     for view in snapshot.pods.values():
         levels[view.level] = levels.get(view.level, 0) + 1
     kubernetes = kubernetes_feature(cfg, src.kubernetes, "API client in use")
-    features = evaluate(cfg, src.host, kubernetes)
-    if not src.reconciler_running:
+    host = src.host()
+    features = evaluate(cfg, host, kubernetes)
+    # Started before kubelet with the driver to detect: the cgroup parts wait for its cgroup.
+    waiting = src.reconciler_running and host.cgroup.awaiting_kubelet
+    running = src.reconciler_running and not waiting
+    if not running:
+        why = KUBELET_WAIT if waiting else "the reconciler does not run"
         for name, feature in features.items():
             if name.startswith("reconciler.") and feature.runs:
-                features[name] = Feature(False, "the reconciler does not run")
-        if cfg.kubernetes.enabled:
-            features["kubernetes"] = Feature(
-                False, "not used: the reconciler, which holds the API client, does not run")
+                features[name] = Feature(False, why)
+    if not src.reconciler_running and cfg.kubernetes.enabled:
+        features["kubernetes"] = Feature(
+            False, "not used: the reconciler, which holds the API client, does not run")
     runtime = stub.terms.runtime
     loops = {
         name: {"ago_s": round(now - record.started, 3),
@@ -126,7 +135,8 @@ def status_document(src: StatusSources) -> dict[str, Any]:
                  "running_containers": len(snapshot.running()),
                  "pods_by_level": dict(sorted(levels.items())),
                  "synchronized": src.state.synced},
-        "reconciler": {"running": src.reconciler_running, "loops": loops},
+        "reconciler": {"running": running, "waiting_for": KUBELET_WAIT if waiting else None,
+                       "loops": loops},
         "detection": [
             {"detector": r.detector, "scope": r.scope, "level": r.level.name.lower(),
              "value": r.value, "threshold": r.threshold, "unit": r.unit,

@@ -44,7 +44,7 @@ from reconciler.detection.notified import trigger_spec
 from reconciler.detection.pods import ONLINE_LEVELS, PodIndex
 from reconciler.detection.sections import DetectionSections, active, paced
 from reconciler.host.pressure import TriggerWatch
-from reconciler.host.probe import HostInfo
+from reconciler.host.probe import HostInfo, TriggerSupport, cgroup_trigger_support
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.common import ManagedCache
 
@@ -59,14 +59,18 @@ CHANGES = frozenset({Event.START_CONTAINER, Event.STOP_CONTAINER, Event.REMOVE_C
 (else every ``quiet_interval_s``, and after a pod-watch change of a pod's level)."""
 
 
-def pod_trigger_problem(cfg: DetectionSections, host: HostInfo) -> str:
-    """"" when online pods can have triggers of their own on ``host``, else why not."""
+def pod_trigger_problem(cfg: DetectionSections, host: HostInfo,
+                        support: TriggerSupport | None = None) -> str:
+    """"" when online pods can have triggers of their own on ``host``, else why not.
+    ``support``: what cgroups take, when probed since ``host`` was."""
     if not active(cfg, PSI):
         return "the psi detector is off"
     if not host.pod_psi:
         return "pods have no PSI of their own (cgroup v1, or PSI off)"
-    support = host.psi.cgroup
+    support = support or host.psi.cgroup
     window_us = cfg.detection.psi_trigger_window_ms * 1000
+    if support is not None and support.pending:
+        return f"{support.problem}: probed again once it is"
     if support is None or support.window_us is None:
         return "the kernel refuses triggers on cgroups" + (
             f" ({support.problem})" if support is not None else "")
@@ -98,7 +102,10 @@ class PodTriggers:
                  arm: Arm | None = None) -> None:
         self._config = config
         self._state = state
+        self._sysfs = sysfs
         self._host = host
+        # What cgroups take; probed again here while kubelet's pods cgroup was not there.
+        self._support = host.psi.cgroup
         self._pods = PodIndex(state, host.cgroup, managed)
         self._arm: Arm = arm if arm is not None else (
             lambda path, stall, window: TriggerWatch(sysfs, path, stall, window))
@@ -139,7 +146,13 @@ class PodTriggers:
         """Arm a trigger for each online pod without one, and disarm those of pods gone, of
         pods no longer online, and of a window or threshold no longer configured."""
         cfg = self._config()
-        problem = pod_trigger_problem(cfg, self._host)
+        if self._support is not None and self._support.pending:
+            self._support = cgroup_trigger_support(self._sysfs, self._host.cgroup, self._arm)
+            if not self._support.pending:
+                log.info("cgroup_triggers_probed", path=self._support.path,
+                         window_ms=(self._support.window_us or 0) // 1000,
+                         problem=self._support.problem)
+        problem = pod_trigger_problem(cfg, self._host, self._support)
         online = {} if problem else {p.uid: p.cgroup for p in self._pods.pods()
                                      if p.level in ONLINE_LEVELS}
         spec = trigger_spec(cfg.detection)

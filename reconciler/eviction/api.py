@@ -76,6 +76,10 @@ class ActivePod:
     memory_request_bytes: int | None
     # Anonymous memory of the pod cgroup; None when unreadable.
     memory_usage_bytes: int | None
+    # The pod's cgroup is not in the BestEffort tier, whose cap the memory guard holds: a pod
+    # of another Kubernetes QoS class claiming reclaimed_cores, whose eviction frees nothing
+    # of that tier's.
+    outside_tier: bool = False
 
     @property
     def ref(self) -> str:

@@ -64,9 +64,12 @@ class PressurePlugin:
                  config: Callable[[], EvictionConfig],
                  wants: Callable[[Reading, EvictionConfig], bool],
                  levels: Callable[[EvictionConfig], Sequence[str]],
-                 counted: Callable[[], Counting] | None = None) -> None:
+                 counted: Callable[[], Counting] | None = None, *,
+                 tier_only: bool = False) -> None:
         # None: the plugin's readings are not node-wide and always count on their own.
         self._counted = counted
+        # Only the pods in the BestEffort tier are chosen (ActivePod.outside_tier).
+        self._tier_only = tier_only
         self._name = name
         self._condition = condition
         self._board = board
@@ -101,6 +104,8 @@ class PressurePlugin:
     async def get_top_eviction_pods(self, active: Sequence[ActivePod], top_n: int,
                                     scope: str) -> TopPods:
         cfg = self._config()
+        if self._tier_only:
+            active = [pod for pod in active if not pod.outside_tier]
         chosen = largest_first(active, self._levels(cfg), top_n)
         every_reclaimed = bool(chosen) and all(
             p.qos_level == QosLevel.RECLAIMED_CORES for p in chosen)
@@ -182,8 +187,9 @@ def in_tree_plugins(board: Board, config: Callable[[], EvictionConfig],
         PressurePlugin("numa_pressure", NUMA_CONDITION, board, config, _numa,
                        pressure_levels, counted),
         RssOverusePlugin(board, config),
-        # The reclaimed tier's own shortage is only ever solved by its own pods.
+        # The reclaimed tier's own shortage is only ever solved by its own pods: those in the
+        # tier's cgroup, not a pod of another QoS class claiming the level.
         PressurePlugin("reclaimed_pressure", RECLAIMED_CONDITION, board, config,
-                       _reclaimed, lambda cfg: (QosLevel.RECLAIMED_CORES,)),
+                       _reclaimed, lambda cfg: (QosLevel.RECLAIMED_CORES,), tier_only=True),
     ]
     return {plugin.name: plugin for plugin in plugins}

@@ -37,6 +37,9 @@ class PodFacts:
     terminating: bool
     # Whether the pod watch has described the pod (owner and priority are known).
     described: bool
+    # Being deleted with a grace period too long to spare it for (s); None otherwise. Such a
+    # pod goes only where an eviction would end it sooner than its deletion does.
+    lingering_s: int | None = None
     # The apps/v1 DaemonSet the pod names as its controller (its author's word).
     claimed_daemonset: OwnerRef | None = None
     # That DaemonSet exists, with the uid the pod names: True once the API showed it, False

@@ -88,13 +88,13 @@ class NodeConditions:
                     or now < state.next_try:
                 continue
             if status:
-                self._notes.put(EVICTION_CONDITION_NOTES, name, state.plugin)
+                await self._notes.put_in_thread(EVICTION_CONDITION_NOTES, name, state.plugin)
             written = await self._actions.set_node_condition(
                 self._node, name, status, _reason(status), state.message)
             if written in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
                 state.written, state.backoff, state.next_try = status, None, 0.0
                 if not status:
-                    self._notes.forget(EVICTION_CONDITION_NOTES, name)
+                    await self._notes.forget_in_thread(EVICTION_CONDITION_NOTES, name)
             else:
                 state.backoff = state.backoff or Backoff(cfg.retry_initial_s, cfg.retry_max_s)
                 state.next_try = now + state.backoff.next()
@@ -117,7 +117,7 @@ class NodeConditions:
             elif outcome is not NodeOutcome.UNCHANGED:
                 left.append(name)
                 continue
-            self._notes.forget(EVICTION_CONDITION_NOTES, name)
+            await self._notes.forget_in_thread(EVICTION_CONDITION_NOTES, name)
         if left:
             self._withdraw_backoff = self._withdraw_backoff or Backoff(cfg.retry_initial_s,
                                                                        cfg.retry_max_s)

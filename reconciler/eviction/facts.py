@@ -7,14 +7,15 @@ from common.podmeta import PodMeta
 from common.state import Snapshot
 from reconciler.eviction.api import ActivePod
 from reconciler.eviction.choice import PodFacts
-from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.cgroups import BESTEFFORT, CgroupLayout, CgroupPathError, pod_parent_rel
 from reconciler.host.memstat import pod_anon_bytes
 from reconciler.host.sysfs import SysFs
 
 MAX_SPARED_TERMINATION_S = 600
-"""The longest grace period of a deletion that spares a terminating pod: such a pod is gone
-within it anyway. A longer one is its author's to choose (``terminationGracePeriodSeconds`` has
-no upper bound) and, with SIGTERM ignored, would keep the pod running and spared for good."""
+"""The longest grace period of a deletion that spares a terminating pod outright: such a pod is
+gone within it anyway. A longer one is its author's to choose (``terminationGracePeriodSeconds``
+has no upper bound) and, with SIGTERM ignored, would keep the pod running and spared for good;
+such a pod is spared only from evictions that would not end it sooner (``PodFacts.lingering_s``)."""
 
 
 def pod_facts(snapshot: Snapshot, sysfs: SysFs, layout: CgroupLayout) -> dict[str, PodFacts]:
@@ -34,13 +35,25 @@ def pod_facts(snapshot: Snapshot, sysfs: SysFs, layout: CgroupLayout) -> dict[st
         info, meta = view.info, view.meta
         usage = pod_anon_bytes(sysfs, layout, info.cgroup_parent)
         pod = ActivePod(info.uid, info.namespace, info.name, view.level, info.priority,
-                        request, usage)
+                        request, usage, outside_tier=not _in_tier(layout, info.cgroup_parent))
         facts[info.uid] = PodFacts(
             pod, info.labels, info.annotations,
             terminating=meta is not None and _going(meta),
             described=meta is not None,
+            lingering_s=meta.deletion_grace_s if meta is not None and meta.terminating
+            and not _going(meta) else None,
             claimed_daemonset=meta.daemonset if meta is not None else None)
     return facts
+
+
+def _in_tier(layout: CgroupLayout, cgroup_parent: str) -> bool:
+    """Whether the pod's memory cgroup is below the BestEffort tier's (an unusable cgroup
+    parent is taken for one inside: nothing then says otherwise)."""
+    try:
+        pod = layout.dir("memory", pod_parent_rel(cgroup_parent))
+    except CgroupPathError:
+        return True
+    return pod.startswith(layout.tier_dir("memory", BESTEFFORT) + "/")
 
 
 def _going(meta: PodMeta) -> bool:

@@ -97,7 +97,8 @@ def candidates(plugins: Sequence[EvictionPlugin],
         elif flight is not None:
             why = "already being evicted" + (" (dry-run)" if flight.dry else "")
         else:
-            why = pod_filter.why_not(found, need_description=need_description)
+            why = pod_filter.why_not(found, need_description=need_description) \
+                or _not_sooner(found, grace if grace is not None else grace_of(cfg.grace_period_s))
         if why is not None:
             if loud:
                 once.record("eviction_filtered", uid, plugin, why, pod=pod, plugin=plugin,
@@ -113,6 +114,17 @@ def candidates(plugins: Sequence[EvictionPlugin],
             once.record("eviction_proposals_capped", plugin, plugin=plugin, proposals=count,
                         audited=MAX_AUDITED_PROPOSALS, omitted=count - MAX_AUDITED_PROPOSALS)
     return list(chosen.values())
+
+
+def _not_sooner(facts: PodFacts, grace: int | None) -> str | None:
+    """Why evicting a pod already being deleted with a long grace would change nothing: an
+    eviction asking for its own grace (None), or a grace as long, does not end it sooner, and
+    would only spend a token and tell its owners it was evicted."""
+    if facts.lingering_s is None or (grace is not None and grace < facts.lingering_s):
+        return None
+    asked = "its own grace" if grace is None else f"a grace of {grace} s"
+    return (f"terminating with a grace of {facts.lingering_s} s: an eviction with {asked} "
+            "would not end it sooner")
 
 
 def choose(candidates: Sequence[Candidate], retries: Retries, once: RoundAudit,

@@ -161,14 +161,24 @@ def detect_version(sysfs: SysFs, override: str = "auto") -> int:
     return 2 if sysfs.exists(f"{CGROUP_MOUNT}/cgroup.controllers") else 1
 
 
+def kubelet_driver(sysfs: SysFs, version: int) -> str | None:
+    """The driver of the pods cgroup kubelet has made (``kubepods.slice``: systemd,
+    ``kubepods``: cgroupfs); None before kubelet has made one."""
+    base = CGROUP_MOUNT if version == 2 else f"{CGROUP_MOUNT}/memory"
+    if sysfs.is_dir(f"{base}/{tier_rel(SYSTEMD, GUARANTEED)}"):
+        return SYSTEMD
+    if sysfs.is_dir(f"{base}/{tier_rel(CGROUPFS, GUARANTEED)}"):
+        return CGROUPFS
+    return None
+
+
 def detect_driver(sysfs: SysFs, version: int, override: str = "auto") -> str:
     """The driver from the config, else from which kubepods directory exists (cgroupfs default)."""
     if override in (CGROUPFS, SYSTEMD):
         return override
     if override != "auto":
         raise ValueError(f"cgroup driver must be auto, cgroupfs or systemd, got {override!r}")
-    base = CGROUP_MOUNT if version == 2 else f"{CGROUP_MOUNT}/memory"
-    return SYSTEMD if sysfs.is_dir(f"{base}/kubepods.slice") else CGROUPFS
+    return kubelet_driver(sysfs, version) or CGROUPFS
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +188,9 @@ class CgroupLayout:
     version: int
     driver: str
     mount: str = CGROUP_MOUNT
+    # The driver was to be detected (``auto``) and kubelet had made neither ``kubepods.slice``
+    # nor ``kubepods`` yet: ``driver`` is a guess, no path of this layout is to be acted on.
+    awaiting_kubelet: bool = False
 
     @property
     def v2(self) -> bool:
@@ -215,4 +228,6 @@ class CgroupLayout:
 def layout_for(sysfs: SysFs, version_override: str = "auto",
                driver_override: str = "auto") -> CgroupLayout:
     version = detect_version(sysfs, version_override)
-    return CgroupLayout(version, detect_driver(sysfs, version, driver_override))
+    awaiting = driver_override == "auto" and kubelet_driver(sysfs, version) is None
+    return CgroupLayout(version, detect_driver(sysfs, version, driver_override),
+                        awaiting_kubelet=awaiting)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from hooks.resctrl import ResctrlInfo
 from reconciler.host.cgroups import BESTEFFORT, CGROUP_MOUNT, CgroupLayout, layout_for
@@ -65,6 +67,8 @@ class TriggerSupport:
     window_us: int | None
     # Why not ("" when accepted).
     problem: str
+    # The cgroup was not there to probe (kubelet not started yet): probed again once it is.
+    pending: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,27 +227,50 @@ def _psi(sysfs: SysFs, layout: CgroupLayout, where: str) -> PsiSupport:
         why = f"PSI is off: reading {PSI_MEMORY} fails ({_errno_text(exc)}; psi=0?)"
     system = trigger_support(sysfs, PSI_MEMORY) if readable else TriggerSupport(
         PSI_MEMORY, None, why)
-    cgroup = None
-    if layout.v2:
-        path = f"{layout.tier_dir('memory', 'guaranteed')}/memory.pressure"
-        cgroup = trigger_support(sysfs, path) if sysfs.exists(path) else TriggerSupport(
-            path, None, "no memory.pressure file")
+    cgroup = cgroup_trigger_support(sysfs, layout) if layout.v2 else None
     # The root's file, else the examined cgroup's (the root has none before Linux 5.2).
     cgroups = layout.v2 and any(sysfs.exists(f"{d}/memory.pressure")
                                 for d in (layout.dir("memory", ""), where))
     return PsiSupport(readable, system, cgroup, cgroups)
 
 
-def trigger_support(sysfs: SysFs, path: str) -> TriggerSupport:
-    """Arm and at once disarm a trigger of each window in :data:`TRIGGER_WINDOWS_US`."""
+class Armed(Protocol):
+    def close(self) -> None: ...
+
+
+Arm = Callable[[str, int, int], Armed]
+"""Arm a trigger on a pressure file: ``(path, stall_us, window_us)``; raises OSError when
+refused."""
+
+
+def cgroup_trigger_support(sysfs: SysFs, layout: CgroupLayout,
+                           arm: Arm | None = None) -> TriggerSupport:
+    """Triggers on the ``memory.pressure`` of kubelet's pods cgroup (cgroup v2). Before kubelet
+    has made that cgroup (the agent started first, as at a node's boot) there is nothing to
+    arm one on: the answer is ``pending``, for its user to ask again once the cgroup is
+    there."""
+    pods = layout.tier_dir("memory", "guaranteed")
+    path = f"{pods}/memory.pressure"
+    if sysfs.exists(path):
+        return trigger_support(sysfs, path, arm)
+    if not sysfs.is_dir(pods):
+        return TriggerSupport(path, None, "kubelet's pods cgroup is not there yet", pending=True)
+    return TriggerSupport(path, None, "no memory.pressure file")
+
+
+def trigger_support(sysfs: SysFs, path: str, arm: Arm | None = None) -> TriggerSupport:
+    """Arm and at once disarm a trigger of each window in :data:`TRIGGER_WINDOWS_US`; through
+    ``arm`` when given, else on the pressure file."""
     problem = ""
     for window in TRIGGER_WINDOWS_US:
         try:
-            fd = sysfs.open_trigger(path, f"some {window // 10} {window}")
+            if arm is not None:
+                arm(path, window // 10, window).close()
+            else:
+                os.close(sysfs.open_trigger(path, f"some {window // 10} {window}"))
         except OSError as exc:
             problem = _errno_text(exc)
             continue
-        os.close(fd)
         return TriggerSupport(path, window, "")
     return TriggerSupport(path, None, f"the kernel refused every window tried ({problem})")
 

@@ -12,15 +12,24 @@ the old or the new file, never half of one. A file that is unreadable, malformed
 :data:`MAX_FILE_BYTES` is set aside (renamed ``*.bad``) and the agent starts from nothing: it
 cannot restore what it cannot read, and must not fail to start for it. Without a directory
 (``path`` None) the notes live in memory only. Safe from any thread.
+
+A write ends with an fsync, which under heavy writeback (memory pressure, exactly when the ladder
+acts) can take seconds. The notes' lock is never held across one: reading the notes never waits
+for the disk. The event loop writes through :meth:`StateFile.put_in_thread` and
+:meth:`StateFile.forget_in_thread`, on the ``writer`` executor the agent hands in, and awaits them:
+a note is still on disk before the effect it records is made, while the NRI answers go on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import errno
 import json
 import os
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 
 import structlog
 
@@ -38,16 +47,27 @@ MAX_ENTRIES = 32768
 files with the agent's last write to each, its NUMA files and its tuned files. Beyond it a new
 note is refused and the effect is not made (the caller's choice), rather than made and
 forgotten."""
+STOP_WAIT_S = 2.0
+"""How long a caller cancelled while its write is on the writer still waits for that write: the
+stop path's own writes then come after it, and a disk that hangs does not hold the stop for
+good."""
 
 
 class StateFile:
     """``read_only``: the file is read and never changed, an invalid one not set aside (what
-    ``nri-qos reset --dry-run`` needs: it changes nothing on the node)."""
+    ``nri-qos reset --dry-run`` needs: it changes nothing on the node). ``writer``: where the
+    ``*_in_thread`` methods write (one thread keeps the writes in the order they were asked
+    for); without one they write in the caller's thread."""
 
-    def __init__(self, path: str | None, *, read_only: bool = False) -> None:
+    def __init__(self, path: str | None, *, read_only: bool = False,
+                 writer: Executor | None = None) -> None:
         self.path = path
         self._read_only = read_only
-        self._lock = threading.Lock()
+        self._writer = writer
+        self._lock = threading.Lock()  # the notes in memory
+        self._file_lock = threading.Lock()  # the file; never taken with the notes' lock held
+        self._changes = 0  # changes made to the notes (under the notes' lock)
+        self._saved = 0  # the latest change the file holds (under the file's lock)
         self._sections: dict[str, dict[str, str]] = self._load()
 
     def _load(self) -> dict[str, dict[str, str]]:
@@ -101,16 +121,19 @@ class StateFile:
                 log.warning("state_file_full", section=section, limit=MAX_ENTRIES)
                 return False
             entries[key] = value
-            self._save()
-            return True
+            change = self._changed()
+        self._save(*change)
+        return True
 
     def put(self, section: str, key: str, value: str) -> None:
         """Notes ``value`` for ``key``, replacing an earlier note."""
         with self._lock:
             entries = self._sections.setdefault(section, {})
-            if entries.get(key) != value:
-                entries[key] = value
-                self._save()
+            if entries.get(key) == value:
+                return
+            entries[key] = value
+            change = self._changed()
+        self._save(*change)
 
     def forget(self, section: str, key: str) -> None:
         with self._lock:
@@ -120,29 +143,65 @@ class StateFile:
             del entries[key]
             if not entries:
                 del self._sections[section]
-            self._save()
+            change = self._changed()
+        self._save(*change)
 
-    def _save(self) -> None:
-        """Writes the whole file (lock held)."""
+    async def put_in_thread(self, section: str, key: str, value: str) -> None:
+        """:meth:`put` on the writer, awaited: the note is on disk when this returns."""
+        await self._off_loop(lambda: self.put(section, key, value))
+
+    async def forget_in_thread(self, section: str, key: str) -> None:
+        """:meth:`forget` on the writer, awaited."""
+        await self._off_loop(lambda: self.forget(section, key))
+
+    async def _off_loop(self, write: Callable[[], None]) -> None:
+        if self._writer is None:
+            write()
+            return
+        context = contextvars.copy_context()  # the log context goes along
+        done = asyncio.get_running_loop().run_in_executor(self._writer, context.run, write)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            # Stopping: the write handed over still ends first (see STOP_WAIT_S).
+            await asyncio.wait({done}, timeout=STOP_WAIT_S)
+            raise
+
+    def _changed(self) -> tuple[int, dict[str, dict[str, str]]]:
+        """The number of this change and a copy of the notes to write (notes' lock held)."""
+        self._changes += 1
+        if self.path is None or self._read_only:
+            return self._changes, {}
+        return self._changes, {name: dict(entries) for name, entries in self._sections.items()}
+
+    def _save(self, change: int, sections: dict[str, dict[str, str]]) -> None:
+        """Writes the whole file as of ``change``, unless a later change is on disk already
+        (written by another thread meanwhile, with this one in it)."""
         if self.path is None or self._read_only:
             return
-        tmp = f"{self.path}.tmp"
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(self._sections, f, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            log.error("state_file_unwritable", path=self.path, error=str(exc))
+        with self._file_lock:
+            if change <= self._saved:
+                return
+            tmp = f"{self.path}.tmp"
+            try:
+                os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump(sections, f, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                log.error("state_file_unwritable", path=self.path, error=str(exc))
+                return
+            self._saved = change
 
 
-def state_file(directory: str, *, read_only: bool = False) -> StateFile:
+def state_file(directory: str, *, read_only: bool = False,
+               writer: Executor | None = None) -> StateFile:
     """The agent's state file in ``directory`` (memory only when it is empty)."""
     return StateFile(os.path.join(directory, STATE_FILE) if directory else None,
-                     read_only=read_only)
+                     read_only=read_only, writer=writer)
 
 
 Resolver = Callable[[SysFs, str, str], str]

@@ -35,7 +35,8 @@ class ReconcilerConfig:
         "/", "Directory under which /sys and /proc are found (for running in a container)."
     )
     cgroup_driver: str = setting(
-        "auto", "cgroup driver of kubelet/containerd; auto infers it from cgroup paths.",
+        "auto", "cgroup driver of kubelet/containerd; auto: systemd where kubelet made "
+        "kubepods.slice, cgroupfs where kubepods (before either, the reconciler waits).",
         choices=("auto", "cgroupfs", "systemd"),
     )
     resctrl_interval_s: float = setting(

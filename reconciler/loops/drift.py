@@ -12,7 +12,9 @@ settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes`
 ``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``. On cgroup v2
 the pod, tier and ``kubepods`` cgroups above get the sum of the containers' ``memory.min`` and
 ``memory.low``, without which the kernel does not honour them
-(:mod:`reconciler.loops.protection`).
+(:mod:`reconciler.loops.protection`). A container's file the policies stop asking for goes back
+to its value from before, or to kubelet's, and its processes' score to kubelet's; in observe mode
+what drift wrote goes back (:mod:`reconciler.loops.container_values`).
 
 A memory QoS or oom_score_adj annotation the API server changed after the container was
 created is read here and nowhere else, so a problem with it is recorded here
@@ -40,12 +42,12 @@ from hooks.oom_score import OomConfig, oom_score
 from hooks.settings import ContainerSettings, merge
 from hooks.untrusted import bounded
 from reconciler.host.cgroups import CgroupLayout
-from reconciler.host.procfs import set_oom_score_adj
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import SysFs
-from reconciler.host.values import parse_bytes, same_bytes
+from reconciler.host.values import parse_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
+from reconciler.loops.container_values import OOM, ContainerValues, Kubelets
 from reconciler.loops.protection import KEYS, AncestorProtection, ancestor_sums
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -95,6 +97,7 @@ class DriftLoop(Loop):
         self._sysfs = sysfs
         self._layout = layout
         self._memory_total = memory_total
+        self._values = ContainerValues(sysfs, v2=layout.v2)
         self._managed = ManagedCache() if managed is None else managed
         self._desired_key: tuple[tuple[Managed, ...], DriftSections] | None = None
         self._desired: list[tuple[Managed, ContainerSettings]] = []
@@ -104,9 +107,16 @@ class DriftLoop(Loop):
 
     def cycle(self, now: float) -> None:
         cfg = self._config()
+        if len(self._values):
+            self._values.forget_others(
+                {item.view.info.id for item in self._managed.get(self._state.snapshot())})
+            if self._sysfs.held():
+                # Observe: what an enforcing run wrote goes back, as the cgroups' above does.
+                self._values.give_back()
         if not (cfg.reconciler.enabled and cfg.memory.enabled):
             self._protection.restore("memory QoS switched off")
         if not cfg.reconciler.enabled or not (cfg.memory.enabled or cfg.oom.enabled):
+            self._values.release_all(self._kubelets, "drift: switched off")
             return
         managed = self._managed.get(self._state.snapshot())
         desired = self._desired_for(managed, cfg)
@@ -117,10 +127,22 @@ class DriftLoop(Loop):
             except (OSError, ValueError) as exc:
                 log.warning("drift_container_failed", container=item.view.info.name,
                             pod_uid=item.view.pod.info.uid, error=str(exc))
+        if len(self._values):
+            # A container whose policy now asks for nothing at all is no longer in ``desired``.
+            asked = {item.view.info.id for item, _ in desired}
+            self._values.release_all(self._kubelets, "drift: no longer asked for by the policy",
+                                     skip=asked)
         if cfg.memory.enabled and self._layout.v2:
             self._protection.apply(
                 ancestor_sums((item.ref, _protection(settings)) for item, settings in desired),
                 "drift: memory protection of the containers below")
+
+    def noted_containers(self) -> int:
+        """How many containers have files drift set and would write back."""
+        return len(self._values)
+
+    def _kubelets(self, cid: str) -> Kubelets:
+        return lambda: self._state.container(cid)
 
     def _desired_for(self, managed: tuple[Managed, ...],
                      cfg: DriftSections) -> list[tuple[Managed, ContainerSettings]]:
@@ -170,28 +192,29 @@ class DriftLoop(Loop):
         self._reported = present
 
     def _apply(self, item: Managed, settings: ContainerSettings) -> None:
-        sysfs = self._sysfs
         cgroup = self._layout.dir("memory", item.ref.rel)
         reason = f"drift: {item.level} policy for {item.view.pod.info.namespace}/" \
                  f"{item.view.pod.info.name} {item.view.info.name}"
+        cid = item.view.info.id
         if self._layout.v2:
-            for key, value in settings.unified.items():
-                if key.startswith("memory."):
-                    sysfs.write_if_changed(f"{cgroup}/{key}", value, reason, same=same_bytes)
+            wanted = {key: value for key, value in settings.unified.items()
+                      if key.startswith("memory.")}
         else:
-            for attr, filename in _V1_FILES:
-                value = getattr(settings, attr)
-                if value is not None:
-                    sysfs.write_if_changed(f"{cgroup}/{filename}", str(value), reason,
-                                           same=same_bytes)
+            wanted = {filename: str(getattr(settings, attr)) for attr, filename in _V1_FILES
+                      if getattr(settings, attr) is not None}
+        for name, value in wanted.items():
+            self._values.set(cid, cgroup, name, value, reason)
+        keep = set(wanted)
         if settings.oom_score_adj is not None:
+            keep.add(OOM)
             applied = self._state.runtime_fields
+            score_reason = reason
             if applied is not None and "oom_score_adj" not in applied:
                 # Not a repair: the runtime never applies it at creation, this is how it gets in.
-                reason = f"{reason}: applied after start, the runtime does not apply " \
-                         "oom_score_adj at creation"
-            for pid in sysfs.read_ids(f"{cgroup}/cgroup.procs") or ():
-                set_oom_score_adj(sysfs, pid, settings.oom_score_adj, reason)
+                score_reason = f"{reason}: applied after start, the runtime does not apply " \
+                               "oom_score_adj at creation"
+            self._values.set_score(cid, cgroup, settings.oom_score_adj, score_reason)
+        self._values.release(cid, keep, self._kubelets(cid), reason)
 
 
 def _protection(settings: ContainerSettings) -> dict[str, int]:

@@ -143,7 +143,7 @@ class TaintAction:
                     for key in self._notes.entries(TAINT_NOTES) if key != rung.key]
         outcomes += [await self._clear(kind, reason)
                      for kind in self._notes.entries(CONDITION_NOTES) if kind != rung.condition]
-        self._notes.put(TAINT_NOTES, rung.key, rung.effect)
+        await self._notes.put_in_thread(TAINT_NOTES, rung.key, rung.effect)
         taint = await self._kube.add_taint(self._node, rung.key, rung.value, rung.effect,
                                            reason=reason)
         self._taint_is(rung.key, True, taint)
@@ -151,7 +151,7 @@ class TaintAction:
                 self._placed is None or self._placed.key != rung.key):
             self._placed = PlacedTaint(rung.key, rung.value, rung.effect,
                                        asyncio.get_running_loop().time())
-        self._notes.put(CONDITION_NOTES, rung.condition, "True")
+        await self._notes.put_in_thread(CONDITION_NOTES, rung.condition, "True")
         condition = await self._condition(rung.condition, True, "MemoryInterference", reason)
         return _node_result([*outcomes, taint, condition], what)
 
@@ -195,7 +195,7 @@ class TaintAction:
         outcome = await self._kube.remove_taint(self._node, key, reason=reason)
         self._taint_is(key, False, outcome)
         if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
-            self._notes.forget(TAINT_NOTES, key)
+            await self._notes.forget_in_thread(TAINT_NOTES, key)
             if self._placed is not None and self._placed.key == key:
                 self._placed = None
         return outcome
@@ -203,7 +203,7 @@ class TaintAction:
     async def _clear(self, kind: str, reason: str) -> NodeOutcome:
         outcome = await self._condition(kind, False, "NoMemoryInterference", reason)
         if outcome in (NodeOutcome.CHANGED, NodeOutcome.UNCHANGED):
-            self._notes.forget(CONDITION_NOTES, kind)
+            await self._notes.forget_in_thread(CONDITION_NOTES, kind)
         return outcome
 
     def placed(self) -> list[PlacedTaint]:

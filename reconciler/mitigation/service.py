@@ -204,6 +204,8 @@ class Mitigation:
         self._last: dict[str, tuple[str, str, str]] = {}
         # rung -> the dry run its last engage or repeat was submitted with, while engaged
         self._modes: dict[str, bool] = {}
+        # Engaged rungs in dry run whose undo after the switch is not confirmed yet.
+        self._undoing: set[str] = set()
         # Set while running: the clock, and the wake-up of the loop after a step's result.
         self._now: Callable[[], float] = lambda: 0.0
         self._wake: Callable[[], None] = lambda: None
@@ -301,13 +303,18 @@ class Mitigation:
             step_cause = cause
             if step is Step.RELEASE:
                 self._modes.pop(name, None)
+                self._undoing.discard(name)
             else:
                 switched = self._modes.get(name) not in (None, dry_run)
                 self._modes[name] = dry_run
-                if switched and dry_run:
-                    # A release in dry run undoes only what this agent placed.
+                if dry_run and (switched or name in self._undoing):
+                    # A release in dry run undoes only what this agent placed; one refused is
+                    # tried again in the place of the engage the ladder retries.
                     step, step_cause = Step.RELEASE, Cause(
                         cause.level, None, "the rung switched to dry run: what it placed goes")
+                    self._undoing.add(name)
+                else:
+                    self._undoing.discard(name)
             if runner is not None:
                 runner.submit(step, step_cause, dry_run, group)
             else:
@@ -331,8 +338,18 @@ class Mitigation:
                   result: Result) -> None:
         self._last[name] = (str(step), result.result, result.detail)
         m = self._config().mitigation
-        self._ladder.finished(name, step, result.result not in UNCONFIRMED, self._now(),
-                              Backoff(m.retry_initial_s, m.retry_max_s))
+        ok = result.result not in UNCONFIRMED
+        backoff = Backoff(m.retry_initial_s, m.retry_max_s)
+        self._ladder.finished(name, step, ok, self._now(), backoff)
+        if step is Step.RELEASE and name in self._undoing:
+            if ok or name not in self._ladder.engaged:
+                self._undoing.discard(name)
+                # Undone: the retries' backoff starts afresh.
+                self._ladder.finished(name, Step.ENGAGE, True, self._now(), backoff)
+            else:
+                # Still engaged, so no release of the ladder's own retries it: its retry of a
+                # failed engage, after the same backoff, becomes this undo again.
+                self._ladder.finished(name, Step.ENGAGE, False, self._now(), backoff)
         self._wake()
         reading = cause.reading
         self._audit.record(

@@ -40,7 +40,8 @@ def test_fake_v2_host_with_resctrl(tmp_path: Path) -> None:
     found = run_probe(tmp_path, host.root)
     assert found["memory_total_bytes"] == 64 * GIB
     assert [n["id"] for n in found["numa_nodes"]] == [0, 1]
-    assert found["cgroup"] == {"version": 2, "driver": "systemd", "mount": "/sys/fs/cgroup"}
+    assert found["cgroup"] == {"version": 2, "driver": "systemd", "mount": "/sys/fs/cgroup",
+                               "awaiting_kubelet": False}
     resctrl = found["resctrl"]
     assert (resctrl["mounted"], resctrl["num_closids"], resctrl["l3"], resctrl["mba"]) == (
         True, 8, True, True)
@@ -59,7 +60,8 @@ def test_fake_v1_host_without_resctrl_says_why(tmp_path: Path) -> None:
     host = FakeHost(tmp_path / "host", version=1)
     host.set_numa([(20 * GIB, 32 * GIB, 100)])
     found = run_probe(tmp_path, host.root)
-    assert found["cgroup"] == {"version": 1, "driver": "cgroupfs", "mount": "/sys/fs/cgroup"}
+    assert found["cgroup"] == {"version": 1, "driver": "cgroupfs", "mount": "/sys/fs/cgroup",
+                               "awaiting_kubelet": False}
     features = found["features"]
     assert features["resctrl"] == {"runs": False,
                                    "detail": "resctrl is not mounted at /sys/fs/resctrl"}

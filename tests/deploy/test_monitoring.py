@@ -16,10 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.metrics import Metrics, PluginMetrics
 from nri_plugin.cli.nri_qos import build_parser
-from reconciler.detection.signals import NODE, Board, Level, Reading
-from reconciler.metrics import ReconcilerMetrics
 from tests.support.manifests import (
     BASE,
     COMPONENTS,
@@ -29,6 +26,7 @@ from tests.support.manifests import (
     one,
 )
 from tests.support.paths import REPO
+from tests.support.populated_metrics import populated_registry
 
 DASHBOARD = REPO / "deploy" / "grafana" / "nri-qos-dashboard.json"
 RULES = COMPONENTS / "prometheus-operator" / "prometheusrule.yaml"
@@ -36,40 +34,9 @@ PROMETHEUS_OWN = {"up"}
 """Series Prometheus makes itself for every target; the rules may use them."""
 
 
-class Usage:
-    group = "nriqos-reclaimed_cores"
-    kind = "class"
-    domain = "00"
-    llc_occupancy_bytes = 1
-    mbm_total_bytes = 2
-    mbm_local_bytes = 3
-    pod_uid = None
-
-
 def exported() -> set[str]:
     """Every sample name the agent's registry renders, each series given a value."""
-    metrics = Metrics("1.0")
-    plugin, reconciler = PluginMetrics(metrics.registry), ReconcilerMetrics(metrics.registry)
-    plugin.nri_request("create_container", "ok", 0.001)
-    plugin.nri_adjusted(["rdt_class"])
-    plugin.nri_connection("synchronized", 1.0)
-    plugin.nri_reconnected()
-    plugin.nri_runtime("containerd", "v2.0.0", "v0.9.0")
-    reconciler.loop_cycle("drift", 0.01, failed=True)
-    metrics.host_write("/sys/fs/cgroup/x/memory.high", "written")
-    reconciler.memory_guard(1 << 30, 1 << 29)
-    reconciler.ladder_level(1)
-    reconciler.drop_cache("done", 4096)
-    reconciler.eviction("system_pressure", "evicted")
-    reconciler.taint("nri-qos.io/memory-pressure", True)
-    metrics.config_reload(False, 1.0)
-    metrics.watch_node(lambda: (1, 1))
-    plugin.watch_rejections(lambda: {"bad_payload": 1})
-    board = Board()
-    board.publish("psi", [Reading("psi", NODE, Level.LOW, 1.0, 1.0, "percent")])
-    reconciler.watch_board(board)
-    reconciler.watch_resctrl(lambda: [Usage()])
-    text = prometheus_client.generate_latest(metrics.registry).decode()
+    text = prometheus_client.generate_latest(populated_registry()).decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 

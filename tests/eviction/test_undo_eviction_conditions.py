@@ -68,15 +68,21 @@ async def test_a_run_whose_plugins_no_longer_report_it_sets_it_false(
     assert state_file(str(tmp_path / "state")).entries("eviction_condition") == {}
 
 
-async def test_a_start_with_the_reconciler_off_takes_it_off(
-        tmp_path: Path, fake: FakeApiServer) -> None:
-    await tainted_by_an_earlier_run(tmp_path, fake)
+def next_runs_config(tmp_path: Path, fake: FakeApiServer, *, reconciler: bool = True) -> Config:
+    """The configuration of a run after :func:`tainted_by_an_earlier_run`: the same host, state
+    file and API server, the reconciler on or off."""
     cfg = Config()
     kube = KubernetesConfig(kubeconfig=str(write_kubeconfig(tmp_path / "kc", fake.url)),
                             node_name=NODE, request_timeout_s=5.0)
-    cfg = dataclasses.replace(cfg, kubernetes=kube, reconciler=dataclasses.replace(
-        cfg.reconciler, enabled=False, root=str(tmp_path / "first" / "host"),
-        state_dir=str(tmp_path / "state")))
+    return dataclasses.replace(cfg, kubernetes=kube, reconciler=dataclasses.replace(
+        cfg.reconciler, root=str(tmp_path / "first" / "host"),
+        enabled=reconciler, state_dir=str(tmp_path / "state")))
+
+
+async def test_a_start_with_the_reconciler_off_takes_it_off(
+        tmp_path: Path, fake: FakeApiServer) -> None:
+    await tainted_by_an_earlier_run(tmp_path, fake)
+    cfg = next_runs_config(tmp_path, fake, reconciler=False)
     audit = AuditLog(MemoryAuditSink())
     store = ConfigStore(audit, config=cfg)
     leftovers = _leftovers(store, SysFs(cfg.reconciler.root, audit), audit)
@@ -88,13 +94,9 @@ async def test_a_start_with_the_reconciler_off_takes_it_off(
 async def test_reset_takes_off_a_condition_the_manager_noted(
         tmp_path: Path, fake: FakeApiServer) -> None:
     await tainted_by_an_earlier_run(tmp_path, fake)
-    cfg = Config()
-    kube = KubernetesConfig(kubeconfig=str(write_kubeconfig(tmp_path / "kc", fake.url)),
-                            node_name=NODE, request_timeout_s=5.0)
-    cfg = dataclasses.replace(cfg, kubernetes=kube, reconciler=dataclasses.replace(
-        cfg.reconciler, root=str(tmp_path / "first" / "host"),
-        state_dir=str(tmp_path / "state")),
-        status=dataclasses.replace(cfg.status, socket=str(tmp_path / "status.sock")))
+    cfg = next_runs_config(tmp_path, fake)
+    cfg = dataclasses.replace(cfg, status=dataclasses.replace(
+        cfg.status, socket=str(tmp_path / "status.sock")))
     out = io.StringIO()
     code = await asyncio.to_thread(reset, cfg, AuditLog(MemoryAuditSink()), dry_run=False,
                                    out=out)

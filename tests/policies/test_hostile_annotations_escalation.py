@@ -177,8 +177,10 @@ class Reconciled:
     def __init__(self, root: Path) -> None:
         self.host = FakeHost(root, version=2, driver="cgroupfs")
         self.host.set_numa([(8 << 30, 16 << 30, 100)])
+        # The request comes from the API: the cgroup's memory.min of 0 is a kubelet without
+        # MemoryQoS, which tells the runtime no request.
         pod = self.host.add_pod(RECONCILER_UID, tier="besteffort", memory_limit=1 << 30,
-                                memory_request=256 << 20, name="p", namespace="hostile")
+                                name="p", namespace="hostile")
         (self.container,) = pod.containers
         self.pod = pod
         self.sink = MemoryAuditSink()

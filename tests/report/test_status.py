@@ -323,7 +323,7 @@ async def test_without_the_reconciler_its_features_say_so(tmp_path: Path, short_
                       f'[status]\nsocket = "{sock}"\n')
     async with serving_daemon(config, RuntimeSimulator(tmp_path / "nri.sock")):
         doc = await document(sock)
-    assert doc["reconciler"] == {"running": False, "loops": {}}
+    assert doc["reconciler"] == {"running": False, "waiting_for": None, "loops": {}}
     features = doc["features"]
     assert features["reconciler.drift"] == {"runs": False, "detail": "reconciler.enabled is false"}
     assert features["kubernetes"]["runs"] is False
@@ -351,7 +351,7 @@ async def test_parts_switched_on_by_a_reload_wait_for_the_next_start_and_say_so(
     assert doc["agent"]["restart_needed"] == {
         "reconciler.enabled": {"in_force": False, "new": True},
         "resctrl.enabled": {"in_force": False, "new": True}}
-    assert doc["reconciler"] == {"running": False, "loops": {}}
+    assert doc["reconciler"] == {"running": False, "waiting_for": None, "loops": {}}
     assert doc["features"]["resctrl"] == {"runs": False, "detail": "resctrl.enabled is false"}
     assert doc["features"]["reconciler.drift"] == {
         "runs": False, "detail": "reconciler.enabled is false"}

@@ -26,6 +26,14 @@ def _container(cid: str, state: int) -> api.Container:
     return message
 
 
+def _tracking_plugin(executor: ThreadPoolExecutor) -> tuple[NodeState, PluginStub]:
+    """The plugin's session keeping a node state of the containers, as the agent's does."""
+    state = NodeState()
+    return state, PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
+                             capabilities=(), audit=AuditLog(MemoryAuditSink()),
+                             executor=executor, state=state, track_containers=True)
+
+
 async def _serve_once(simulator: RuntimeSimulator, stub: PluginStub, socket_path: Path,
                       count: int) -> asyncio.Task[str]:
     reader, writer = await asyncio.open_unix_connection(str(socket_path))
@@ -34,25 +42,27 @@ async def _serve_once(simulator: RuntimeSimulator, stub: PluginStub, socket_path
     return serving
 
 
+async def _close(stub: PluginStub, serving: asyncio.Task[str],
+                 simulator: RuntimeSimulator) -> None:
+    stub.close()
+    await serving
+    await simulator.stop()
+
+
 async def test_a_container_listed_stopped_is_not_running(
         tmp_path: Path, executor: ThreadPoolExecutor) -> None:
     socket_path = tmp_path / "nri.sock"
     simulator = RuntimeSimulator(socket_path, pods=[pod()], containers=[
         _container("live", api.CONTAINER_RUNNING), _container("exited", api.CONTAINER_STOPPED)])
     await simulator.start()
-    state = NodeState()
-    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
-                      capabilities=(), audit=AuditLog(MemoryAuditSink()), executor=executor,
-                      state=state, track_containers=True)
+    state, stub = _tracking_plugin(executor)
     serving = await _serve_once(simulator, stub, socket_path, 1)
     try:
         snapshot = state.snapshot()
         assert {c.info.id for c in snapshot.containers} == {"live", "exited"}
         assert [c.info.id for c in snapshot.running()] == ["live"]
     finally:
-        stub.close()
-        await serving
-        await simulator.stop()
+        await _close(stub, serving, simulator)
 
 
 async def test_a_container_stopped_while_disconnected_is_not_running_after_reconnect(
@@ -61,10 +71,7 @@ async def test_a_container_stopped_while_disconnected_is_not_running_after_recon
     simulator = RuntimeSimulator(socket_path, pods=[pod()], containers=[
         _container("c1", api.CONTAINER_RUNNING)])
     await simulator.start()
-    state = NodeState()
-    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
-                      capabilities=(), audit=AuditLog(MemoryAuditSink()), executor=executor,
-                      state=state, track_containers=True)
+    state, stub = _tracking_plugin(executor)
     serving = await _serve_once(simulator, stub, socket_path, 1)
     assert [c.info.id for c in state.snapshot().running()] == ["c1"]
     await simulator.stop()
@@ -79,9 +86,7 @@ async def test_a_container_stopped_while_disconnected_is_not_running_after_recon
         assert [c.info.id for c in snapshot.containers] == ["c1"]
         assert snapshot.running() == ()
     finally:
-        stub.close()
-        await serving
-        await simulator.stop()
+        await _close(stub, serving, simulator)
 
 
 def _kubelets_container(min_bytes: int, score: int) -> api.Container:
@@ -96,10 +101,7 @@ async def test_a_reconnect_keeps_kubelets_request_and_score_of_a_known_container
     socket_path = tmp_path / "nri.sock"
     simulator = RuntimeSimulator(socket_path, pods=[pod()])
     await simulator.start()
-    state = NodeState()
-    stub = PluginStub(identity=PluginIdentity("nri-qos", "10"), config=Config,
-                      capabilities=(), audit=AuditLog(MemoryAuditSink()), executor=executor,
-                      state=state, track_containers=True)
+    state, stub = _tracking_plugin(executor)
     serving = await _serve_once(simulator, stub, socket_path, 1)
     # Created with kubelet's MemoryQoS request (memory.min) and its score.
     await simulator.send(simulator.connections[-1], Event.CREATE_CONTAINER, pod(),
@@ -119,6 +121,4 @@ async def test_a_reconnect_keeps_kubelets_request_and_score_of_a_known_container
         assert listed is not None
         assert (listed.memory_request, listed.oom_score_adj) == (1 << 30, 900)
     finally:
-        stub.close()
-        await serving
-        await simulator.stop()
+        await _close(stub, serving, simulator)

@@ -32,7 +32,9 @@ async def test_every_thread_of_a_running_agent_is_under_its_policy(tmp_path: Pat
     config.write_text(("" if policy == NORMAL else '[agent]\nscheduling = "batch"\n')
                       + f'[status]\nsocket = "{tmp_path / "status.sock"}"\n'
                       "[kubernetes]\nenabled = false\n[resctrl]\nenabled = false\n"
-                      f'[reconciler]\nstate_dir = "{tmp_path / "state"}"\n')
+                      f'[reconciler]\nstate_dir = "{tmp_path / "state"}"\n'
+                      # kubelet's cgroup driver, which a machine without kubelet cannot show
+                      'cgroup_driver = "cgroupfs"\n')
     simulator = RuntimeSimulator(tmp_path / "nri.sock")
     await simulator.start()
     child = await asyncio.create_subprocess_exec(

@@ -1,0 +1,270 @@
+"""A container's own memcg values drift sets, and what they go back to when their cause goes.
+
+Drift writes a container's ``memory.min``/``memory.low``/``memory.high`` (cgroup v1:
+``memory.limit_in_bytes``/``memory.soft_limit_in_bytes``) while a policy asks for them; an
+annotation removed through the API, a level lowered and restored, a reload that sets a level's
+memory policy to none or turns memory QoS off stop asking, and the value must go back. The rule is
+the one of the cgroups above (:mod:`reconciler.loops.protection`): each file drift set is noted
+with the value it held before drift's first write and the value last set; once the policy no
+longer asks for it, the value from before is written back, but only while the file still holds
+the agent's last value (one someone else wrote since is theirs: left, its note dropped).
+
+A value the runtime applied at creation from the agent's own answer has no value from before:
+drift finds the file already holding what it wants. It goes back to what kubelet sets without
+the agent: on cgroup v2 ``memory.min`` = the request kubelet's MemoryQoS wrote (the runtime's
+``memory.min`` at creation, else 0), ``memory.low`` = 0, and ``memory.high`` = ``max`` where
+kubelet's MemoryQoS did not run (where it did, its ``memory.high`` depends on kubelet's
+throttling factor, which the agent does not know: the file is left as it is, and said); on
+cgroup v1 the soft limit = kubelet's reservation, else unlimited, and the limit = the
+container's own.
+
+The processes' ``oom_score_adj`` follow the same rule, noted per container (:data:`OOM`): the
+score drift last set; once no policy asks for one, every process of the container that still
+holds it gets kubelet's score (the container's, as the runtime gave it at CreateContainer and
+PostUpdateContainer), whether drift wrote the score or found it there. A process's value from
+before is not used: a process started since inherits its parent's score, the agent's own
+included. A process holding another score is someone else's: left. Where kubelet's score is not
+known, the agent's is left, and said.
+
+Observe mode writes nothing new, and gives back what drift wrote (:meth:`ContainerValues.give_back`,
+never held back): each file and process that still holds drift's last value gets the value it
+held before drift's first write, a value applied at creation that drift changed gets that value
+again (the CreateContainer answers are given in observe mode too), and values drift found
+applied at creation stay. A write back that observe mode holds (a value applied at creation that
+the policy no longer asks for) keeps its note for when the agent enforces again.
+
+Notes live as long as the process and only for running containers: after a restart a file that
+holds what the policy wants counts as applied at creation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import structlog
+
+from hooks.model import ContainerInfo
+from reconciler.host.procfs import oom_score_adj_path, set_oom_score_adj
+from reconciler.host.sysfs import Outcome, SysFs
+from reconciler.host.values import same_bytes
+
+log = structlog.get_logger("nri_qos.reconciler")
+
+V1_UNLIMITED = "-1"
+"""What a v1 memcg limit or soft limit is set to for no limit."""
+OOM = "oom_score_adj"
+"""The note of the container's processes' ``/proc/<pid>/oom_score_adj``."""
+_OBSERVE = "observe mode: the node is watched, not acted on"
+
+
+@dataclass(slots=True)
+class _Note:
+    before: str | None  # None: applied at creation, kubelet's value is what it goes back to
+    written: str
+    # What observe mode gives back: the value before drift's first write; None while drift has
+    # written nothing over what it found applied at creation.
+    undo: str | None = None
+
+    def wrote_over(self, value: str) -> None:
+        """Drift wrote ``value`` over the note's last value."""
+        if self.undo is None:
+            self.undo = self.written
+        self.written = value
+
+
+Kubelets = Callable[[], ContainerInfo | None]
+"""The container as kubelet gave it to the runtime (its request and limit), if known."""
+
+
+class ContainerValues:
+    """The notes of the container files drift set, per container id."""
+
+    def __init__(self, sysfs: SysFs, *, v2: bool) -> None:
+        self._sysfs = sysfs
+        self._v2 = v2
+        # container id -> (its memory cgroup directory, file name -> note)
+        self._notes: dict[str, tuple[str, dict[str, _Note]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._notes)
+
+    def set(self, cid: str, cgroup: str, name: str, value: str, reason: str) -> None:
+        """Writes ``value`` unless the file holds it, noting what it held before."""
+        path = f"{cgroup}/{name}"
+        if self._sysfs.held():  # observe mode: audited, and nothing of the agent's to note
+            self._sysfs.write_if_changed(path, value, reason, same=same_bytes)
+            return
+        note = self._note(cid, name)
+        current = self._sysfs.read(path) if note is None else None
+        outcome = self._sysfs.write_if_changed(path, value, reason, same=same_bytes)
+        if note is not None:
+            if outcome is Outcome.WRITTEN:
+                note.wrote_over(value)
+            elif outcome is Outcome.UNCHANGED:
+                note.written = value
+            return
+        if outcome is Outcome.UNCHANGED:  # the runtime applied it at creation
+            before = None
+        elif outcome is Outcome.WRITTEN and current is not None:
+            before = current.strip()
+        else:
+            return  # gone or refused: nothing of the agent's is on the file
+        self._notes.setdefault(cid, (cgroup, {}))[1][name] = _Note(before, value, before)
+
+    def set_score(self, cid: str, cgroup: str, score: int, reason: str) -> None:
+        """Writes ``score`` to every process of the container that does not hold it."""
+        pids = self._sysfs.read_ids(f"{cgroup}/cgroup.procs") or ()
+        if self._sysfs.held():
+            for pid in pids:
+                set_oom_score_adj(self._sysfs, pid, score, reason)
+            return
+        value, note = str(score), self._note(cid, OOM)
+        found: str | None = None  # a score drift wrote over, while nothing is noted
+        applied = False  # some process holds the score now
+        for pid in pids:
+            current = self._sysfs.read(oom_score_adj_path(pid)) if note is None else None
+            outcome = set_oom_score_adj(self._sysfs, pid, score, reason)
+            applied |= outcome in (Outcome.WRITTEN, Outcome.UNCHANGED)
+            if outcome is Outcome.WRITTEN and note is not None and note.written != value:
+                note.wrote_over(value)
+            elif outcome is Outcome.WRITTEN and found is None and current is not None:
+                found = current.strip()
+        if note is not None and applied:
+            note.written = value
+        elif note is None and applied:
+            self._notes.setdefault(cid, (cgroup, {}))[1][OOM] = _Note(None, value, found)
+
+    def _note(self, cid: str, name: str) -> _Note | None:
+        entry = self._notes.get(cid)
+        return None if entry is None else entry[1].get(name)
+
+    def release(self, cid: str, keep: Collection[str], kubelets: Kubelets,
+                reason: str) -> None:
+        """Writes back the noted files of the container that its policy no longer asks for
+        (not in ``keep``)."""
+        entry = self._notes.get(cid)
+        if entry is None:
+            return
+        cgroup, files = entry
+        for name in [name for name in files if name not in keep]:
+            done = (self._score_back(cgroup, files[name], kubelets, reason) if name == OOM
+                    else self._write_back(f"{cgroup}/{name}", name, files[name], kubelets,
+                                          reason))
+            if done:
+                del files[name]
+        if not files:
+            del self._notes[cid]
+
+    def release_all(self, kubelets: Callable[[str], Kubelets], reason: str, *,
+                    skip: Collection[str] = ()) -> None:
+        """Writes back the noted files of every container but those in ``skip``."""
+        for cid in [cid for cid in self._notes if cid not in skip]:
+            # One container's odd cgroup must not keep the others' values from going back.
+            try:
+                self.release(cid, (), kubelets(cid), reason)
+            except (OSError, ValueError) as exc:
+                log.warning("drift_container_failed", container=cid, error=str(exc))
+
+    def give_back(self) -> None:
+        """Observe mode: writes back what drift wrote, where it still holds drift's last value,
+        never held back (undoing returns the node to what it was)."""
+        sysfs = self._sysfs.unobserved()
+        for cid in list(self._notes):
+            cgroup, files = self._notes[cid]
+            for name, note in list(files.items()):
+                if note.undo is None:
+                    continue  # applied at creation: observe mode gives that too
+                if name == OOM:
+                    for pid in self._holding(cgroup, note, note.undo, _OBSERVE):
+                        set_oom_score_adj(sysfs, pid, int(note.undo), _OBSERVE)
+                else:
+                    path = f"{cgroup}/{name}"
+                    if not self._holds(path, note, _OBSERVE):
+                        del files[name]
+                        continue
+                    sysfs.write_if_changed(path, note.undo, _OBSERVE, same=same_bytes)
+                if note.before is None:  # back at what the runtime applied at creation
+                    files[name] = _Note(None, note.undo)
+                else:
+                    del files[name]
+            if not files:
+                del self._notes[cid]
+
+    def forget_others(self, running: Collection[str]) -> None:
+        """Drops the notes of containers that no longer run: their cgroups went with them, or
+        the runtime sets them anew when they start again."""
+        for cid in [cid for cid in self._notes if cid not in running]:
+            del self._notes[cid]
+
+    def _holds(self, path: str, note: _Note, reason: str) -> bool:
+        """Whether the file still holds drift's last value (one someone else wrote is said)."""
+        current = self._sysfs.read(path)
+        if current is None:
+            return False
+        if not same_bytes(current, note.written):
+            log.warning("container_value_changed_by_someone_else", path=path,
+                        written=note.written, current=current.strip(), reason=reason)
+            return False
+        return True
+
+    def _holding(self, cgroup: str, note: _Note, back: str | None, reason: str) -> list[int]:
+        """The container's processes that still hold drift's last score; the others are
+        someone else's (said), but for those at ``back``, the score they go back to."""
+        holding = []
+        for pid in self._sysfs.read_ids(f"{cgroup}/cgroup.procs") or ():
+            current = self._sysfs.read(oom_score_adj_path(pid))
+            if current is None or current.strip() == back:
+                continue
+            if current.strip() == note.written:
+                holding.append(pid)
+            else:
+                log.warning("container_value_changed_by_someone_else", path=oom_score_adj_path(pid),
+                            written=note.written, current=current.strip(), reason=reason)
+        return holding
+
+    def _score_back(self, cgroup: str, note: _Note, kubelets: Kubelets, reason: str) -> bool:
+        """Gives kubelet's score to the processes holding drift's last one; whether the note is
+        done with (not when observe mode held a write, or one failed)."""
+        container = kubelets()
+        target = None if container is None else container.oom_score_adj
+        pids = self._holding(cgroup, note, None if target is None else str(target), reason)
+        if target is None:
+            for pid in pids:
+                log.warning("container_value_left", path=oom_score_adj_path(pid),
+                            value=note.written, reason=reason,
+                            why="kubelet's oom_score_adj is not known")
+            return True
+        outcomes = [set_oom_score_adj(self._sysfs, pid, target, f"{reason}: no longer asked for")
+                    for pid in pids]
+        return not any(o in (Outcome.OBSERVED, Outcome.FAILED) for o in outcomes)
+
+    def _write_back(self, path: str, name: str, note: _Note, kubelets: Kubelets,
+                    reason: str) -> bool:
+        """Whether the note is done with (written back, gone, someone else's)."""
+        if not self._holds(path, note, reason):
+            return True
+        target = note.before if note.before is not None else self._kubelets(name, kubelets())
+        if target is None:
+            log.warning("container_value_left", path=path, value=note.written, reason=reason,
+                        why="kubelet's MemoryQoS sets memory.high from a throttling factor "
+                            "the agent does not know")
+            return True
+        outcome = self._sysfs.write_if_changed(path, target, f"{reason}: no longer asked for",
+                                               same=same_bytes)
+        return outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE)
+
+    def _kubelets(self, name: str, container: ContainerInfo | None) -> str | None:
+        """What kubelet sets on the file without the agent; None when the agent cannot know."""
+        request = None if container is None else container.memory_request
+        if not self._v2:
+            if name == "memory.soft_limit_in_bytes":
+                return V1_UNLIMITED if request is None else str(request)
+            limit = None if container is None else container.memory_limit
+            return V1_UNLIMITED if limit is None else str(limit)
+        if name == "memory.min":
+            return "0" if request is None else str(request)
+        if name == "memory.high":
+            return "max" if request is None else None
+        return "0"
+

@@ -11,8 +11,6 @@ controller.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -21,23 +19,19 @@ import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.podmeta import PodMeta
-from common.state import NodeState
-from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
+from tests.support.v1_memcg import NEEDS_V1_MEMORY, container_memcg, one_container
 
-MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 UID = "99999999-0000-4000-8000-000000000009"
 CID = "f" * 64
 KUBELETS = 300
 OOM = "qos.nri-qos.io/oom-score-adj"
 LEVEL = "qos.nri-qos.io/level"
 
-pytestmark = [pytest.mark.real_kernel, pytest.mark.skipif(
-    os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file(),
-    reason="needs root and the cgroup v1 memory controller")]
+pytestmark = NEEDS_V1_MEMORY
 
 
 class Container:
@@ -47,12 +41,7 @@ class Container:
     def __init__(self, parent: Path, pids: list[int]) -> None:
         self.pids = pids
         self.observe = False
-        self.state = NodeState()
-        pod = PodInfo(id="sandbox", uid=UID, name="real", namespace="test",
-                      cgroup_parent=f"/kubepods/burstable/pod{UID}")
-        self.state.replace_all([pod], [ContainerInfo(
-            id=CID, pod_sandbox_id="sandbox", name="sleeper",
-            cgroups_path=f"/kubepods/burstable/pod{UID}/{CID}", oom_score_adj=KUBELETS)])
+        self.state = one_container("burstable", UID, CID, oom_score_adj=KUBELETS)
         sysfs = SysFs("/", AuditLog(MemoryAuditSink())).observing(lambda: self.observe)
         layout = CgroupLayout(1, "cgroupfs", mount=str(parent))
         config = Config()
@@ -75,23 +64,10 @@ class Container:
 
 @pytest.fixture
 def container() -> Iterator[Container]:
-    parent = MEMORY_V1 / f"nriqos-giveback-oom-{os.getpid()}"
-    tier = parent / "memory/kubepods/burstable"
-    cgroup = tier / f"pod{UID}" / CID
-    cgroup.mkdir(parents=True)
-    procs = [subprocess.Popen(["sleep", "300"]) for _ in range(2)]
-    try:
-        for proc in procs:
-            Path(f"/proc/{proc.pid}/oom_score_adj").write_text(str(KUBELETS))  # the runtime's
-            (cgroup / "cgroup.procs").write_text(str(proc.pid))
-        yield Container(parent, [proc.pid for proc in procs])
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        for d in (cgroup, cgroup.parent, tier, tier.parent, tier.parent.parent, parent):
-            if d.is_dir():
-                d.rmdir()
+    # The runtime gives the processes kubelet's score.
+    with container_memcg("nriqos-giveback-oom", "burstable", UID, CID, processes=2,
+                         oom_score_adj=KUBELETS) as made:
+        yield Container(made.parent, [proc.pid for proc in made.processes])
 
 
 def test_an_annotations_score_goes_back_to_kubelets_when_it_is_removed(

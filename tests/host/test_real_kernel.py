@@ -1,16 +1,13 @@
 """The guard and drift writes against this machine's kernel (cgroup v1 memory controller).
 
-Builds ``<test parent>/memory/kubepods/besteffort/pod<uid>/<id>`` under
-``/sys/fs/cgroup/memory``, runs ``sleep`` in the container memcg, and points the reconciler's
-cgroup layout at the test parent, so every write lands in that subtree and nowhere else.
-Skipped unless running as root on a host with the v1 memory controller.
+The container is a besteffort pod's memcg with one ``sleep`` in it, made by
+:func:`tests.support.v1_memcg.container_memcg` so every write lands in that subtree and nowhere
+else; skipped unless running as root on a host with the v1 memory controller.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from types import MappingProxyType
@@ -18,9 +15,7 @@ from types import MappingProxyType
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.state import NodeState
 from hooks.memory_qos import MemoryLevel
-from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.numa import check_view, read_meminfo, read_nodes
@@ -28,41 +23,19 @@ from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import parse_bytes
 from reconciler.loops.drift import DriftLoop
 from reconciler.loops.memory_guard import MemoryGuardLoop
+from tests.support.v1_memcg import NEEDS_V1_MEMORY, Subtree, container_memcg, one_container
 
-MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 UID = "55555555-0000-4000-8000-000000000005"
 CID = "f" * 64
 MIB = 1 << 20
 
-pytestmark = [pytest.mark.real_kernel, pytest.mark.skipif(
-    os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file(),
-    reason="needs root and the cgroup v1 memory controller")]
-
-
-@dataclasses.dataclass
-class Subtree:
-    parent: Path
-    tier: Path
-    container: Path
-    process: subprocess.Popen[bytes]
+pytestmark = NEEDS_V1_MEMORY
 
 
 @pytest.fixture
 def subtree() -> Iterator[Subtree]:
-    parent = MEMORY_V1 / f"nriqos-test-{os.getpid()}"
-    tier = parent / "memory/kubepods/besteffort"
-    container = tier / f"pod{UID}" / CID
-    container.mkdir(parents=True)
-    proc = subprocess.Popen(["sleep", "300"])
-    try:
-        (container / "cgroup.procs").write_text(str(proc.pid))
-        yield Subtree(parent, tier, container, proc)
-    finally:
-        proc.kill()
-        proc.wait()
-        for d in (container, container.parent, tier, tier.parent, tier.parent.parent, parent):
-            if d.is_dir():
-                d.rmdir()
+    with container_memcg("nriqos-test", "besteffort", UID, CID) as made:
+        yield made
 
 
 def config() -> Config:
@@ -99,15 +72,11 @@ def test_guard_and_drift_take_effect(subtree: Subtree) -> None:
         assert seen["system_total_bytes"] == total
         assert limit > sum(n.free_bytes for n in nodes)
 
-    state = NodeState()
-    pod = PodInfo(id="sandbox", uid=UID, name="real", namespace="test",
-                  cgroup_parent=f"/kubepods/besteffort/pod{UID}")
-    state.replace_all([pod], [ContainerInfo(
-        id=CID, pod_sandbox_id="sandbox", name="sleeper",
-        cgroups_path=f"/kubepods/besteffort/pod{UID}/{CID}", memory_request=64 * MIB)])
+    state = one_container("besteffort", UID, CID, memory_request=64 * MIB)
     drift = DriftLoop(lambda: cfg, state, sysfs, layout, total)
     drift.cycle(0.0)
-    pid = subtree.process.pid
+    (process,) = subtree.processes
+    pid = process.pid
     assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
     assert int((subtree.container / "memory.soft_limit_in_bytes").read_text()) == 32 * MIB
     written = len(sink.named("cgroup_write"))

@@ -1,65 +1,39 @@
 """Drift gives a container's cgroup v1 soft limit back when its level stops asking for one, on
 this machine's kernel (cgroup v1 memory controller).
 
-Builds ``<test parent>/memory/kubepods/besteffort/pod<uid>/<id>`` under
-``/sys/fs/cgroup/memory`` with a ``sleep`` in the container memcg, and points the reconciler's
-cgroup layout at the test parent, so every write lands in that subtree and nowhere else.
-Skipped unless running as root on a host with the v1 memory controller.
+The container is a besteffort pod's memcg with one ``sleep`` in it, made by
+:func:`tests.support.v1_memcg.container_memcg`; skipped unless running as root on a host with the
+v1 memory controller.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from types import MappingProxyType
 
 import pytest
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.podmeta import PodMeta
-from common.state import NodeState
 from hooks.config_fields import frozen_map
-from hooks.model import ContainerInfo, PodInfo
 from nri_plugin.config.schema import Config
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.drift import DriftLoop
+from tests.support.v1_memcg import NEEDS_V1_MEMORY, Subtree, container_memcg, one_container
 
-MEMORY_V1 = Path("/sys/fs/cgroup/memory")
 UID = "66666666-0000-4000-8000-000000000006"
 CID = "e" * 64
 MIB = 1 << 20
 
-pytestmark = [pytest.mark.real_kernel, pytest.mark.skipif(
-    os.geteuid() != 0 or not (MEMORY_V1 / "memory.limit_in_bytes").is_file(),
-    reason="needs root and the cgroup v1 memory controller")]
-
-
-@dataclasses.dataclass
-class Subtree:
-    parent: Path
-    container: Path
+pytestmark = NEEDS_V1_MEMORY
 
 
 @pytest.fixture
 def subtree() -> Iterator[Subtree]:
-    parent = MEMORY_V1 / f"nriqos-release-{os.getpid()}"
-    tier = parent / "memory/kubepods/besteffort"
-    container = tier / f"pod{UID}" / CID
-    container.mkdir(parents=True)
-    proc = subprocess.Popen(["sleep", "300"])
-    try:
-        (container / "cgroup.procs").write_text(str(proc.pid))
-        yield Subtree(parent, container)
-    finally:
-        proc.kill()
-        proc.wait()
-        for d in (container, container.parent, tier, tier.parent, tier.parent.parent, parent):
-            if d.is_dir():
-                d.rmdir()
+    with container_memcg("nriqos-release", "besteffort", UID, CID) as made:
+        yield made
 
 
 def reserving(reservation: bool) -> Config:
@@ -76,12 +50,7 @@ def reserving(reservation: bool) -> Config:
 def drift(subtree: Subtree, runtimes: int | None) -> tuple[DriftLoop, list[Config]]:
     """A drift loop over the container, whose request of 64 MiB the API gives and the runtime
     gives as ``runtimes``, and its configuration, which the test swaps."""
-    state = NodeState()
-    pod = PodInfo(id="sandbox", uid=UID, name="real", namespace="test",
-                  cgroup_parent=f"/kubepods/besteffort/pod{UID}")
-    state.replace_all([pod], [ContainerInfo(
-        id=CID, pod_sandbox_id="sandbox", name="sleeper",
-        cgroups_path=f"/kubepods/besteffort/pod{UID}/{CID}", memory_request=runtimes)])
+    state = one_container("besteffort", UID, CID, memory_request=runtimes)
     state.apply_meta(PodMeta(uid=UID, namespace="test", name="real",
                              annotations=MappingProxyType({}), labels=MappingProxyType({}),
                              priority=0, memory_requests=MappingProxyType({"sleeper": 64 * MIB}),

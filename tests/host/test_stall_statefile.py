@@ -43,6 +43,16 @@ def until(predicate: Callable[[], bool]) -> None:
         time.sleep(0.01)
 
 
+def held_write(tmp_path: Path, disk: HeldDisk) -> tuple[StateFile, threading.Thread]:
+    """A state file in ``tmp_path`` and the thread whose write of guard's ``/a`` is now held at
+    the disk."""
+    notes = StateFile(str(tmp_path / "state.json"))
+    writing = threading.Thread(target=notes.put, args=("guard", "/a", "1"))
+    writing.start()
+    assert disk.entered.wait(BOUND_S)
+    return notes, writing
+
+
 @pytest.fixture
 def disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldDisk]:
     held = HeldDisk()
@@ -60,10 +70,7 @@ def writer() -> Iterator[ThreadPoolExecutor]:
 
 def test_reading_the_notes_does_not_wait_for_a_write_in_another_thread(
         tmp_path: Path, disk: HeldDisk) -> None:
-    notes = StateFile(str(tmp_path / "state.json"))
-    writing = threading.Thread(target=notes.put, args=("guard", "/a", "1"))
-    writing.start()
-    assert disk.entered.wait(BOUND_S)
+    notes, writing = held_write(tmp_path, disk)
     threading.Timer(1.0, disk.release.set).start()  # what a slow disk would take
     start = time.monotonic()
     seen = notes.entries("guard")
@@ -75,10 +82,7 @@ def test_reading_the_notes_does_not_wait_for_a_write_in_another_thread(
 
 def test_notes_written_meanwhile_by_other_threads_all_end_on_disk(
         tmp_path: Path, disk: HeldDisk) -> None:
-    notes = StateFile(str(tmp_path / "state.json"))
-    first = threading.Thread(target=notes.put, args=("guard", "/a", "1"))
-    first.start()
-    assert disk.entered.wait(BOUND_S)
+    notes, first = held_write(tmp_path, disk)
     # Noted in memory while the first write waits for the disk; each waits for its own write.
     later = [threading.Thread(target=notes.put, args=("guard", f"/{n}", "2")) for n in "bcd"]
     for thread in later:

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from common.audit import AuditLog, MemoryAuditSink
 from common.state import NodeState
@@ -19,6 +18,7 @@ from reconciler.kube import Api, KubernetesConfig, PodWatcher, build_api_client
 from reconciler.runner import build_loops, run_reconciler
 from tests.support.fake_apiserver import FakeApiServer, make_pod, write_kubeconfig
 from tests.support.fakesys import GIB, FakeHost
+from tests.support.pod_watch import annotate, reconciling, woken_by_the_watch_only
 
 UID = "44444444-0000-0000-0000-000000000004"
 LEVEL = "qos.nri-qos.io/level"
@@ -46,13 +46,6 @@ def watch(tmp_path: Path, server: FakeApiServer) -> tuple[Api, PodWatcher]:
     return api, PodWatcher(api, kube, "node-a", initial_backoff_s=0.01)
 
 
-def set_level(level: str) -> Callable[[dict[str, Any]], None]:
-    def mutate(pod: dict[str, Any]) -> None:
-        pod["metadata"]["annotations"][LEVEL] = level
-
-    return mutate
-
-
 async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: Path) -> None:
     host = FakeHost(tmp_path / "host", version=2, driver="systemd")
     host.set_numa([(8 * GIB, 16 * GIB, 100)])
@@ -61,20 +54,9 @@ async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: P
     pid = container.pids[0]
     state = NodeState()
     state.replace_all(*host.nri())
-
-    base = Config()
-    # Long periods: only the wake-up from the pod watch can explain a prompt write.
-    cfg = dataclasses.replace(
-        base,
-        reconciler=dataclasses.replace(base.reconciler, drift_interval_s=3600.0,
-                                       resctrl_interval_s=3600.0),
-        memory_guard=dataclasses.replace(base.memory_guard, interval_s=3600.0),
-        numa=dataclasses.replace(base.numa, interval_s=3600.0),
-    )
     sink = MemoryAuditSink()
     audit = AuditLog(sink)
     sysfs = SysFs(host.root, audit)
-    stop = asyncio.Event()
 
     def oom() -> str:
         return (host.root / f"proc/{pid}/oom_score_adj").read_text().strip()
@@ -85,26 +67,17 @@ async def test_annotation_change_through_the_api_is_applied_by_drift(tmp_path: P
     with FakeApiServer() as server:
         server.add_pod(make_pod("web-0", uid=UID, node="node-a",
                                 memory={"c0": ("256Mi", "1Gi")}))
-        api, watcher = watch(tmp_path, server)
-        loops = build_loops(lambda: cfg, state, sysfs, probe_host(sysfs), None, audit)
-        task = asyncio.create_task(run_reconciler(loops, state, stop, watcher,
-                                                  read_keys=cfg.read_keys,
-                                                  backoff_max=lambda: 60))
-        try:
+        async with reconciling(tmp_path, server, woken_by_the_watch_only(), state, sysfs, audit):
             # The API's view arrives: the request (256Mi) now comes from the pod spec.
             await until(lambda: state.snapshot().containers[0].info.memory_request == 256 << 20)
             # A burstable shared_cores pod: kubelet's values stand.
             assert (oom(), memory_high()) == ("0", "max")
 
-            server.modify_pod("default", "web-0", set_level("reclaimed_cores"))
+            server.modify_pod("default", "web-0", annotate(LEVEL, "reclaimed_cores"))
             await until(lambda: oom() == "1000")
             await until(lambda: memory_high() == str(int(GIB * 0.95) // 4096 * 4096))
             reasons = {r["reason"] for r in sink.named("cgroup_write")}
             assert any("reclaimed_cores" in reason for reason in reasons)
-        finally:
-            stop.set()
-            await asyncio.wait_for(task, 15)
-            api.close()
 
 
 async def test_a_reload_that_reads_another_annotation_reads_it_on_every_known_pod(

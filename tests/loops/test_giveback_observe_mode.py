@@ -8,17 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import MappingProxyType
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.podmeta import PodMeta
 from common.state import NodeState
 from hooks.memory_qos import VOLCANO_ANNOTATION
 from nri_plugin.config.schema import Config
-from reconciler.host.cgroups import layout_for
-from reconciler.host.numa import read_meminfo
-from reconciler.host.sysfs import SysFs
-from reconciler.loops.drift import DriftLoop
+from tests.support.builders import api_pod
+from tests.support.drift_cycles import Drift
 from tests.support.fakesys import GIB, MIB, FakeHost
 
 UID = "aaaaaaaa-0000-0000-0000-00000000000a"
@@ -49,24 +45,18 @@ class Node:
                                       for c in containers])
         self.sink = MemoryAuditSink()
         self.observe = False
-        sysfs = SysFs(tmp_path, AuditLog(self.sink)).observing(lambda: self.observe)
         config = Config()
-        self.loop = DriftLoop(lambda: config, self.state, sysfs, layout_for(sysfs),
-                              read_meminfo(sysfs).get("MemTotal", 0))
-        self.now = 0.0
+        self.drift = Drift(tmp_path, self.state, lambda: config, AuditLog(self.sink),
+                           lambda: self.observe)
 
     def cycle(self) -> tuple[str, int]:
         """memory.high and the process's score after one cycle."""
-        self.now += 10.0
-        self.loop.cycle(self.now)
+        self.drift.cycle()
         return self.high(), self.score()
 
     def meta(self, annotations: dict[str, str]) -> None:
-        self.state.apply_meta(PodMeta(
-            uid=UID, namespace="default", name=self.pod.info.name,
-            annotations=MappingProxyType(annotations), labels=MappingProxyType({}), priority=0,
-            memory_requests=MappingProxyType({}),
-            memory_limits=MappingProxyType({"c0": 512 * MIB})))
+        self.state.apply_meta(api_pod(UID, self.pod.info.name, annotations,
+                                      memory_limits={"c0": 512 * MIB}))
 
     def high_file(self) -> Path:
         return self.host.cg("memory", self.c.rel) / "memory.high"

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from types import MappingProxyType
 
 from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.podmeta import PodMeta
 from common.state import NodeState
 from nri_plugin.config.schema import Config
-from reconciler.host.cgroups import layout_for
-from reconciler.host.numa import read_meminfo
-from reconciler.host.sysfs import SysFs
-from reconciler.loops.drift import DriftLoop
+from tests.support.builders import api_pod
+from tests.support.drift_cycles import Drift
 from tests.support.fakesys import GIB, MIB, FakeContainer, FakeHost, FakePod
 
 UID = "88888888-0000-0000-0000-000000000008"
@@ -47,21 +43,15 @@ class Node:
                                       for c in containers])
         self.sink = MemoryAuditSink()
         self.config = Config()
-        sysfs = SysFs(tmp_path, AuditLog(self.sink))
-        self.loop = DriftLoop(lambda: self.config, self.state, sysfs, layout_for(sysfs),
-                              read_meminfo(sysfs).get("MemTotal", 0))
-        self.now = 0.0
+        self.drift = Drift(tmp_path, self.state, lambda: self.config, AuditLog(self.sink))
+        self.loop = self.drift.loop
 
     def cycle(self) -> None:
-        self.now += 10.0
-        self.loop.cycle(self.now)
+        self.drift.cycle()
 
     def meta(self, annotations: dict[str, str]) -> None:
-        self.state.apply_meta(PodMeta(
-            uid=UID, namespace="default", name=self.pod.info.name,
-            annotations=MappingProxyType(annotations), labels=MappingProxyType({}), priority=0,
-            memory_requests=MappingProxyType({}),
-            memory_limits=MappingProxyType({"c0": 512 * MIB})))
+        self.state.apply_meta(api_pod(UID, self.pod.info.name, annotations,
+                                      memory_limits={"c0": 512 * MIB}))
 
     def score(self, pid: int) -> int:
         return int((self.host.root / "proc" / str(pid) / "oom_score_adj").read_text())

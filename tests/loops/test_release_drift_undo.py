@@ -7,21 +7,18 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from types import MappingProxyType
 
+import pytest
 from structlog.testing import capture_logs
 
 from common.audit import AuditLog, MemoryAuditSink
-from common.podmeta import PodMeta
 from common.state import NodeState
 from hooks.config_fields import frozen_map
 from hooks.events import Event
 from hooks.memory_qos import VOLCANO_ANNOTATION
 from nri_plugin.config.schema import Config
-from reconciler.host.cgroups import layout_for
-from reconciler.host.numa import read_meminfo
-from reconciler.host.sysfs import SysFs
-from reconciler.loops.drift import DriftLoop
+from tests.support.builders import api_pod
+from tests.support.drift_cycles import Drift
 from tests.support.fakesys import GIB, MIB, FakeContainer, FakeHost, FakePod
 
 UID = "55555555-0000-0000-0000-000000000005"
@@ -39,22 +36,20 @@ class Node:
         self.sink = MemoryAuditSink()
         self.config = Config()
         self.observe = observe
-        sysfs = SysFs(tmp_path, AuditLog(self.sink)).observing(lambda: self.observe)
-        self.loop = DriftLoop(lambda: self.config, self.state, sysfs, layout_for(sysfs),
-                              read_meminfo(sysfs).get("MemTotal", 0))
-        self.now = 0.0
+        self.drift = Drift(tmp_path, self.state, lambda: self.config, AuditLog(self.sink),
+                           lambda: self.observe)
+        self.loop = self.drift.loop
 
     def cycle(self) -> None:
-        self.now += 10.0
-        self.loop.cycle(self.now)
+        self.drift.cycle()
 
     def meta(self, pod: FakePod, annotations: dict[str, str], *,
              request: int | None = None) -> None:
-        self.state.apply_meta(PodMeta(
-            uid=pod.info.uid, namespace=pod.info.namespace, name=pod.info.name,
-            annotations=MappingProxyType(annotations), labels=MappingProxyType({}), priority=0,
-            memory_requests=MappingProxyType({} if request is None else {"c0": request}),
-            memory_limits=MappingProxyType({"c0": 512 * MIB})))
+        # Every pod here is in namespace default, as api_pod gives it.
+        self.state.apply_meta(api_pod(
+            pod.info.uid, pod.info.name, annotations,
+            memory_requests=None if request is None else {"c0": request},
+            memory_limits={"c0": 512 * MIB}))
 
     def file(self, c: FakeContainer, name: str) -> Path:
         return self.host.cg("memory", c.rel) / name
@@ -77,25 +72,18 @@ def burstable(node: Node) -> tuple[FakePod, FakeContainer]:
     return pod, pod.containers[0]
 
 
-def test_memory_high_from_an_annotation_goes_back_when_the_annotation_is_removed(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("annotations", "high"), [
+    pytest.param({VOLCANO_ANNOTATION: HALF}, str(256 * MIB), id="memory-qos-annotation"),
+    pytest.param({LEVEL: "reclaimed_cores"}, str(int(512 * MIB * 0.95) // 4096 * 4096),
+                 id="level-lowered-and-restored"),
+])
+def test_memory_high_an_annotation_asked_for_goes_back_when_the_annotation_is_removed(
+        tmp_path: Path, annotations: dict[str, str], high: str) -> None:
     node = Node(tmp_path)
     pod, c = burstable(node)
-    node.meta(pod, {VOLCANO_ANNOTATION: HALF})
+    node.meta(pod, annotations)
     node.cycle()
-    assert node.value(c, "memory.high") == str(256 * MIB)
-    node.meta(pod, {})
-    node.cycle()
-    assert node.value(c, "memory.high") == "max"
-
-
-def test_a_level_lowered_through_the_api_and_restored_gives_the_values_back(
-        tmp_path: Path) -> None:
-    node = Node(tmp_path)
-    pod, c = burstable(node)
-    node.meta(pod, {LEVEL: "reclaimed_cores"})
-    node.cycle()
-    assert node.value(c, "memory.high") == str(int(512 * MIB * 0.95) // 4096 * 4096)
+    assert node.value(c, "memory.high") == high
     node.meta(pod, {})
     node.cycle()
     assert node.value(c, "memory.high") == "max"

@@ -32,12 +32,16 @@ def claiming_pod(uid: str, tier: str, level: str) -> PodInfo:
                    cgroup_parent=f"/kubepods/{tier}/pod{uid}", annotations={LEVEL: level})
 
 
-def api_pod(uid: str, name: str, annotations: Mapping[str, str]) -> PodMeta:
+def api_pod(uid: str, name: str, annotations: Mapping[str, str], *,
+            memory_requests: Mapping[str, int] | None = None,
+            memory_limits: Mapping[str, int] | None = None) -> PodMeta:
     """The API server's view of pod ``name`` (``uid``, namespace ``default``) with
-    ``annotations``, no labels, priority and no memory requests or limits."""
+    ``annotations``, no labels, priority and, unless given, no memory requests or limits (by
+    container name)."""
     return PodMeta(uid=uid, namespace="default", name=name, annotations=frozen_map(annotations),
-                   labels=frozen_map({}), priority=0, memory_requests=frozen_map({}),
-                   memory_limits=frozen_map({}))
+                   labels=frozen_map({}), priority=0,
+                   memory_requests=frozen_map(memory_requests or {}),
+                   memory_limits=frozen_map(memory_limits or {}))
 
 
 def hook_executable(path: Path) -> Path:

@@ -20,7 +20,7 @@ import functools
 import gc
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -274,9 +274,9 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
             evictor, mitigation, started = start(host)
             services.extend(started)
             sections.update(ladder_sections(mitigation, evictor))
-    elif run_background:
+    elif notes is not None:
         # The reconciler is off: what an earlier run of it left on the node goes now.
-        services.append(_leftovers(store, sysfs, audit, state_writer))
+        services.append(_leftovers(store, sysfs, audit, notes))
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
     endpoint = status = None
@@ -424,18 +424,16 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
     return run
 
 
-def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog,
-               writer: Executor | None = None) -> Service:
+def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog, notes: StateFile) -> Service:
     """Once at start: restores what the state file says an earlier run changed (host files,
     then, when the API is reachable, its taint and condition, and the eviction conditions its
     eviction manager may have left, the in-tree ones and those noted in the state file, as that
     manager does at a start with it off). What the API refuses is tried again
     (``mitigation.retry_initial_s``, doubling to ``retry_max_s``) until it is done or the agent
     stops, as the ladder retries a release: a taint left behind would keep new pods off the node
-    for good. ``writer``: where the state file is written (off the event loop)."""
+    for good. ``notes``: the agent's state file, the one object that writes it."""
     async def run(stop: asyncio.Event) -> None:
         cfg = store.current
-        notes = state_file(cfg.reconciler.state_dir, writer=writer)
         reason = "reconciler switched off"
         await asyncio.to_thread(restore_host, sysfs, notes, reason)
         noted = bool(notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES))

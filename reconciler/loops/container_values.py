@@ -45,14 +45,13 @@ from dataclasses import dataclass
 import structlog
 
 from hooks.model import ContainerInfo
+from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.procfs import oom_score_adj_path, set_oom_score_adj
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import same_bytes
 
 log = structlog.get_logger("nri_qos.reconciler")
 
-V1_UNLIMITED = "-1"
-"""What a v1 memcg limit or soft limit is set to for no limit."""
 OOM = "oom_score_adj"
 """The note of the container's processes' ``/proc/<pid>/oom_score_adj``."""
 _OBSERVE = "observe mode: the node is watched, not acted on"
@@ -80,9 +79,9 @@ Kubelets = Callable[[], ContainerInfo | None]
 class ContainerValues:
     """The notes of the container files drift set, per container id."""
 
-    def __init__(self, sysfs: SysFs, *, v2: bool) -> None:
+    def __init__(self, sysfs: SysFs, layout: CgroupLayout) -> None:
         self._sysfs = sysfs
-        self._v2 = v2
+        self._layout = layout
         # container id -> (its memory cgroup directory, file name -> note)
         self._notes: dict[str, tuple[str, dict[str, _Note]]] = {}
 
@@ -257,14 +256,15 @@ class ContainerValues:
     def _kubelets(self, name: str, container: ContainerInfo | None) -> str | None:
         """What kubelet sets on the file without the agent; None when the agent cannot know."""
         request = None if container is None else container.memory_request
-        if not self._v2:
+        unlimited = self._layout.unlimited
+        if not self._layout.v2:
             if name == "memory.soft_limit_in_bytes":
-                return V1_UNLIMITED if request is None else str(request)
+                return unlimited if request is None else str(request)
             limit = None if container is None else container.memory_limit
-            return V1_UNLIMITED if limit is None else str(limit)
+            return unlimited if limit is None else str(limit)
         if name == "memory.min":
             return "0" if request is None else str(request)
         if name == "memory.high":
-            return "max" if request is None else None
+            return unlimited if request is None else None
         return "0"
 

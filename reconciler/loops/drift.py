@@ -97,7 +97,7 @@ class DriftLoop(Loop):
         self._sysfs = sysfs
         self._layout = layout
         self._memory_total = memory_total
-        self._values = ContainerValues(sysfs, v2=layout.v2)
+        self._values = ContainerValues(sysfs, layout)
         self._managed = ManagedCache() if managed is None else managed
         self._desired_key: tuple[tuple[Managed, ...], DriftSections] | None = None
         self._desired: list[tuple[Managed, ContainerSettings]] = []

@@ -85,7 +85,8 @@ async def test_a_start_with_the_reconciler_off_takes_it_off(
     cfg = next_runs_config(tmp_path, fake, reconciler=False)
     audit = AuditLog(MemoryAuditSink())
     store = ConfigStore(audit, config=cfg)
-    leftovers = _leftovers(store, SysFs(cfg.reconciler.root, audit), audit)
+    leftovers = _leftovers(store, SysFs(cfg.reconciler.root, audit), audit,
+                           state_file(cfg.reconciler.state_dir))
     await asyncio.wait_for(leftovers(asyncio.Event()), 10.0)
     assert fake.condition_types(NODE) == ["Ready"]
     assert state_file(str(tmp_path / "state")).entries("eviction_condition") == {}

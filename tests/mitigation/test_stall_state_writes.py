@@ -174,7 +174,7 @@ async def test_leftovers_taken_off_with_a_slow_disk_do_not_stall_the_event_loop(
                                   state_dir=str(tmp_path / "state")))
     audit = AuditLog(MemoryAuditSink())
     leftovers = _leftovers(ConfigStore(audit, config=cfg), SysFs(cfg.reconciler.root, audit),
-                           audit, writer)
+                           audit, state_file(cfg.reconciler.state_dir, writer=writer))
     disk = slow_disk(fake, monkeypatch)
     _, late = await lateness_while(asyncio.wait_for(leftovers(asyncio.Event()), 10.0))
     assert node(fake) == ([], {"Ready": "True", RUNG_CONDITION: "False"})

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
 
 
 class Callbacks:
@@ -96,6 +98,23 @@ async def done_or_stopped(future: asyncio.Future[Any], stop: asyncio.Event) -> b
             finally:
                 stopper.cancel()
     return future.done()
+
+
+async def unless_stopped(work: Awaitable[_T], stop: asyncio.Event,
+                         grace_s: float = 0.0) -> _T | None:
+    """``work``'s result; None when it is not done ``grace_s`` after ``stop`` is set, ``work``
+    then cancelled and waited for (nothing of it runs on the event loop after the caller)."""
+    task = asyncio.ensure_future(work)
+    try:
+        if not await done_or_stopped(task, stop) and grace_s > 0:
+            await asyncio.wait({task}, timeout=grace_s)
+        if task.done():
+            return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    return None
 
 
 class Backoff:

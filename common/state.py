@@ -47,6 +47,9 @@ from hooks.untrusted import bounded
 
 Callback = Callable[[], None]
 RefusalCallback = Callable[[PodInfo, Refusal], None]
+Kubelets = tuple[int | None, int | None, str | None]
+"""A container's memory request, ``oom_score_adj`` and MemoryQoS ``memory.high`` as kubelet
+gave them to the runtime (None: kubelet gave none)."""
 
 DEFAULT_POD_LIMIT = 4096
 """Pods remembered at most: far above any node's pod count, so only pods whose removal was never
@@ -112,7 +115,8 @@ class NodeState:
     def __init__(self, qos: Callable[[], QosConfig] = lambda: _DEFAULT_QOS, *,
                  pod_limit: int = DEFAULT_POD_LIMIT,
                  container_limit: int = DEFAULT_CONTAINER_LIMIT,
-                 on_refused: RefusalCallback | None = None) -> None:
+                 on_refused: RefusalCallback | None = None,
+                 earlier: Mapping[str, Kubelets] | None = None) -> None:
         if pod_limit < 1 or container_limit < 1:
             raise ValueError("pod_limit and container_limit must be at least 1")
         self._qos = qos
@@ -134,6 +138,9 @@ class NodeState:
         self._on_refused = on_refused
         # Sandbox id -> the refusal last reported for it, so each is reported once.
         self._refused: dict[str, Refusal] = {}
+        # Container id -> kubelet's values as an earlier run of the agent knew them, for the
+        # first Synchronize (whose containers show this agent's adjustment instead).
+        self._earlier = dict(earlier or {})
 
     # -- subscriptions ---------------------------------------------------------------------------
 
@@ -167,14 +174,16 @@ class NodeState:
                     stopped: Collection[str] = ()) -> None:
         """The runtime's whole view (Synchronize); ``stopped``: the ids of the containers it
         lists as stopped (exited, not removed yet), kept but not running. A container known
-        already keeps kubelet's request and score (see :func:`_kubelets`)."""
+        already keeps kubelet's request and score (see :func:`_kubelets`), from its events or,
+        at the first Synchronize, from what an earlier run noted (``earlier``)."""
         with self._lock:
             self._pods = {p.id: p for p in pods[-self._pod_limit:]}
             # The views of pods the runtime no longer lists go with them.
             self._views = {k: v for k, v in self._views.items() if k in self._pods}
             self._refused = {k: v for k, v in self._refused.items() if k in self._pods}
-            kept = [_kubelets(c, self._containers.get(c.id)) for c in containers
+            kept = [_kubelets(c, self._known(c.id)) for c in containers
                     if c.pod_sandbox_id in self._pods]
+            self._earlier.clear()
             self._containers = {c.id: c for c in kept[-self._container_limit:]}
             self._stopped = {cid for cid in stopped if cid in self._containers}
             self._synced = True
@@ -262,6 +271,18 @@ class NodeState:
         """The container as last put, None when it is not known."""
         with self._lock:
             return self._containers.get(container_id)
+
+    def _known(self, container_id: str) -> Kubelets | None:
+        """Kubelet's values for the container: its events' (lock held), else an earlier run's."""
+        known = self._containers.get(container_id)
+        if known is not None:
+            return _values(known)
+        return self._earlier.get(container_id)
+
+    def kubelets(self) -> dict[str, Kubelets]:
+        """Kubelet's values of every container known, by id."""
+        with self._lock:
+            return {cid: _values(c) for cid, c in self._containers.items()}
 
     def remove_container(self, container: ContainerInfo, event: Event) -> None:
         with self._lock:
@@ -398,16 +419,21 @@ def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:
     )
 
 
-def _kubelets(listed: ContainerInfo, known: ContainerInfo | None) -> ContainerInfo:
-    """A container as Synchronize lists it, with kubelet's request and score where its events
-    told them (``known``): the runtime lists its spec with this agent's adjustment in it (its
-    ``memory.min``, v1 reservation, ``oom_score_adj``), which, read as kubelet's, would compound
-    at every reconnect."""
-    if known is None or (known.memory_request == listed.memory_request
-                         and known.oom_score_adj == listed.oom_score_adj):
+def _kubelets(listed: ContainerInfo, known: Kubelets | None) -> ContainerInfo:
+    """A container as Synchronize lists it, with kubelet's request, score and ``memory.high``
+    where its events told them (``known``): the runtime lists its spec with this agent's
+    adjustment in it (its ``memory.min``, v1 reservation, ``oom_score_adj``, ``memory.high``),
+    which, read as kubelet's, would compound at every reconnect, and after a restart would be
+    given back as kubelet's."""
+    if known is None or known == _values(listed):
         return listed
-    return dataclasses.replace(listed, memory_request=known.memory_request,
-                               oom_score_adj=known.oom_score_adj)
+    request, score, high = known
+    return dataclasses.replace(listed, memory_request=request, oom_score_adj=score,
+                               memory_high=high)
+
+
+def _values(container: ContainerInfo) -> Kubelets:
+    return container.memory_request, container.oom_score_adj, container.memory_high
 
 
 def merge_container(container: ContainerInfo, meta: PodMeta | None) -> ContainerInfo:

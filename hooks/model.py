@@ -43,6 +43,8 @@ class ContainerInfo:
     memory_request: int | None = None
     # kubelet's value in the OCI spec
     oom_score_adj: int | None = None
+    # kubelet's MemoryQoS memory.high in the spec's unified map ("max" or bytes), None without
+    memory_high: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import structlog
 
-from common.aio import Backoff, sleep_until
+from common.aio import Backoff, sleep_until, unless_stopped
 from common.audit import AuditLog
 from common.metrics import Metrics, PluginMetrics
 from common.state import NodeState, report_refusals
@@ -47,7 +47,7 @@ from reconciler.detection.signals import Board, Level
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS, in_tree_plugins
 from reconciler.eviction.conditions import NodeConditions
 from reconciler.eviction.manager import EvictionManager
-from reconciler.host.cgroups import kubelet_driver
+from reconciler.host.cgroups import CgroupLayout, kubelet_driver
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
@@ -57,6 +57,7 @@ from reconciler.host.watermarks import Watermarks
 from reconciler.kube import Api, KubeActions, PodWatcher, build_api_client, node_name
 from reconciler.loops.base import LoopTracker
 from reconciler.loops.common import ManagedCache
+from reconciler.loops.kubelet_notes import noted as kubelets_noted
 from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.metrics import ReconcilerMetrics
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES, Cause, TaintAction
@@ -73,6 +74,8 @@ CAPABILITY_THREADS = 4
 deadline does not hold up the next event."""
 KUBELET_CGROUP_POLL_S = 1.0
 """How often an agent started before kubelet looks for kubelet's pods cgroup."""
+LEFTOVERS_STOP_WAIT_S = 2.0
+"""How long a stop waits for the taint or condition release under way (its notes stay)."""
 KUBELET_CGROUPS = ("kubepods.slice", "kubepods")
 """kubelet's pods cgroup under the systemd and the cgroupfs driver."""
 RECONCILER_FIELDS = frozenset({"oom_score_adj", "unified", "memory_limit", "memory_reservation",
@@ -219,16 +222,16 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     metrics.config_reload(True, time.time())
     store.on_load(lambda ok: metrics.config_reload(ok, time.time()))
     sysfs = sysfs.metered(metrics).observing(lambda: store.current.agent.mode == OBSERVE)
-    state = NodeState(qos=lambda: store.current.qos,
-                      on_refused=report_refusals(audit, metrics))
-    audit.identify(functools.partial(_pod_identity, state))
-    board = Board()
-    tracker = LoopTracker(reconciler_metrics)
     # What the agent changed and must restore, kept across runs; a simulation touches none.
     # One thread writes for the event loop, in the order asked.
     state_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nri-qos-state")
     notes = state_file(cfg.reconciler.state_dir, writer=state_writer) if run_background \
         else None
+    state = NodeState(qos=lambda: store.current.qos, on_refused=report_refusals(audit, metrics),
+                      earlier=None if notes is None else kubelets_noted(notes))
+    audit.identify(functools.partial(_pod_identity, state))
+    board = Board()
+    tracker = LoopTracker(reconciler_metrics)
     resctrl = _resctrl(store, host, sysfs, audit, notes)
     if notes is not None and not cfg.resctrl.enabled:
         _remove_resctrl_groups(cfg, sysfs, audit, notes)
@@ -276,7 +279,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
             sections.update(ladder_sections(mitigation, evictor))
     elif notes is not None:
         # The reconciler is off: what an earlier run of it left on the node goes now.
-        services.append(_leftovers(store, sysfs, audit, notes))
+        services.append(_leftovers(store, sysfs, audit, notes, host.cgroup))
     # Endpoints only for a real agent: a simulation must not take the node agent's port or
     # socket.
     endpoint = status = None
@@ -424,7 +427,8 @@ def _reconciler(store: ConfigStore, state: NodeState, sysfs: SysFs, host: HostIn
     return run
 
 
-def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog, notes: StateFile) -> Service:
+def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog, notes: StateFile,
+               layout: CgroupLayout) -> Service:
     """Once at start: restores what the state file says an earlier run changed (host files,
     then, when the API is reachable, its taint and condition, and the eviction conditions its
     eviction manager may have left, the in-tree ones and those noted in the state file, as that
@@ -432,10 +436,10 @@ def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog, notes: StateFi
     (``mitigation.retry_initial_s``, doubling to ``retry_max_s``) until it is done or the agent
     stops, as the ladder retries a release: a taint left behind would keep new pods off the node
     for good. ``notes``: the agent's state file, the one object that writes it."""
-    async def run(stop: asyncio.Event) -> None:
+    async def release(stop: asyncio.Event) -> None:
         cfg = store.current
         reason = "reconciler switched off"
-        await asyncio.to_thread(restore_host, sysfs, notes, reason)
+        await asyncio.to_thread(restore_host, sysfs, notes, reason, layout)
         noted = bool(notes.entries(TAINT_NOTES) or notes.entries(CONDITION_NOTES))
         api = build_api_client(cfg.kubernetes)
         if api is None:
@@ -464,7 +468,8 @@ def _leftovers(store: ConfigStore, sysfs: SysFs, audit: AuditLog, notes: StateFi
             backoff = backoff or Backoff(retry.retry_initial_s, retry.retry_max_s)
             await sleep_until(backoff.next(), stop)
 
-    return run
+    # A stop waits a little for a release under way, not for an API server holding it up.
+    return lambda stop: unless_stopped(release(stop), stop, LEFTOVERS_STOP_WAIT_S)
 
 
 async def run_agent(agent: Agent, connection: Connection, stop: asyncio.Event) -> int:

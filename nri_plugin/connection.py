@@ -84,13 +84,14 @@ async def run_external(stub: PluginStub, stop: asyncio.Event, *, socket_path: st
             reader, writer = await asyncio.open_unix_connection(socket_path)
         except OSError as exc:
             delay = backoff.next()
-            log.warning(
-                "runtime_socket_unavailable", path=socket_path, error=str(exc),
-                hint="is containerd >= 1.7 running with NRI enabled "
-                     "([plugins.\"io.containerd.nri.v1.nri\"] disable = false) and its "
-                     "socket_path set to this path?",
-                retry_in_s=delay,
-            )
+            # The socket is there and refuses this user: NRI is on, the agent is not root.
+            hint = ("the runtime's NRI socket is root's: run nri-qos as root"
+                    if isinstance(exc, PermissionError) else
+                    "is containerd >= 1.7 running with NRI enabled "
+                    "([plugins.\"io.containerd.nri.v1.nri\"] disable = false) and its "
+                    "socket_path set to this path?")
+            log.warning("runtime_socket_unavailable", path=socket_path, error=str(exc),
+                        hint=hint, retry_in_s=delay)
             await sleep_until(delay, stop)
             continue
         log.info("runtime_connected", path=socket_path)

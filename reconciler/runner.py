@@ -31,7 +31,7 @@ from common.podmeta import PodMeta
 from common.state import NodeState
 from hooks.model import ReadKeys
 from hooks.resctrl_config import ResctrlConfig
-from reconciler.host.cgroups import BESTEFFORT
+from reconciler.host.cgroups import BESTEFFORT, CgroupLayout
 from reconciler.host.probe import HostInfo
 from reconciler.host.resctrlfs import ResctrlFs
 from reconciler.host.statefile import StateFile
@@ -42,6 +42,7 @@ from reconciler.loops.base import Loop, LoopTracker, run_loop
 from reconciler.loops.common import ManagedCache, requested_outside
 from reconciler.loops.cpu_idle import CpuIdleLoop, CpuIdleSections, restore_idle
 from reconciler.loops.drift import DriftLoop, DriftSections
+from reconciler.loops.kubelet_notes import give_back_noted
 from reconciler.loops.memory_guard import MemoryGuardLoop, MemoryGuardSections, restore_tier
 from reconciler.loops.memory_squeeze import GuardSqueeze
 from reconciler.loops.numa_balance import NumaBalanceConfig, NumaBalanceLoop, NumaBalanceSections
@@ -258,10 +259,14 @@ def _close(loop: Loop) -> None:
         log.exception("reconciler_loop_close_failed", loop=loop.name)
 
 
-def restore_host(sysfs: SysFs, notes: StateFile, reason: str) -> None:
+def restore_host(sysfs: SysFs, notes: StateFile, reason: str,
+                 layout: CgroupLayout | None = None) -> None:
     """Writes back every host file the state file says the agent changed: the memory guard's
     tier files, the tier's cpu.idle, tuned memory.wmark_ratio, NUMA bindings and balancing, the
-    protection of the pod and tier cgroups."""
+    protection of the pod and tier cgroups, and, given the cgroup ``layout``, the containers'
+    values drift noted."""
+    if layout is not None:
+        give_back_noted(sysfs, layout, notes, reason)
     restore_tier(sysfs, notes, reason)
     restore_idle(sysfs, notes, reason)
     restore_protection(sysfs, notes, reason)

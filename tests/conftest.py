@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,6 +94,15 @@ def fake() -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
         server.add_node(NODE)
         yield server
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path, for unix sockets: their paths are limited to 107 bytes,
+    which pytest's own temporary paths may pass."""
+    path = Path(tempfile.mkdtemp(prefix="nq-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 
 import structlog
 
@@ -30,6 +31,13 @@ from nri_plugin.scheduling import set_scheduling
 from nri_plugin.session.stub import PluginIdentity
 
 log = structlog.get_logger("nri_qos.daemon")
+
+EXIT_WAIT_S = 5.0
+"""How long the process, once the agent stopped, waits for worker threads still blocked in the
+kernel (a write to a memory limit in reclaim) before it exits without them: the interpreter
+would wait for them for good, past the DaemonSet's 45 s and the systemd unit's 20 s to stop, and
+end killed. What such a thread was to restore stays noted in the state file for the next
+start."""
 
 
 def identity_for(cfg: Config, prelaunched: Prelaunched | None) -> PluginIdentity:
@@ -118,6 +126,29 @@ def main_run(config_path: str | None, socket_path: str | None, log_level: str | 
                              allow_second_agent, metrics_address))
 
 
+def exit_within(status: int, wait_s: float) -> None:
+    """The process is about to exit: should that take more than ``wait_s`` (the interpreter
+    waits for every worker thread, and one may be blocked in the kernel), it ends then, with
+    ``status``. Called once the agent stopped, by the process's entry point only."""
+    def force() -> None:
+        left = [thread.name for thread in threading.enumerate()
+                if not thread.daemon and thread is not threading.main_thread()
+                and thread.is_alive()]
+        # The agent's logging is gone by now: said as a failure before it is set up is said.
+        structlog.get_logger("nri_qos").warning(
+            "exit_threads_left", threads=left, waited_s=wait_s,
+            hint="blocked in the kernel; what they were to restore is noted in the state file "
+                 "for the next start or nri-qos reset")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    timer = threading.Timer(wait_s, force)
+    timer.name = "nri-qos-exit"
+    timer.daemon = True
+    timer.start()
+
+
 async def _main(config_path: str | None, socket_path: str | None, log_level: str | None,
                 prelaunched: Prelaunched | None, allow_second_agent: bool,
                 metrics_address: str | None) -> int:
@@ -125,5 +156,9 @@ async def _main(config_path: str | None, socket_path: str | None, log_level: str
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    return await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched,
-                       allow_second_agent=allow_second_agent, metrics_address=metrics_address)
+    status = await serve(config_path, socket_path, log_level, stop=stop, prelaunched=prelaunched,
+                         allow_second_agent=allow_second_agent, metrics_address=metrics_address)
+    # From here asyncio.run waits for the threads of its default executor, and the interpreter
+    # for every other worker thread.
+    exit_within(status, EXIT_WAIT_S)
+    return status

@@ -6,6 +6,9 @@ configuration, so an effect of an earlier run is found whatever the configuratio
 * the memory guard's cap and squeeze on the BestEffort tier: the files' earlier values;
 * ``memory.wmark_ratio`` the tune rung lowered on reclaimed pods: the earlier values;
 * ``cpuset.mems`` the NUMA binding set on reclaimed containers: the earlier values;
+* the containers' memcg values and processes' ``oom_score_adj`` drift noted setting or finding
+  applied at creation: the value from before, or kubelet's (as drift gives them back when no
+  policy asks for them any more);
 * the mitigation taint (every key noted, and the configured one), its node condition, the
   in-tree eviction plugins' conditions and every condition the eviction manager noted writing
   True (an out-of-tree plugin's), taken off the node's status, when the Kubernetes API is
@@ -17,7 +20,8 @@ configuration, so an effect of an earlier run is found whatever the configuratio
 Every step is idempotent: a second reset finds nothing to do. A step that fails (a write the
 kernel refuses, a group it will not remove yet) says why and keeps its note in the state file,
 the other steps still run, and the reset exits with status 1: run it again. With
-``[kubernetes] enabled = false`` a taint or condition the state file notes is left, and said.
+``[kubernetes] enabled = false`` a taint or condition the state file notes is left, and said;
+enabled without usable credentials, such a taint or condition fails the reset (and stays noted).
 ``--dry-run`` prints the steps and changes nothing. The agent must not be running (it would
 place its effects again): a reset that finds it answering on its status socket stops with exit
 status 1. Writes to the host are audited as the agent's are; each step prints one line.
@@ -42,13 +46,16 @@ from nri_plugin.config.store import load_config
 from nri_plugin.obs.logs import LoggingSetup
 from reconciler.eviction.builtin import IN_TREE_CONDITIONS
 from reconciler.eviction.conditions import EVICTION_CONDITION_NOTES
-from reconciler.host.probe import probe_host
+from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.probe import probe_host, reaches_host
 from reconciler.host.resctrlfs import PREFIX_NOTES, ResctrlFs, removal_problem
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
+from reconciler.loops.container_values import NOTES as VALUE_NOTES
 from reconciler.loops.cpu_idle import NOTES as CPU_IDLE_NOTES
 from reconciler.loops.cpu_idle import restore_idle
+from reconciler.loops.kubelet_notes import KUBELET_NOTES, give_back_noted
 from reconciler.loops.memory_guard import NOTES as GUARD_NOTES
 from reconciler.loops.memory_guard import restore_tier
 from reconciler.loops.numa_binding import NUMA_BALANCE_NOTES, NUMA_NOTES, restore_bindings
@@ -142,6 +149,13 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
     host = probe_host(sysfs, cgroup_version=cfg.memory.cgroup_version,
                       cgroup_driver=cfg.reconciler.cgroup_driver,
                       resctrl_mount=cfg.resctrl.root, amd_mb_max=cfg.resctrl.amd_mb_max)
+    noted = notes.entries(VALUE_NOTES)
+    if noted:
+        steps.append(Step(f"drift: give back the values of {len(noted)} container(s)",
+                          functools.partial(_give_back_values, sysfs, host.cgroup, notes)))
+    elif notes.entries(KUBELET_NOTES):
+        steps.append(Step("drift: forget kubelet's values of the containers",
+                          lambda: _forget(notes, KUBELET_NOTES)))
     if host.resctrl is not None:
         fs = ResctrlFs(sysfs, cfg.resctrl.root, host.resctrl, prefix=cfg.resctrl.group_prefix,
                        audit=audit)
@@ -161,6 +175,20 @@ def _host_steps(cfg: Config, sysfs: SysFs, notes: StateFile, audit: AuditLog) ->
     if is_socket:
         steps.append(Step(f"status: remove socket {status}", lambda: _unlink(status)))
     return steps
+
+
+def _give_back_values(sysfs: SysFs, layout: CgroupLayout, notes: StateFile) -> str:
+    """Failed while a container's note is left (a write refused)."""
+    given, left = give_back_noted(sysfs, layout, notes, REASON)
+    if left:
+        return (f"failed ({len(left)} container(s) not given back, kept in the state file: "
+                f"{', '.join(left)})")
+    return f"gave back the values of {given} container(s)"
+
+
+def _forget(notes: StateFile, section: str) -> str:
+    notes.replace(section, {})
+    return "forgotten"
 
 
 def _forget_prefixes(fs: ResctrlFs, notes: StateFile) -> str:
@@ -185,7 +213,15 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
     """The taint and condition steps, and a note when the API is out of reach."""
     api = build_api_client(cfg.kubernetes)
     if api is None:
-        return [], "no Kubernetes API access: the node's taint and condition are left as they are"
+        placed = _placed(notes)
+        if not placed:
+            return [], ("no Kubernetes API access: the node's taint and condition are left as "
+                        "they are")
+        # The configuration asks for the API: what an earlier run placed and stays is a
+        # failure of the reset, not a note beside "nothing to undo".
+        return [Step(f"node: remove {', '.join(placed)} placed by an earlier run",
+                     lambda: "failed (no Kubernetes API access: no usable credentials; kept in "
+                             "the state file)")], ""
     kube = KubeActions(api, cfg.kubernetes, audit)
     node = node_name(cfg.kubernetes)
     rung = cfg.mitigation.taint
@@ -215,12 +251,17 @@ def _node_steps(cfg: Config, notes: StateFile, audit: AuditLog) -> tuple[list[St
     return steps, ""
 
 
+def _placed(notes: StateFile) -> list[str]:
+    """The taints and node conditions the state file notes an earlier run placing."""
+    return [f"taint {key}" for key in notes.entries(TAINT_NOTES)] + [
+        f"condition {kind}" for kind in dict.fromkeys([*notes.entries(CONDITION_NOTES),
+                                                       *notes.entries(EVICTION_CONDITION_NOTES)])]
+
+
 def _unreached(notes: StateFile) -> str:
     """What an earlier run placed on the node that a reset without the API leaves there ("" when
     nothing): said, since the state file keeps it for a reset with the API."""
-    placed = [f"taint {key}" for key in notes.entries(TAINT_NOTES)] + [
-        f"condition {kind}" for kind in dict.fromkeys([*notes.entries(CONDITION_NOTES),
-                                                       *notes.entries(EVICTION_CONDITION_NOTES)])]
+    placed = _placed(notes)
     if not placed:
         return ""
     return (f"[kubernetes] enabled is false: {', '.join(placed)} placed by an earlier run "
@@ -234,6 +275,22 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
     sysfs = SysFs(cfg.reconciler.root, audit, retries=cfg.reconciler.write_retries)
     # A dry run changes nothing, the state file included (an invalid one stays where it is).
     notes = state_file(cfg.reconciler.state_dir, read_only=dry_run)
+    if notes.unreadable is not None:
+        # Without its notes the reset would say "nothing to undo" of what they list, and a
+        # step's own note written now would replace them.
+        out.write(f"failed: cannot read the state file {notes.path} ({notes.unreadable}); "
+                  "nothing is undone: run the reset again once it can be read\n")
+        return 1
+    if notes.set_aside is not None:
+        fate = "a reset sets it aside" if dry_run else f"set aside as {notes.path}.bad"
+        out.write(f"note: the state file {notes.path} is invalid ({notes.set_aside}), {fate}: "
+                  "what it noted is not undone\n")
+    if not reaches_host(sysfs):
+        # Below it every noted file would look gone, and its note be dropped unrestored.
+        out.write(f"failed: [reconciler] root = {cfg.reconciler.root} does not reach the host "
+                  "(no sys/fs/cgroup or proc below it; in a pod, the host's /sys/fs and /proc "
+                  "are mounted there); nothing is undone, the state file keeps its notes\n")
+        return 1
     steps = _host_steps(cfg, sysfs, notes, audit)
     remark = ""
     if kubernetes and cfg.kubernetes.enabled:
@@ -278,6 +335,10 @@ def main_reset(config_path: str | None, *, dry_run: bool, out: TextIO = sys.stdo
             err.write(f"nri-qos reset: an agent answers on {cfg.status.socket}; stop it first "
                       "(it would place what the reset takes away again)\n")
             return 1
+        if not cfg.status.enabled:
+            # The check above finds no agent of this configuration, running or not.
+            out.write("note: [status] enabled is false: whether an agent still runs cannot be "
+                      "told; stop it first (it would place what the reset takes away again)\n")
         return reset(cfg, logging_setup.audit, dry_run=dry_run, out=out)
     finally:
         logging_setup.close()

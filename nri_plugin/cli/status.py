@@ -180,25 +180,28 @@ def _json_failure(out: TextIO, error: str, socket: str | None = None) -> None:
     out.write(json.dumps(failure, sort_keys=True) + "\n")
 
 
-def socket_path(config_path: str | None) -> str:
-    """``[status] socket`` of the configuration; raises :class:`ConfigError`."""
-    cfg, _ = load_config(config_path)
-    return cfg.status.socket
-
-
 def main_status(config_path: str | None, socket: str | None, *, as_json: bool,
                 out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
     if socket is None:
         try:
-            socket = socket_path(config_path)
+            cfg, source = load_config(config_path)
         except ConfigError as exc:
             if as_json:
                 _json_failure(out, "; ".join(exc.lines()))
             for line in exc.lines():
                 err.write(f"{line}\n")
             return 2
+        socket = cfg.status.socket
+        if not cfg.status.enabled:
+            # Whether an agent runs or not, none of this configuration answers there.
+            off = (f"the configuration ({source}) turns the status socket off ([status] "
+                   "enabled = false): an agent running with it answers no status")
+            if as_json:
+                _json_failure(out, off, socket)
+            err.write(f"nri-qos status: {off}\n")
+            return 1
     try:
         document = fetch(socket)
     except NoAgent as exc:

@@ -162,7 +162,8 @@ class ConfigStore:
         """
         self._explicit = path is not None
         self._path = Path(path) if path is not None else Path(self._default_path)
-        cfg, source = self._read()
+        cfg, source = self._read(hint="no configuration is in force yet: the command stops; check "
+                                      "the files with: nri-qos check-config PATH")
         self._start = cfg
         self._swap(cfg, source)
         return self._current
@@ -211,8 +212,10 @@ class ConfigStore:
                     self.reload()
 
 
-    def _read(self) -> tuple[Config, str]:
-        """Read and check the file; a rejected one is audited (``config_rejected``) and raised."""
+    def _read(self, hint: str = "the previous configuration stays in force; check the files "
+                                "with: nri-qos check-config PATH") -> tuple[Config, str]:
+        """Read and check the file; a rejected one is audited (``config_rejected``, with
+        ``hint``) and raised."""
         if self._path is None:
             raise RuntimeError("load_initial() must run first")
         # Stamp first: a change made while reading is then seen by the next check.
@@ -223,8 +226,7 @@ class ConfigStore:
         except ConfigError as exc:
             self._audit.record("config_rejected", source=str(self._path),
                                drop_ins=str(drop_in_dir(self._path)), errors=exc.lines(),
-                               hint="the previous configuration stays in force; check the "
-                                    "files with: nri-qos check-config PATH")
+                               hint=hint)
             raise
         cfg: Config = layered.config
         return cfg, sources_text(layered.files)

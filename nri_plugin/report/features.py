@@ -153,7 +153,7 @@ def _offload(cfg: Config, host: HostInfo) -> Feature:
                "memory without it)"
     elif off.anon:
         what = f"file cache and anonymous memory ({swap}; not of containers whose " \
-               "memory.swap.max is 0)"
+               "memory.swap.max is 0, nor under a cgroup whose swap is 0 or full)"
     else:
         what = f"file cache only (offload.anon is false), steps bounded by inactive file " \
                f"memory; {swap}: memory.reclaim is not given swappiness= (Linux 6.1 has " \

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -69,8 +70,12 @@ class MetricsEndpoint:
                 limit=MAX_HEAD_BYTES, reuse_address=True)
         except OSError as exc:
             # The agent's job is NRI: it goes on without its endpoint, loudly.
+            hint = ("another process on this port? see [metrics] port"
+                    if exc.errno == errno.EADDRINUSE else
+                    "is the address one of this host's? see [metrics] address and "
+                    "--metrics-address")
             log.error("metrics_unavailable", address=self._address, port=self._port,
-                      error=str(exc), hint="another process on this port? see [metrics]")
+                      error=str(exc), hint=hint)
             executor.shutdown(wait=False)
             await stop.wait()
             return

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import functools
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -68,6 +69,10 @@ read as the request or kubelet's score, would compound at each loop pass."""
 # Events at which a pod's unusable QoS values are audited (once per pod and once per container,
 # instead of at every event).
 _LEVEL_AUDIT_EVENTS = frozenset({Event.RUN_POD_SANDBOX, Event.CREATE_CONTAINER})
+REMOVED_PODS_KEPT = 4096
+"""Sandbox ids of removed pods remembered, so that an event still coming about one (a stop seen
+by containerd's asynchronous task-exit path) does not leave it in the node state, where nothing
+would ever remove it again."""
 
 log = structlog.get_logger("nri_qos.nri")
 
@@ -130,6 +135,7 @@ class EventHandler:
         self._keys_config: Config | None = None
         self._keys = ReadKeys(frozenset())
         self._policies = {strict: FailurePolicy(audit, strict=strict) for strict in (False, True)}
+        self._removed: OrderedDict[str, None] = OrderedDict()
 
     def policy(self, cfg: Config | None = None) -> FailurePolicy:
         """The failure policy of ``cfg`` (by default the configuration in force)."""
@@ -200,6 +206,10 @@ class EventHandler:
         followed = event in self.followed
         if not chain and not followed:
             return None
+        removed = pod_msg.id in self._removed
+        if removed and event is Event.RUN_POD_SANDBOX:
+            del self._removed[pod_msg.id]
+            removed = False
         cfg = self._config()
         name = event.name.lower()
         keys = self._read_keys(cfg)
@@ -215,7 +225,9 @@ class EventHandler:
                 container=bounded(container_msg.name) if container_msg is not None else "")
             self._forget_removed(event, pod_msg)
             return "invalid"
-        if followed and event is not Event.REMOVE_POD_SANDBOX:
+        # The capabilities still hear of a removed pod's late event; the node state does not
+        # take it back (it goes again once the event is handled).
+        if followed and event is not Event.REMOVE_POD_SANDBOX and not removed:
             self._feed(event, view, container)
         if event in _LEVEL_AUDIT_EVENTS and chain:
             self._records.level(view, container.name if container is not None else "")
@@ -305,8 +317,11 @@ class EventHandler:
         return b""
 
     def _forget_removed(self, event: Event, pod_msg: api.PodSandbox) -> None:
-        if event is Event.REMOVE_POD_SANDBOX:
+        if event is Event.REMOVE_POD_SANDBOX or pod_msg.id in self._removed:
             self._state.remove_pod(pod_msg.id, event)
+            self._removed[pod_msg.id] = None
+            if len(self._removed) > REMOVED_PODS_KEPT:
+                self._removed.popitem(last=False)
 
     def _log_event(self, event: Event, pod_msg: api.PodSandbox,
                    container_msg: api.Container | None, started: float, result: str,
@@ -365,15 +380,19 @@ def _calls(event: Event, chain: Sequence[Capability], view: PodView,
 def _kubelets(container: ContainerInfo, known: ContainerInfo | None,
               event: Event) -> ContainerInfo:
     """``container`` with the resources kubelet gave it where ``known`` has them: from the
-    events of :data:`_KUBELETS_RESOURCES` the limit and request they show (an update's request
-    only when it says one), never the score, which no update changes."""
+    events of :data:`_KUBELETS_RESOURCES` the limit, request and MemoryQoS ``memory.high`` they
+    show (an update's request and ``memory.high`` only when it says one), never the score,
+    which no update changes."""
     if known is None:
         return container
     if event in _KUBELETS_RESOURCES:
         return dataclasses.replace(
             container, oom_score_adj=known.oom_score_adj,
             memory_request=container.memory_request if container.memory_request is not None
-            else known.memory_request)
+            else known.memory_request,
+            memory_high=container.memory_high if container.memory_high is not None
+            else known.memory_high)
     return dataclasses.replace(container, memory_limit=known.memory_limit,
                                memory_request=known.memory_request,
-                               oom_score_adj=known.oom_score_adj)
+                               oom_score_adj=known.oom_score_adj,
+                               memory_high=known.memory_high)

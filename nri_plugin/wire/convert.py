@@ -21,6 +21,8 @@ from nri_plugin.wire.runtime_support import ClosField
 from protos import nri_api_pb2 as api
 
 INT64_MAX = (1 << 63) - 1
+OOM_SCORE_ADJ_MIN, OOM_SCORE_ADJ_MAX = -1000, 1000
+"""The range /proc/<pid>/oom_score_adj takes."""
 _DECIMAL = re.compile(r"[0-9]{1,19}")
 
 MAX_ID_CHARS = 256
@@ -120,8 +122,18 @@ def container_info(container: api.Container) -> ContainerInfo:
         # The runtime leaves the limit out, or writes 0, for "no limit".
         memory_limit=limit if limit > 0 else None,
         memory_request=_memory_request(linux.resources),
-        oom_score_adj=linux.oom_score_adj.value if linux.HasField("oom_score_adj") else None,
+        oom_score_adj=_oom_score_adj(linux),
+        memory_high=_memory_high(linux.resources),
     )
+
+
+def _oom_score_adj(linux: api.LinuxContainer) -> int | None:
+    # A score the kernel would refuse is no score: taken as the container's, the policies
+    # would keep or raise it into an answer the runtime then fails the creation with.
+    if not linux.HasField("oom_score_adj"):
+        return None
+    value = linux.oom_score_adj.value
+    return value if OOM_SCORE_ADJ_MIN <= value <= OOM_SCORE_ADJ_MAX else None
 
 
 def _memory_request(resources: api.LinuxResources) -> int | None:
@@ -136,6 +148,17 @@ def _memory_request(resources: api.LinuxResources) -> int | None:
     memory = resources.memory
     if memory.HasField("reservation") and memory.reservation.value > 0:
         return memory.reservation.value
+    return None
+
+
+def _memory_high(resources: api.LinuxResources) -> str | None:
+    # kubelet's MemoryQoS writes it beside memory.min: "max", or bytes.
+    text = resources.unified.get("memory.high")
+    if text is None:
+        return None
+    text = text.strip()
+    if text == "max" or (_DECIMAL.fullmatch(text) and int(text) <= INT64_MAX):
+        return text
     return None
 
 

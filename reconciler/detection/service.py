@@ -126,6 +126,9 @@ class DetectorsLoop(Loop):
         self._said: set[str] = set()
         self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._factor_problems: dict[str, str] = {}
+        # Detector -> the failure whose traceback was logged: one that fails at every cycle is
+        # logged once, and again once it has run without failing.
+        self._failing: dict[str, str] = {}
         # Whether the loop waits out its quiet period (read from the publishing threads).
         self._quiet = False
         if not host.numa_view.consistent:
@@ -179,7 +182,9 @@ class DetectorsLoop(Loop):
             try:
                 run(cfg.detection, now)
             except Exception as exc:  # one detector's bug must not silence the others
-                log.exception("detector_failed", detector=name)
+                if self._failing.get(name) != repr(exc):
+                    self._failing[name] = repr(exc)
+                    log.exception("detector_failed", detector=name)
                 # A per-pod detector's failure is said under a pod scope: the node's PSI
                 # reading (another path's) is not replaced, and the next full round of pod
                 # readings drops it.
@@ -187,6 +192,8 @@ class DetectorsLoop(Loop):
                 self._publisher.offer(name, [d.unknown(name, scope, f"detector failed: "
                                                                     f"{bounded(repr(exc))}", now)],
                                       covers=None)
+            else:
+                self._failing.pop(name, None)
 
     def _say_once(self, key: str, message: str) -> None:
         if key not in self._said:

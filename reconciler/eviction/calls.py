@@ -3,7 +3,7 @@
 A plugin that misses its deadline, fails or answers garbage costs its own answer for the round
 and nothing more. Failures are audited once per streak of one call (and again when the kind of
 failure changes), and the end of a streak once: a plugin down for an hour writes two records,
-not one per second.
+not one per second; an in-tree plugin's exception logs its traceback once per streak too.
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class PluginCalls:
         except PluginCallError as exc:
             self._failed(plugin.name, call, exc)
         except Exception as exc:  # an in-tree plugin's bug costs its round, nothing more
-            log.warning("eviction_plugin_bug", plugin=plugin.name, call=call, exc_info=True)
+            failing = self._failing.get((plugin.name, call))
+            if failing is None or "error" not in failing.kinds:  # its traceback once a streak
+                log.warning("eviction_plugin_bug", plugin=plugin.name, call=call, exc_info=True)
             self._failed(plugin.name, call, PluginCallError("error", repr(exc)))
         else:
             failing = self._failing.pop((plugin.name, call), None)

@@ -38,7 +38,7 @@ from typing import Protocol
 
 import structlog
 
-from common.aio import Backoff, done_or_stopped, sleep_until
+from common.aio import Backoff, done_or_stopped, sleep_until, unless_stopped
 from common.audit import AuditLog
 from common.state import NodeState
 from hooks.untrusted import bounded
@@ -72,6 +72,8 @@ log = structlog.get_logger("nri_qos.eviction")
 EVENT_REASON = "NriQosEvicted"
 RECENT_KEPT = 20
 """Decisions kept for ``nri-qos status``."""
+WITHDRAW_STOP_WAIT_S = 2.0
+"""How long a stop waits for the withdrawal of the conditions under way (manager switched off)."""
 
 class EvictionSections(Protocol):
     @property
@@ -220,8 +222,13 @@ class EvictionManager:
                 else:
                     await self._directory.close()
                     if not self._withdrawn:
-                        self._withdrawn = await self._conditions.withdraw(
-                            IN_TREE_CONDITIONS, cfg, self._now())
+                        # A stop waits a little for writes under way, not for an API server
+                        # holding them up (what is not withdrawn stays noted).
+                        withdrawn = await unless_stopped(self._conditions.withdraw(
+                            IN_TREE_CONDITIONS, cfg, self._now()), stop, WITHDRAW_STOP_WAIT_S)
+                        if withdrawn is None:
+                            return
+                        self._withdrawn = withdrawn
                 await sleep_until(delay, stop, self._wake)
         finally:
             if unsubscribe is not None:

@@ -16,6 +16,7 @@ no ``..``, no empty or dot components, only the characters cgroup names use.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 
@@ -139,6 +140,34 @@ def pod_parent_rel(cgroup_parent: str) -> str:
     if "/" in text or ":" in text:
         raise CgroupPathError(f"cgroup parent {cgroup_parent!r}: neither a path nor a slice")
     return _checked(expand_slice(text), cgroup_parent)
+
+
+MOST_SUBTREE_CGROUPS = 256
+"""Cgroups read at most by :func:`subtree_ids`: the ones below a container are its own to make,
+as many as it likes."""
+
+
+def subtree_ids(sysfs: SysFs, cgroup: str, name: str = "cgroup.procs") -> list[int]:
+    """The ids in the file ``name`` of ``cgroup`` and of the cgroups below it (at most
+    :data:`MOST_SUBTREE_CGROUPS` of them, nearest first). On cgroup v2 a cgroup that hands its
+    controllers down to children keeps no process of its own (the "no internal process" rule):
+    a container that makes cgroups of its own (Docker in Docker, a systemd inside) has all its
+    processes in them and none in its own ``cgroup.procs``. A cgroup whose ``cgroup.procs``
+    the kernel will not list (a threaded one: EOPNOTSUPP; its processes are listed by the
+    threaded domain above it) counts none, and names no plain path can hold (a leading dot) are
+    passed over: both are the container's to choose."""
+    ids: list[int] = []
+    queue = [cgroup]
+    for index in range(MOST_SUBTREE_CGROUPS):
+        if index >= len(queue):
+            break
+        here = queue[index]
+        with contextlib.suppress(OSError, ValueError):
+            ids.extend(sysfs.read_ids(f"{here}/{name}") or ())
+        room = MOST_SUBTREE_CGROUPS - len(queue)
+        children = [child for child in sysfs.list_subdirs(here) if not child.startswith(".")]
+        queue.extend(f"{here}/{child}" for child in children[:room])
+    return ids
 
 
 def tier_rel(driver: str, tier: str) -> str:

@@ -126,11 +126,21 @@ class HostInfo:
         return self.memcg.refaults and not self.pod_psi
 
 
+def reaches_host(sysfs: SysFs) -> bool:
+    """Whether the tree's root shows a host: its cgroups and its procfs below it."""
+    return sysfs.is_dir("/sys/fs/cgroup") and sysfs.is_dir("/proc")
+
+
 def probe_host(sysfs: SysFs, *, cgroup_version: str = "auto", cgroup_driver: str = "auto",
                resctrl_mount: str | None = None, amd_mb_max: int = 2048,
                numa_tolerance_percent: float = 10.0) -> HostInfo:
     """Probe everything once. ``resctrl_mount`` None: resctrl is not wanted (not probed)."""
     warnings: list[str] = []
+    if not reaches_host(sysfs):
+        # Else every finding below reads as the host's: no cgroups, no memory, kernel unknown.
+        warnings.append(f"[reconciler] root {sysfs.root} does not reach the host: no "
+                        "sys/fs/cgroup or proc below it (in a pod, the host's /sys/fs and /proc "
+                        "are mounted there); what follows is not this host's")
     layout = layout_for(sysfs, cgroup_version, cgroup_driver)
     meminfo = read_meminfo(sysfs)
     try:

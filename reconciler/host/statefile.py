@@ -4,7 +4,9 @@ An effect the agent undoes later (the memory guard's cap on the offline tier, a 
 ``memory.wmark_ratio``, a node taint) is noted here before it is made, with what to restore: the
 file's value before the agent first wrote it, or the taint's key. The note goes when the effect
 has been undone. After a crash, a restart, or for ``nri-qos reset`` on an uninstalled node, the
-file says what to undo, whatever the configuration says now.
+file says what to undo, whatever the configuration says now. Drift also keeps here what it needs
+to give values back after a restart (its notes of container files, kubelet's values), replaced
+whole (:meth:`StateFile.replace`).
 
 The file is one JSON object of sections, each mapping a key (a system path, a taint key) to a
 string; it is written whole to a temporary file and renamed over the old one, so a crash leaves
@@ -68,6 +70,10 @@ class StateFile:
         self._file_lock = threading.Lock()  # the file; never taken with the notes' lock held
         self._changes = 0  # changes made to the notes (under the notes' lock)
         self._saved = 0  # the latest change the file holds (under the file's lock)
+        # Why the notes could not be read, for a caller that must not take "no notes" for
+        # "nothing to undo": the file is left where it is, or was set aside as invalid.
+        self.unreadable: str | None = None
+        self.set_aside: str | None = None
         self._sections: dict[str, dict[str, str]] = self._load()
 
     def _load(self) -> dict[str, dict[str, str]]:
@@ -80,6 +86,7 @@ class StateFile:
             return {}
         except OSError as exc:
             log.warning("state_file_unreadable", path=self.path, error=str(exc))
+            self.unreadable = str(exc)
             return {}
         try:
             if len(raw) > MAX_FILE_BYTES:
@@ -91,6 +98,7 @@ class StateFile:
                                if isinstance(k, str) and isinstance(v, str)}
                         for name, entries in doc.items() if isinstance(entries, dict)}
         except ValueError as exc:
+            self.set_aside = str(exc)
             if self._read_only:
                 log.error("state_file_invalid", path=self.path, error=str(exc))
                 return {}
@@ -132,6 +140,20 @@ class StateFile:
             if entries.get(key) == value:
                 return
             entries[key] = value
+            change = self._changed()
+        self._save(*change)
+
+    def replace(self, section: str, entries: Mapping[str, str]) -> None:
+        """Replaces the section's notes with ``entries``, in one write (none when they are the
+        same). For a section that mirrors a view kept elsewhere, not for effects to undo: the
+        caller bounds how many ``entries`` there are."""
+        with self._lock:
+            if self._sections.get(section, {}) == entries:
+                return
+            if entries:
+                self._sections[section] = dict(entries)
+            else:
+                self._sections.pop(section, None)
             change = self._changed()
         self._save(*change)
 

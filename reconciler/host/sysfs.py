@@ -23,8 +23,8 @@ classified once, here:
 * anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``.
 
 Observe mode (``observe`` returns True): every write is decided as usual but not done; it is
-counted as :attr:`Outcome.OBSERVED` and audited as ``write_observed``, once per file and value,
-since a loop decides the same write again every cycle while the file stays as it is.
+counted as :attr:`Outcome.OBSERVED` and audited as ``write_observed``, once per file and value
+(task ids: once per file), since a loop decides it again every cycle while the file stays so.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from common.audit import AuditLog
 from common.metrics import Metrics
 from hooks.untrusted import bounded, bounded_repr
 from reconciler.host.children import MOVER, SYS_MOVE_PAGES, WRITER, Children
+from reconciler.host.held_writes import HeldWrites
 from reconciler.host.values import PAGE_SIZE, Comparator, same_text
 
 log = structlog.get_logger("nri_qos.sysfs")
@@ -63,11 +64,6 @@ def short_reclaim(outcome: Outcome, error: str) -> bool:
     """A bounded write to cgroup v2's ``memory.reclaim`` that the kernel answered with EAGAIN:
     it reclaimed less than the amount written, a short reclaim and not a fault."""
     return outcome is Outcome.FAILED and error.startswith(errno.errorcode[errno.EAGAIN])
-
-
-OBSERVED_MEMORY = 4096
-"""Files whose last observed value is kept to audit each observed write once: a node's
-containers' cgroup files fit, and past it the memory starts over rather than grow."""
 
 
 class SysPathError(ValueError):
@@ -244,8 +240,7 @@ class SysFs(SysReader):
         self._sleep = sleep
         self._metrics = metrics
         self._observe = observe
-        # The value last audited per file in observe mode.
-        self._observed: dict[str, str] = {}
+        self._observed = HeldWrites()  # the value last audited per file in observe mode
         # A write was refused with EROFS and said so; cleared by the next write that succeeds.
         self._read_only_said = False
         # Children doing long kernel work, shared with every view made from this one.
@@ -274,16 +269,14 @@ class SysFs(SysReader):
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
                      sleep=self._sleep, metrics=self._metrics, children=self._children)
 
-    def _observed_only(self, path: str, value: str, reason: str, count: int = 1) -> bool:
+    def _observed_only(self, path: str, value: str, reason: str, count: int = 1,
+                       kept: str | None = None) -> bool:
         """True (after counting and, once per file and value, auditing) when the write is
-        held back by observe mode."""
+        held back by observe mode; ``kept``: remembered instead of the value, said once."""
         if self._observe is None or not self._observe():
             return False
         shown = bounded(value.strip())
-        if self._observed.get(path) != shown:
-            if len(self._observed) >= OBSERVED_MEMORY:
-                self._observed.clear()
-            self._observed[path] = shown
+        if self._observed.news(path, shown if kept is None else kept):
             self._record("write_observed", path=path, value=shown, reason=reason)
         self._count(path, Outcome.OBSERVED, count)
         return True
@@ -379,7 +372,9 @@ class SysFs(SysReader):
         its files; a plain directory tree standing in for it needs the file created.
         """
         ids = [tid for tid in ids if tid > 0]
-        if ids and self._observed_only(path, " ".join(map(str, ids)), "task ids", len(ids)):
+        # The ids change with every process started: the moves into a group are news once.
+        if ids and self._observed_only(path, " ".join(map(str, ids)), "task ids", len(ids),
+                                       kept="task ids"):
             return 0
         flags = os.O_WRONLY | os.O_APPEND | (os.O_CREAT if create else 0)
         try:

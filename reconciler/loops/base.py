@@ -19,7 +19,7 @@ from types import MappingProxyType
 
 import structlog
 
-from common.aio import Backoff, sleep_until
+from common.aio import Backoff, done_or_stopped, sleep_until
 from hooks.config_fields import setting
 from hooks.events import Event
 from hooks.untrusted import bounded
@@ -156,8 +156,20 @@ async def run_loop(
     while not stop.is_set():
         wake.clear()
         started = running.time()
+        cycle = running.run_in_executor(executor, loop.cycle, started)
+        # A cycle blocked in the kernel (a write to a memory limit in reclaim) must not hold up
+        # a stop: the thread runs on, and whoever owns it waits for it, bounded, before the
+        # loop's close (reconciler.runner).
         try:
-            await running.run_in_executor(executor, loop.cycle, started)
+            finished = await done_or_stopped(cycle, stop)
+        finally:
+            # Never awaited once given up: its outcome must not reach the event loop later.
+            if not cycle.done():
+                cycle.cancel()
+        if not finished:
+            return
+        try:
+            cycle.result()
         except Exception as exc:  # one loop's failure must not stop the others
             if tracker is not None:
                 tracker.cycle_done(loop.name, started, running.time() - started, exc)

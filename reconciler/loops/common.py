@@ -31,40 +31,53 @@ class Managed:
 class ManagedCache:
     """Running containers with their level and parsed cgroup, rebuilt only on change.
 
-    Safe to share between threads: the snapshot, its items and the ids of the containers skipped
-    are one attribute, swapped whole, so a reader never pairs a snapshot with another's items;
-    a rebuild holds a lock, so concurrent readers of a new snapshot parse it (and warn) once.
+    Safe to share between threads: the snapshot, its items, the ids of the containers skipped
+    and the parsed paths are one attribute, swapped whole, so a reader never pairs a snapshot
+    with another's items; a rebuild holds a lock, so concurrent readers of a new snapshot parse
+    it (and warn) once. A container's cgroups path never changes: a rebuild parses only the
+    paths the previous one had not (every change of the node state is a rebuild).
     """
 
     def __init__(self) -> None:
-        self._cached: tuple[Snapshot | None, tuple[Managed, ...], frozenset[str]] = (
-            None, (), frozenset())
+        self._cached: tuple[Snapshot | None, tuple[Managed, ...], frozenset[str],
+                            dict[str, CgroupRef | str]] = (None, (), frozenset(), {})
         self._rebuild = threading.Lock()
 
     def get(self, snapshot: Snapshot) -> tuple[Managed, ...]:
-        key, items, _ = self._cached
+        key, items, _, _ = self._cached
         if key is snapshot:
             return items
         with self._rebuild:
-            key, items, said = self._cached
+            key, items, said, known = self._cached
             if key is snapshot:
                 return items
             built: list[Managed] = []
             bad: set[str] = set()
+            # Only the running containers' paths: those of containers gone are forgotten.
+            parsed: dict[str, CgroupRef | str] = {}
             for view in snapshot.running():
-                try:
-                    ref = parse_cgroups_path(view.info.cgroups_path)
-                except CgroupPathError as exc:
+                path = view.info.cgroups_path
+                ref = parsed[path] = known.get(path) or _parsed(path)
+                if isinstance(ref, str):
                     bad.add(view.info.id)
                     if view.info.id not in said:
                         log.warning("container_skipped", reason="unusable cgroups path",
-                                    container=view.info.id, error=str(exc))
+                                    container=view.info.id, error=ref)
                     continue
                 built.append(Managed(view, view.pod.level, ref))
             # Said once per container while it runs; forgotten with it.
             items = tuple(built)
-            self._cached = (snapshot, items, frozenset(bad))
+            self._cached = (snapshot, items, frozenset(bad), parsed)
             return items
+
+
+def _parsed(path: str) -> CgroupRef | str:
+    """The path's cgroup, or why it is unusable (kept as text: an exception would keep the
+    frames of its traceback, and the snapshot in them)."""
+    try:
+        return parse_cgroups_path(path)
+    except CgroupPathError as exc:
+        return str(exc)
 
 
 def requested_outside(items: tuple[Managed, ...], tier: str) -> int:

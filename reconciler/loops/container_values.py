@@ -12,9 +12,10 @@ the agent's last value (one someone else wrote since is theirs: left, its note d
 A value the runtime applied at creation from the agent's own answer has no value from before:
 drift finds the file already holding what it wants. It goes back to what kubelet sets without
 the agent: on cgroup v2 ``memory.min`` = the request kubelet's MemoryQoS wrote (the runtime's
-``memory.min`` at creation, else 0), ``memory.low`` = 0, and ``memory.high`` = ``max`` where
-kubelet's MemoryQoS did not run (where it did, its ``memory.high`` depends on kubelet's
-throttling factor, which the agent does not know: the file is left as it is, and said); on
+``memory.min`` at creation, else 0), ``memory.low`` = 0, and ``memory.high`` = the one kubelet's
+MemoryQoS wrote (the runtime's at creation), else ``max`` (where kubelet wrote a request but
+its ``memory.high`` is not known, it depends on kubelet's throttling factor, which the agent
+does not know: the file is left as it is, and said); on
 cgroup v1 the soft limit = kubelet's reservation, else unlimited, and the limit = the
 container's own.
 
@@ -33,19 +34,25 @@ again (the CreateContainer answers are given in observe mode too), and values dr
 applied at creation stay. A write back that observe mode holds (a value applied at creation that
 the policy no longer asks for) keeps its note for when the agent enforces again.
 
-Notes live as long as the process and only for running containers: after a restart a file that
-holds what the policy wants counts as applied at creation.
+Notes are kept for running containers only, and across restarts in the state file (section
+:data:`NOTES`): an agent restarted with a configuration that no longer asks for a value (the
+DaemonSet rolls out at every change of its configuration) gives back what the earlier run set
+or found applied at creation. A container whose first note was not yet saved when the agent
+stopped has none: after the restart a file that holds what the policy wants counts as applied at
+creation, and one the policy no longer asks for is left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import itertools
+import json
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import structlog
 
 from hooks.model import ContainerInfo
-from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.cgroups import CgroupLayout, subtree_ids
 from reconciler.host.procfs import oom_score_adj_path, set_oom_score_adj
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import same_bytes
@@ -54,6 +61,16 @@ log = structlog.get_logger("nri_qos.reconciler")
 
 OOM = "oom_score_adj"
 """The note of the container's processes' ``/proc/<pid>/oom_score_adj``."""
+NOTES = "container_values"
+"""The state file's section of the notes: container id -> the JSON array
+``[cgroup, {file: [before, written, undo]}]``."""
+MAX_KEPT = 4096
+"""Containers whose notes the state file keeps at most (as many as kubelet's pods on the
+largest nodes, each with several containers): the file stays a few MiB at most. Notes beyond
+it live in memory only."""
+_FILES = frozenset({"memory.min", "memory.low", "memory.high", "memory.limit_in_bytes",
+                    "memory.soft_limit_in_bytes", OOM})
+"""What a note may name: a note read back names a file drift writes, and nothing else."""
 _OBSERVE = "observe mode: the node is watched, not acted on"
 
 
@@ -84,9 +101,34 @@ class ContainerValues:
         self._layout = layout
         # container id -> (its memory cgroup directory, file name -> note)
         self._notes: dict[str, tuple[str, dict[str, _Note]]] = {}
+        self._version = 0  # counts the changes to the notes
+
+    @property
+    def version(self) -> int:
+        """Changes with every change to the notes (what the state file keeps is written again
+        only then)."""
+        return self._version
 
     def __len__(self) -> int:
         return len(self._notes)
+
+    def noted(self) -> dict[str, str]:
+        """The notes as the state file keeps them (:data:`NOTES`), of :data:`MAX_KEPT`
+        containers at most."""
+        return {cid: json.dumps([cgroup, {name: [note.before, note.written, note.undo]
+                                          for name, note in files.items()}])
+                for cid, (cgroup, files) in itertools.islice(self._notes.items(), MAX_KEPT)}
+
+    def take(self, entries: Mapping[str, str]) -> None:
+        """The notes an earlier run kept (:meth:`noted`); a container's that do not read as
+        notes are left out, and said."""
+        for cid, text in entries.items():
+            read = _read_notes(text)
+            if read is None:
+                log.warning("state_note_invalid", section=NOTES, key=cid, value=text)
+                continue
+            self._notes[cid] = read
+            self._version += 1
 
     def set(self, cid: str, cgroup: str, name: str, value: str, reason: str) -> None:
         """Writes ``value`` unless the file holds it, noting what it held before."""
@@ -100,8 +142,10 @@ class ContainerValues:
         if note is not None:
             if outcome is Outcome.WRITTEN:
                 note.wrote_over(value)
-            elif outcome is Outcome.UNCHANGED:
+                self._version += 1
+            elif outcome is Outcome.UNCHANGED and note.written != value:
                 note.written = value
+                self._version += 1
             return
         if outcome is Outcome.UNCHANGED:  # the runtime applied it at creation
             before = None
@@ -110,10 +154,12 @@ class ContainerValues:
         else:
             return  # gone or refused: nothing of the agent's is on the file
         self._notes.setdefault(cid, (cgroup, {}))[1][name] = _Note(before, value, before)
+        self._version += 1
 
     def set_score(self, cid: str, cgroup: str, score: int, reason: str) -> None:
         """Writes ``score`` to every process of the container that does not hold it."""
-        pids = self._sysfs.read_ids(f"{cgroup}/cgroup.procs") or ()
+        # Those of the cgroups it made below its own too (cgroup v2 keeps none beside them).
+        pids = subtree_ids(self._sysfs, cgroup)
         if self._sysfs.held():
             for pid in pids:
                 set_oom_score_adj(self._sysfs, pid, score, reason)
@@ -127,12 +173,15 @@ class ContainerValues:
             applied |= outcome in (Outcome.WRITTEN, Outcome.UNCHANGED)
             if outcome is Outcome.WRITTEN and note is not None and note.written != value:
                 note.wrote_over(value)
+                self._version += 1
             elif outcome is Outcome.WRITTEN and found is None and current is not None:
                 found = current.strip()
-        if note is not None and applied:
+        if note is not None and applied and note.written != value:
             note.written = value
+            self._version += 1
         elif note is None and applied:
             self._notes.setdefault(cid, (cgroup, {}))[1][OOM] = _Note(None, value, found)
+            self._version += 1
 
     def _note(self, cid: str, name: str) -> _Note | None:
         entry = self._notes.get(cid)
@@ -152,8 +201,10 @@ class ContainerValues:
                                           reason))
             if done:
                 del files[name]
+                self._version += 1
         if not files:
             del self._notes[cid]
+            self._version += 1
 
     def release_all(self, kubelets: Callable[[str], Kubelets], reason: str, *,
                     skip: Collection[str] = ()) -> None:
@@ -181,20 +232,25 @@ class ContainerValues:
                     path = f"{cgroup}/{name}"
                     if not self._holds(path, note, _OBSERVE):
                         del files[name]
+                        self._version += 1
                         continue
                     sysfs.write_if_changed(path, note.undo, _OBSERVE, same=same_bytes)
                 if note.before is None:  # back at what the runtime applied at creation
                     files[name] = _Note(None, note.undo)
+                    self._version += 1
                 else:
                     del files[name]
+                    self._version += 1
             if not files:
                 del self._notes[cid]
+                self._version += 1
 
     def forget_others(self, running: Collection[str]) -> None:
         """Drops the notes of containers that no longer run: their cgroups went with them, or
         the runtime sets them anew when they start again."""
         for cid in [cid for cid in self._notes if cid not in running]:
             del self._notes[cid]
+            self._version += 1
 
     def _holds(self, path: str, note: _Note, reason: str) -> bool:
         """Whether the file still holds drift's last value (one someone else wrote is said)."""
@@ -211,7 +267,7 @@ class ContainerValues:
         """The container's processes that still hold drift's last score; the others are
         someone else's (said), but for those at ``back``, the score they go back to."""
         holding = []
-        for pid in self._sysfs.read_ids(f"{cgroup}/cgroup.procs") or ():
+        for pid in subtree_ids(self._sysfs, cgroup):
             current = self._sysfs.read(oom_score_adj_path(pid))
             if current is None or current.strip() == back:
                 continue
@@ -265,6 +321,33 @@ class ContainerValues:
         if name == "memory.min":
             return "0" if request is None else str(request)
         if name == "memory.high":
+            high = None if container is None else container.memory_high
+            if high is not None:
+                return high
             return unlimited if request is None else None
         return "0"
 
+
+
+def _read_notes(text: str) -> tuple[str, dict[str, _Note]] | None:
+    """A container's notes as :meth:`ContainerValues.noted` wrote them; None when they are not
+    (a file drift does not write included)."""
+    try:
+        fields = json.loads(text)
+    except ValueError:
+        return None
+    if not (isinstance(fields, list) and len(fields) == 2):
+        return None
+    cgroup, files = fields
+    if not (isinstance(cgroup, str) and cgroup and isinstance(files, dict) and files):
+        return None
+    notes = {}
+    for name, values in files.items():
+        if name not in _FILES or not (isinstance(values, list) and len(values) == 3):
+            return None
+        before, written, undo = values
+        if not (isinstance(written, str)
+                and all(v is None or isinstance(v, str) for v in (before, undo))):
+            return None
+        notes[name] = _Note(before, written, undo)
+    return cgroup, notes

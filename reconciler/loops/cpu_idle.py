@@ -10,7 +10,10 @@ against siblings, and an offline pod's siblings are the other offline pods.
 The value the tier had goes into the state file before the first write and back when the
 feature is switched off, in observe mode, when the agent stops and on ``nri-qos reset``.
 kubelet does not write ``cpu.idle``; a tier cgroup it made again (a kubelet restart) is set on
-the next cycle.
+the next cycle. But the kernel refuses a CPU weight to an idle cgroup (EINVAL), so kubelet's
+periodic update of its QoS cgroups fails on the tier, and may skip the Burstable tier's weight
+(docs/reconciler.md, *Idle CPU for the reclaimed tier*): one more reason the feature is off by
+default.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ applied the adjustment cost only reads.
 
 Files: cgroup v2 ``memory.min``/``memory.low``/``memory.high`` (the ``memory.*`` keys of the unified
 settings); cgroup v1 ``memory.limit_in_bytes`` and ``memory.soft_limit_in_bytes``; and
-``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs``. On cgroup v2
+``/proc/<pid>/oom_score_adj`` of every process in the container's ``cgroup.procs`` and the
+cgroups below it (:func:`~reconciler.host.cgroups.subtree_ids`). On cgroup v2
 the pod, tier and ``kubepods`` cgroups above get the sum of the containers' ``memory.min`` and
 ``memory.low``, without which the kernel does not honour them
 (:mod:`reconciler.loops.protection`). A container's file the policies stop asking for goes back
@@ -47,7 +48,8 @@ from reconciler.host.sysfs import SysFs
 from reconciler.host.values import parse_bytes
 from reconciler.loops.base import Loop, ReconcilerConfig
 from reconciler.loops.common import Managed, ManagedCache
-from reconciler.loops.container_values import OOM, ContainerValues, Kubelets
+from reconciler.loops.container_values import NOTES, OOM, ContainerValues, Kubelets
+from reconciler.loops.kubelet_notes import KubeletNotes
 from reconciler.loops.protection import KEYS, AncestorProtection, ancestor_sums
 
 log = structlog.get_logger("nri_qos.reconciler")
@@ -98,14 +100,35 @@ class DriftLoop(Loop):
         self._layout = layout
         self._memory_total = memory_total
         self._values = ContainerValues(sysfs, layout)
+        # What an earlier run set, given back the same (a simulation keeps no notes).
+        self._notes = notes
+        if notes is not None:
+            self._values.take(notes.entries(NOTES))
+        self._saved = self._values.version  # of the notes the state file holds
         self._managed = ManagedCache() if managed is None else managed
         self._desired_key: tuple[tuple[Managed, ...], DriftSections] | None = None
         self._desired: list[tuple[Managed, ContainerSettings]] = []
+        # Kubelet's values, for what the next run gives back; a simulation keeps no notes.
+        self._kubelet_notes = None if notes is None else KubeletNotes(state, notes)
 
     def interval(self) -> float:
         return self._config().reconciler.drift_interval_s
 
     def cycle(self, now: float) -> None:
+        try:
+            self._cycle()
+        finally:
+            if self._notes is not None and self._values.version != self._saved:
+                self._notes.replace(NOTES, self._values.noted())
+                self._saved = self._values.version
+            if self._kubelet_notes is not None:
+                self._kubelet_notes.save()
+
+    def _cycle(self) -> None:
+        if not self._state.synced:
+            # Before the runtime's first list every container looks gone: the sums above them
+            # would drop to nothing and come back once it arrives, and the notes would go.
+            return
         cfg = self._config()
         if len(self._values):
             self._values.forget_others(

@@ -17,8 +17,9 @@ unbounded step that nothing can interrupt. This loop moves the pages instead, in
    ``t + b / rate_bytes_per_s``;
 2. the container's ``cpuset.mems`` gets the cool node added (widening moves nothing; the
    kernel refuses to move pages onto a node outside a process's cpuset);
-3. a child process moves at most the asked bytes of the container's processes with
-   move_pages(2), and is killed at ``step_deadline_s``
+3. a child process moves at most the asked bytes of the container's processes (those in the
+   cgroups it made below its own too, where cgroup v2 puts all of them: :func:`subtree_ids`)
+   with move_pages(2), and is killed at ``step_deadline_s``
    (:meth:`~reconciler.host.sysfs.SysFs.move_pages_bounded`);
 4. once a step finds less to move than it asked for, the processes hold no more there: the hot
    node is taken out of the container's ``cpuset.mems`` so new allocations stay off it (what
@@ -46,7 +47,7 @@ from common.audit import AuditLog
 from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
-from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.cgroups import CgroupLayout, subtree_ids
 from reconciler.host.numa import NumaNode, node_ids, read_nodes
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
@@ -374,7 +375,7 @@ class NumaBalanceLoop(Loop):
             self._record(fields, 0, 0.0, "failed",
                          f"cpuset.mems not widened to node {step.cool}")
             return
-        pids = self._sysfs.read_ids(f"{cpuset}/cgroup.procs") or []
+        pids = subtree_ids(self._sysfs, cpuset)
         started = self._clock()
         outcome, told, why = self._move(pids, step.hot, step.cool, step.asked_bytes,
                                         balance.step_deadline_s)

@@ -192,6 +192,8 @@ class NumaBindingLoop(Loop):
         # Said that a container's cgroup has no cpuset.mems (said once: every cycle would
         # find it so again).
         self._said_no_cpuset = False
+        # Said that no node has headroom: a busy node's page cache keeps it so for days.
+        self._said_no_headroom = False
 
     def interval(self) -> float:
         return self._config().numa.interval_s
@@ -223,11 +225,16 @@ class NumaBindingLoop(Loop):
         chosen = choose_nodes(nodes, guard.watermark_floor_bytes, guard.watermark_scale_factor,
                               cfg.numa.max_nodes, self._chosen, guard.watermark_floor_percent)
         if not chosen:
-            log.info("numa_binding_unchanged",
-                     reason="no node has free memory above its watermark")
+            if not self._said_no_headroom:
+                self._said_no_headroom = True
+                log.info("numa_binding_unchanged", reason="no node has free memory above its "
+                                                          "watermark; said again when one has")
             return
         self._chosen = frozenset(chosen)
         mems = format_id_list(chosen)
+        if self._said_no_headroom:
+            self._said_no_headroom = False
+            log.info("numa_binding_headroom", nodes=mems)
         hot = sorted(n.id for n in nodes if n.id not in chosen)
         reason = f"NUMA nodes with headroom: {mems}" + (
             f"; nodes under watermark or not chosen: {format_id_list(hot)}" if hot else "")

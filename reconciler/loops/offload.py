@@ -40,8 +40,10 @@ Across all containers, a cycle asks at most ``max_bytes_per_s x min(t, interval_
 not become the node's load.
 
 Anonymous memory: only where ``offload.anon`` is true, the node has swap (zswap included: it
-needs a swap device too) and the container's ``memory.swap.max`` is not ``0``; otherwise the base
-is the inactive file memory only, since without swap the kernel cannot reclaim anonymous memory.
+needs a swap device too) and the container and every cgroup above it (pod, tier, ``kubepods``)
+have room under their ``memory.swap.max`` (not ``0``, not full: the kernel charges swap to all
+of them); otherwise the base is the inactive file memory only, since without swap the kernel
+cannot reclaim anonymous memory.
 ``memory.reclaim`` of Linux 6.1 takes no ``swappiness=``: with swap on and anonymous offloading
 not allowed, the kernel may still take some anonymous memory, by the node's swappiness; the steps
 stay bounded by the inactive file memory, each step's audit record says how much anonymous
@@ -98,7 +100,8 @@ class OffloadConfig:
                               "Pod annotation that opts a shared_cores pod in (value \"true\").")
     anon: bool = setting(
         False, "Offload anonymous memory too, where the node has swap (or zswap) and the "
-        "container's memory.swap.max is not 0; else file cache only.")
+        "container and the cgroups above it have room under their memory.swap.max; else file "
+        "cache only.")
     initial_percent: float = setting(
         5.0, "A container's first step: this share of its inactive memory.", unit="percent",
         minimum=MIN_PERCENT, maximum=100)

@@ -20,7 +20,7 @@ from reconciler.host.parse import ParseError
 from reconciler.host.parse import parse_counters as counter_values
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
-from reconciler.host.values import PAGE_SIZE
+from reconciler.host.values import PAGE_SIZE, parse_bytes
 from reconciler.loops.base import Loop
 from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.offload import (
@@ -46,6 +46,28 @@ WRITER_NICE = 19
 """The niceness of the process that writes memory.reclaim, in whose context the kernel does the
 reclaim: background work that must yield the CPU to the pods the node is for (measured in
 ``docs/offloading.md``)."""
+
+def swap_room(sysfs: SysFs, layout: CgroupLayout, rel: str) -> bool:
+    """Whether the cgroup ``rel`` and every cgroup above it (the root has no limit) have room
+    under their ``memory.swap.max``: the kernel charges swap to all of them and swaps a
+    cgroup's anonymous memory out only while each has some left, so a pod or tier at ``0``
+    (or full) shuts out a container of ``max``. A limit that does not read as a size counts
+    as none."""
+    parts = rel.split("/")
+    for depth in range(len(parts), 0, -1):
+        cgroup = layout.dir("memory", "/".join(parts[:depth]))
+        limit_text = sysfs.read(f"{cgroup}/memory.swap.max")
+        if limit_text is None:
+            continue
+        try:
+            limit = parse_bytes(limit_text)
+            used = parse_bytes(sysfs.read(f"{cgroup}/memory.swap.current") or "0")
+        except ValueError:
+            continue
+        if limit is not None and (used or 0) >= limit:
+            return False
+    return True
+
 
 @dataclass(frozen=True, slots=True)
 class PodOffload:
@@ -158,7 +180,8 @@ class OffloadLoop(Loop):
         except ParseError as exc:
             log.warning("offload_unreadable", container=item.view.info.name, error=str(exc))
             return None
-        anon = anon_allowed(off, swap, self._sysfs.read(f"{cgroup}/memory.swap.max"))
+        anon = (anon_allowed(off, swap, self._sysfs.read(f"{cgroup}/memory.swap.max"))
+                and swap_room(self._sysfs, self._layout, item.ref.rel))
         previous = self._tracks.get(item.view.info.id)
         decision = decide(off, previous, now, counters, anon)
         if previous is not None:

@@ -10,6 +10,7 @@ and threshold) and result.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -256,6 +257,9 @@ class TuneAction:
         # wmark_ratio file -> the value it had before the rung engaged, kept in the state file
         # so that a restart or nri-qos reset restores it too
         self._notes = notes if notes is not None else StateFile(None)
+        # Held by a thread writing or restoring wmark_ratio files: a restore at stop must not
+        # come between a note (on a slow disk, seconds) and the write it records.
+        self._writing = threading.Lock()
         # Counts every squeeze asked for (engage, and each repeat on fresh pressure): a new
         # number tells the guard to take the tier a step lower.
         self._tightenings = 0
@@ -409,28 +413,43 @@ class TuneAction:
 
     def _set_wmark(self, ratio: int, reason: str) -> int:
         failed = 0
-        for pod in self._pods.pods():
-            if pod.level != QosLevel.RECLAIMED_CORES:
-                continue
-            path = f"{pod.cgroup}/memory.wmark_ratio"
-            current = self._sysfs.read(path)
-            if current is None or not self._notes.remember(WMARK_NOTES, path, current.strip()):
-                continue
-            outcome = self._sysfs.write_if_changed(path, str(ratio), f"tune memcg: {reason}")
-            failed += outcome is Outcome.FAILED
+        with self._writing:
+            for pod in self._pods.pods():
+                if pod.level != QosLevel.RECLAIMED_CORES:
+                    continue
+                path = f"{pod.cgroup}/memory.wmark_ratio"
+                current = self._sysfs.read(path)
+                if current is None or \
+                        not self._notes.remember(WMARK_NOTES, path, current.strip()):
+                    continue
+                outcome = self._sysfs.write_if_changed(path, str(ratio),
+                                                       f"tune memcg: {reason}")
+                failed += outcome is Outcome.FAILED
         return failed
 
     def _restore_wmark(self, reason: str) -> int:
-        return restore_wmark(self._sysfs, self._notes, f"tune memcg released: {reason}")
+        with self._writing:
+            return restore_wmark(self._sysfs, self._notes, f"tune memcg released: {reason}")
 
     def close(self) -> None:
         """The agent stops: the reclaimed pods get their memory.wmark_ratio back, as the tier
         gets back what the squeeze took (the memory guard's close): nobody watches the pressure
         that lowered it any more. A write refused keeps its note for the next start or
-        ``nri-qos reset``."""
-        self._restore_wmark("agent stopping")
+        ``nri-qos reset``, as do the notes of a rung's write still running after
+        :data:`TUNE_CLOSE_WAIT_S` (the ladder's end does not wait longer for a slow disk)."""
+        if not self._writing.acquire(timeout=TUNE_CLOSE_WAIT_S):
+            log.warning("wmark_ratio_restore_deferred", reason="a write of the tune rung is "
+                        "still running: its notes stay for the next start or nri-qos reset")
+            return
+        try:
+            restore_wmark(self._sysfs, self._notes, "tune memcg released: agent stopping")
+        finally:
+            self._writing.release()
 
 
+TUNE_CLOSE_WAIT_S = 5.0
+"""How long the ladder's end waits for a write of the tune rung still running (its note on a
+slow disk) before it leaves the restore to the next start."""
 WMARK_NOTES = "wmark_ratio"
 """The state file's section: memory.wmark_ratio file -> its value before the tune rung."""
 TAINT_NOTES = "taint"

@@ -272,7 +272,8 @@ class Mitigation:
                         runner.task.cancel()
         finally:
             unsubscribe()
-            self._close()
+            # Off the event loop: the tune rung's restore waits for its write in flight.
+            await asyncio.to_thread(self._close)
 
     def evaluate(self, now: float, runners: Mapping[str, _RungRunner],
                  group: asyncio.TaskGroup) -> None:

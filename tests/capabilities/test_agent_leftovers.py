@@ -12,16 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from common.audit import AuditLog, MemoryAuditSink
-from nri_plugin.agent import Agent, build_agent, probe
-from nri_plugin.config.store import ConfigStore
-from nri_plugin.session.stub import PluginIdentity
+from nri_plugin.agent import Agent
 from reconciler.eviction.builtin import NUMA_CONDITION, SYSTEM_CONDITION
 from reconciler.host.statefile import state_file
 from reconciler.mitigation.actions import CONDITION_NOTES, TAINT_NOTES
-from tests.support.fake_apiserver import FakeApiServer, write_kubeconfig
-from tests.support.fakesys import FakeHost
+from tests.support.fake_apiserver import FakeApiServer
 from tests.support.polling import eventually
+from tests.support.reconciler_off_agent import agent_with_the_reconciler_off
 
 BOUND_S = 10.0
 NODE = "node-a"
@@ -42,23 +39,11 @@ def fake() -> Iterator[FakeApiServer]:
         yield server
 
 
-def agent_with_the_reconciler_off(tmp_path: Path, fake: FakeApiServer) -> Agent:
-    host = FakeHost(tmp_path / "host")
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
-    config = tmp_path / "config.toml"
-    config.write_text(f'[reconciler]\nenabled = false\nroot = "{host.root}"\n'
-                      f'state_dir = "{tmp_path / "state"}"\n'
-                      f'[kubernetes]\nkubeconfig = "{kubeconfig}"\nnode_name = "{NODE}"\n'
-                      "request_timeout_s = 2.0\n"
-                      "[mitigation]\nretry_initial_s = 0.1\nretry_max_s = 0.2\n"
-                      "[eviction]\nretry_initial_s = 0.1\nretry_max_s = 0.2\n"
-                      "[status]\nenabled = false\n[metrics]\nenabled = false\n")
-    audit = AuditLog(MemoryAuditSink())
-    store = ConfigStore(audit)
-    store.load_initial(config)
-    host_info, sysfs = probe(store.current, audit)
-    return build_agent(store, audit, host_info, sysfs, PluginIdentity("nri-qos", "10"),
-                       run_background=True)
+def reconciler_off(tmp_path: Path, fake: FakeApiServer) -> Agent:
+    return agent_with_the_reconciler_off(
+        tmp_path, fake, NODE, request_timeout_s=2.0,
+        sections="[mitigation]\nretry_initial_s = 0.1\nretry_max_s = 0.2\n"
+                 "[eviction]\nretry_initial_s = 0.1\nretry_max_s = 0.2\n")
 
 
 async def run_leftovers(agent: Agent, until: Callable[[], bool]) -> None:
@@ -83,7 +68,7 @@ async def test_a_refused_release_of_an_earlier_runs_taint_is_retried_until_it_is
     notes = state_file(str(tmp_path / "state"))
     notes.put(TAINT_NOTES, KEY, "NoSchedule")
     notes.put(CONDITION_NOTES, RUNG_CONDITION, "True")
-    agent = agent_with_the_reconciler_off(tmp_path, fake)
+    agent = reconciler_off(tmp_path, fake)
     # The API server is busy as the agent starts: its first reads of the node fail.
     fake.fail_next("GET", f"/api/v1/nodes/{NODE}", 503, count=4)
     await run_leftovers(agent, lambda: fake.taints(NODE) == [])
@@ -99,7 +84,7 @@ async def test_the_in_tree_eviction_conditions_an_earlier_run_left_are_taken_off
     # An earlier run with the reconciler on: its eviction manager set the node's conditions.
     fake.add_node(NODE, conditions=[KUBELET, condition(SYSTEM_CONDITION),
                                     condition(NUMA_CONDITION, "False")])
-    agent = agent_with_the_reconciler_off(tmp_path, fake)
+    agent = reconciler_off(tmp_path, fake)
     await run_leftovers(agent, lambda: fake.condition_types(NODE) == ["Ready"])
     assert fake.condition_types(NODE) == ["Ready"]
     assert fake.conditions(NODE)["Ready"] == KUBELET
@@ -108,7 +93,7 @@ async def test_the_in_tree_eviction_conditions_an_earlier_run_left_are_taken_off
 async def test_without_anything_left_the_service_ends_on_its_own(
         tmp_path: Path, fake: FakeApiServer) -> None:
     fake.add_node(NODE, conditions=[KUBELET])
-    agent = agent_with_the_reconciler_off(tmp_path, fake)
+    agent = reconciler_off(tmp_path, fake)
     (leftovers,) = agent.services[1:]
     try:
         await asyncio.wait_for(leftovers(asyncio.Event()), BOUND_S)
@@ -121,7 +106,7 @@ async def test_without_anything_left_the_service_ends_on_its_own(
 async def test_retrying_stops_with_the_agent(tmp_path: Path, fake: FakeApiServer) -> None:
     fake.add_node(NODE, taints=[{"key": KEY, "value": "", "effect": "NoSchedule"}])
     state_file(str(tmp_path / "state")).put(TAINT_NOTES, KEY, "NoSchedule")
-    agent = agent_with_the_reconciler_off(tmp_path, fake)
+    agent = reconciler_off(tmp_path, fake)
     fake.fail_next("GET", f"/api/v1/nodes/{NODE}", 503, count=1000)
     (leftovers,) = agent.services[1:]
     stop = asyncio.Event()

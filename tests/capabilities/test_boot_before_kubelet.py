@@ -10,13 +10,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import io
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from common.aio import Backoff
 from common.audit import AuditLog, MemoryAuditSink
@@ -33,14 +28,6 @@ from tests.support.polling import eventually
 GIB = 1 << 30
 BOUND_S = 10.0
 SYSTEMD_BESTEFFORT = "kubepods.slice/kubepods-besteffort.slice/memory.max"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A unix socket's path must stay under 108 bytes: pytest's own temp paths may not."""
-    path = Path(tempfile.mkdtemp(prefix="nriqos-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Node:

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,14 +23,6 @@ def nri_qos(*args: str, stdout: int | None = subprocess.PIPE,
             timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([NRI_QOS, *args], stdout=stdout, stderr=subprocess.PIPE, text=True,
                           timeout=timeout, check=False)
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A directory with a short path: unix socket paths are limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="nq-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class Agent:

@@ -355,7 +355,7 @@ def test_systemd_unit_runs_the_agent() -> None:
     assert PurePosixPath(exec_start[0]).is_absolute()
     assert PurePosixPath(exec_start[0]).name == "nri-qos"
     args = build_parser().parse_args(exec_start[1:])
-    assert (args.command, args.config) == ("run", "/etc/nri-qos/config.toml")
+    assert (args.command, args.config) == ("run", None)  # the default path, its drop-ins
     assert unit["Install"]["WantedBy"] == "multi-user.target"
     assert "containerd.service" in unit["Unit"]["After"]
     # The status socket's directory, root only.

@@ -14,15 +14,10 @@ from reconciler.detection import detectors as d
 from reconciler.detection.config import DetectionConfig
 from reconciler.detection.service import FAILED_PODS, DetectorsLoop
 from reconciler.detection.signals import NODE, Level, pod_scope
-from tests.support.detection_env import Setup, uid
+from tests.support.detection_env import Setup, pod_pressure, uid
 from tests.support.fakesys import GIB, MIB
 
 CFG = DetectionConfig()
-
-
-def pressure(total: int) -> str:
-    return (f"some avg10=0 avg60=0 avg300=0 total={total}\n"
-            "full avg10=0 avg60=0 avg300=0 total=0\n")
 
 
 def test_a_failed_round_of_pod_psi_leaves_the_nodes_psi_and_goes_with_the_next(
@@ -42,12 +37,12 @@ def test_a_failed_round_of_pod_psi_leaves_the_nodes_psi_and_goes_with_the_next(
     assert failed.level is Level.UNKNOWN
     assert "IsADirectoryError" in failed.reason
     (web / "memory.pressure").rmdir()
-    (web / "memory.pressure").write_text(pressure(0))
+    (web / "memory.pressure").write_text(pod_pressure(0))
     loop.cycle(1.0)
     assert s.reading("psi", FAILED_PODS) is None
     assert s.level("psi", NODE) is Level.LOW
     assert s.level("psi", pod_scope(uid("web"))) is None  # one reading: no rate yet
-    (web / "memory.pressure").write_text(pressure(0))
+    (web / "memory.pressure").write_text(pod_pressure(0))
     loop.cycle(2.0)
     assert s.level("psi", pod_scope(uid("web"))) is Level.NONE
 

@@ -22,6 +22,8 @@ def config_for(root: Path, mode: str = "enforce") -> str:
         f'[agent]\nmode = "{mode}"\n'
         "[reconciler]\n"
         f'root = "{root}"\n'
+        # Below the fake host too: the default is the machine's own agent's state file.
+        f'state_dir = "{root}/var/lib/nri-qos/state"\n'
         "resctrl_interval_s = 0.1\n"
         "drift_interval_s = 0.1\n"
         "[memory_guard]\n"

@@ -40,6 +40,8 @@ def config_text(root: Path, kubeconfig: Path, plugins: Path, dry_run: bool) -> s
         '[agent]\nmode = "enforce"\n'
         "[reconciler]\n"
         f'root = "{root}"\n'
+        # Below the fake host too: the default is the machine's own agent's state file.
+        f'state_dir = "{root}/var/lib/nri-qos/state"\n'
         "drift_interval_s = 0.5\n"
         "[resctrl]\nenabled = false\n"
         "[kubernetes]\n"

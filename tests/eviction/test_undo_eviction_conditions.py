@@ -16,6 +16,7 @@ from nri_plugin.cli.reset import reset
 from nri_plugin.config.schema import Config
 from nri_plugin.config.store import ConfigStore
 from reconciler.eviction.api import Condition, MetType, ThresholdMet
+from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.statefile import StateFile, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubernetesConfig
@@ -86,7 +87,7 @@ async def test_a_start_with_the_reconciler_off_takes_it_off(
     audit = AuditLog(MemoryAuditSink())
     store = ConfigStore(audit, config=cfg)
     leftovers = _leftovers(store, SysFs(cfg.reconciler.root, audit), audit,
-                           state_file(cfg.reconciler.state_dir))
+                           state_file(cfg.reconciler.state_dir), CgroupLayout(1, "cgroupfs"))
     await asyncio.wait_for(leftovers(asyncio.Event()), 10.0)
     assert fake.condition_types(NODE) == ["Ready"]
     assert state_file(str(tmp_path / "state")).entries("eviction_condition") == {}

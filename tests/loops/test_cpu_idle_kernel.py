@@ -62,3 +62,17 @@ def test_the_idle_tier_yields_the_cpu_and_gets_its_priority_back(root: Path) -> 
     idle_tier_yields(spawn, node / "kubepods/burstable/podonline",
                      node / "kubepods/besteffort/podoffline",
                      node / "kubepods/besteffort/cpu.idle", root, SPIN_S)
+
+
+def test_the_kernel_refuses_a_cpu_weight_to_an_idle_tier(root: Path) -> None:
+    """Why the feature is off by default besides its cost: kubelet writes the tiers' weights
+    (v1 ``cpu.shares``) every minute, and the kernel refuses one to an idle cgroup."""
+    tier = root / "sys/fs/cgroup/cpu/kubepods/besteffort"
+    (tier / "cpu.shares").write_text("2\n")
+    (tier / "cpu.idle").write_text("1\n")
+    try:
+        with pytest.raises(OSError, match="Invalid argument"):
+            (tier / "cpu.shares").write_text("2\n")
+    finally:
+        (tier / "cpu.idle").write_text("0\n")
+    (tier / "cpu.shares").write_text("2\n")

@@ -31,6 +31,7 @@ from reconciler.metrics import ReconcilerMetrics
 from tests.support.builders import LEVEL, api_pod
 from tests.support.counting import CountingSysFs
 from tests.support.fakesys import GIB, MIB, FakeHost, FakePod
+from tests.support.numa_stat import read_stat, write_stat
 
 # -- the loop on a fake tree -----------------------------------------------------------------------
 
@@ -57,17 +58,6 @@ class FakeMover:
         on[cool] += moved
         write_stat(self.stat, on)
         return self.result, moved, "" if self.result is Outcome.WRITTEN else "EACCES: refused"
-
-
-def read_stat(path: Path) -> dict[int, int]:
-    first = path.read_text().splitlines()[0].split()[1:]
-    return {int(f[1:].split("=")[0]): int(f.split("=")[1]) for f in first}
-
-
-def write_stat(path: Path, per_node: dict[int, int]) -> None:
-    nodes = " ".join(f"N{n}={v}" for n, v in sorted(per_node.items()))
-    zero = " ".join(f"N{n}=0" for n in sorted(per_node))
-    path.write_text(f"anon {nodes}\nfile {zero}\n")
 
 
 def setup(tmp_path: Path, *, version: int = 2, dry_run: bool = False,

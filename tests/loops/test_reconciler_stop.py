@@ -15,35 +15,10 @@ from nri_plugin.config.schema import Config
 from reconciler.kube import PodWatcher
 from reconciler.loops.base import Loop
 from reconciler.runner import CLOSE_WAIT_S, run_reconciler
+from tests.support.gated_loop import GatedLoop
 
 GUARD_S = 10.0
 """A bound against hanging, not a timing assertion."""
-
-
-class Writing(Loop):
-    """A loop whose first cycle writes once ``go_on`` is set; every step lands in ``events``."""
-
-    def __init__(self, name: str, events: list[str], *, blocks: bool = True) -> None:
-        self.name = name
-        self.events = events
-        self.started = threading.Event()
-        self.go_on = threading.Event()
-        self.closed = threading.Event()
-        self._blocks = blocks
-
-    def interval(self) -> float:
-        return 3600.0
-
-    def cycle(self, now: float) -> None:
-        self.events.append(f"{self.name} cycle started")
-        self.started.set()
-        if self._blocks:
-            assert self.go_on.wait(GUARD_S)
-            self.events.append(f"{self.name} wrote")
-
-    def close(self) -> None:
-        self.events.append(f"{self.name} closed")
-        self.closed.set()
 
 
 class BrokenWatch:
@@ -72,7 +47,7 @@ async def still_running(task: asyncio.Task[None]) -> bool:
 
 async def test_a_cancelled_reconciler_closes_a_loop_only_after_its_cycle_returned() -> None:
     events: list[str] = []
-    loop = Writing("guard", events)
+    loop = GatedLoop("guard", events)
     task = reconcile([loop])
     assert await asyncio.to_thread(loop.started.wait, GUARD_S)
     task.cancel()
@@ -87,7 +62,7 @@ async def test_a_cancelled_reconciler_closes_a_loop_only_after_its_cycle_returne
 
 async def test_a_failing_pod_watch_closes_the_loops_after_their_cycles() -> None:
     events: list[str] = []
-    loop = Writing("guard", events)
+    loop = GatedLoop("guard", events)
     task = reconcile([loop], BrokenWatch(loop.started))
     assert await still_running(task)
     assert events == ["guard cycle started"]
@@ -100,8 +75,8 @@ async def test_a_failing_pod_watch_closes_the_loops_after_their_cycles() -> None
 
 async def test_a_cycle_outlasting_the_wait_has_its_loop_closed_when_it_returns() -> None:
     events: list[str] = []
-    slow = Writing("guard", events)
-    idle = Writing("idle", events, blocks=False)
+    slow = GatedLoop("guard", events)
+    idle = GatedLoop("idle", events, blocks=False)
     task = reconcile([slow, idle], close_wait_s=0.05)
     assert await asyncio.to_thread(slow.started.wait, GUARD_S)
     assert await asyncio.to_thread(idle.started.wait, GUARD_S)
@@ -120,8 +95,8 @@ async def test_a_cycle_outlasting_the_wait_has_its_loop_closed_when_it_returns()
 
 async def test_a_second_cancel_ends_the_wait_and_is_raised_after_the_closes() -> None:
     events: list[str] = []
-    slow = Writing("guard", events)
-    idle = Writing("idle", events, blocks=False)
+    slow = GatedLoop("guard", events)
+    idle = GatedLoop("idle", events, blocks=False)
     task = reconcile([slow, idle])
     assert await asyncio.to_thread(slow.started.wait, GUARD_S)
     assert await asyncio.to_thread(idle.started.wait, GUARD_S)

@@ -166,7 +166,7 @@ def test_values_the_runtime_applied_at_creation_go_back_to_kubelets(tmp_path: Pa
         "0", "0", "max"]
 
 
-def test_with_kubelets_memory_qos_its_request_comes_back_and_its_memory_high_is_unknown(
+def test_with_kubelets_memory_qos_and_its_memory_high_not_known_the_file_is_left_and_said(
         tmp_path: Path) -> None:
     node = Node(tmp_path)
     pod = node.host.add_pod(UID, tier="burstable", memory_limit=512 * MIB,
@@ -180,6 +180,27 @@ def test_with_kubelets_memory_qos_its_request_comes_back_and_its_memory_high_is_
     assert [e["path"].rsplit("/", 1)[1] for e in logs
             if e["event"] == "container_value_left"] == ["memory.high"]
     node.cycle()
+    assert node.loop.noted_containers() == 0
+
+
+KUBELETS_HIGH = str(480 * MIB)
+"""kubelet's MemoryQoS ``memory.high`` of the container, as the runtime showed it at creation."""
+
+
+def test_with_kubelets_memory_qos_its_memory_high_comes_back_where_the_runtime_showed_it(
+        tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    pod = node.host.add_pod(UID, tier="burstable", memory_limit=512 * MIB,
+                            memory_request=64 * MIB)
+    c = pod.containers[0]
+    pods, containers = node.host.nri()
+    node.state.replace_all(pods, [dataclasses.replace(info, memory_high=KUBELETS_HIGH)
+                                  for info in containers])
+    with capture_logs() as logs:
+        applied_at_creation(node, c)
+    assert [node.value(c, name) for name in ("memory.min", "memory.low", "memory.high")] == [
+        str(64 * MIB), "0", KUBELETS_HIGH]
+    assert [e for e in logs if e["event"] == "container_value_left"] == []
     assert node.loop.noted_containers() == 0
 
 

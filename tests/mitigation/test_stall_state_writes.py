@@ -25,6 +25,7 @@ from nri_plugin.config.store import ConfigStore
 from reconciler.detection.signals import Level
 from reconciler.eviction.api import Condition, MetType, ThresholdMet
 from reconciler.eviction.conditions import EVICTION_CONDITION_NOTES
+from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, KubernetesConfig, build_api_client
@@ -174,7 +175,8 @@ async def test_leftovers_taken_off_with_a_slow_disk_do_not_stall_the_event_loop(
                                   state_dir=str(tmp_path / "state")))
     audit = AuditLog(MemoryAuditSink())
     leftovers = _leftovers(ConfigStore(audit, config=cfg), SysFs(cfg.reconciler.root, audit),
-                           audit, state_file(cfg.reconciler.state_dir, writer=writer))
+                           audit, state_file(cfg.reconciler.state_dir, writer=writer),
+                           CgroupLayout(1, "cgroupfs"))
     disk = slow_disk(fake, monkeypatch)
     _, late = await lateness_while(asyncio.wait_for(leftovers(asyncio.Event()), 10.0))
     assert node(fake) == ([], {"Ready": "True", RUNG_CONDITION: "False"})

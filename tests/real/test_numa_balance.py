@@ -37,7 +37,7 @@ from reconciler.loops.numa_binding import (
     restore_bindings,
 )
 from tests.support.builders import LEVEL, api_pod
-from tests.support.guest_node import MIB, Node, numa_stat, one_pod
+from tests.support.guest_node import MIB, Node, free, numa_stat, one_pod
 
 pytestmark = pytest.mark.vm(numa=2, mem_mib=2048)
 
@@ -52,14 +52,6 @@ REPO = Path(__file__).resolve().parents[2]
 # The deadline of a step whose test is not about deadlines: a step's child starts in 0.8-1.3 s in
 # a TCG guest here, yet one in a CI run gave no answer within 20 s (a busy host stalls a guest).
 UNHURRIED_S = 120.0
-
-
-def free(node: int) -> int:
-    for line in Path(f"/sys/devices/system/node/node{node}/meminfo").read_text().splitlines():
-        words = line.split()
-        if words[2] == "MemFree:":
-            return int(words[3]) * 1024
-    raise KeyError(node)
 
 
 def state_of(cgroups_path: str, online_path: str | None = None) -> NodeState:

@@ -7,11 +7,9 @@ import contextlib
 import io
 import json
 import os
-import shutil
 import signal
 import socket
 import stat
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,14 +41,6 @@ UID_A = "0a0a0a0a-1111-2222-3333-444444444444"
 UID_B = "0b0b0b0b-1111-2222-3333-444444444444"
 
 
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """A directory with a short path: unix socket paths are limited to 107 bytes."""
-    path = Path(tempfile.mkdtemp(prefix="nq-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 async def status(path: Path, *, as_json: bool = True) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     # The command blocks on its socket; the agent answers from this test's event loop.
@@ -77,6 +67,7 @@ async def test_status_of_a_running_agent(tmp_path: Path, short_dir: Path) -> Non
     config.write_text(
         '[agent]\nmode = "enforce"\n'
         f'[reconciler]\nroot = "{root}"\nresctrl_interval_s = 0.1\ndrift_interval_s = 0.1\n'
+        f'state_dir = "{tmp_path / "state"}"\n'
         "[memory_guard]\ninterval_s = 0.1\n[cpu_idle]\ninterval_s = 1\n[numa]\ninterval_s = 0.1\n"
         "[numa_balance]\ninterval_s = 0.1\n"
         f'[kubernetes]\nenabled = false\n[status]\nsocket = "{sock}"\n')
@@ -319,8 +310,9 @@ def test_printing_the_ladder_evictions_and_taints() -> None:
 async def test_without_the_reconciler_its_features_say_so(tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "status.sock"
     config = tmp_path / "config.toml"
-    config.write_text(f'[reconciler]\nenabled = false\n[resctrl]\nenabled = false\n'
-                      f'[status]\nsocket = "{sock}"\n')
+    # The state file where the test's agent keeps it: the default is the machine's agent's.
+    config.write_text(f'[reconciler]\nenabled = false\nstate_dir = "{tmp_path / "state"}"\n'
+                      f'[resctrl]\nenabled = false\n[status]\nsocket = "{sock}"\n')
     async with serving_daemon(config, RuntimeSimulator(tmp_path / "nri.sock")):
         doc = await document(sock)
     assert doc["reconciler"] == {"running": False, "waiting_for": None, "loops": {}}
@@ -336,8 +328,9 @@ async def test_parts_switched_on_by_a_reload_wait_for_the_next_start_and_say_so(
         tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "status.sock"
     config = tmp_path / "config.toml"
-    started = f'[status]\nsocket = "{sock}"\n[agent]\nmode = "observe"\n'
-    config.write_text("[reconciler]\nenabled = false\n[resctrl]\nenabled = false\n" + started)
+    started = (f'[status]\nsocket = "{sock}"\n[agent]\nmode = "observe"\n'
+               f'[reconciler]\nstate_dir = "{tmp_path / "state"}"\n')
+    config.write_text(started + "enabled = false\n[resctrl]\nenabled = false\n")
     async with serving_daemon(config, RuntimeSimulator(tmp_path / "nri.sock")):
         config.write_text(started.replace("observe", "enforce"))
         os.kill(os.getpid(), signal.SIGHUP)

@@ -215,12 +215,15 @@ async def test_a_policy_from_requests_protects_at_creation(executor, text: str,
 
 
 def sized(limit: int, request: int | None = None, oom: int | None = None,
-          cid: str = "c1") -> api.Container:
-    """A container as the runtime shows it: its limit, kubelet's memory.min, its score."""
+          cid: str = "c1", high: int | None = None) -> api.Container:
+    """A container as the runtime shows it: its limit, kubelet's memory.min and memory.high,
+    its score."""
     made = ctr(cid)
     made.linux.resources.memory.limit.value = limit
     if request is not None:
         made.linux.resources.unified["memory.min"] = str(request)
+    if high is not None:
+        made.linux.resources.unified["memory.high"] = str(high)
     if oom is not None:
         made.linux.oom_score_adj.value = oom
     return made
@@ -258,3 +261,32 @@ async def test_an_update_is_followed_and_the_agents_own_values_never_read_back(
     assert held() == (640 * mib, 192 * mib, 900)
     handle(Event.STOP_CONTAINER, container_msg=sized(640 * mib, 96 * mib, oom=950))
     assert held() == (640 * mib, 192 * mib, 900)
+
+
+async def test_kubelets_memory_high_is_kept_from_the_events_that_show_it(executor) -> None:
+    """kubelet's MemoryQoS memory.high shows at CreateContainer and PostUpdateContainer; the
+    events between show the agent's own."""
+    world = World(executor, [])
+    world.handler = EventHandler(config=Config, capabilities=[], audit=AuditLog(world.sink),
+                                 executor=executor, state=world.state, track_containers=True)
+    mib = 1 << 20
+
+    def high() -> str | None:
+        known = world.state.container("c1")
+        assert known is not None
+        return known.memory_high
+
+    handle = functools.partial(world.handler.handle, pod_msg=sandbox(), terms=CONTAINERD)
+    handle(Event.RUN_POD_SANDBOX, container_msg=None)
+    handle(Event.CREATE_CONTAINER, container_msg=sized(512 * mib, 256 * mib, high=460 * mib))
+    assert high() == str(460 * mib)
+    handle(Event.START_CONTAINER, container_msg=sized(512 * mib, 128 * mib, high=300 * mib))
+    assert high() == str(460 * mib)
+    handle(Event.POST_UPDATE_CONTAINER, container_msg=sized(384 * mib, 192 * mib,
+                                                            high=345 * mib))
+    assert high() == str(345 * mib)
+    # an update whose resources say no memory.high keeps the one known
+    handle(Event.POST_UPDATE_CONTAINER, container_msg=sized(640 * mib))
+    assert high() == str(345 * mib)
+    handle(Event.STOP_CONTAINER, container_msg=sized(640 * mib, high=100 * mib))
+    assert high() == str(345 * mib)

@@ -28,6 +28,12 @@ def uid(name: str) -> str:
     return f"{name}-0000-4000-8000-000000000000"
 
 
+def pod_pressure(total: int = 0) -> str:
+    """A cgroup's ``memory.pressure``: ``total`` microseconds some task stalled, none all."""
+    return (f"some avg10=0 avg60=0 avg300=0 total={total}\n"
+            "full avg10=0 avg60=0 avg300=0 total=0\n")
+
+
 class Setup:
     def __init__(self, root: Path, version: int = 1, *, refaults: bool = False,
                  **detection: Any) -> None:

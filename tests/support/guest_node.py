@@ -25,6 +25,15 @@ MIB = 1 << 20
 CONTROLLERS = "+cpuset +cpu +io +memory +pids"
 
 
+def free(node: int) -> int:
+    """The NUMA node's free memory in bytes, as its ``meminfo`` says."""
+    for line in Path(f"/sys/devices/system/node/node{node}/meminfo").read_text().splitlines():
+        words = line.split()
+        if words[2] == "MemFree:":
+            return int(words[3]) * 1024
+    raise KeyError(node)
+
+
 class Node:
     def __init__(self) -> None:
         if not (CGROUP / "cgroup.controllers").is_file():

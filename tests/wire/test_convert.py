@@ -147,6 +147,22 @@ def test_memory_min_becomes_the_request() -> None:
     assert container_info(container).memory_request == 256 << 20
 
 
+@pytest.mark.parametrize(("text", "high"), [
+    (" 268435456 ", "268435456"), ("max", "max"), ("0", "0"), ("²", None), ("-5", None),
+    ("9" * 25, None), ("1e9", None), ("MAX", None), ("", None),
+])
+def test_kubelets_memory_high_is_taken_as_max_or_a_plain_int64(text: str,
+                                                               high: str | None) -> None:
+    container = api.Container(id="c", pod_sandbox_id="s", name="n")
+    container.linux.resources.unified["memory.high"] = text
+    assert container_info(container).memory_high == high
+
+
+def test_no_memory_high_in_the_spec_is_none() -> None:
+    assert container_info(api.Container(id="c", pod_sandbox_id="s", name="n")).memory_high \
+        is None
+
+
 def strings_size(*strings: str) -> int:
     return sum(sys.getsizeof(s) for s in strings)
 

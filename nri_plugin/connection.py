@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -84,12 +85,7 @@ async def run_external(stub: PluginStub, stop: asyncio.Event, *, socket_path: st
             reader, writer = await asyncio.open_unix_connection(socket_path)
         except OSError as exc:
             delay = backoff.next()
-            # The socket is there and refuses this user: NRI is on, the agent is not root.
-            hint = ("the runtime's NRI socket is root's: run nri-qos as root"
-                    if isinstance(exc, PermissionError) else
-                    "is containerd >= 1.7 running with NRI enabled "
-                    "([plugins.\"io.containerd.nri.v1.nri\"] disable = false) and its "
-                    "socket_path set to this path?")
+            hint = _hint(exc)
             log.warning("runtime_socket_unavailable", path=socket_path, error=str(exc),
                         hint=hint, retry_in_s=delay)
             await sleep_until(delay, stop)
@@ -121,3 +117,16 @@ async def run_prelaunched(stub: PluginStub, stop: asyncio.Event, *, fd: int) -> 
     log.info("runtime_connection_ended", reason=reason)
     stop.set()
     return True
+
+
+def _hint(exc: OSError) -> str:
+    """What to check when the runtime's socket cannot be opened."""
+    if not isinstance(exc, PermissionError):
+        return ("is containerd >= 1.7 running with NRI enabled "
+                "([plugins.\"io.containerd.nri.v1.nri\"] disable = false) and its "
+                "socket_path set to this path?")
+    # The socket is there and refuses this process: NRI is on.
+    if os.geteuid() != 0:
+        return "the runtime's NRI socket is root's: run nri-qos as root"
+    return ("the runtime's NRI socket refuses this process although it runs as root: it "
+            "lacks CAP_DAC_OVERRIDE, or a security module (SELinux, AppArmor) denies it")

@@ -38,11 +38,12 @@ def shared_dir() -> Iterator[Path]:
 
 
 def _interpreter_for_nobody() -> bool:
-    """Whether ``nobody`` can run this interpreter with the package (a virtualenv in a
-    directory of root's alone, as CI makes one, is out of its reach)."""
+    """Whether ``nobody`` can run the agent with this interpreter: the agent's whole import,
+    its dependencies included (a virtualenv in a directory of root's alone, as CI makes one,
+    keeps them out of its reach)."""
     found = subprocess.run(
         ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
-         sys.executable, "-c", "import nri_plugin"],
+         sys.executable, "-c", "import nri_plugin.agent, nri_plugin.cli.nri_qos"],
         cwd=REPO, capture_output=True, check=False)
     return found.returncode == 0
 

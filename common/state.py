@@ -47,7 +47,7 @@ from hooks.untrusted import bounded
 
 Callback = Callable[[], None]
 RefusalCallback = Callable[[PodInfo, Refusal], None]
-Kubelets = tuple[int | None, int | None, str | None]
+KubeletValues = tuple[int | None, int | None, str | None]
 """A container's memory request, ``oom_score_adj`` and MemoryQoS ``memory.high`` as kubelet
 gave them to the runtime (None: kubelet gave none)."""
 
@@ -116,7 +116,7 @@ class NodeState:
                  pod_limit: int = DEFAULT_POD_LIMIT,
                  container_limit: int = DEFAULT_CONTAINER_LIMIT,
                  on_refused: RefusalCallback | None = None,
-                 earlier: Mapping[str, Kubelets] | None = None) -> None:
+                 earlier: Mapping[str, KubeletValues] | None = None) -> None:
         if pod_limit < 1 or container_limit < 1:
             raise ValueError("pod_limit and container_limit must be at least 1")
         self._qos = qos
@@ -272,14 +272,14 @@ class NodeState:
         with self._lock:
             return self._containers.get(container_id)
 
-    def _known(self, container_id: str) -> Kubelets | None:
+    def _known(self, container_id: str) -> KubeletValues | None:
         """Kubelet's values for the container: its events' (lock held), else an earlier run's."""
         known = self._containers.get(container_id)
         if known is not None:
             return _values(known)
         return self._earlier.get(container_id)
 
-    def kubelets(self) -> dict[str, Kubelets]:
+    def kubelets(self) -> dict[str, KubeletValues]:
         """Kubelet's values of every container known, by id."""
         with self._lock:
             return {cid: _values(c) for cid, c in self._containers.items()}
@@ -419,7 +419,7 @@ def _merge_pod(pod: PodInfo, meta: PodMeta | None) -> PodInfo:
     )
 
 
-def _kubelets(listed: ContainerInfo, known: Kubelets | None) -> ContainerInfo:
+def _kubelets(listed: ContainerInfo, known: KubeletValues | None) -> ContainerInfo:
     """A container as Synchronize lists it, with kubelet's request, score and ``memory.high``
     where its events told them (``known``): the runtime lists its spec with this agent's
     adjustment in it (its ``memory.min``, v1 reservation, ``oom_score_adj``, ``memory.high``),
@@ -432,7 +432,7 @@ def _kubelets(listed: ContainerInfo, known: Kubelets | None) -> ContainerInfo:
                                memory_high=high)
 
 
-def _values(container: ContainerInfo) -> Kubelets:
+def _values(container: ContainerInfo) -> KubeletValues:
     return container.memory_request, container.oom_score_adj, container.memory_high
 
 

@@ -328,7 +328,6 @@ class ContainerValues:
         return "0"
 
 
-
 def _read_notes(text: str) -> tuple[str, dict[str, _Note]] | None:
     """A container's notes as :meth:`ContainerValues.noted` wrote them; None when they are not
     (a file drift does not write included)."""

@@ -20,11 +20,11 @@ noted is given back from these notes (:func:`give_back_noted`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import structlog
 
-from common.state import Kubelets, NodeState
+from common.state import KubeletValues, NodeState
 from hooks.model import ContainerInfo
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.statefile import StateFile
@@ -35,15 +35,14 @@ log = structlog.get_logger("nri_qos.reconciler")
 
 KUBELET_NOTES = "kubelet"
 """The state file's section: container id -> ``"<request>,<score>,<memory.high>"`` (empty
-where none), of
-:data:`~reconciler.loops.container_values.MAX_KEPT` containers at most."""
+where none), of :data:`~reconciler.loops.container_values.MAX_KEPT` containers at most."""
 
 
-def encode(values: Kubelets) -> str:
+def encode(values: KubeletValues) -> str:
     return ",".join("" if value is None else str(value) for value in values)
 
 
-def decode(text: str) -> Kubelets | None:
+def decode(text: str) -> KubeletValues | None:
     """The values of a note; None for a note that is not two integers and a ``memory.high``
     (``max`` or digits), each of them possibly empty."""
     parts = text.split(",")
@@ -59,7 +58,7 @@ def decode(text: str) -> Kubelets | None:
     return request, score, high
 
 
-def noted(notes: StateFile) -> dict[str, Kubelets]:
+def noted(notes: StateFile) -> dict[str, KubeletValues]:
     """Kubelet's values an earlier run noted, by container id (unreadable notes left out)."""
     values = {}
     for cid, text in notes.entries(KUBELET_NOTES).items():
@@ -77,19 +76,17 @@ class KubeletNotes:
     def __init__(self, state: NodeState, notes: StateFile) -> None:
         self._state = state
         self._notes = notes
-        self._saved: Mapping[str, str] = notes.entries(KUBELET_NOTES)
         self._version: int | None = None  # the node state's, at the last save
 
     def save(self) -> None:
-        """Notes the node state's containers when they changed since the last save."""
+        """Notes the node state's containers when the node state changed since the last save
+        (the state file is written only when the notes differ)."""
         if not self._state.synced or self._state.version == self._version:
             return
         self._version = self._state.version
-        values = {cid: encode(v) for cid, v in
-                  itertools.islice(self._state.kubelets().items(), MAX_KEPT)}
-        if values != self._saved:
-            self._notes.replace(KUBELET_NOTES, values)
-            self._saved = values
+        self._notes.replace(KUBELET_NOTES, {
+            cid: encode(v) for cid, v in
+            itertools.islice(self._state.kubelets().items(), MAX_KEPT)})
 
 
 def give_back_noted(sysfs: SysFs, layout: CgroupLayout, notes: StateFile,

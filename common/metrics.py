@@ -80,6 +80,12 @@ class Metrics:
         self._reload_success = Gauge(
             f"{PREFIX}_config_last_reload_success_timestamp_seconds",
             "Unix time of the last configuration load that took effect.", registry=r)
+        # Refused loads are counted, but a counter cannot say whether the files as they are now
+        # are in force: the agent tries them once per change, so it may never count again.
+        self._refused = Gauge(
+            f"{PREFIX}_config_refused",
+            "1 while the configuration files' latest version was refused and an older one is "
+            "in force, 0 once a load takes effect.", registry=r)
         self._levels_refused = Counter(
             f"{PREFIX}_qos_level_refused_total",
             "QoS level claims refused (above the pod's class, namespace or level at creation), "
@@ -92,6 +98,7 @@ class Metrics:
     def config_reload(self, ok: bool, unix_time: float) -> None:
         """A configuration load took effect (``ok``) or was refused."""
         self._reloads.labels("success" if ok else "failure").inc()
+        self._refused.set(0 if ok else 1)
         if ok:
             self._reload_success.set(unix_time)
 

@@ -34,6 +34,7 @@ configuration idles, looking again every ``SWITCHED_OFF_RECHECK_S``
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -121,8 +122,9 @@ class DetectorsLoop(Loop):
         self._reclaim: deque[d.Reclaim] = deque()
         self._pod_stalls: dict[str, d.Stall] = {}
         self._pod_refaults: dict[str, deque[d.Refaults]] = {}
-        # Each pod's memory.stat as read in this cycle (RSS overuse and refaults both read it).
-        self._stats: dict[str, str | None] = {}
+        # Each pod's memory.stat as read in this cycle (RSS overuse and refaults both read it),
+        # why it could not be, or None: its cgroup went away.
+        self._stats: dict[str, str | ParseError | None] = {}
         self._said: set[str] = set()
         self._watermarks = watermarks if watermarks is not None else Watermarks(sysfs)
         self._factor_problems: dict[str, str] = {}
@@ -243,10 +245,31 @@ class DetectorsLoop(Loop):
             self._publisher.offer(KSWAPD, [sample])
 
     def _stat(self, pod: PodMemory) -> str | None:
-        """The pod's memory.stat, read once a cycle."""
+        """The pod's memory.stat, read once a cycle, as :meth:`_pod_file` reads it."""
         if pod.cgroup not in self._stats:
-            self._stats[pod.cgroup] = self._sysfs.read(f"{pod.cgroup}/memory.stat")
-        return self._stats[pod.cgroup]
+            try:
+                self._stats[pod.cgroup] = self._pod_file(pod, "memory.stat")
+            except ParseError as exc:
+                self._stats[pod.cgroup] = exc
+        found = self._stats[pod.cgroup]
+        if isinstance(found, ParseError):
+            raise found
+        return found
+
+    def _pod_file(self, pod: PodMemory, name: str) -> str | None:
+        """The text of the pod cgroup's file ``name``; None when the cgroup itself went away
+        (the pod is leaving: no reading, nothing to say). A file missing from a cgroup still
+        there (a controller not enabled for it), or one the kernel refuses to read (EACCES,
+        EIO, EOPNOTSUPP ...), raises :class:`ParseError`: that pod's reading is unknown, and
+        the other pods are still judged."""
+        try:
+            text = self._sysfs.read(f"{pod.cgroup}/{name}")
+        except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            raise ParseError(f"{name} unreadable: {code}: {exc.strerror}") from exc
+        if text is None and self._sysfs.is_dir(pod.cgroup):
+            raise ParseError(f"{name} is gone")
+        return text
 
     def _rss_overuse(self, cfg: DetectionConfig, now: float) -> None:
         samples = []
@@ -258,7 +281,15 @@ class DetectorsLoop(Loop):
             if problem and self._factor_problems.get(pod.uid) != problem:
                 self._factor_ignored(pod, cfg.rss_overuse_annotation, problem)
             self._factor_problems[pod.uid] = problem
-            samples.append(d.rss_overuse(pod.uid, self._stat(pod), self._host.cgroup.v2,
+            try:
+                stat = self._stat(pod)
+            except ParseError as exc:
+                samples.append(d.unknown(RSS_OVERUSE, pod_scope(pod.uid), str(exc), now,
+                                         pod.uid))
+                continue
+            if stat is None:
+                continue  # the pod is leaving
+            samples.append(d.rss_overuse(pod.uid, stat, self._host.cgroup.v2,
                                          pod.request_bytes, factor, now))
         live = {s.pod_uid for s in samples}
         for uid in [u for u in self._factor_problems if u not in live]:
@@ -295,10 +326,10 @@ class DetectorsLoop(Loop):
             if pod.level not in ONLINE_LEVELS:
                 continue
             scope = pod_scope(pod.uid)
-            text = self._sysfs.read(f"{pod.cgroup}/memory.pressure")
             try:
+                text = self._pod_file(pod, "memory.pressure")
                 if text is None:
-                    raise ParseError("memory.pressure is gone")
+                    continue  # the pod is leaving
                 stall = d.read_stall(text, now)
             except ParseError as exc:
                 samples.append(d.unknown(PSI, scope, str(exc), now, pod.uid))
@@ -324,11 +355,11 @@ class DetectorsLoop(Loop):
             if pod.level not in ONLINE_LEVELS:
                 continue
             scope = pod_scope(pod.uid)
-            text = self._stat(pod)
             try:
-                if text is None:
-                    raise ParseError("memory.stat is gone")
-                found = d.read_refaults(text, self._host.cgroup.v2, now)
+                stat = self._stat(pod)
+                if stat is None:
+                    continue  # the pod is leaving
+                found = d.read_refaults(stat, self._host.cgroup.v2, now)
             except ParseError as exc:
                 samples.append(d.unknown(REFAULT, scope, str(exc), now, pod.uid))
                 continue

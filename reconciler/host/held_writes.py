@@ -1,9 +1,14 @@
-"""What observe mode said of each file it held a write to, so each held write is audited once:
-a loop decides the same write again every cycle while the file stays as it is."""
+"""What was said of each file whose write was held back (observe mode) or refused by the kernel,
+or that could not be read, so each is said once: a loop decides the same write again every cycle
+while the file stays as it is, and the kernel refuses it again for the same reason."""
 
 from __future__ import annotations
 
 import threading
+
+import structlog
+
+log = structlog.get_logger("nri_qos.sysfs")
 
 MOST_FILES = 4096
 """Files remembered at most (a node's containers' files fit); past it the file held longest ago
@@ -25,3 +30,21 @@ class HeldWrites:
                 del self._said[next(iter(self._said))]
             self._said[path] = value
         return said != value
+
+    def forget(self, path: str) -> bool:
+        """Forget what was said of ``path``; whether anything was."""
+        if path not in self._said:  # the common case, without taking the lock
+            return False
+        with self._lock:
+            return self._said.pop(path, None) is not None
+
+
+class Refusals(HeldWrites):
+    """The refusal (errno and message) last said per file: a write the kernel refuses at every
+    cycle is said (``write_failed``, ``cgroup_write_failed``) when its refusals start or change
+    errno and only counted meanwhile; a write to the file taken again, or the file found holding
+    the value wanted, ends them (``write_refusals_ended``), and the next refusal is said again."""
+
+    def ended(self, path: str) -> None:
+        if self.forget(path):
+            log.info("write_refusals_ended", path=path)

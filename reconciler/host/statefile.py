@@ -68,6 +68,10 @@ class StateFile:
         self._writer = writer
         self._lock = threading.Lock()  # the notes in memory
         self._file_lock = threading.Lock()  # the file; never taken with the notes' lock held
+        # Held by a loop from its look at another section's notes about a file to its write of
+        # that file, so the owner of those notes cannot give the file back in between and
+        # leave the write noted nowhere.
+        self.handover = threading.RLock()
         self._changes = 0  # changes made to the notes (under the notes' lock)
         self._saved = 0  # the latest change the file holds (under the file's lock)
         # Why the notes could not be read, for a caller that must not take "no notes" for

@@ -22,6 +22,9 @@ classified once, here:
   said again.
 * anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``.
 
+A loop asks again every cycle: a file's refusals are said when they start or change errno, then
+only counted, until a write to it is taken again (:class:`~.held_writes.Refusals`).
+
 Observe mode (``observe`` returns True): every write is decided as usual but not done; it is
 counted as :attr:`Outcome.OBSERVED` and audited as ``write_observed``, once per file and value
 (task ids: once per file), since a loop decides it again every cycle while the file stays so.
@@ -42,7 +45,7 @@ from common.audit import AuditLog
 from common.metrics import Metrics
 from hooks.untrusted import bounded, bounded_repr
 from reconciler.host.children import MOVER, SYS_MOVE_PAGES, WRITER, Children
-from reconciler.host.held_writes import HeldWrites
+from reconciler.host.held_writes import HeldWrites, Refusals
 from reconciler.host.values import PAGE_SIZE, Comparator, same_text
 
 log = structlog.get_logger("nri_qos.sysfs")
@@ -230,6 +233,7 @@ class SysFs(SysReader):
         metrics: Metrics | None = None,
         observe: Callable[[], bool] | None = None,
         children: Children | None = None,
+        refused: Refusals | None = None,
     ) -> None:
         if retries < 1:
             raise ValueError("retries must be at least 1")
@@ -245,18 +249,19 @@ class SysFs(SysReader):
         self._read_only_said = False
         # Children doing long kernel work, shared with every view made from this one.
         self._children = Children() if children is None else children
+        self._refused = Refusals() if refused is None else refused  # shared by every view
 
     def metered(self, metrics: Metrics) -> SysFs:
         """The same tree and write policy, counting every write into ``metrics``."""
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
                      sleep=self._sleep, metrics=metrics, observe=self._observe,
-                     children=self._children)
+                     children=self._children, refused=self._refused)
 
     def observing(self, observe: Callable[[], bool]) -> SysFs:
         """The same tree and write policy, writing nothing while ``observe()`` is true."""
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
                      sleep=self._sleep, metrics=self._metrics, observe=observe,
-                     children=self._children)
+                     children=self._children, refused=self._refused)
 
     def held(self) -> bool:
         """Whether writes are held back now (observe mode)."""
@@ -267,7 +272,8 @@ class SysFs(SysReader):
         the agent changed, which returns the node to what it was (an enforcing run's cap must
         go when the node is switched to observe, or when an observing agent finds it)."""
         return SysFs(self.root, self._audit, retries=self._retries, backoff_s=self._backoff_s,
-                     sleep=self._sleep, metrics=self._metrics, children=self._children)
+                     sleep=self._sleep, metrics=self._metrics, children=self._children,
+                     refused=self._refused)
 
     def _observed_only(self, path: str, value: str, reason: str, count: int = 1,
                        kept: str | None = None) -> bool:
@@ -418,6 +424,7 @@ class SysFs(SysReader):
             log.debug("write_skipped", reason="file gone", path=path)
             return self._count(path, Outcome.GONE), ""
         if same(current, value):
+            self._refused.ended(path)
             return self._count(path, Outcome.UNCHANGED), ""
         return self._write(path, value, reason, False)
 
@@ -449,11 +456,12 @@ class SysFs(SysReader):
                 why = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
                 if exc.errno == errno.EROFS:
                     self._refused_read_only(path, value, reason)
-                else:
+                elif self._refused.news(path, why):
                     self._record("cgroup_write_failed", path=path, value=value.strip(),
                                  reason=reason, error=f"{why} (attempt {attempt})")
                 return self._count(path, Outcome.FAILED), why
             self._read_only_said = False
+            self._refused.ended(path)
             self._record("cgroup_write", path=path, value=value.strip(), reason=reason)
             return self._count(path, Outcome.WRITTEN), ""
 

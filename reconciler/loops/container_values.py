@@ -32,7 +32,8 @@ never held back): each file and process that still holds drift's last value gets
 held before drift's first write, a value applied at creation that drift changed gets that value
 again (the CreateContainer answers are given in observe mode too), and values drift found
 applied at creation stay. A write back that observe mode holds (a value applied at creation that
-the policy no longer asks for) keeps its note for when the agent enforces again.
+the policy no longer asks for) keeps its note for when the agent enforces again; one the kernel
+refuses keeps it too, and is tried again at the next cycle.
 
 Notes are kept for running containers only, and across restarts in the state file (section
 :data:`NOTES`): an agent restarted with a configuration that no longer asks for a value (the
@@ -226,15 +227,18 @@ class ContainerValues:
                 if note.undo is None:
                     continue  # applied at creation: observe mode gives that too
                 if name == OOM:
-                    for pid in self._holding(cgroup, note, note.undo, _OBSERVE):
-                        set_oom_score_adj(sysfs, pid, int(note.undo), _OBSERVE)
+                    outcomes = [set_oom_score_adj(sysfs, pid, int(note.undo), _OBSERVE)
+                                for pid in self._holding(cgroup, note, note.undo, _OBSERVE)]
                 else:
                     path = f"{cgroup}/{name}"
                     if not self._holds(path, note, _OBSERVE):
                         del files[name]
                         self._version += 1
                         continue
-                    sysfs.write_if_changed(path, note.undo, _OBSERVE, same=same_bytes)
+                    outcomes = [sysfs.write_if_changed(path, note.undo, _OBSERVE,
+                                                       same=same_bytes)]
+                if Outcome.FAILED in outcomes:
+                    continue  # refused: the note stays, to be given back at the next cycle
                 if note.before is None:  # back at what the runtime applied at creation
                     files[name] = _Note(None, note.undo)
                     self._version += 1

@@ -36,6 +36,7 @@ back when the balance is switched off and by ``nri-qos reset``.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from common.state import NodeState
 from hooks.config_fields import setting
 from hooks.levels import QosLevel
 from reconciler.host.cgroups import CgroupLayout, subtree_ids
+from reconciler.host.held_writes import HeldWrites
 from reconciler.host.numa import NumaNode, node_ids, read_nodes
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
@@ -58,10 +60,10 @@ from reconciler.loops.common import Managed, ManagedCache
 from reconciler.loops.memory_guard import MemoryGuardConfig, parse_numa_stat
 from reconciler.loops.numa_binding import (
     NUMA_BALANCE_NOTES,
-    mems_note,
-    noted_elsewhere,
+    effective_mems,
     release_unreclaimed,
     restore_bindings,
+    undo_noted,
 )
 from reconciler.metrics import ReconcilerMetrics
 
@@ -147,7 +149,11 @@ class Candidate:
     level: str
     per_node: Mapping[int, int]
     mems: frozenset[int]
-    """The nodes its cpuset allows: one it may not use holds only what no step can move."""
+    """The nodes its cpuset has in effect: one it may not use holds only what no step can move."""
+    reach: frozenset[int] | None = None
+    """The nodes its parent's cpuset has in effect (None: not known), the only ones its pages
+    may go to: the kernel refuses a move anywhere else (EACCES), and on v2 a ``cpuset.mems``
+    naming another node is taken but leaves it out of effect."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +210,8 @@ def plan_step(nodes: Sequence[NumaNode], candidates: Callable[[], Sequence[Candi
     budget = min(step_bytes, room[cool] // 2)
     offline = [c for c in candidates() if c.level == QosLevel.RECLAIMED_CORES]
     for _, hot in hot_nodes:
-        holding = [c for c in offline if c.per_node.get(hot, 0) > 0 and hot in c.mems]
+        holding = [c for c in offline if c.per_node.get(hot, 0) > 0 and hot in c.mems
+                   and (c.reach is None or cool in c.reach)]
         if not holding:
             continue
         pod_bytes: dict[str, int] = {}
@@ -258,6 +265,7 @@ class NumaBalanceLoop(Loop):
         self._held: tuple[object, ...] = ()
         self._retry_at: float | None = None
         self._paused: dict[str, float] = {}
+        self._unreadable = HeldWrites()  # container memcg -> why its files were not read
         self._nothing_to_balance = False
         self._quiet = False
         self._was_held = False
@@ -351,12 +359,28 @@ class NumaBalanceLoop(Loop):
         self._held = ()
 
     def _candidate(self, item: Managed) -> Candidate | None:
-        text = self._sysfs.read(f"{self._layout.dir('memory', item.ref.rel)}/memory.numa_stat")
-        mems = self._allowed(self._layout.dir("cpuset", item.ref.rel))
+        memory = self._layout.dir("memory", item.ref.rel)
+        try:
+            text = self._sysfs.read(f"{memory}/memory.numa_stat")
+            cpuset = self._layout.dir("cpuset", item.ref.rel)
+            mems = self._allowed(cpuset)
+            reach = effective_mems(self._sysfs, cpuset.rsplit("/", 1)[0])
+        except OSError as exc:
+            # That container's alone, said once while it lasts: the others may still move.
+            error = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+            if self._unreadable.news(memory, error):
+                log.warning("numa_balance_unreadable", container=item.view.info.name,
+                            error=error)
+            return None
+        self._unreadable.forget(memory)
         if text is None or mems is None:
             return None
+        # In effect is what it asks for and its parent has (v2 takes a cpuset.mems naming
+        # more and leaves the rest out).
+        parent = parse_id_list(reach) if reach else None
         return Candidate(item.view.pod.info.uid, item.view.info.id, item.level,
-                         parse_numa_stat(text, True, PAGE_SIZE), mems)
+                         parse_numa_stat(text, True, PAGE_SIZE),
+                         mems if parent is None else mems & parent, parent)
 
     def _take(self, step: Step, item: Managed, balance: NumaBalanceConfig, reason: str) -> None:
         cpuset = self._layout.dir("cpuset", item.ref.rel)
@@ -405,7 +429,8 @@ class NumaBalanceLoop(Loop):
                            f"NUMA balance: memory moved off node {step.hot}")
 
     def _allowed(self, cpuset: str) -> frozenset[int] | None:
-        """The nodes the container may use now (an empty cpuset.mems inherits its parent's)."""
+        """The nodes the container's cpuset.mems asks for (an empty one inherits its
+        parent's)."""
         for name in ("cpuset.mems", "cpuset.mems.effective"):
             text = self._sysfs.read(f"{cpuset}/{name}")
             if text is None:
@@ -416,14 +441,11 @@ class NumaBalanceLoop(Loop):
 
     def _set_mems(self, cpuset: str, nodes: frozenset[int], reason: str) -> bool:
         path = f"{cpuset}/cpuset.mems"
-        current = self._sysfs.read(path)
-        if current is None or not (
-                noted_elsewhere(self._notes, NUMA_BALANCE_NOTES, path)
-                or self._notes.remember(NUMA_BALANCE_NOTES, path,
-                                        mems_note(self._sysfs, cpuset, current))):
-            return False
-        return self._sysfs.write(path, format_id_list(nodes), reason) in (
-            Outcome.WRITTEN, Outcome.OBSERVED)
+        with self._notes.handover:
+            if not undo_noted(self._sysfs, self._notes, NUMA_BALANCE_NOTES, cpuset):
+                return False
+            return self._sysfs.write(path, format_id_list(nodes), reason) in (
+                Outcome.WRITTEN, Outcome.OBSERVED)
 
     def _record(self, fields: dict[str, object], moved: int, duration_s: float, result: str,
                 reason: str) -> None:

@@ -107,7 +107,10 @@ value from before either, and the loop that noted it writes it back when it is s
 
 
 def noted_elsewhere(notes: StateFile, section: str, path: str) -> bool:
-    """Whether the other NUMA loop noted ``path`` already (it then owns the undo)."""
+    """Whether the other NUMA loop noted ``path`` already (it then owns the undo). Each loop
+    runs on its own thread: from this look to its write, and in a give-back, a loop holds
+    ``notes.handover``, or the other could write its note back and forget it in between and
+    leave the write noted nowhere."""
     other = NUMA_BALANCE_NOTES if section == NUMA_NOTES else NUMA_NOTES
     return path in notes.entries(other)
 
@@ -123,6 +126,16 @@ def effective_mems(sysfs: SysFs, cgroup: str) -> str:
         if text is not None:
             return text.strip()
     return ""
+
+
+def undo_noted(sysfs: SysFs, notes: StateFile, section: str, cgroup: str) -> bool:
+    """Whether the value ``cgroup``'s ``cpuset.mems`` holds now is noted, by the other loop or
+    now in ``section``: a loop writes the file only then, holding ``notes.handover``."""
+    path = f"{cgroup}/cpuset.mems"
+    current = sysfs.read(path)
+    return current is not None and (
+        noted_elsewhere(notes, section, path)
+        or notes.remember(section, path, mems_note(sysfs, cgroup, current)))
 
 
 def mems_note(sysfs: SysFs, cgroup: str, current: str) -> str:
@@ -152,7 +165,8 @@ def mems_restored(sysfs: SysFs, path: str, noted: str) -> str:
 def restore_bindings(sysfs: SysFs, notes: StateFile, reason: str,
                      section: str = NUMA_NOTES) -> int:
     """Writes back every cpuset.mems noted in ``section``; how many were written."""
-    return restore_noted(sysfs, notes, section, reason, resolve=mems_restored)
+    with notes.handover:
+        return restore_noted(sysfs, notes, section, reason, resolve=mems_restored)
 
 
 def release_unreclaimed(items: Iterable[Managed], sysfs: SysFs, layout: CgroupLayout,
@@ -164,8 +178,11 @@ def release_unreclaimed(items: Iterable[Managed], sysfs: SysFs, layout: CgroupLa
         return
     for item in items:
         if item.level != QosLevel.RECLAIMED_CORES:
-            restore_noted(sysfs, notes, section, f"pod no longer {QosLevel.RECLAIMED_CORES}",
-                          under=f"{layout.dir('cpuset', item.ref.rel)}/", resolve=mems_restored)
+            with notes.handover:
+                restore_noted(sysfs, notes, section,
+                              f"pod no longer {QosLevel.RECLAIMED_CORES}",
+                              under=f"{layout.dir('cpuset', item.ref.rel)}/",
+                              resolve=mems_restored)
 
 
 class NumaBindingLoop(Loop):
@@ -262,7 +279,12 @@ class NumaBindingLoop(Loop):
                                    "the parents' cgroup.subtree_control (cgroup v2); "
                                    "reclaimed pods are not bound")
             return
-        nodes = set(chosen)
+        # The kernel takes only nodes the parent has in effect (v1 refuses the others,
+        # v2 takes them and leaves them out of effect): chosen for the host, not for the pod.
+        reach = effective_mems(self._sysfs, cgroup.rsplit("/", 1)[0])
+        nodes = set(chosen) & parse_id_list(reach) if reach else set(chosen)
+        if not nodes:
+            return
         if balancing:
             # Taking a node away would move all the pages held there in one write: the
             # balancer does that in bounded steps, so the binding only adds nodes.
@@ -273,18 +295,20 @@ class NumaBindingLoop(Loop):
         if same_id_list(current, mems):
             return
         path = f"{cgroup}/cpuset.mems"
-        if not (noted_elsewhere(self._notes, NUMA_NOTES, path)
-                or self._notes.remember(NUMA_NOTES, path,
-                                        mems_note(self._sysfs, cgroup, current))):
-            return
-        if migrate:
-            # Only needed when the binding changes, and it must be in place before.
-            flag = f"{cgroup}/cpuset.memory_migrate"
-            before = self._sysfs.read(flag)
-            if before is None or not self._notes.remember(NUMA_NOTES, flag, before.strip()):
+        with self._notes.handover:
+            # Read again: the balance may have given the file back since.
+            if not undo_noted(self._sysfs, self._notes, NUMA_NOTES, cgroup):
                 return
-            self._sysfs.write_if_changed(flag, "1", "pages follow the NUMA binding")
-        if self._sysfs.write(f"{cgroup}/cpuset.mems", mems, reason) == Outcome.WRITTEN:
+            if migrate:
+                # Only needed when the binding changes, and it must be in place before.
+                flag = f"{cgroup}/cpuset.memory_migrate"
+                before = self._sysfs.read(flag)
+                if before is None or \
+                        not self._notes.remember(NUMA_NOTES, flag, before.strip()):
+                    return
+                self._sysfs.write_if_changed(flag, "1", "pages follow the NUMA binding")
+            outcome = self._sysfs.write(path, mems, reason)
+        if outcome == Outcome.WRITTEN:
             info = item.view.info
             self._audit.record("numa_binding", pod_uid=item.view.pod.info.uid,
                                container=info.name, mems=mems, reason=reason)

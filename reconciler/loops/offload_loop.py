@@ -5,6 +5,7 @@ for the formula and the limits)."""
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -15,6 +16,7 @@ import structlog
 from common.audit import AuditLog
 from common.state import NodeState
 from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.held_writes import HeldWrites
 from reconciler.host.numa import MEMINFO, meminfo_values
 from reconciler.host.parse import ParseError
 from reconciler.host.parse import parse_counters as counter_values
@@ -104,6 +106,7 @@ class OffloadLoop(Loop):
         # container id -> (pod uid, refaults per second at its last cycle)
         self._rates: dict[str, tuple[str, float]] = {}
         self._pods_lock = threading.Lock()
+        self._unreadable = HeldWrites()  # container cgroup -> why its files were not read
         if metrics is not None:
             metrics.watch_offload(self.pods, self._pod_names)
 
@@ -171,15 +174,20 @@ class OffloadLoop(Loop):
     def _decide(self, item: Managed, off: OffloadConfig, now: float, swap: int
                 ) -> tuple[Decision, Counters, bool] | None:
         cgroup = self._layout.dir("memory", item.ref.rel)
-        stat = self._sysfs.read(f"{cgroup}/memory.stat")
-        pressure = self._sysfs.read(f"{cgroup}/memory.pressure")
-        if stat is None or pressure is None:
-            return None
         try:
+            stat = self._sysfs.read(f"{cgroup}/memory.stat")
+            pressure = self._sysfs.read(f"{cgroup}/memory.pressure")
+            if stat is None or pressure is None:
+                return None
             counters = parse_counters(stat, pressure)
-        except ParseError as exc:
-            log.warning("offload_unreadable", container=item.view.info.name, error=str(exc))
+        except (OSError, ParseError) as exc:
+            # That container's alone, said once while it lasts: the others are still decided.
+            error = str(exc) if isinstance(exc, ParseError) else (
+                f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}")
+            if self._unreadable.news(cgroup, error):
+                log.warning("offload_unreadable", container=item.view.info.name, error=error)
             return None
+        self._unreadable.forget(cgroup)
         anon = (anon_allowed(off, swap, self._sysfs.read(f"{cgroup}/memory.swap.max"))
                 and swap_room(self._sysfs, self._layout, item.ref.rel))
         previous = self._tracks.get(item.view.info.id)

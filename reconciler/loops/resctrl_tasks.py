@@ -56,6 +56,7 @@ from hooks.resctrl_annotation import plan_pod_group
 from hooks.resctrl_config import ResctrlConfig
 from hooks.resctrl_groups import parse_group_name, place_container, plan_class_groups
 from reconciler.host.cgroups import CgroupLayout
+from reconciler.host.held_writes import HeldWrites
 from reconciler.host.procfs import task_cgroups
 from reconciler.host.resctrlfs import ResctrlFs, removal_problem
 from reconciler.host.sysfs import SysFs
@@ -133,6 +134,7 @@ class ResctrlTasksLoop(Loop):
         # Orphans whose removal failed, with the error last said.
         self._removal_failed: dict[str, str] = {}
         self._class_problems: set[str] = set()
+        self._refused = HeldWrites()  # group (and monitor) -> the refusal of its moves said
 
     def interval(self) -> float:
         return self._config().reconciler.resctrl_interval_s
@@ -287,15 +289,20 @@ class ResctrlTasksLoop(Loop):
             self._add(group, tids, monitor=True)
 
     def _add(self, group: str, tids: list[int], *, monitor: bool) -> None:
+        where = f"{group} monitor" if monitor else group
         try:
             self._resctrl.add_tasks(group, tids, monitor=monitor)
         except OSError as exc:
             if exc.errno == errno.EROFS:
                 return  # a read-only tree: the host layer said so once
             # The group vanished or refused (e.g. a monitor group whose RMID is gone); the next
-            # cycle sees the new state of the groups.
-            log.warning("resctrl_task_move_failed", group=group, monitor=monitor,
-                        count=len(tids), error=str(exc))
+            # cycle sees the new state of the groups, and tries again: said once while the
+            # group refuses so.
+            if self._refused.news(where, str(exc)):
+                log.warning("resctrl_task_move_failed", group=group, monitor=monitor,
+                            count=len(tids), error=str(exc))
+            return
+        self._refused.forget(where)
 
     # -- group maintenance -----------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ usage before and after.
 from __future__ import annotations
 
 import asyncio
+import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -140,7 +141,14 @@ class DropCacheAction:
         for pod in self._pods.pods():
             if pod.level != QosLevel.RECLAIMED_CORES:
                 continue
-            stat = self._sysfs.read(f"{pod.cgroup}/memory.stat")
+            try:
+                stat = self._sysfs.read(f"{pod.cgroup}/memory.stat")
+            except OSError as exc:  # that pod's alone: the others' cache is still dropped
+                log.warning("drop_cache_stat_unreadable", pod=pod.name,
+                            reason=f"memory.stat unreadable: "
+                                   f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: "
+                                   f"{exc.strerror}")
+                continue
             try:
                 cache = page_cache(stat, self._v2) if stat is not None else None
             except ParseError as exc:

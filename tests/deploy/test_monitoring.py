@@ -103,7 +103,9 @@ def test_every_alert_parses_and_names_exported_series() -> None:
     names = exported() | PROMETHEUS_OWN
     found = {rule["alert"]: rule for rule in rules()}
     assert set(found) == {"NriQosAgentDown", "NriQosNotSynchronized", "NriQosAnswerNearTimeout",
-                          "NriQosLadderEngagedLong", "NriQosEvictions", "NriQosWireRejections"}
+                          "NriQosLadderEngagedLong", "NriQosEvictions", "NriQosWireRejections",
+                          "NriQosConfigRefused", "NriQosHostWritesRefused", "NriQosLoopFailing",
+                          "NriQosDetectorBlind"}
     for rule in found.values():
         assert selectors(rule["expr"]) <= names, (rule["alert"], selectors(rule["expr"]) - names)
         assert rule["labels"]["severity"] in ("info", "warning", "critical")

@@ -7,6 +7,7 @@ import dataclasses
 import shutil
 from collections import deque
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -20,23 +21,28 @@ from tests.support.fakesys import GIB, MIB
 CFG = DetectionConfig()
 
 
+def broken(*args: object) -> NoReturn:
+    raise RuntimeError("bug")
+
+
 def test_a_failed_round_of_pod_psi_leaves_the_nodes_psi_and_goes_with_the_next(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = Setup(tmp_path, version=2)
     web = s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
     loop = s.loop()
     # the node's PSI path holds a level
     s.publisher.offer("psi", [d.psi_trigger_sample(NODE, 500, s.cfg.detection, 0.0)],
                       covers=None, triggered=True)
-    # a pressure file the kernel refuses to read (EISDIR here): the pods' round fails
-    (web / "memory.pressure").mkdir()
+    # a fault of the detector itself: the pods' round fails
+    (web / "memory.pressure").write_text(pod_pressure(0))
+    monkeypatch.setattr(d, "read_stall", broken)
     loop.cycle(0.0)
     assert s.level("psi", NODE) is Level.LOW
     failed = s.reading("psi", FAILED_PODS)
     assert failed is not None
     assert failed.level is Level.UNKNOWN
-    assert "IsADirectoryError" in failed.reason
-    (web / "memory.pressure").rmdir()
+    assert "RuntimeError" in failed.reason
+    monkeypatch.undo()
     (web / "memory.pressure").write_text(pod_pressure(0))
     loop.cycle(1.0)
     assert s.reading("psi", FAILED_PODS) is None
@@ -47,18 +53,15 @@ def test_a_failed_round_of_pod_psi_leaves_the_nodes_psi_and_goes_with_the_next(
     assert s.level("psi", pod_scope(uid("web"))) is Level.NONE
 
 
-def test_a_failed_round_of_refaults_leaves_no_reading_behind(tmp_path: Path) -> None:
+def test_a_failed_round_of_refaults_leaves_no_reading_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = Setup(tmp_path, refaults=True)
-    web = s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
+    s.pod("web", "shared_cores", request=GIB, anon=MIB, tier="burstable")
     loop = s.loop()
-    stat = web / "memory.stat"
-    text = stat.read_text()
-    stat.unlink()
-    stat.mkdir()
+    monkeypatch.setattr(d, "read_refaults", broken)
     loop.cycle(0.0)
     assert s.level("refault", FAILED_PODS) is Level.UNKNOWN
-    stat.rmdir()
-    stat.write_text(text)
+    monkeypatch.undo()
     loop.cycle(1.0)
     assert {r.scope for r in s.board.current() if r.detector == "refault"} == set()
     loop.cycle(2.0)

@@ -187,15 +187,19 @@ def test_the_guard_cap_is_absent_until_one_is_set() -> None:
                  "nri_qos_memory_guard_cap_bytes") == 1 << 30
 
 
-def test_config_reloads_are_counted(tmp_path: Path) -> None:
-
-
-    metrics = Metrics()
+def reloading(tmp_path: Path, metrics: Metrics) -> tuple[ConfigStore, Path]:
+    """A configuration store on an empty file, its loads counted in ``metrics``."""
     path = tmp_path / "config.toml"
     path.write_text("")
     store = ConfigStore(AuditLog(MemoryAuditSink()))
     store.load_initial(str(path))
     store.on_load(lambda ok: metrics.config_reload(ok, 1234.0))
+    return store, path
+
+
+def test_config_reloads_are_counted(tmp_path: Path) -> None:
+    metrics = Metrics()
+    store, path = reloading(tmp_path, metrics)
     path.write_text("[plugin]\nstrict = 1\n")
     store.reload()
     path.write_text("[plugin]\nstrict = true\n")
@@ -204,6 +208,27 @@ def test_config_reloads_are_counted(tmp_path: Path) -> None:
     assert value(samples, "nri_qos_config_reloads_total", result="failure") == 1
     assert value(samples, "nri_qos_config_reloads_total", result="success") == 1
     assert value(samples, "nri_qos_config_last_reload_success_timestamp_seconds") == 1234.0
+
+
+def test_a_refused_configuration_is_shown_until_a_load_takes_effect(tmp_path: Path) -> None:
+    """The agent tries a changed file once: a refused one stays refused with no further count,
+    so only a level tells an alert that the node runs an older configuration than its files."""
+    metrics = Metrics()
+    store, path = reloading(tmp_path, metrics)
+
+    def refused() -> float:
+        return value(parse(prometheus_client.generate_latest(metrics.registry).decode()),
+                     "nri_qos_config_refused")
+
+    assert refused() == 0
+    path.write_text("[plugin]\nstrict = 1\n")
+    store.reload()
+    assert refused() == 1
+    store.reload()  # the same refused files again
+    assert refused() == 1
+    path.write_text("[plugin]\nstrict = true\n")
+    store.reload()
+    assert refused() == 0
 
 
 async def test_connections_over_the_cap_are_closed_unanswered(

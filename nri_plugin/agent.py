@@ -294,7 +294,7 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
             config_source=lambda: store.source, host=lambda: probed[0],
             kubernetes=kubernetes, reconciler_running=background,
             wall_clock=time.time, started_unix=time.time(), sections=sections,
-            restart_needed=lambda: store.restart_needed)
+            restart_needed=lambda: store.restart_needed, config_refused=lambda: store.refused)
         status = StatusServer(cfg.status.socket, lambda: status_document(sources))
         services.append(status.serve)
     log.info("starting", plugin=f"{identity.index}-{identity.name}",

@@ -119,6 +119,12 @@ def print_status(doc: dict[str, Any], out: TextIO) -> None:
     out.write(f"agent             nri-qos {agent['version']} (pid {agent['pid']}, plugin "
               f"{agent['plugin']}), up {agent['uptime_s']:.0f} s, config {agent['config']}\n")
     out.write(f"mode              {agent['mode']}\n")
+    refused = agent.get("config_refused", [])
+    if refused:
+        out.write("config refused    the files' latest version; the previous configuration "
+                  "stays in force:\n")
+        for error in refused:
+            out.write(f"  {error}\n")
     # Not in the answer of every agent version: none when missing.
     for key, values in agent.get("restart_needed", {}).items():
         out.write(f"restart needed    {key} = {json.dumps(values['new'])} at the next start "

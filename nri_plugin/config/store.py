@@ -113,6 +113,7 @@ class ConfigStore:
         # one the files said last.
         self._start = self._files = self._current
         self._restart_needed: Mapping[str, tuple[Any, Any]] = {}
+        self._refused: tuple[str, ...] = ()
         self._clock = clock
         self._path: Path | None = None
         self._explicit = False
@@ -131,6 +132,13 @@ class ConfigStore:
         """The current configuration as the actions run with it: in observe mode with every
         mitigation rung and the eviction manager held in dry-run (:func:`in_force`)."""
         return self._in_force
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        """The errors of the files' latest version when it was refused (an older configuration
+        in force); empty once a load takes effect. A refused version is read once, so nothing
+        else keeps saying it."""
+        return self._refused
 
     @property
     def restart_needed(self) -> Mapping[str, tuple[Any, Any]]:
@@ -172,11 +180,13 @@ class ConfigStore:
         """Re-read the file now; True when a different configuration took effect."""
         try:
             cfg, source = self._read()
-        except ConfigError:
+        except ConfigError as exc:
             # Said by the config_rejected record.
+            self._refused = tuple(exc.lines())
             self._loaded(False)
             return False
         changed = self._swap(cfg, source)
+        self._refused = ()
         self._loaded(True)
         return changed
 

@@ -7,6 +7,8 @@ socket is 0600, in a directory the server creates 0700) and writes the document 
 connects, then closes. The document carries ``format`` (:data:`STATUS_FORMAT`); readers must
 ignore keys they do not know.
 
+``agent.config_refused`` lists the errors of the configuration files' latest version while it
+is refused and an older configuration is in force (empty otherwise).
 ``agent.restart_needed`` maps each key the agent reads at start only and the files set otherwise
 to its value in force and the new one (``in_force``, ``new``): empty unless a reload changed one.
 
@@ -26,7 +28,7 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +80,8 @@ class StatusSources:
     sections: Mapping[str, Callable[[], Any]] = field(default_factory=dict)
     # The start-only keys the files set otherwise: key -> (value in force, value in the files).
     restart_needed: Callable[[], Mapping[str, tuple[Any, Any]]] = dict
+    # The errors of the configuration files' latest version, refused (empty: in force).
+    config_refused: Callable[[], Sequence[str]] = tuple
 
 
 def status_document(src: StatusSources) -> dict[str, Any]:
@@ -120,7 +124,8 @@ def status_document(src: StatusSources) -> dict[str, Any]:
                   "plugin": f"{stub.identity.index}-{stub.identity.name}",
                   "config": src.config_source(), "mode": src.config().agent.mode,
                   "restart_needed": {key: {"in_force": held, "new": new}
-                                     for key, (held, new) in src.restart_needed().items()}},
+                                     for key, (held, new) in src.restart_needed().items()},
+                  "config_refused": list(src.config_refused())},
         "connection": {"state": stub.connection_state, "for_s": round(age, 3),
                        "since_unix": round(wall - age, 3), "connections": stub.connections},
         "runtime": None if stub.connection_state == "disconnected" or not runtime.name else {

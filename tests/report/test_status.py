@@ -11,7 +11,7 @@ import signal
 import socket
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -447,3 +447,39 @@ def test_an_answer_nested_too_deeply_is_a_clear_error(
     err = capsys.readouterr().err
     assert "is not a status document" in err
     assert "nested too deeply" in err
+
+
+async def test_a_refused_configuration_is_shown_until_one_takes_effect(
+        tmp_path: Path, short_dir: Path) -> None:
+    """A refused version of the files is read once: the status keeps saying the node runs an
+    older configuration than its files until a version takes effect."""
+    sock = short_dir / "status.sock"
+    config = tmp_path / "config.toml"
+    good = (f'[status]\nsocket = "{sock}"\n[agent]\nmode = "observe"\n'
+            f'[reconciler]\nstate_dir = "{tmp_path / "state"}"\n')
+    config.write_text(good)
+
+    async def reloaded(until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        os.kill(os.getpid(), signal.SIGHUP)
+        async with asyncio.timeout(15):
+            while True:
+                doc = await document(sock)
+                if until(doc):
+                    return doc
+                await asyncio.sleep(0.05)
+
+    async with serving_daemon(config, RuntimeSimulator(tmp_path / "nri.sock")):
+        assert (await document(sock))["agent"]["config_refused"] == []
+        config.write_text(good + "[plugin]\nstrict = 1\n")
+        doc = await reloaded(lambda d: bool(d["agent"]["config_refused"]))
+        (error,) = doc["agent"]["config_refused"]
+        assert str(config) in error
+        assert "plugin.strict" in error
+        _, text, _ = await status(sock, as_json=False)
+        assert ("config refused    the files' latest version; the previous configuration "
+                f"stays in force:\n  {error}\n") in text
+        config.write_text(good.replace("observe", "enforce"))
+        doc = await reloaded(lambda d: d["agent"]["mode"] == "enforce")
+        assert doc["agent"]["config_refused"] == []
+        _, text, _ = await status(sock, as_json=False)
+        assert "config refused" not in text

@@ -34,7 +34,6 @@ configuration idles, looking again every ``SWITCHED_OFF_RECHECK_S``
 from __future__ import annotations
 
 import asyncio
-import errno
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -72,7 +71,7 @@ from reconciler.host.numa import (
     NODE_DIR,
     VMSTAT,
 )
-from reconciler.host.parse import ParseError
+from reconciler.host.parse import ParseError, errno_text
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import SysFs
 from reconciler.host.watermarks import Reading, Watermarks
@@ -265,8 +264,7 @@ class DetectorsLoop(Loop):
         try:
             text = self._sysfs.read(f"{pod.cgroup}/{name}")
         except OSError as exc:
-            code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
-            raise ParseError(f"{name} unreadable: {code}: {exc.strerror}") from exc
+            raise ParseError(f"{name} unreadable: {errno_text(exc)}") from exc
         if text is None and self._sysfs.is_dir(pod.cgroup):
             raise ParseError(f"{name} is gone")
         return text

@@ -18,10 +18,17 @@ NUMA loops parse them too (:mod:`reconciler.host.numa`), raising its ``NumaForma
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hooks.untrusted import bounded
+
+
+def errno_text(exc: OSError) -> str:
+    """Why the kernel refused a read or write, as records and logs spell it:
+    ``EACCES: Permission denied``."""
+    return f"{errno.errorcode.get(exc.errno or 0, str(exc.errno))}: {exc.strerror}"
 
 
 class ParseError(ValueError):

@@ -9,7 +9,6 @@ is off.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from reconciler.host.numa import (
     read_meminfo,
     read_nodes,
 )
-from reconciler.host.parse import ParseError, parse_counters
+from reconciler.host.parse import ParseError, errno_text, parse_counters
 from reconciler.host.resctrl_files import ResctrlUnavailable
 from reconciler.host.resctrlfs import read_info
 from reconciler.host.sysfs import SysFs
@@ -215,7 +214,7 @@ def _pressure_level_problem(sysfs: SysFs, root: str) -> str:
         os.close(sysfs.register_memcg_event(root, "memory.pressure_level", "low"))
     except OSError as exc:
         return ("cgroup.event_control refuses memory.pressure_level registrations "
-                f"({_errno_text(exc)})")
+                f"({errno_text(exc)})")
     return ""
 
 
@@ -234,7 +233,7 @@ def _psi(sysfs: SysFs, layout: CgroupLayout, where: str) -> PsiSupport:
     except OSError as exc:
         # A kernel booted with psi=0 may keep the file and refuse every read (EOPNOTSUPP).
         readable = False
-        why = f"PSI is off: reading {PSI_MEMORY} fails ({_errno_text(exc)}; psi=0?)"
+        why = f"PSI is off: reading {PSI_MEMORY} fails ({errno_text(exc)}; psi=0?)"
     system = trigger_support(sysfs, PSI_MEMORY) if readable else TriggerSupport(
         PSI_MEMORY, None, why)
     cgroup = cgroup_trigger_support(sysfs, layout) if layout.v2 else None
@@ -279,11 +278,8 @@ def trigger_support(sysfs: SysFs, path: str, arm: Arm | None = None) -> TriggerS
             else:
                 os.close(sysfs.open_trigger(path, f"some {window // 10} {window}"))
         except OSError as exc:
-            problem = _errno_text(exc)
+            problem = errno_text(exc)
             continue
         return TriggerSupport(path, window, "")
     return TriggerSupport(path, None, f"the kernel refused every window tried ({problem})")
 
-
-def _errno_text(exc: OSError) -> str:
-    return f"{errno.errorcode.get(exc.errno or 0, str(exc.errno))}: {exc.strerror}"

@@ -20,10 +20,9 @@ classified once, here:
   error line naming the fix and one ``cgroup_write_failed`` record; later writes refused so are
   only counted, until a write succeeds again (the tree was remounted) and the next refusal is
   said again.
-* anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``.
-
-A loop asks again every cycle: a file's refusals are said when they start or change errno, then
-only counted, until a write to it is taken again (:class:`~.held_writes.Refusals`).
+* anything else (``EACCES``, ``EPERM``, ``ENOSPC`` ...): no retry, ``cgroup_write_failed``. A
+  loop asks again every cycle: a file's refusals are said when they start or change errno, then
+  only counted, until a write to it is taken again (:class:`~.held_writes.Refusals`).
 
 Observe mode (``observe`` returns True): every write is decided as usual but not done; it is
 counted as :attr:`Outcome.OBSERVED` and audited as ``write_observed``, once per file and value
@@ -46,6 +45,7 @@ from common.metrics import Metrics
 from hooks.untrusted import bounded, bounded_repr
 from reconciler.host.children import MOVER, SYS_MOVE_PAGES, WRITER, Children
 from reconciler.host.held_writes import HeldWrites, Refusals
+from reconciler.host.parse import errno_text
 from reconciler.host.values import PAGE_SIZE, Comparator, same_text
 
 log = structlog.get_logger("nri_qos.sysfs")
@@ -453,7 +453,7 @@ class SysFs(SysReader):
                 if exc.errno in _RETRY_ERRNOS and attempt < self._retries:
                     self._sleep(self._backoff_s * (2 ** (attempt - 1)))
                     continue
-                why = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+                why = errno_text(exc)
                 if exc.errno == errno.EROFS:
                     self._refused_read_only(path, value, reason)
                 elif self._refused.news(path, why):

@@ -36,7 +36,6 @@ back when the balance is switched off and by ``nri-qos reset``.
 
 from __future__ import annotations
 
-import errno
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ from hooks.levels import QosLevel
 from reconciler.host.cgroups import CgroupLayout, subtree_ids
 from reconciler.host.held_writes import HeldWrites
 from reconciler.host.numa import NumaNode, node_ids, read_nodes
+from reconciler.host.parse import errno_text
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list
@@ -367,7 +367,7 @@ class NumaBalanceLoop(Loop):
             reach = effective_mems(self._sysfs, cpuset.rsplit("/", 1)[0])
         except OSError as exc:
             # That container's alone, said once while it lasts: the others may still move.
-            error = f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
+            error = errno_text(exc)
             if self._unreadable.news(memory, error):
                 log.warning("numa_balance_unreadable", container=item.view.info.name,
                             error=error)

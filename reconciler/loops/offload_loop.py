@@ -5,7 +5,6 @@ for the formula and the limits)."""
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -18,7 +17,7 @@ from common.state import NodeState
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.held_writes import HeldWrites
 from reconciler.host.numa import MEMINFO, meminfo_values
-from reconciler.host.parse import ParseError
+from reconciler.host.parse import ParseError, errno_text
 from reconciler.host.parse import parse_counters as counter_values
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
@@ -182,8 +181,7 @@ class OffloadLoop(Loop):
             counters = parse_counters(stat, pressure)
         except (OSError, ParseError) as exc:
             # That container's alone, said once while it lasts: the others are still decided.
-            error = str(exc) if isinstance(exc, ParseError) else (
-                f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}")
+            error = str(exc) if isinstance(exc, ParseError) else errno_text(exc)
             if self._unreadable.news(cgroup, error):
                 log.warning("offload_unreadable", container=item.view.info.name, error=error)
             return None

@@ -14,7 +14,6 @@ usage before and after.
 from __future__ import annotations
 
 import asyncio
-import errno
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ import structlog
 from common.audit import AuditLog
 from hooks.levels import QosLevel
 from reconciler.detection.pods import PodIndex, PodMemory
-from reconciler.host.parse import ParseError, parse_counters
+from reconciler.host.parse import ParseError, errno_text, parse_counters
 from reconciler.host.probe import HostInfo
 from reconciler.host.sysfs import Outcome, SysFs, short_reclaim
 from reconciler.metrics import ReconcilerMetrics
@@ -145,9 +144,7 @@ class DropCacheAction:
                 stat = self._sysfs.read(f"{pod.cgroup}/memory.stat")
             except OSError as exc:  # that pod's alone: the others' cache is still dropped
                 log.warning("drop_cache_stat_unreadable", pod=pod.name,
-                            reason=f"memory.stat unreadable: "
-                                   f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: "
-                                   f"{exc.strerror}")
+                            reason=f"memory.stat unreadable: {errno_text(exc)}")
                 continue
             try:
                 cache = page_cache(stat, self._v2) if stat is not None else None

@@ -48,7 +48,8 @@ def report(cfg: Config, host: HostInfo) -> dict[str, Any]:
         "memory_total_bytes": host.memory_total_bytes,
         "meminfo_total_bytes": host.meminfo_total_bytes,
         "numa_nodes": [{"id": n.id, "total_bytes": n.total_bytes, "free_bytes": n.free_bytes,
-                        "low_watermark_bytes": n.low_watermark_bytes} for n in host.numa_nodes],
+                        "low_watermark_bytes": n.low_watermark_bytes,
+                        "memory_only": n.memory_only} for n in host.numa_nodes],
         "numa_view_consistent": host.numa_view.consistent,
         # awaiting_kubelet: the driver is auto and kubelet's pods cgroup is not there yet; the
         # agent's reconciler, detection, ladder and eviction wait for it.
@@ -79,7 +80,9 @@ def _print(found: dict[str, Any], out: TextIO) -> None:
     for node in found["numa_nodes"]:
         out.write(f"  NUMA node {node['id']:<5} {human_bytes(node['total_bytes'])}, "
                   f"{human_bytes(node['free_bytes'])} free, low watermark "
-                  f"{human_bytes(node['low_watermark_bytes'])}\n")
+                  f"{human_bytes(node['low_watermark_bytes'])}"
+                  + (", memory only (no CPU): left to the kernel's tiering"
+                     if node["memory_only"] else "") + "\n")
     knobs = [name for name, present in found["memcg"].items() if present is True]
     out.write(f"memcg knobs       {', '.join(knobs) or 'none'} (in {found['memcg']['where']})\n")
     resctrl = found["resctrl"]

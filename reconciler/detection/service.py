@@ -213,7 +213,8 @@ class DetectorsLoop(Loop):
         self._publisher.offer(SYSTEM_FREE, [sample])
 
     def _numa_free(self, cfg: DetectionConfig, now: float, marks: Reading) -> None:
-        nodes = marks.nodes
+        # A node of memory alone fills as the kernel demotes into it: that is no pressure.
+        nodes = [n for n in marks.nodes if n not in marks.far]
         if not nodes or not self._host.numa_view.consistent:
             if not nodes:
                 self._say_once(NUMA_FREE, "numa_free is off: no NUMA nodes in sysfs (the "

@@ -8,6 +8,12 @@
 A kernel built without NUMA has no ``node*`` directories: the host is then one node 0 whose free
 memory comes from ``/proc/meminfo`` (``MemFree:``).
 
+A node of memory alone (in ``has_memory``, not in ``has_cpu``: a CXL expander, HBM in flat mode, a
+GPU's memory onlined as a node) is not like the others: the kernel demotes cold pages into far
+memory, so one under its watermark is its normal state, and HBM or a GPU's memory is not the
+offline tier's to fill. :func:`memory_only` names them and :func:`local_nodes` leaves them out of
+what the agent places memory on and counts as room.
+
 The per-node figures do not always add up to the machine: memory hot-added to a VM is online but
 missing from the nodes' ``meminfo`` (seen: 3.7 GB in node 0 of a 24.7 GB VM), and ballooning
 makes similar gaps. :func:`check_view` compares the nodes' sum with ``/proc/meminfo``; when they
@@ -23,11 +29,14 @@ from dataclasses import dataclass
 
 from hooks.untrusted import bounded_repr
 from reconciler.host.sysfs import SysFs
+from reconciler.host.values import parse_id_list
 
 NODE_DIR = "/sys/devices/system/node"
 ZONEINFO = "/proc/zoneinfo"
 MEMINFO = "/proc/meminfo"
 VMSTAT = "/proc/vmstat"
+HAS_CPU = f"{NODE_DIR}/has_cpu"
+HAS_MEMORY = f"{NODE_DIR}/has_memory"
 WATERMARK_SCALE_FACTOR = "/proc/sys/vm/watermark_scale_factor"
 
 _NODE_NAME = re.compile(r"node(\d+)")
@@ -60,6 +69,8 @@ class NumaNode:
     free_bytes: int
     total_bytes: int
     low_watermark_bytes: int
+    memory_only: bool = False
+    """Memory with no CPU (:func:`memory_only`): far memory, HBM or a GPU's."""
 
     def watermark(self, floor_bytes: int, scale_factor: float,
                   floor_percent: float | None = None) -> int:
@@ -135,10 +146,36 @@ def check_view(nodes: Sequence[NumaNode], system_total: int, tolerance_percent: 
 
 
 def system_node(meminfo: Mapping[str, int], nodes: Sequence[NumaNode]) -> NumaNode:
-    """The whole machine as one node, from ``/proc/meminfo``: for node-wide limits when the
-    per-node view does not add up. Its low watermark is the sum of every zone's."""
-    return NumaNode(-1, meminfo.get("MemFree", 0), meminfo.get("MemTotal", 0),
-                    sum(n.low_watermark_bytes for n in nodes))
+    """The machine's local memory as one node, from ``/proc/meminfo``: for node-wide limits when
+    the per-node view does not add up. The nodes :func:`local_nodes` leaves out are taken off
+    its free and total memory, and its low watermark is the sum of the local nodes' zones'."""
+    local = local_nodes(nodes)
+    others = [n for n in nodes if n not in local]
+    return NumaNode(-1, max(meminfo.get("MemFree", 0) - sum(n.free_bytes for n in others), 0),
+                    max(meminfo.get("MemTotal", 0) - sum(n.total_bytes for n in others), 0),
+                    sum(n.low_watermark_bytes for n in local))
+
+
+def memory_only(sysfs: SysFs) -> frozenset[int]:
+    """The nodes with memory and no CPU (``has_memory`` less ``has_cpu``). None when either file
+    is missing (a kernel without NUMA) or not a node list, or when no node has both CPUs and
+    memory (some virtual machines are made so): every node then counts as local."""
+    has_cpu, has_memory = sysfs.read(HAS_CPU), sysfs.read(HAS_MEMORY)
+    if has_cpu is None or has_memory is None:
+        return frozenset()
+    try:
+        memory, cpus = parse_id_list(has_memory), parse_id_list(has_cpu)
+    except ValueError:
+        return frozenset()
+    return memory - cpus if memory & cpus else frozenset()
+
+
+def local_nodes(nodes: Sequence[NumaNode]) -> list[NumaNode]:
+    """The nodes whose memory the agent places the offline tier on and counts as its room: those
+    with CPUs and memory. Where none has both (memory only on nodes without CPUs, as some
+    virtual machines are made), the nodes with memory; failing that, all of them."""
+    with_memory = [n for n in nodes if n.total_bytes > 0]
+    return [n for n in with_memory if not n.memory_only] or with_memory or list(nodes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +237,13 @@ def node_ids(sysfs: SysFs) -> list[int]:
 
 def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None,
                ids: Sequence[int] | None = None,
-               lows: Mapping[int, int] | None = None) -> list[NumaNode]:
+               lows: Mapping[int, int] | None = None,
+               far: frozenset[int] | None = None) -> list[NumaNode]:
     """Every NUMA node of the host (one node 0 on a kernel without NUMA); empty if unreadable.
     ``meminfo``: the text of ``/proc/meminfo`` when the caller has read it (None: read here
     if needed); ``ids``: the nodes :func:`node_ids` gave the caller (None: listed here);
-    ``lows``: the zones' low watermarks per node as the caller has them (None: read here)."""
+    ``lows``: the zones' low watermarks per node as the caller has them (None: read here);
+    ``far``: the nodes :func:`memory_only` gave the caller (None: read here)."""
     if lows is None:
         zoneinfo = sysfs.read(ZONEINFO)
         lows = node_lows(parse_zoneinfo(zoneinfo), page_size) if zoneinfo else {}
@@ -216,12 +255,13 @@ def read_nodes(sysfs: SysFs, page_size: int, meminfo: str | None = None,
             return []
         free, total = _free_and_total(parse_meminfo(text), MEMINFO)
         return [NumaNode(0, free, total, sum(lows.values()))]
+    far = memory_only(sysfs) if far is None else far
     for node in ids:
         text = sysfs.read(f"{NODE_DIR}/node{node}/meminfo")
         if text is None:
             continue
         free, total = _free_and_total(parse_meminfo(text), f"node {node} meminfo")
-        nodes.append(NumaNode(node, free, total, lows.get(node, 0)))
+        nodes.append(NumaNode(node, free, total, lows.get(node, 0), node in far))
     return nodes
 
 

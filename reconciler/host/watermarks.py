@@ -2,11 +2,11 @@
 memory with them (the free-memory detectors, the memory guard, NUMA binding and balance).
 
 They change when an operator writes ``vm.min_free_kbytes`` or ``vm.watermark_scale_factor``,
-when memory is hot-plugged, and briefly while the kernel boosts them after fragmentation, so a
-reading serves for ``MAX_AGE_S``. ``/proc/zoneinfo`` is the costliest file the agent reads
-every few seconds (each CPU's pagesets: 132 KiB on a 192-CPU server; 10 ms of CPU in a guest of
-two emulated CPUs), and the figures in it that move every second, the free pages, come from
-meminfo instead.
+when memory is hot-plugged (which may also change which nodes hold memory alone), and briefly
+while the kernel boosts them after fragmentation, so a reading serves for ``MAX_AGE_S``.
+``/proc/zoneinfo`` is the costliest file the agent reads every few seconds (each CPU's pagesets:
+132 KiB on a 192-CPU server; 10 ms of CPU in a guest of two emulated CPUs), and the figures in it
+that move every second, the free pages, come from meminfo instead.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from reconciler.host.numa import (
     WATERMARK_SCALE_FACTOR,
     ZONEINFO,
     NumaFormatError,
+    memory_only,
     node_ids,
     node_lows,
     parse_zoneinfo,
@@ -35,7 +36,8 @@ next caller's time differs from its own)."""
 class Reading:
     """The watermarks as read at ``at``: the zones' low watermarks in bytes per NUMA node (None:
     ``problem`` says why; ``missing``: the kernel has no ``/proc/zoneinfo``),
-    ``vm.watermark_scale_factor`` (None: missing) and the NUMA nodes in sysfs."""
+    ``vm.watermark_scale_factor`` (None: missing), the NUMA nodes in sysfs and those of them
+    with memory and no CPU (``far``: :func:`~reconciler.host.numa.memory_only`)."""
 
     at: float
     lows: Mapping[int, int] | None
@@ -43,6 +45,7 @@ class Reading:
     missing: bool
     watermark_scale_factor: str | None
     nodes: tuple[int, ...]
+    far: frozenset[int] = frozenset()
 
     def node_lows(self) -> Mapping[int, int]:
         """The lows to compute a node's watermark with: none on a kernel without the file (the
@@ -85,4 +88,5 @@ class Watermarks:
             except NumaFormatError as exc:
                 problem = str(exc)
         return Reading(now, lows, problem, text is None,
-                       self._sysfs.read(WATERMARK_SCALE_FACTOR), tuple(node_ids(self._sysfs)))
+                       self._sysfs.read(WATERMARK_SCALE_FACTOR), tuple(node_ids(self._sysfs)),
+                       memory_only(self._sysfs))

@@ -5,35 +5,33 @@ Per NUMA node ``n``::
     floor(n)     = min(watermark_floor_bytes, total(n) x watermark_floor_percent / 100)
     watermark(n) = max(floor(n), low_watermark(n) x scale_factor)
     cap          = max(minimum_cap_bytes, reserved,
-                       sum over n of ( reclaimed_used(n) + max(free(n) - watermark(n), 0) ))
+                       reclaimed_used + sum over local n of max(free(n) - watermark(n), 0))
     reserved     = allocatable - memory requests of the pods outside the BestEffort tier
 
 (the ladder's squeeze, :mod:`reconciler.loops.memory_squeeze`, may go under
 ``minimum_cap_bytes`` and ``reserved``, down to its own ``floor_bytes``)
 
 so the offline tier may keep what it uses and grow into the free memory above each node's
-watermark, never into the reserve kept for online pods. ``reclaimed_used(n)`` comes from the tier
-cgroup's ``memory.numa_stat`` (v1: ``hierarchical_total`` pages; v2: ``anon`` + ``file`` bytes);
-without that file the tier's whole usage is used, which gives the same sum. The floor is bounded
-by a share of each node's memory so that a node of a few GiB per NUMA node keeps room for the
-tier, and the cap never falls below ``minimum_cap_bytes``: a cap of zero (an empty tier on a node
-with no headroom) OOM-kills every pod of the tier, new ones at once.
+watermark, never into the reserve kept for online pods. The local nodes have CPUs and memory
+(:func:`~reconciler.host.numa.local_nodes`): far memory's free pages are no room for the tier, as
+it fills local memory first and the kernel demotes into far memory on its own. ``reclaimed_used``
+sums the tier's ``memory.numa_stat`` over every node (v1: ``hierarchical_total`` pages; v2:
+``anon`` + ``file``), else its usage. The floor is at most a share of each node's memory, so a
+node of a few GiB keeps room for the tier, and the cap is never under ``minimum_cap_bytes``: a
+cap of zero (an empty tier, no headroom) OOM-kills every pod of the tier, new ones at once.
 
-``reserved`` is the cap kubelet itself gives the tier with ``--qos-reserved=memory=100%``
-(``allocatable``: the limit of the ``kubepods`` cgroup, else the machine's ``MemTotal``) and
-applies with ``floor_from_requests``. Free memory alone is a poor measure of what online pods
-need: page cache fills a node's free memory as a matter of course, and a cap that follows it
-held the offline tier below what no online pod had asked for, so it reclaimed its own pages
-all the time, on the CPUs the online pods needed (measured on a cgroup v2 node of 4 GiB:
-the online service's p99 rose from 6.3 ms with kubelet's static cap to 9.2 ms, see
-``docs/effectiveness.md``). Below ``reserved`` the tier goes only when the ladder squeezes it,
-that is when pressure is detected.
+``reserved`` is kubelet's own cap with ``--qos-reserved=memory=100%`` (``allocatable``: the
+``kubepods`` limit, else ``MemTotal``), applied with ``floor_from_requests``. Free memory alone
+is a poor measure of what online pods need: page cache fills it as a matter of course, and a cap
+following it had the tier reclaim its own pages all the time, on the online pods' CPUs (on a v2
+node of 4 GiB the online p99 rose from 6.3 ms under kubelet's static cap to 9.2 ms,
+``docs/effectiveness.md``). Below ``reserved`` the tier goes only when the ladder squeezes it.
 
 When the NUMA nodes' ``MemTotal`` does not add up to ``/proc/meminfo``'s (hot-added or ballooned
 memory, see :mod:`reconciler.host.numa`), per-node free memory is not the machine's: the cap is
-then computed for the machine as one node (free and total from ``/proc/meminfo``, the zones'
-low watermarks summed, the floor once per NUMA node), and ``numa_view_inconsistent`` is audited
-once with both figures.
+then computed for the machine as one node (free and total from ``/proc/meminfo`` less the
+memory-only nodes', the local zones' low watermarks summed, the floor once per local node),
+and ``numa_view_inconsistent`` is audited once with both figures.
 
 The cap is written to the BestEffort QoS cgroup: ``memory.limit_in_bytes`` on v1, ``memory.max``
 and ``memory.high = max(high_ratio x cap, reserved)`` on v2 (at most the cap). A falling cap
@@ -42,15 +40,14 @@ so the kernel reclaims gradually instead of OOM-killing the tier at once.
 
 That cap is the guard's *standing* cap, held whether or not anything presses the online pods.
 ``standing_cap`` says where it applies: ``cgroup-v1`` (the default), ``always`` or ``never``. On
-cgroup v2 the online levels' ``memory.low`` has the kernel reclaim the unprotected tier first,
-at ``kubepods``' limit as in the machine's reclaim, so the cap only kept the tier out of memory
-that nobody used: on a 4 GiB v2 node with two offline pods it cost them 17-27 % of their work
-and bought the online pod nothing measurable (``docs/effectiveness.md``). v1 has no
-``memory.low``; there the cap is the one thing that keeps the tier off the online pods' pages.
-Without a standing cap the guard writes the ladder's squeeze alone
-(:mod:`reconciler.loops.memory_squeeze`): v2 ``memory.high`` (``memory.max`` left as it was),
-v1 the limit (the tier's OOM killer off meanwhile), and when the squeeze ends the tier's files
-get back what they had before.
+v2 the online levels' ``memory.low`` has the kernel reclaim the unprotected tier first, at
+``kubepods``' limit as in the machine's, so the cap only kept the tier out of memory nobody
+used: on a 4 GiB v2 node it cost two offline pods 17-27 % of their work and bought the online
+pod nothing measurable (``docs/effectiveness.md``). v1 has no ``memory.low``; there the cap
+is the one thing that keeps the tier off the online pods' pages. Without a standing cap the
+guard writes the ladder's squeeze alone (:mod:`reconciler.loops.memory_squeeze`): v2
+``memory.high`` (``memory.max`` left as it was), v1 the limit (the tier's OOM killer off
+meanwhile), and when the squeeze ends the tier's files get back what they had before.
 
 Before its first write to a tier file the guard notes the file's value in the state file
 (:mod:`reconciler.host.statefile`), and writes it back when the guard goes away: switched off by
@@ -76,6 +73,7 @@ from reconciler.host.numa import (
     MEMINFO,
     NumaNode,
     check_view,
+    local_nodes,
     meminfo_values,
     read_nodes,
     system_node,
@@ -337,7 +335,8 @@ class MemoryGuardLoop(Loop):
                 self._metrics.memory_guard(None, usage)
             return
         meminfo = sysfs.read(MEMINFO)
-        nodes = read_nodes(sysfs, page, meminfo, lows=self._watermarks.at(now).node_lows())
+        marks = self._watermarks.at(now)
+        nodes = read_nodes(sysfs, page, meminfo, lows=marks.node_lows(), far=marks.far)
         if not nodes:
             return
         stat = sysfs.read(f"{tier}/memory.numa_stat")
@@ -372,7 +371,7 @@ class MemoryGuardLoop(Loop):
             # OOM cliff) still holds.
             cap = max(min(cap, tight), usage - guard.max_step_bytes)
         cap = cap // page * page
-        where = f"{len(nodes)} NUMA node(s)" if view_nodes is nodes else "the machine"
+        where = "the machine" if view_nodes[0].id < 0 else f"{len(view_nodes)} NUMA node(s)"
         reason = f"memory guard: reclaimed {reclaimed} B + headroom over {where}"
         if reserved is not None and cap == reserved:
             reason = f"memory guard: allocatable - requests of the other pods ({reserved} B)"
@@ -481,8 +480,8 @@ class MemoryGuardLoop(Loop):
 
     def _node_view(self, nodes: list[NumaNode], meminfo: dict[str, int],
                    guard: MemoryGuardConfig) -> tuple[list[NumaNode], int]:
-        """The nodes the cap is computed over and the floor per node: the NUMA nodes, or the
-        machine as one node when their totals do not add up (audited when that starts)."""
+        """The nodes the cap is computed over and the floor per node: the local NUMA nodes, or
+        the machine as one node when their totals do not add up (audited when that starts)."""
         view = check_view(nodes, meminfo.get("MemTotal", 0), guard.numa_view_tolerance_percent)
         consistent = view.consistent or not meminfo
         if consistent != self._numa_consistent:
@@ -495,6 +494,7 @@ class MemoryGuardLoop(Loop):
                                    nodes_total_bytes=view.nodes_total_bytes,
                                    system_total_bytes=view.system_total_bytes,
                                    tolerance_percent=guard.numa_view_tolerance_percent)
+        local = local_nodes(nodes)
         if consistent:
-            return nodes, guard.watermark_floor_bytes
-        return [system_node(meminfo, nodes)], guard.watermark_floor_bytes * len(nodes)
+            return local, guard.watermark_floor_bytes
+        return [system_node(meminfo, nodes)], guard.watermark_floor_bytes * len(local)

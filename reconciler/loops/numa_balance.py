@@ -25,6 +25,11 @@ unbounded step that nothing can interrupt. This loop moves the pages instead, in
    node is taken out of the container's ``cpuset.mems`` so new allocations stay off it (what
    moves with that write is what was allocated since the last step).
 
+Only nodes with CPUs and memory are hot or cool (:func:`~reconciler.host.numa.local_nodes`): a
+node of memory alone (far memory, HBM, a GPU's) is under its watermark as the kernel demotes cold
+pages into it, and emptying it into local memory would undo that; filling it is not the
+offline tier's either. A host with one local node has nothing to balance.
+
 No step while no node is under its watermark, so balancing stops when the hot node recovers. A
 container whose step failed (the kernel refused the wider ``cpuset.mems`` or the move) is left
 out for :data:`REFUSED_PAUSE_S`.
@@ -49,7 +54,7 @@ from hooks.config_fields import setting
 from hooks.levels import QosLevel
 from reconciler.host.cgroups import CgroupLayout, subtree_ids
 from reconciler.host.held_writes import HeldWrites
-from reconciler.host.numa import NumaNode, node_ids, read_nodes
+from reconciler.host.numa import NumaNode, local_nodes, node_ids, read_nodes
 from reconciler.host.parse import errno_text
 from reconciler.host.statefile import StateFile
 from reconciler.host.sysfs import Outcome, SysFs
@@ -81,7 +86,7 @@ move_pages reports moved but that do not move (seen in a guest: 48 KiB, step aft
 node is taken out of ``cpuset.mems`` once no more than this is left (the write moves what it can
 of it, at once: at most this much)."""
 NOTHING_TO_BALANCE_RECHECK_S = 60.0
-"""On cgroup v1, or with fewer than two NUMA nodes, there is nothing to balance: the loop
+"""On cgroup v1, or with fewer than two local NUMA nodes, there is nothing to balance: the loop
 looks again this often (memory brought online may add a node) instead of every second."""
 
 
@@ -321,8 +326,9 @@ class NumaBalanceLoop(Loop):
             self._quiet = True
             self._idle(None, "no reclaimed container to move")
             return
-        nodes = read_nodes(self._sysfs, PAGE_SIZE, ids=ids,
-                           lows=self._watermarks.at(now).node_lows())
+        marks = self._watermarks.at(now)
+        nodes = local_nodes(read_nodes(self._sysfs, PAGE_SIZE, ids=ids, lows=marks.node_lows(),
+                                       far=marks.far))
         if len(nodes) < 2:
             self._nothing_to_balance = True
             return

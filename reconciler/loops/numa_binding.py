@@ -11,6 +11,11 @@ cgroup v2 migrates a cgroup's pages when ``cpuset.mems`` changes; on v1 that nee
 When no node has headroom, bindings stay as they are (moving memory between full nodes helps
 nobody; the memory guard and the mitigations deal with that). A single-node host is a no-op.
 
+Only nodes with CPUs and memory are chosen (:func:`~reconciler.host.numa.local_nodes`). A node of
+memory alone (far memory, HBM, a GPU's) stays in a container's ``cpuset.mems`` when it is there
+and is never added: what the kernel demotes there is its own tiering, and HBM or a GPU's memory
+is not the offline tier's. A host with one local node and far memory has nothing to choose.
+
 A container's ``cpuset.mems`` (and on v1 ``cpuset.memory_migrate``) from before its first
 binding is noted in the state file (:mod:`reconciler.host.statefile`) and written back when the
 binding goes away (switched off by a reload, the container's pod no longer ``reclaimed_cores``,
@@ -33,7 +38,7 @@ from hooks.config_fields import setting
 from hooks.events import Event
 from hooks.levels import QosLevel
 from reconciler.host.cgroups import CgroupLayout
-from reconciler.host.numa import NumaNode, read_nodes
+from reconciler.host.numa import NumaNode, local_nodes, read_nodes
 from reconciler.host.statefile import StateFile, restore_noted
 from reconciler.host.sysfs import Outcome, SysFs
 from reconciler.host.values import PAGE_SIZE, format_id_list, parse_id_list, same_id_list
@@ -235,7 +240,9 @@ class NumaBindingLoop(Loop):
         managed = self._managed.get(self._state.snapshot())
         release_unreclaimed(managed, self._sysfs, self._layout, self._notes, NUMA_NOTES)
         balancing = cfg.numa_balance.enabled and self._layout.v2
-        nodes = read_nodes(self._sysfs, PAGE_SIZE, lows=self._watermarks.at(now).node_lows())
+        marks = self._watermarks.at(now)
+        nodes = local_nodes(read_nodes(self._sysfs, PAGE_SIZE, lows=marks.node_lows(),
+                                       far=marks.far))
         if len(nodes) < 2:
             return
         guard = cfg.memory_guard
@@ -255,19 +262,21 @@ class NumaBindingLoop(Loop):
         hot = sorted(n.id for n in nodes if n.id not in chosen)
         reason = f"NUMA nodes with headroom: {mems}" + (
             f"; nodes under watermark or not chosen: {format_id_list(hot)}" if hot else "")
+        if marks.far:
+            reason += f"; memory-only nodes kept as they are: {format_id_list(marks.far)}"
         migrate = not self._layout.v2 and cfg.numa.migrate_memory
         for item in managed:
             if item.level != QosLevel.RECLAIMED_CORES:
                 continue
             # One container's odd cgroup must not keep the others from being bound.
             try:
-                self._bind(item, chosen, reason, migrate, balancing)
+                self._bind(item, chosen, marks.far, reason, migrate, balancing)
             except (OSError, ValueError) as exc:
                 log.warning("numa_binding_failed", container=item.view.info.name,
                             pod_uid=item.view.pod.info.uid, error=str(exc))
 
-    def _bind(self, item: Managed, chosen: list[int], reason: str, migrate: bool,
-              balancing: bool) -> None:
+    def _bind(self, item: Managed, chosen: list[int], far: frozenset[int], reason: str,
+              migrate: bool, balancing: bool) -> None:
         cgroup = self._layout.dir("cpuset", item.ref.rel)
         current = self._sysfs.read(f"{cgroup}/cpuset.mems")
         if current is None:
@@ -285,6 +294,10 @@ class NumaBindingLoop(Loop):
         nodes = set(chosen) & parse_id_list(reach) if reach else set(chosen)
         if not nodes:
             return
+        if far:
+            # Far memory it has stays: taking it away would move its pages back into the
+            # local nodes the binding keeps room on.
+            nodes |= far & parse_id_list(effective_mems(self._sysfs, cgroup))
         if balancing:
             # Taking a node away would move all the pages held there in one write: the
             # balancer does that in bounded steps, so the binding only adds nodes.

@@ -3,6 +3,7 @@ must be what the agent does there."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from structlog.testing import capture_logs
@@ -24,10 +25,7 @@ def test_a_kernel_without_numa_is_reported_without_numa_free_as_the_agent_runs(
     host = FakeHost(tmp_path, version=1)
     host.set_numa([(8 * GIB, 16 * GIB, 1000)])
     node = tmp_path / "sys/devices/system/node"
-    (node / "node0/meminfo").unlink()
-    (node / "node0").rmdir()
-    (node / "online").unlink()
-    node.rmdir()
+    shutil.rmtree(node)
     write(tmp_path / "proc/meminfo", "MemTotal: 16777216 kB\nMemFree: 8388608 kB\n")
     sink = MemoryAuditSink()
     sysfs = SysFs(tmp_path, AuditLog(sink))

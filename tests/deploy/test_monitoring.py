@@ -13,7 +13,6 @@ from typing import Any
 import prometheus_client
 import promql_parser
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from nri_plugin.cli.nri_qos import build_parser
@@ -25,13 +24,11 @@ from tests.support.manifests import (
     container_of,
     one,
 )
-from tests.support.paths import REPO
+from tests.support.monitoring import DASHBOARD, rules
 from tests.support.populated_metrics import populated_registry
 
-DASHBOARD = REPO / "deploy" / "grafana" / "nri-qos-dashboard.json"
-RULES = COMPONENTS / "prometheus-operator" / "prometheusrule.yaml"
 PROMETHEUS_OWN = {"up"}
-"""Series Prometheus makes itself for every target; the rules may use them."""
+"""Series Prometheus makes itself for every target; the rules and the dashboard may use them."""
 
 
 def exported() -> set[str]:
@@ -72,11 +69,6 @@ def dashboard_exprs() -> Iterator[str]:
     return walk(json.loads(DASHBOARD.read_text()))
 
 
-def rules() -> list[dict[str, Any]]:
-    doc = yaml.safe_load(RULES.read_text())
-    return [rule for group in doc["spec"]["groups"] for rule in group["rules"]]
-
-
 def test_the_check_catches_a_series_that_does_not_exist() -> None:
     names = exported()
     assert "nri_qos_nri_requests_total" in names
@@ -88,7 +80,7 @@ def test_the_check_catches_a_series_that_does_not_exist() -> None:
 
 
 def test_every_dashboard_expression_parses_and_names_exported_series() -> None:
-    names = exported()
+    names = exported() | PROMETHEUS_OWN
     exprs = list(dashboard_exprs())
     assert len(exprs) >= 10
     for expr in exprs:

@@ -282,9 +282,12 @@ class FakeHost:
 
     # -- NUMA ------------------------------------------------------------------------------------
 
-    def set_numa(self, nodes: Sequence[tuple[int, int, int]]) -> None:
+    def set_numa(self, nodes: Sequence[tuple[int, int, int]],
+                 memory_only: Sequence[int] = ()) -> None:
         """``(free_bytes, total_bytes, low_watermark_pages)`` per node; writes node meminfo,
-        /proc/zoneinfo (node 0 gets a DMA32 zone too, as on x86) and /proc/meminfo."""
+        /proc/zoneinfo (node 0 gets a DMA32 zone too, as on x86), /proc/meminfo, and the nodes
+        with CPUs and with memory (``has_cpu``: all but ``memory_only``; ``has_memory``: those
+        with a total)."""
         base = self.root / "sys/devices/system/node"
         zoneinfo = []
         for i, (free, total, low) in enumerate(nodes):
@@ -305,6 +308,9 @@ class FakeHost:
                                 f"        spanned  1000\n        present  1000\n"
                                 f"        protection: (0, 0, 0, 0)\n      nr_free_pages 1\n")
         write(base / "online", f"0-{len(nodes) - 1}\n")
+        write(base / "has_cpu", ",".join(str(i) for i in range(len(nodes))
+                                         if i not in memory_only) + "\n")
+        write(base / "has_memory", ",".join(str(i) for i, n in enumerate(nodes) if n[1]) + "\n")
         write(self.root / "proc/zoneinfo", "".join(zoneinfo))
         total_free = sum(n[0] for n in nodes)
         total = sum(n[1] for n in nodes)

@@ -44,7 +44,11 @@ class TriggerWatch:
 
     def __init__(self, sysfs: SysFs, path: str, stall_us: int, window_us: int) -> None:
         self._fd = sysfs.open_trigger(path, f"some {stall_us} {window_us}")
-        self._epoll = select.epoll()
+        try:
+            self._epoll = select.epoll()
+        except OSError:  # at the descriptor limit: the next sync tries again
+            os.close(self._fd)
+            raise
         try:
             self._epoll.register(self._fd, select.EPOLLPRI)
         except OSError:

@@ -414,6 +414,11 @@ class TuneAction:
     def _set_wmark(self, ratio: int, reason: str) -> int:
         failed = 0
         with self._writing:
+            # Pods gone while the rung stays engaged (for days under lasting pressure) have
+            # nothing to restore: their notes would fill the state file.
+            for path in self._notes.entries(WMARK_NOTES):
+                if not self._sysfs.exists(path):
+                    self._notes.forget(WMARK_NOTES, path)
             for pod in self._pods.pods():
                 if pod.level != QosLevel.RECLAIMED_CORES:
                     continue

@@ -159,8 +159,11 @@ class DropCacheAction:
         if self.problem:
             return Result(SKIPPED, self.problem)
         rung = self._config().mitigation.drop_cache
-        chosen = plan(await asyncio.to_thread(self.candidates), rung,
-                      self.busy() | self._dropped)
+        found = await asyncio.to_thread(self.candidates)
+        # A failed round is engaged again, never repeated, for as long as the level holds:
+        # the pods dropped meanwhile that went since are not kept for that long.
+        self._dropped &= {pod.uid for pod in self._pods.pods()}
+        chosen = plan(found, rung, self.busy() | self._dropped)
         if not chosen:
             return Result(UNCHANGED, f"no reclaimed pod with {rung.min_cache_bytes} B of page "
                                      "cache or more (not dropped already by this engagement, "

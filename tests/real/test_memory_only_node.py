@@ -58,12 +58,12 @@ def balance(cfg: Config, cgroups_path: str, cycles: int) -> MemoryAuditSink:
     return sink
 
 
-def press(node: Node, on: int, other: int) -> None:
-    """An online pod holding memory on node ``on`` until it has 400 MiB less free than
-    ``other`` (which of the two local nodes the guest's own processes use varies)."""
-    extra = free(on) - free(other) + 400 * MIB
+def press(node: Node, on: int, other: int, gap: int) -> None:
+    """An online pod's container holding memory on node ``on`` until it has ``gap`` bytes less
+    free than node ``other`` (which nodes the guest's own processes use varies)."""
+    extra = free(on) - free(other) + gap
     if extra > 0:
-        cgroup, _ = node.container("burstable", OTHER, "f" * 64)
+        cgroup, _ = node.container("burstable", OTHER, f"{on:x}" * 64)
         (cgroup / "cpuset.mems").write_text(str(on))
         node.holder(cgroup, extra // MIB)
 
@@ -82,7 +82,9 @@ def test_offline_pages_move_to_the_local_node_with_room_not_to_far_memory(node: 
     cgroup, path = node.container("besteffort", UID, CID)
     (cgroup / "cpuset.mems").write_text("0")
     holder = node.holder(cgroup, 256)
-    press(node, 0, 1)
+    # far memory with most room, node 1 with room for steps, node 0 pressed
+    press(node, 1, FAR, 200 * MIB)
+    press(node, 0, 1, 600 * MIB)
     floor = free(0) + 100 * MIB
     assert free(1) > floor + 300 * MIB, "node 1 must have room for a step"
     assert free(FAR) > free(1), "far memory must have the most room"
@@ -121,7 +123,7 @@ def test_the_binding_never_adds_far_memory_and_keeps_it_where_a_container_has_it
         node: Node, before: str, bound: str) -> None:
     cgroup, path = node.container("besteffort", UID, CID)
     (cgroup / "cpuset.mems").write_text(before)
-    press(node, 1, 0)
+    press(node, 1, 0, 400 * MIB)
     # Node 1 pressed; node 0 and far memory have room.
     floor = free(1) + 100 * MIB
     assert free(0) > floor + 100 * MIB, "node 0 must have room"

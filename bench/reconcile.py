@@ -17,9 +17,13 @@ then loads only what the agent would hold (node state, loops) and measures, per 
   task-id loop, overwritten memory.high and oom_score_adj for drift, reset cpuset.mems for NUMA
   binding, a free-memory change for the guard; the per-second loops are measured idle only),
 
-and the child's peak RSS (``ru_maxrss``). Prints one table; ``--json`` prints the raw numbers.
+and the child's peak RSS (``ru_maxrss``). Drift keeps its notes in a state file as the agent does,
+in a fresh directory under ``--state-dir`` (``/var/tmp`` by default: a disk, as the agent's
+``/var/lib/nri-qos``, so its writes pay their fsyncs; ``""``: no state file). Prints one table;
+``--json`` prints the raw numbers.
 
-    python bench/reconcile.py [--sizes 110,500,1000] [--cgroup v1|v2] [--dir DIR] [--json]
+    python bench/reconcile.py [--sizes 110,500,1000] [--cgroup v1|v2] [--dir DIR]
+                              [--state-dir DIR] [--json]
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from reconciler.eviction.facts import pod_facts
 from reconciler.host.cgroups import layout_for
 from reconciler.host.probe import probe_host
 from reconciler.host.resctrlfs import ResctrlFs, read_info
+from reconciler.host.statefile import state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.loops.base import Loop
 from reconciler.loops.drift import DriftLoop
@@ -138,7 +143,7 @@ def median(samples: list[tuple[float, float]]) -> dict[str, float]:
             "cpu_ms": round(statistics.median(s[1] for s in samples), 3)}
 
 
-def measure(root: Path) -> dict[str, Any]:
+def measure(root: Path, state_dir: str) -> dict[str, Any]:
     manifest = json.loads((root / "manifest.json").read_text())
     v2 = manifest["version"] == 2
     pods = [PodInfo(**p) for p in manifest["pods"]]
@@ -161,7 +166,8 @@ def measure(root: Path) -> dict[str, Any]:
 
     loops: dict[str, Loop] = {
         "resctrl_tasks": ResctrlTasksLoop(config, state, sysfs, layout, resctrl, audit),
-        "drift": DriftLoop(config, state, sysfs, layout, 64 << 30),
+        "drift": DriftLoop(config, state, sysfs, layout, 64 << 30,
+                           notes=state_file(state_dir) if state_dir else None),
         "memory_guard": MemoryGuardLoop(config, sysfs, layout, audit),
         "numa_binding": NumaBindingLoop(config, state, sysfs, layout, audit),
     }
@@ -254,20 +260,24 @@ def main() -> int:
     parser.add_argument("--sizes", default="110,500,1000")
     parser.add_argument("--cgroup", choices=("v1", "v2"), default="v1")
     parser.add_argument("--dir", default="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    parser.add_argument("--state-dir", default="/var/tmp")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
+    parser.add_argument("--notes", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        print(json.dumps(measure(Path(args.measure))))
+        print(json.dumps(measure(Path(args.measure), args.notes)))
         return 0
     version = 2 if args.cgroup == "v2" else 1
     report: dict[int, Any] = {}
     for pods in (int(s) for s in args.sizes.split(",")):
         root = Path(tempfile.mkdtemp(prefix="nriqos-bench-", dir=args.dir))
+        notes = tempfile.mkdtemp(prefix="nriqos-bench-state-", dir=args.state_dir) \
+            if args.state_dir else ""
         try:
             build(root, pods, version)
-            child = subprocess.run([sys.executable, __file__, "--measure", str(root)],
-                                   capture_output=True, text=True)
+            child = subprocess.run([sys.executable, __file__, "--measure", str(root),
+                                    "--notes", notes], capture_output=True, text=True)
             if child.returncode != 0:
                 sys.stderr.write(child.stderr)
                 return 1
@@ -275,11 +285,14 @@ def main() -> int:
             report[pods] = json.loads(child.stdout.splitlines()[-1])
         finally:
             shutil.rmtree(root, ignore_errors=True)
+            if notes:
+                shutil.rmtree(notes, ignore_errors=True)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"cgroup {args.cgroup}, {CONTAINERS} containers x {THREADS} threads per pod, "
-          f"{SYSTEM_TASKS} system tasks, tree on {args.dir or 'the default temp dir'}")
+          f"{SYSTEM_TASKS} system tasks, tree on {args.dir or 'the default temp dir'}, "
+          f"drift's state file {'under ' + args.state_dir if args.state_dir else 'none'}")
     print(f"{'pods':>5} {'loop':<14} {'first':>8} {'idle wall':>10} {'idle cpu':>9} "
           f"{'full wall':>10} {'full cpu':>9} {'10% wall':>9} {'10% cpu':>8}")
     for pods, res in report.items():

@@ -51,7 +51,7 @@ from reconciler.host.cgroups import CgroupLayout, kubelet_driver
 from reconciler.host.probe import HostInfo, probe_host
 from reconciler.host.resctrl_mon import read_usage
 from reconciler.host.resctrlfs import ResctrlFs
-from reconciler.host.statefile import StateFile, state_file
+from reconciler.host.statefile import StateFile, boot_id, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.host.watermarks import Watermarks
 from reconciler.kube import Api, KubeActions, PodWatcher, build_api_client, node_name
@@ -225,8 +225,8 @@ def build_agent(store: ConfigStore, audit: AuditLog, host: HostInfo, sysfs: SysF
     # What the agent changed and must restore, kept across runs; a simulation touches none.
     # One thread writes for the event loop, in the order asked.
     state_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nri-qos-state")
-    notes = state_file(cfg.reconciler.state_dir, writer=state_writer) if run_background \
-        else None
+    notes = state_file(cfg.reconciler.state_dir, writer=state_writer,
+                       boot=boot_id(sysfs)) if run_background else None
     state = NodeState(qos=lambda: store.current.qos, on_refused=report_refusals(audit, metrics),
                       earlier=None if notes is None else kubelets_noted(notes))
     audit.identify(functools.partial(_pod_identity, state))

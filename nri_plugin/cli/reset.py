@@ -49,7 +49,7 @@ from reconciler.eviction.conditions import EVICTION_CONDITION_NOTES
 from reconciler.host.cgroups import CgroupLayout
 from reconciler.host.probe import probe_host, reaches_host
 from reconciler.host.resctrlfs import PREFIX_NOTES, ResctrlFs, removal_problem
-from reconciler.host.statefile import StateFile, state_file
+from reconciler.host.statefile import StateFile, boot_id, state_file
 from reconciler.host.sysfs import SysFs
 from reconciler.kube import KubeActions, NodeOutcome, build_api_client, node_name
 from reconciler.loops.container_values import NOTES as VALUE_NOTES
@@ -274,7 +274,7 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
     ``kubernetes``: reach the API for the node's taint and condition."""
     sysfs = SysFs(cfg.reconciler.root, audit, retries=cfg.reconciler.write_retries)
     # A dry run changes nothing, the state file included (an invalid one stays where it is).
-    notes = state_file(cfg.reconciler.state_dir, read_only=dry_run)
+    notes = state_file(cfg.reconciler.state_dir, read_only=dry_run, boot=boot_id(sysfs))
     if notes.unreadable is not None:
         # Without its notes the reset would say "nothing to undo" of what they list, and a
         # step's own note written now would replace them.
@@ -285,6 +285,17 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
         fate = "a reset sets it aside" if dry_run else f"set aside as {notes.path}.bad"
         out.write(f"note: the state file {notes.path} is invalid ({notes.set_aside}), {fate}: "
                   "what it noted is not undone\n")
+    if notes.of_earlier_boot:
+        dropped = ", ".join(f"{count} of {section}" for section, count
+                            in notes.of_earlier_boot.items())
+        out.write(f"note: the state file {notes.path} was written before the node's last boot: "
+                  f"its notes of cgroups and containers ({dropped}) are of what the boot "
+                  "rebuilt, and are not written back\n")
+    if notes.unknown:
+        kept = ", ".join(f"{count} of {section}" for section, count in notes.unknown.items())
+        out.write(f"note: the state file {notes.path} holds notes this version does not know "
+                  f"({kept}), written by another version: they are kept and not undone; the "
+                  "reset of the version that wrote them undoes them\n")
     if not reaches_host(sysfs):
         # Below it every noted file would look gone, and its note be dropped unrestored.
         out.write(f"failed: [reconciler] root = {cfg.reconciler.root} does not reach the host "
@@ -316,6 +327,13 @@ def reset(cfg: Config, audit: AuditLog, *, dry_run: bool, out: TextIO,
             result = f"failed ({removal_problem(exc)})"
         failed |= result.startswith("failed")
         out.write(f"{step.what}: {result}\n")
+    if not dry_run and notes.unwritable is not None:
+        # Its notes of what was just undone would have a later agent write their values from
+        # before back over whatever the files hold by then.
+        out.write(f"failed: the state file {notes.path} could not be written "
+                  f"({notes.unwritable}): it still notes what was undone; run the reset again "
+                  "once it can be written, or remove it\n")
+        return 1
     return 1 if failed else 0
 
 

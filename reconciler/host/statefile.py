@@ -9,11 +9,23 @@ to give values back after a restart (its notes of container files, kubelet's val
 whole (:meth:`StateFile.replace`).
 
 The file is one JSON object of sections, each mapping a key (a system path, a taint key) to a
-string; it is written whole to a temporary file and renamed over the old one, so a crash leaves
-the old or the new file, never half of one. A file that is unreadable, malformed or larger than
-:data:`MAX_FILE_BYTES` is set aside (renamed ``*.bad``) and the agent starts from nothing: it
-cannot restore what it cannot read, and must not fail to start for it. Without a directory
-(``path`` None) the notes live in memory only. Safe from any thread.
+string, and the boot that wrote it (:data:`BOOT_KEY`); it is written whole to a temporary file
+and renamed over the old one, so a crash leaves the old or the new file, never half of one. A
+file that is malformed or larger than :data:`MAX_FILE_BYTES` is set aside (renamed ``*.bad``)
+and the agent starts from nothing: it cannot restore what it cannot read, and must not fail to
+start for it. One that cannot be read (an I/O error, a denial) is left where it is and never
+written over: the notes of the run that found it live in memory only, and a later start or
+``nri-qos reset`` reads it once it can. Without a directory (``path`` None) the notes live in
+memory only. Safe from any thread.
+
+A reboot rebuilds what the notes of :data:`BOOT_BOUND` are about: kubelet makes the cgroups
+again with its own values, the containers are new. Those notes, when the file names another
+boot, are dropped at load (``state_notes_of_an_earlier_boot``): a value from before the agent's
+write in an earlier boot is not what the new boot's cgroup had, and writing it back would
+change the node. The notes of the API server's objects (a taint, a node condition) and of
+resctrl's group prefixes stay: those outlive a reboot. A file that names no boot (written by an
+earlier version) keeps every note, since dropping one of this boot would leave its effect for
+good.
 
 A write ends with an fsync, which under heavy writeback (memory pressure, exactly when the ladder
 acts) can take seconds. The notes' lock is never held across one: reading the notes never waits
@@ -41,14 +53,26 @@ from reconciler.host.sysfs import Outcome, SysFs
 log = structlog.get_logger("nri_qos.state")
 
 STATE_FILE = "state.json"
-MAX_FILE_BYTES = 8 << 20
-"""Above :data:`MAX_ENTRIES` notes of a path of about 200 bytes each; a node's notes are usually
-a few hundred."""
+MAX_FILE_BYTES = 32 << 20
+"""Above what the file holds at its limits: :data:`MAX_ENTRIES` notes, a path of kubelet's
+systemd driver (about 200 bytes) each, with drift's and kubelet's notes of as many containers as
+they keep, is 9.8 MB (``tests/host/test_boot_statefile_limits.py``); a file the agent wrote and
+the next start set aside as too large would lose every note. A node's notes are usually a few
+hundred."""
 MAX_ENTRIES = 32768
 """Notes kept at most: eight per pod at the node state's pod limit (4096), for a pod's protection
 files with the agent's last write to each, its NUMA files and its tuned files. Beyond it a new
 note is refused and the effect is not made (the caller's choice), rather than made and
 forgotten."""
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+"""The kernel's id of this boot (the same in every container of the node)."""
+BOOT_KEY = "boot_id"
+"""The file's key of the boot that wrote it: a string where each section is an object, so a
+version that does not know it passes it over (and writes the file without it: the next load
+then keeps every note)."""
+BOOT_BOUND = frozenset({"memory_guard", "cpu_idle", "numa_binding", "numa_balance", "protection",
+                        "protection_written", "wmark_ratio", "container_values", "kubelet"})
+"""The sections of notes about cgroup files and containers, which a reboot rebuilds."""
 STOP_WAIT_S = 2.0
 """How long a caller cancelled while its write is on the writer still waits for that write: the
 stop path's own writes then come after it, and a disk that hangs does not hold the stop for
@@ -62,7 +86,9 @@ class StateFile:
     for); without one they write in the caller's thread."""
 
     def __init__(self, path: str | None, *, read_only: bool = False,
-                 writer: Executor | None = None) -> None:
+                 writer: Executor | None = None, boot: str | None = None) -> None:
+        """``boot``: this boot's id (:func:`boot_id`; None: not known, and no note is taken
+        for an earlier boot's)."""
         self.path = path
         self._read_only = read_only
         self._writer = writer
@@ -78,6 +104,16 @@ class StateFile:
         # "nothing to undo": the file is left where it is, or was set aside as invalid.
         self.unreadable: str | None = None
         self.set_aside: str | None = None
+        # Why the latest write failed (None once one succeeds): the file holds older notes.
+        self.unwritable: str | None = None
+        # The notes dropped at load as an earlier boot's, by section.
+        self.of_earlier_boot: dict[str, int] = {}
+        # What a later version noted in a shape this one does not know (a value that is not a
+        # string, a key that is not a section), by section: not undone by this version, but
+        # written back with every write, so the version that knows it still finds it.
+        self.unknown: dict[str, int] = {}
+        self._foreign: dict[str, object] = {}
+        self._boot = boot if path is not None else None
         self._sections: dict[str, dict[str, str]] = self._load()
 
     def _load(self) -> dict[str, dict[str, str]]:
@@ -89,7 +125,11 @@ class StateFile:
         except FileNotFoundError:
             return {}
         except OSError as exc:
-            log.warning("state_file_unreadable", path=self.path, error=str(exc))
+            # Left where it is and never written over: a later start, or the reset, may read
+            # what it notes (an I/O error that passes, a denial lifted). This run's notes then
+            # live in memory only.
+            log.error("state_file_unreadable", path=self.path, error=str(exc),
+                      notes="kept in memory only, the file left as it is")
             self.unreadable = str(exc)
             return {}
         try:
@@ -98,9 +138,9 @@ class StateFile:
             doc = jsondoc.loads(raw)
             if not isinstance(doc, dict):
                 raise ValueError("not a JSON object")
-            sections = {name: {k: v for k, v in entries.items()
-                               if isinstance(k, str) and isinstance(v, str)}
-                        for name, entries in doc.items() if isinstance(entries, dict)}
+            sections = {name: {k: v for k, v in entries.items() if isinstance(v, str)}
+                        for name, entries in doc.items()
+                        if isinstance(entries, dict) and name != BOOT_KEY}
         except ValueError as exc:
             self.set_aside = str(exc)
             if self._read_only:
@@ -113,7 +153,44 @@ class StateFile:
             except OSError as move:
                 log.warning("state_file_unmovable", path=self.path, error=str(move))
             return {}
+        written_in = doc.get(BOOT_KEY)
+        if isinstance(written_in, str) and self._boot is not None and written_in != self._boot:
+            self.of_earlier_boot = {name: len(sections.pop(name)) for name in sorted(BOOT_BOUND)
+                                    if sections.get(name)}
+            if self.of_earlier_boot:
+                log.warning("state_notes_of_an_earlier_boot", path=self.path, boot=written_in,
+                            dropped=self.of_earlier_boot, kept=sorted(sections))
+            doc = {name: value for name, value in doc.items() if name not in BOOT_BOUND}
+        self._keep_foreign(doc)
         return sections
+
+    def _keep_foreign(self, doc: dict[str, object]) -> None:
+        for name, value in doc.items():
+            if name == BOOT_KEY:
+                continue
+            if not isinstance(value, dict):
+                self._foreign[name] = value
+                self.unknown[name] = 1
+                continue
+            odd = {key: entry for key, entry in value.items() if not isinstance(entry, str)}
+            if odd:
+                self._foreign[name] = odd
+                self.unknown[name] = len(odd)
+        if self.unknown:
+            log.warning("state_notes_unknown", path=self.path, notes=self.unknown,
+                        kept="written back as they are, not undone by this version")
+
+    def _document(self, sections: dict[str, dict[str, str]]) -> dict[str, object]:
+        """What the file holds: the notes, what a later version noted beside them, the boot."""
+        doc: dict[str, object] = dict(sections)
+        for name, value in self._foreign.items():
+            if isinstance(value, dict):
+                doc[name] = {**value, **sections.get(name, {})}
+            else:
+                doc.setdefault(name, value)
+        if self._boot:
+            doc[BOOT_KEY] = self._boot
+        return doc
 
     def entries(self, section: str) -> Mapping[str, str]:
         """A copy of the section's notes."""
@@ -193,41 +270,62 @@ class StateFile:
             await asyncio.wait({done}, timeout=STOP_WAIT_S)
             raise
 
+    def _writes(self) -> bool:
+        return self.path is not None and not self._read_only and self.unreadable is None
+
     def _changed(self) -> tuple[int, dict[str, dict[str, str]]]:
         """The number of this change and a copy of the notes to write (notes' lock held)."""
         self._changes += 1
-        if self.path is None or self._read_only:
+        if not self._writes():
             return self._changes, {}
         return self._changes, {name: dict(entries) for name, entries in self._sections.items()}
 
     def _save(self, change: int, sections: dict[str, dict[str, str]]) -> None:
         """Writes the whole file as of ``change``, unless a later change is on disk already
         (written by another thread meanwhile, with this one in it)."""
-        if self.path is None or self._read_only:
+        if self.path is None or not self._writes():
             return
         with self._file_lock:
             if change <= self._saved:
                 return
             tmp = f"{self.path}.tmp"
+            directory = os.path.dirname(self.path) or "."
             try:
-                os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+                os.makedirs(directory, mode=0o700, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 with os.fdopen(fd, "w") as f:
-                    json.dump(sections, f, sort_keys=True)
+                    json.dump(self._document(sections), f, sort_keys=True)
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, self.path)
+                # The rename is the directory's change: synced too, or a power cut may bring
+                # back the file without this note while the effect it records outlives the
+                # boot (a taint, a node condition).
+                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
             except OSError as exc:
                 log.error("state_file_unwritable", path=self.path, error=str(exc))
+                self.unwritable = str(exc)
                 return
+            self.unwritable = None
             self._saved = change
 
 
-def state_file(directory: str, *, read_only: bool = False,
-               writer: Executor | None = None) -> StateFile:
-    """The agent's state file in ``directory`` (memory only when it is empty)."""
+def boot_id(sysfs: SysFs) -> str | None:
+    """This boot's id, as the host's kernel says it; None where it does not."""
+    text = sysfs.read(BOOT_ID)
+    return text.strip() or None if text is not None else None
+
+
+def state_file(directory: str, *, read_only: bool = False, writer: Executor | None = None,
+               boot: str | None = None) -> StateFile:
+    """The agent's state file in ``directory`` (memory only when it is empty); ``boot``: this
+    boot's id (:func:`boot_id`)."""
     return StateFile(os.path.join(directory, STATE_FILE) if directory else None,
-                     read_only=read_only, writer=writer)
+                     read_only=read_only, writer=writer, boot=boot)
 
 
 Resolver = Callable[[SysFs, str, str], str]

@@ -38,9 +38,14 @@ refuses keeps it too, and is tried again at the next cycle.
 Notes are kept for running containers only, and across restarts in the state file (section
 :data:`NOTES`): an agent restarted with a configuration that no longer asks for a value (the
 DaemonSet rolls out at every change of its configuration) gives back what the earlier run set
-or found applied at creation. A container whose first note was not yet saved when the agent
-stopped has none: after the restart a file that holds what the policy wants counts as applied at
-creation, and one the policy no longer asks for is left.
+or found applied at creation. A note of a value drift is about to write over is saved before the
+write, so an agent killed right after it (SIGKILL, an OOM kill) leaves the note for the next run:
+drift notes every such value of a cycle first (:meth:`ContainerValues.ahead`) and saves them in
+one write before it writes any (one write a cycle, not one per value: each writes the whole
+file, which made a first cycle of 3,000 containers take 69 s instead of 2.5,
+``bench/reconcile.py``); a write outside that (``persist``) saves its own note first. A value
+found applied at creation is saved at the end of the cycle, and one not yet saved when the agent
+was killed counts as applied at creation after the restart too.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from hooks.model import ContainerInfo
 from reconciler.host.cgroups import CgroupLayout, subtree_ids
 from reconciler.host.procfs import oom_score_adj_path, set_oom_score_adj
 from reconciler.host.sysfs import Outcome, SysFs
-from reconciler.host.values import same_bytes
+from reconciler.host.values import same_bytes, same_text
 
 log = structlog.get_logger("nri_qos.reconciler")
 
@@ -97,9 +102,18 @@ Kubelets = Callable[[], ContainerInfo | None]
 class ContainerValues:
     """The notes of the container files drift set, per container id."""
 
-    def __init__(self, sysfs: SysFs, layout: CgroupLayout) -> None:
+    def __init__(self, sysfs: SysFs, layout: CgroupLayout,
+                 persist: Callable[[], None] | None = None) -> None:
+        """``persist``: saves the notes, called once a note of a value about to be written
+        over is taken (before the write)."""
         self._sysfs = sysfs
         self._layout = layout
+        self._persist = persist
+        # (container id, file) noted by :meth:`ahead` and saved, not yet written
+        self._ahead: set[tuple[str, str]] = set()
+        # container id -> the processes :meth:`ahead` found, for :meth:`set_score` to write
+        # (the list is read once a cycle)
+        self._pids: dict[str, list[int]] = {}
         # container id -> (its memory cgroup directory, file name -> note)
         self._notes: dict[str, tuple[str, dict[str, _Note]]] = {}
         self._version = 0  # counts the changes to the notes
@@ -131,14 +145,51 @@ class ContainerValues:
             self._notes[cid] = read
             self._version += 1
 
+    def ahead(self, cid: str, cgroup: str, values: Mapping[str, str],
+              score: int | None) -> None:
+        """Notes, without saving them, the values of the container's files and processes' score
+        that :meth:`set` and :meth:`set_score` are about to write over (those with no note yet
+        that hold another value): the caller saves the notes once, then writes."""
+        if self._sysfs.held():
+            return
+        for name, value in values.items():
+            if self._note(cid, name) is None:
+                current = self._sysfs.read(f"{cgroup}/{name}")
+                if current is not None and not same_bytes(current, value):
+                    self._take(cid, cgroup, name, _Note(current.strip(), value, current.strip()))
+        if score is None or self._note(cid, OOM) is not None:
+            return
+        self._pids[cid] = pids = subtree_ids(self._sysfs, cgroup)
+        for pid in pids:
+            current = self._sysfs.read(oom_score_adj_path(pid))
+            if current is not None and not same_text(current, str(score)):
+                self._take(cid, cgroup, OOM, _Note(None, str(score), current.strip()))
+                return
+
+    def _take(self, cid: str, cgroup: str, name: str, note: _Note) -> None:
+        self._notes.setdefault(cid, (cgroup, {}))[1][name] = note
+        self._ahead.add((cid, name))
+        self._version += 1
+
+    def _noted_ahead(self, cid: str, name: str) -> _Note | None:
+        """The note :meth:`ahead` took of the file for this write (None: none)."""
+        if (cid, name) not in self._ahead:
+            return None
+        self._ahead.discard((cid, name))
+        return self._note(cid, name)
+
     def set(self, cid: str, cgroup: str, name: str, value: str, reason: str) -> None:
         """Writes ``value`` unless the file holds it, noting what it held before."""
         path = f"{cgroup}/{name}"
         if self._sysfs.held():  # observe mode: audited, and nothing of the agent's to note
             self._sysfs.write_if_changed(path, value, reason, same=same_bytes)
             return
-        note = self._note(cid, name)
-        current = self._sysfs.read(path) if note is None else None
+        ahead = self._noted_ahead(cid, name)
+        note = None if ahead is not None else self._note(cid, name)
+        current = ahead.before if ahead is not None else \
+            self._sysfs.read(path) if note is None else None
+        if ahead is None and current is not None and not same_bytes(current, value):
+            self._note_first(cid, cgroup, name, _Note(current.strip(), value, current.strip()))
         outcome = self._sysfs.write_if_changed(path, value, reason, same=same_bytes)
         if note is not None:
             if outcome is Outcome.WRITTEN:
@@ -153,23 +204,29 @@ class ContainerValues:
         elif outcome is Outcome.WRITTEN and current is not None:
             before = current.strip()
         else:
-            return  # gone or refused: nothing of the agent's is on the file
+            self._drop(cid, name)  # gone or refused: nothing of the agent's is on the file
+            return
         self._notes.setdefault(cid, (cgroup, {}))[1][name] = _Note(before, value, before)
         self._version += 1
 
     def set_score(self, cid: str, cgroup: str, score: int, reason: str) -> None:
         """Writes ``score`` to every process of the container that does not hold it."""
         # Those of the cgroups it made below its own too (cgroup v2 keeps none beside them).
-        pids = subtree_ids(self._sysfs, cgroup)
+        found_ahead = self._pids.pop(cid, None)
+        pids = subtree_ids(self._sysfs, cgroup) if found_ahead is None else found_ahead
         if self._sysfs.held():
             for pid in pids:
                 set_oom_score_adj(self._sysfs, pid, score, reason)
             return
-        value, note = str(score), self._note(cid, OOM)
+        ahead = self._noted_ahead(cid, OOM) is not None
+        value, note = str(score), None if ahead else self._note(cid, OOM)
         found: str | None = None  # a score drift wrote over, while nothing is noted
         applied = False  # some process holds the score now
         for pid in pids:
             current = self._sysfs.read(oom_score_adj_path(pid)) if note is None else None
+            if current is not None and not same_text(current, value) \
+                    and self._note(cid, OOM) is None:
+                self._note_first(cid, cgroup, OOM, _Note(None, value, current.strip()))
             outcome = set_oom_score_adj(self._sysfs, pid, score, reason)
             applied |= outcome in (Outcome.WRITTEN, Outcome.UNCHANGED)
             if outcome is Outcome.WRITTEN and note is not None and note.written != value:
@@ -183,10 +240,30 @@ class ContainerValues:
         elif note is None and applied:
             self._notes.setdefault(cid, (cgroup, {}))[1][OOM] = _Note(None, value, found)
             self._version += 1
+        elif note is None:
+            self._drop(cid, OOM)
 
     def _note(self, cid: str, name: str) -> _Note | None:
         entry = self._notes.get(cid)
         return None if entry is None else entry[1].get(name)
+
+    def _note_first(self, cid: str, cgroup: str, name: str, note: _Note) -> None:
+        """Notes a file (or the processes' score) before drift's first write over it, and has
+        the note saved before the write: a run killed right after the write leaves it."""
+        self._notes.setdefault(cid, (cgroup, {}))[1][name] = note
+        self._version += 1
+        if self._persist is not None:
+            self._persist()
+
+    def _drop(self, cid: str, name: str) -> None:
+        """Takes back a note taken before a write that did not happen."""
+        entry = self._notes.get(cid)
+        if entry is None or name not in entry[1]:
+            return
+        del entry[1][name]
+        if not entry[1]:
+            del self._notes[cid]
+        self._version += 1
 
     def release(self, cid: str, keep: Collection[str], kubelets: Kubelets,
                 reason: str) -> None:
@@ -255,6 +332,8 @@ class ContainerValues:
         for cid in [cid for cid in self._notes if cid not in running]:
             del self._notes[cid]
             self._version += 1
+        self._ahead = {key for key in self._ahead if key[0] in self._notes}
+        self._pids = {cid: pids for cid, pids in self._pids.items() if cid in running}
 
     def _holds(self, path: str, note: _Note, reason: str) -> bool:
         """Whether the file still holds drift's last value (one someone else wrote is said)."""
@@ -303,7 +382,8 @@ class ContainerValues:
         """Whether the note is done with (written back, gone, someone else's)."""
         if not self._holds(path, note, reason):
             return True
-        target = note.before if note.before is not None else self._kubelets(name, kubelets())
+        target = note.before if note.before is not None else \
+            _kubelets_value(self._layout, name, kubelets())
         if target is None:
             log.warning("container_value_left", path=path, value=note.written, reason=reason,
                         why="kubelet's MemoryQoS sets memory.high from a throttling factor "
@@ -313,23 +393,25 @@ class ContainerValues:
                                                same=same_bytes)
         return outcome in (Outcome.WRITTEN, Outcome.UNCHANGED, Outcome.GONE)
 
-    def _kubelets(self, name: str, container: ContainerInfo | None) -> str | None:
-        """What kubelet sets on the file without the agent; None when the agent cannot know."""
-        request = None if container is None else container.memory_request
-        unlimited = self._layout.unlimited
-        if not self._layout.v2:
-            if name == "memory.soft_limit_in_bytes":
-                return unlimited if request is None else str(request)
-            limit = None if container is None else container.memory_limit
-            return unlimited if limit is None else str(limit)
-        if name == "memory.min":
-            return "0" if request is None else str(request)
-        if name == "memory.high":
-            high = None if container is None else container.memory_high
-            if high is not None:
-                return high
-            return unlimited if request is None else None
-        return "0"
+
+def _kubelets_value(layout: CgroupLayout, name: str, container: ContainerInfo | None
+                    ) -> str | None:
+    """What kubelet sets on the file without the agent; None when the agent cannot know."""
+    request = None if container is None else container.memory_request
+    unlimited = layout.unlimited
+    if not layout.v2:
+        if name == "memory.soft_limit_in_bytes":
+            return unlimited if request is None else str(request)
+        limit = None if container is None else container.memory_limit
+        return unlimited if limit is None else str(limit)
+    if name == "memory.min":
+        return "0" if request is None else str(request)
+    if name == "memory.high":
+        high = None if container is None else container.memory_high
+        if high is not None:
+            return high
+        return unlimited if request is None else None
+    return "0"
 
 
 def _read_notes(text: str) -> tuple[str, dict[str, _Note]] | None:

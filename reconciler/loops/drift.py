@@ -30,6 +30,7 @@ says so.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -99,7 +100,7 @@ class DriftLoop(Loop):
         self._sysfs = sysfs
         self._layout = layout
         self._memory_total = memory_total
-        self._values = ContainerValues(sysfs, layout)
+        self._values = ContainerValues(sysfs, layout, persist=self._save_notes)
         # What an earlier run set, given back the same (a simulation keeps no notes).
         self._notes = notes
         if notes is not None:
@@ -118,11 +119,16 @@ class DriftLoop(Loop):
         try:
             self._cycle()
         finally:
-            if self._notes is not None and self._values.version != self._saved:
-                self._notes.replace(NOTES, self._values.noted())
-                self._saved = self._values.version
-            if self._kubelet_notes is not None:
-                self._kubelet_notes.save()
+            self._save_notes()
+
+    def _save_notes(self) -> None:
+        """The notes of the values drift set and kubelet's values, into the state file (where
+        they changed): at the end of each cycle, and before drift's first write over a value."""
+        if self._notes is not None and self._values.version != self._saved:
+            self._notes.replace(NOTES, self._values.noted())
+            self._saved = self._values.version
+        if self._kubelet_notes is not None:
+            self._kubelet_notes.save()
 
     def _cycle(self) -> None:
         if not self._state.synced:
@@ -143,6 +149,18 @@ class DriftLoop(Loop):
             return
         managed = self._managed.get(self._state.snapshot())
         desired = self._desired_for(managed, cfg)
+        if cfg.memory.enabled and self._layout.v2:
+            # First: each of its notes is saved before its write, a write of the whole file,
+            # cheaper while the containers' notes below are not in it yet (a first cycle).
+            self._protection.apply(
+                ancestor_sums((item.ref, _protection(settings)) for item, settings in desired),
+                "drift: memory protection of the containers below")
+        # What the cycle writes over is noted first and saved in one write, before any write:
+        # an agent killed in the middle of the cycle leaves the notes of what it wrote.
+        for item, settings in desired:
+            with contextlib.suppress(OSError, ValueError):  # said by the write's attempt below
+                self._values.ahead(*self._wanted(item, settings))
+        self._save_notes()
         for item, settings in desired:
             # One container's odd cgroup must not keep the others from being repaired.
             try:
@@ -155,10 +173,6 @@ class DriftLoop(Loop):
             asked = {item.view.info.id for item, _ in desired}
             self._values.release_all(self._kubelets, "drift: no longer asked for by the policy",
                                      skip=asked)
-        if cfg.memory.enabled and self._layout.v2:
-            self._protection.apply(
-                ancestor_sums((item.ref, _protection(settings)) for item, settings in desired),
-                "drift: memory protection of the containers below")
 
     def noted_containers(self) -> int:
         """How many containers have files drift set and would write back."""
@@ -214,17 +228,22 @@ class DriftLoop(Loop):
                                               "apply", MAX_REASON_CHARS))
         self._reported = present
 
-    def _apply(self, item: Managed, settings: ContainerSettings) -> None:
-        cgroup = self._layout.dir("memory", item.ref.rel)
-        reason = f"drift: {item.level} policy for {item.view.pod.info.namespace}/" \
-                 f"{item.view.pod.info.name} {item.view.info.name}"
-        cid = item.view.info.id
+    def _wanted(self, item: Managed, settings: ContainerSettings
+                ) -> tuple[str, str, dict[str, str], int | None]:
+        """The container's id, memory cgroup, the files its settings ask for and its score."""
         if self._layout.v2:
             wanted = {key: value for key, value in settings.unified.items()
                       if key.startswith("memory.")}
         else:
             wanted = {filename: str(getattr(settings, attr)) for attr, filename in _V1_FILES
                       if getattr(settings, attr) is not None}
+        return (item.view.info.id, self._layout.dir("memory", item.ref.rel), wanted,
+                settings.oom_score_adj)
+
+    def _apply(self, item: Managed, settings: ContainerSettings) -> None:
+        cid, cgroup, wanted, _ = self._wanted(item, settings)
+        reason = f"drift: {item.level} policy for {item.view.pod.info.namespace}/" \
+                 f"{item.view.pod.info.name} {item.view.info.name}"
         for name, value in wanted.items():
             self._values.set(cid, cgroup, name, value, reason)
         keep = set(wanted)

@@ -16,6 +16,7 @@ from reconciler.host.resctrl_files import parse_schemata, schemata_matches, sche
 from reconciler.host.resctrlfs import GroupError, ResctrlFs, read_info
 from reconciler.host.sysfs import SysFs
 from tests.support.resctrl_trees import amd_tree, intel_tree
+from tests.support.tmpfs import tmpfs
 
 CLASS_GROUPS = ["nriqos-dedicated_cores", "nriqos-shared_cores", "nriqos-reclaimed_cores",
                 "nriqos-system_cores"]
@@ -304,16 +305,8 @@ def test_remove_our_groups_leaves_foreign_ones(intel: Env) -> None:
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A tmpfs that runs out of inodes: mkdir fails with ENOSPC, as resctrl does without CLOS."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=200", "tmpfs",
-                           str(mnt)], capture_output=True, check=False)
-    if done.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with tmpfs(tmp_path / "mnt", "size=1m,nr_inodes=200") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_enospc_from_mkdir_falls_back(tiny_tmpfs: Path) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import stat
 import time
 from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,9 @@ class SlowDisk:
         self.seen: list[Node] = []
 
     def __call__(self, fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            self._fsync(fd)  # the rename's, after the file's own: one write, seen once
+            return
         self.seen.append(node(self._fake))
         time.sleep(SLOW_S)
         self._fsync(fd)

@@ -156,20 +156,27 @@ class ContainerValues:
             if self._note(cid, name) is None:
                 current = self._sysfs.read(f"{cgroup}/{name}")
                 if current is not None and not same_bytes(current, value):
-                    self._take(cid, cgroup, name, _Note(current.strip(), value, current.strip()))
+                    self._take(cid, cgroup, name, _Note(current.strip(), value, current.strip()),
+                               ahead=True)
         if score is None or self._note(cid, OOM) is not None:
             return
         self._pids[cid] = pids = subtree_ids(self._sysfs, cgroup)
         for pid in pids:
             current = self._sysfs.read(oom_score_adj_path(pid))
             if current is not None and not same_text(current, str(score)):
-                self._take(cid, cgroup, OOM, _Note(None, str(score), current.strip()))
+                self._take(cid, cgroup, OOM, _Note(None, str(score), current.strip()), ahead=True)
                 return
 
-    def _take(self, cid: str, cgroup: str, name: str, note: _Note) -> None:
+    def _take(self, cid: str, cgroup: str, name: str, note: _Note, *, ahead: bool) -> None:
+        """Notes a file (or the processes' score) before drift's first write over it: for the
+        caller of :meth:`ahead` to save with the others, or saved here before the write (a
+        run killed right after the write leaves it)."""
         self._notes.setdefault(cid, (cgroup, {}))[1][name] = note
-        self._ahead.add((cid, name))
         self._version += 1
+        if ahead:
+            self._ahead.add((cid, name))
+        elif self._persist is not None:
+            self._persist()
 
     def _noted_ahead(self, cid: str, name: str) -> _Note | None:
         """The note :meth:`ahead` took of the file for this write (None: none)."""
@@ -189,7 +196,8 @@ class ContainerValues:
         current = ahead.before if ahead is not None else \
             self._sysfs.read(path) if note is None else None
         if ahead is None and current is not None and not same_bytes(current, value):
-            self._note_first(cid, cgroup, name, _Note(current.strip(), value, current.strip()))
+            self._take(cid, cgroup, name, _Note(current.strip(), value, current.strip()),
+                       ahead=False)
         outcome = self._sysfs.write_if_changed(path, value, reason, same=same_bytes)
         if note is not None:
             if outcome is Outcome.WRITTEN:
@@ -226,7 +234,7 @@ class ContainerValues:
             current = self._sysfs.read(oom_score_adj_path(pid)) if note is None else None
             if current is not None and not same_text(current, value) \
                     and self._note(cid, OOM) is None:
-                self._note_first(cid, cgroup, OOM, _Note(None, value, current.strip()))
+                self._take(cid, cgroup, OOM, _Note(None, value, current.strip()), ahead=False)
             outcome = set_oom_score_adj(self._sysfs, pid, score, reason)
             applied |= outcome in (Outcome.WRITTEN, Outcome.UNCHANGED)
             if outcome is Outcome.WRITTEN and note is not None and note.written != value:
@@ -246,14 +254,6 @@ class ContainerValues:
     def _note(self, cid: str, name: str) -> _Note | None:
         entry = self._notes.get(cid)
         return None if entry is None else entry[1].get(name)
-
-    def _note_first(self, cid: str, cgroup: str, name: str, note: _Note) -> None:
-        """Notes a file (or the processes' score) before drift's first write over it, and has
-        the note saved before the write: a run killed right after the write leaves it."""
-        self._notes.setdefault(cid, (cgroup, {}))[1][name] = note
-        self._version += 1
-        if self._persist is not None:
-            self._persist()
 
     def _drop(self, cid: str, name: str) -> None:
         """Takes back a note taken before a write that did not happen."""

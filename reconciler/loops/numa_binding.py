@@ -294,9 +294,10 @@ class NumaBindingLoop(Loop):
         nodes = set(chosen) & parse_id_list(reach) if reach else set(chosen)
         if not nodes:
             return
-        if far:
+        if far and not balancing:
             # Far memory it has stays: taking it away would move its pages back into the
-            # local nodes the binding keeps room on.
+            # local nodes the binding keeps room on (the balance's case below keeps every
+            # node it has, far ones included).
             nodes |= far & parse_id_list(effective_mems(self._sysfs, cgroup))
         if balancing:
             # Taking a node away would move all the pages held there in one write: the
